@@ -1,0 +1,358 @@
+"""The flat training configuration: one dataclass, its flags, config files and validation.
+
+Every field of `train_config` is a `--field=value` flag. `parse_args` reads a `--config` file
+(YAML or JSON) first and lets flags override it; every value is coerced to its field's type and
+checked before any process group or model is built, so a typo fails at minute one with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad flag, value or config file; the message is one actionable line."""
+
+
+def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None) -> Any:
+    """A dataclass field carrying its help text and constraints for validation and docs."""
+    meta = {"help": help, "choices": tuple(choices), "min": min}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class train_config:
+    """Every setting of a training run. Field names and meanings follow IBM's fms-fsdp."""
+
+    # model
+    model_variant: str = _f("llama2_7b", "Model variant (e.g. llama2_7b, llama3_8b, 7b, tiny); see docs/configuration.md.")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).", min=1)
+
+    # data
+    use_dummy_dataset: bool = _f(False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests).")
+    data_path: str = _f("/fsx/data", "Folder holding one sub-folder of Arrow/Parquet shards per dataset.")
+    file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
+    col_name: str = _f("tokens", "Column holding the token ids.")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (for raw-text Parquet).")
+    datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
+    weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset.")
+    seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
+    bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
+    eos_token: int = _f(0, "Token id separating documents.", min=0)
+    bol_token: Optional[int] = _f(None, "Token id put at the beginning of each line (none by default).", min=0)
+    eol_token: Optional[int] = _f(None, "Token id put at the end of each line (none by default).", min=0)
+    strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.")
+    logical_shards: int = _f(1024, "Logical data shards (the unit of data-parallel rescaling).", min=1)
+    num_workers: int = _f(1, "Data loader worker processes per rank.", min=0)
+    resuming_dataset: bool = _f(False, "Resume data position from the loaded checkpoint (fms-fsdp compatibility).")
+
+    # parallelism
+    device: str = _f("auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu"))
+    sharding_strategy: str = _f("hsdp", "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only.", choices=("fsdp", "hsdp", "ddp"))
+    sharding_group_size: Optional[int] = _f(None, "Ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE).", min=1)
+    fsdp_activation_checkpointing: bool = _f(False, "Checkpoint activations of the blocks chosen by selective_checkpointing.")
+    selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.")
+    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights, gradient reduction and optimizer state.")
+    low_cpu_fsdp: bool = _f(False, "Build the model on the meta device; each rank materialises only its shard.")
+    use_torch_compile: bool = _f(True, "torch.compile each transformer block.")
+
+    # training
+    batch_size: int = _f(2, "Sequences per micro-batch per GPU.", min=1)
+    grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
+    num_steps: int = _f(1000000, "Optimizer steps to train.", min=1)
+    seed: int = _f(2023, "Random seed for weights and data.", min=0)
+
+    # optimizer
+    learning_rate: float = _f(3e-4, "Peak learning rate.", min=0.0)
+    weight_decay: float = _f(0.1, "AdamW weight decay.", min=0.0)
+    adam_beta1: float = _f(0.9, "AdamW beta1.", min=0.0)
+    adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0)
+    adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
+
+    # learning-rate schedule
+    training_stage: str = _f("initial", "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.", choices=("initial", "annealing"))
+    lr_schedule: str = _f("cosine", "cosine: warmup then cosine to min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat.", choices=("cosine", "wsd", "constant"))
+    warmup_steps: Optional[int] = _f(None, "Quadratic warmup steps (default: min(2000, num_steps // 20), as fms-fsdp).", min=0)
+    decay_steps: Optional[int] = _f(None, "wsd only: steps of the final decay (default: num_steps // 5).", min=0)
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, wsd).", min=0.0)
+
+    # checkpoints
+    ckpt_load_path: Optional[str] = _f(None, "Checkpoint to initialise the model from.")
+    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/.")
+    checkpoint_interval: int = _f(10000, "Steps between checkpoints.", min=1)
+
+    # metrics
+    report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
+    peak_tflops: Optional[float] = _f(None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0)
+    tracker: Optional[str] = _f(None, "Experiment tracker.", choices=(None, "wandb", "aim", "tensorboard"))
+    tracker_dir: str = _f("output/tracker", "Folder for tracker files.")
+    tracker_project_name: str = _f("llama", "Tracker project name.")
+    tracker_run_id: Optional[str] = _f(None, "Tracker run id to resume.")
+
+    # profiler
+    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) for a few steps.")
+    profiler_rank0_only: bool = _f(True, "Profile rank 0 only.")
+    profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
+_HINTS: dict[str, Any] = typing.get_type_hints(train_config)
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null", ""}
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"comma list of {_type_name(args[0])}"
+    return "none" if tp is type(None) else tp.__name__
+
+
+def _scalar(value: Any, tp: type) -> Any:
+    """Coerce one scalar (a string from the command line, or a YAML/JSON value) to tp."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, str)) and str(value).strip().lower() in _TRUE | _FALSE:
+            return str(value).strip().lower() in _TRUE
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        number = Fraction(value) if isinstance(value, float) else Fraction(str(value).strip().replace("_", ""))
+        if number.denominator == 1:
+            return int(number)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            return float(Fraction(value.strip().replace("_", "")))
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ValueError
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Coerce a raw value to the type of field `name`; ConfigError naming the flag if it can't."""
+    tp = _HINTS[name]
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    inner = next((a for a in args if a is not type(None)), tp) if optional else tp
+    try:
+        if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+            return None
+        if typing.get_origin(inner) is list:
+            item = typing.get_args(inner)[0]
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            elif not isinstance(value, (list, tuple)):
+                value = [value]
+            return [_scalar(v.strip() if isinstance(v, str) else v, item) for v in value]
+        return _scalar(value, inner)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        raise ConfigError(f"--{name}: expected {_type_name(tp)}, got {value!r}") from None
+
+
+def parse_fraction(name: str, value: str) -> Fraction:
+    """Parse '1', '0.5' or '1/3' exactly (no eval)."""
+    try:
+        return Fraction(value.strip())
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"--{name}: expected a number or a fraction like 1/3, got {value!r}") from None
+
+
+def _unknown(name: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.6)
+    hint = f"; did you mean --{close[0]}?" if close else "; see docs/configuration.md for the flags"
+    return ConfigError(f"unknown flag --{name}{source}{hint}")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict of raw values."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: cannot parse {path}: {str(e).splitlines()[0]}") from None
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of field: value")
+    for key in data:
+        if key not in FIELDS:
+            raise _unknown(str(key), f" in {path}")
+    return data
+
+
+def _split_argv(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
+    """Turn ['--a=1', '--b', '2', '--flag', '--noflag'] into (name, raw value or None) pairs."""
+    pairs: list[tuple[str, Optional[str]]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: flags are written --name=value")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not nxt.startswith("--"):
+                value, i = nxt, i + 1
+            elif name.startswith("no") and _HINTS.get(name[2:]) is bool:
+                name, value = name[2:], "false"
+            elif _HINTS.get(name) is bool:
+                value = "true"
+            else:
+                pairs.append((name, None))
+                i += 1
+                continue
+        pairs.append((name, value))
+        i += 1
+    return pairs
+
+
+def parse_args(argv: Sequence[str]) -> train_config:
+    """Build a validated train_config from command-line flags (and an optional --config file)."""
+    pairs = _split_argv(argv)
+    raw: dict[str, Any] = {}
+    config_files = [v for n, v in pairs if n == "config"]
+    if len(config_files) > 1:
+        raise ConfigError("--config given more than once")
+    if config_files:
+        if config_files[0] is None:
+            raise ConfigError("--config needs a value: --config=run.yaml")
+        raw.update(load_config_file(config_files[0]))
+    seen: set[str] = set()
+    for name, value in pairs:
+        if name == "config":
+            continue
+        if name not in FIELDS:
+            raise _unknown(name, "")
+        if value is None:
+            raise ConfigError(f"--{name} needs a value: --{name}=...")
+        if name in seen:
+            raise ConfigError(f"--{name} given more than once")
+        seen.add(name)
+        raw[name] = value
+    return make_config(**raw)
+
+
+def make_config(**raw: Any) -> train_config:
+    """Coerce raw values onto a train_config and validate it."""
+    for name in raw:
+        if name not in FIELDS:
+            raise _unknown(name, "")
+    cfg = train_config(**{name: coerce(name, value) for name, value in raw.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: train_config) -> None:
+    """Check ranges, choices and cross-field rules; raise ConfigError naming the flag."""
+    from fms_fsdp.models import resolve_variant  # a light import: the variant table only
+
+    for name, f in FIELDS.items():
+        value = getattr(cfg, name)
+        choices, low = f.metadata["choices"], f.metadata["min"]
+        if choices and value not in choices:
+            shown = ", ".join(str(c) for c in choices)
+            raise ConfigError(f"--{name}: {value!r} is not one of {shown}")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if low is not None and v is not None and v < low:
+                raise ConfigError(f"--{name}: must be >= {low}, got {v}")
+    resolve_variant(cfg.model_variant)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
+    if cfg.min_lr_ratio > 1:
+        raise ConfigError(f"--min_lr_ratio: must be <= 1, got {cfg.min_lr_ratio}")
+    parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+    if cfg.weights is not None and any(w <= 0 for w in cfg.weights):
+        raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")
+    if cfg.weights is not None and cfg.datasets is not None and len(cfg.weights) != len(cfg.datasets):
+        raise ConfigError(
+            f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
+        )
+    _check_not_yet_supported(cfg)
+
+
+def _check_not_yet_supported(cfg: train_config) -> None:
+    """Refuse settings whose machinery this version does not have, instead of ignoring them."""
+    if not cfg.use_dummy_dataset:
+        raise ConfigError(
+            "--use_dummy_dataset=False: the Arrow/Parquet data loader is not in this version yet; "
+            "run with --use_dummy_dataset=True"
+        )
+    if cfg.ckpt_load_path is not None:
+        raise ConfigError("--ckpt_load_path: loading checkpoints is not in this version yet; leave it unset")
+    if cfg.tracker is not None:
+        raise ConfigError(f"--tracker={cfg.tracker}: trackers are not in this version yet; metrics go to "
+                          "<ckpt_save_path>/metrics.jsonl")
+
+
+def to_dict(cfg: train_config) -> dict[str, Any]:
+    """The config as a plain dict (YAML/JSON serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: train_config, folder: str) -> Path:
+    """Write the resolved config to <folder>/config.yaml atomically; an earlier, different one is kept
+    under a numbered name rather than overwritten."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "config.yaml"
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    if target.exists() and target.read_text() != text:
+        n = 1
+        while (out / f"config.{n}.yaml").exists():
+            n += 1
+        os.replace(target, out / f"config.{n}.yaml")
+    tmp = out / f".config.yaml.tmp{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    return target
+
+
+def format_help() -> str:
+    """One line per flag: name, type, default and help."""
+    lines = ["usage: torchrun [...] main_training.py [--config=run.yaml] [--field=value ...]", ""]
+    for name, f in FIELDS.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{name} ({_type_name(_HINTS[name])}, default {default!r}): {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def cli_config(argv: Optional[Sequence[str]] = None) -> train_config:
+    """parse_args for a launcher: --help prints the flags; a ConfigError prints one line (rank 0) and
+    exits with status 2 on every rank."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(format_help())
+        raise SystemExit(0)
+    try:
+        return parse_args(argv)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,150 @@
+"""Training metrics: throughput, MFU, memory, data wait; printed by rank 0, appended as JSON lines to
+<ckpt_save_path>/metrics.jsonl, and shown on a tqdm bar when rank 0 runs in a terminal."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from fms_fsdp.config import train_config
+from fms_fsdp.parallel import DistInfo
+
+# Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("MI300X", 1307.0),
+]
+
+
+def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Optional[float]:
+    """Peak bf16 FLOP/s of one device: --peak_tflops if given, else by GPU name; None when unknown."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in name), None)
+
+
+class MetricsReporter:
+    """Accumulates per-step figures on the device and reports them every report_interval steps."""
+
+    def __init__(self, cfg: train_config, info: DistInfo, flops_per_token: float, start_step: int = 0):
+        self.info = info
+        self.device = info.device
+        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps  # per rank
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(info.device, cfg.peak_tflops)
+        self.path = Path(cfg.ckpt_save_path) / "metrics.jsonl"
+        self.start_step = start_step
+        self.run_start = time.perf_counter()
+        self._reset(time.perf_counter())
+        self.bar = None
+        if info.is_main and sys.stderr.isatty():
+            self.bar = tqdm(total=cfg.num_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def _reset(self, now: float) -> None:
+        self.interval_start = now
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.steps = 0
+        self.data_wait = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_done(self, loss: torch.Tensor, data_wait_s: float) -> None:
+        """Record one optimizer step's loss (a detached scalar; no device sync) and data wait."""
+        self.loss_sum += loss
+        self.steps += 1
+        self.data_wait += data_wait_s
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, step: int, lr: float, grad_norm: torch.Tensor) -> dict[str, Any]:
+        """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
+        metrics.jsonl. Every rank must call it (it all-reduces)."""
+        loss = self.loss_sum / max(1, self.steps)
+        dist.all_reduce(loss)  # gloo has no AVG
+        loss_value, norm_value = loss.item(), float(grad_norm)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        step_time = (now - self.interval_start) / max(1, self.steps)
+        tps = self.tokens_per_step / step_time
+        overall_tps = self.tokens_per_step * (step - self.start_step) / (now - self.run_start)
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss_value / self.info.world_size,
+            "lr": lr,
+            "grad_norm": norm_value,
+            "tokens_seen": step * self.tokens_per_step * self.info.world_size,
+            "step_time": step_time,
+            "tokens_per_sec_per_gpu": tps,
+            "overall_tokens_per_sec_per_gpu": overall_tps,
+            "tokens_per_day": overall_tps * self.info.world_size * 86400,
+            "data_wait": self.data_wait / (now - self.interval_start),
+        }
+        if self.peak is not None:
+            record["mfu"] = tps * self.flops_per_token / self.peak
+        if self.device.type == "cuda":
+            record["peak_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["peak_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        else:
+            record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if self.info.is_main:
+            self._emit(record)
+        self._reset(time.perf_counter())
+        return record
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = format_record(record)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_record(r: dict[str, Any]) -> str:
+    """One human-readable line of a metrics record."""
+    parts = [
+        f"step {r['step']}",
+        f"loss {r['loss']:.4f}",
+        f"lr {r['lr']:.3e}",
+        f"grad_norm {r['grad_norm']:.3f}",
+        f"tokens {r['tokens_seen']:,}",
+        f"step_time {r['step_time']:.3f}s",
+        f"tok/s/gpu {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",
+        f"tok/day {r['tokens_per_day']:.3e}",
+    ]
+    if "mfu" in r:
+        parts.append(f"mfu {r['mfu']:.3f}")
+    if "peak_memory_allocated_gb" in r:
+        parts.append(f"mem {r['peak_memory_allocated_gb']:.1f}/{r['peak_memory_reserved_gb']:.1f} GiB")
+    else:
+        parts.append(f"rss {r['max_rss_gb']:.2f} GiB")
+    parts.append(f"data_wait {100 * r['data_wait']:.1f}%")
+    return " | ".join(parts)

@@ -1,0 +1,51 @@
+"""Learning-rate schedules, as multipliers of learning_rate at step x (0-based) of num_steps.
+
+- initial + cosine: fms-fsdp's default, quadratic warmup then cosine to min_lr_ratio
+  (0.1 gives exactly fms-fsdp's min(1 - (1 - x/w)^2, 0.1 + 0.45 (1 + cos(pi x / N)))).
+- initial + wsd: warmup, stable at 1, linear decay to min_lr_ratio over the last decay_steps.
+- initial + constant: warmup, then 1.
+- annealing: fms-fsdp's annealing stage, 1 - x/N.
+Any num_steps >= 1 works (fms-fsdp divided by zero below 20 steps).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from fms_fsdp.config import train_config
+
+
+def default_warmup(num_steps: int) -> int:
+    """fms-fsdp's warmup length: min(2000, num_steps // 20)."""
+    return min(2000, num_steps // 20)
+
+
+def lr_multiplier(cfg: train_config) -> Callable[[int], float]:
+    """The schedule chosen by cfg as a function of the 0-based step."""
+    n = cfg.num_steps
+    if cfg.training_stage == "annealing":
+        return lambda x: 1 - min(x, n) / n
+    warmup = default_warmup(n) if cfg.warmup_steps is None else cfg.warmup_steps
+    r = cfg.min_lr_ratio
+    decay = max(1, n // 5 if cfg.decay_steps is None else cfg.decay_steps)
+
+    def warm(x: int) -> float:
+        return 1.0 if warmup == 0 else 1 - (1 - min(x, warmup) / warmup) ** 2
+
+    def cosine(x: int) -> float:
+        return r + (1 - r) / 2 * (1 + math.cos(math.pi * min(x, n) / n))
+
+    def wsd(x: int) -> float:
+        return 1 - (1 - r) * min(1.0, max(0, x - (n - decay)) / decay)
+
+    after_warmup = {"cosine": cosine, "wsd": wsd, "constant": lambda x: 1.0}[cfg.lr_schedule]
+    return lambda x: min(warm(x), after_warmup(x))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: train_config) -> LambdaLR:
+    """A LambdaLR stepping once per optimizer step."""
+    return LambdaLR(optimizer, lr_multiplier(cfg))

@@ -1,0 +1,151 @@
+"""The training loop: build model, parallelism, optimizer, schedule and data from the config, then
+step, report and stop on a non-finite loss."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from fms.models.llama import LLaMA
+from torch.distributed.tensor import DTensor
+
+from fms_fsdp.config import ConfigError, cli_config, save_config, to_dict, train_config
+from fms_fsdp.data import get_data_loader
+from fms_fsdp.metrics import MetricsReporter
+from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights
+from fms_fsdp.parallel import DistInfo, build_mesh, init_distributed, parallelize
+from fms_fsdp.profiling import maybe_profiler
+from fms_fsdp.schedule import build_scheduler
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. a non-finite loss); the message names the step."""
+
+
+def log(info: DistInfo, message: str) -> None:
+    """Rank 0 speaks."""
+    if info.is_main:
+        print(message, flush=True)
+
+
+def causal_lm_loss(model: LLaMA, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 over labels != -100; the logits die inside."""
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    del logits
+    return loss
+
+
+def train_step(model: LLaMA, optimizer: torch.optim.Optimizer, batches: Batches, cfg: train_config,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum_steps micro-batches. Returns the detached loss, the global
+    gradient norm (before clipping) and the seconds spent waiting for data."""
+    total = torch.zeros((), device=device)
+    wait = 0.0
+    for micro in range(cfg.grad_accum_steps):
+        t = time.perf_counter()
+        inputs, labels = next(batches)
+        wait += time.perf_counter() - t
+        model.set_requires_gradient_sync(micro == cfg.grad_accum_steps - 1)
+        loss = causal_lm_loss(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+        (loss / cfg.grad_accum_steps).backward()
+        total += loss.detach() / cfg.grad_accum_steps
+    max_norm = cfg.grad_clip_thresh if cfg.grad_clip_thresh > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm, wait
+
+
+def _check_finite(step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    # the norm is global, so every rank takes the same decision
+    if not torch.isfinite(norm):
+        raise TrainingError(
+            f"step {step}: the gradient norm is {norm.item()} (loss on rank {dist.get_rank()}: "
+            f"{loss.item()}); lower --learning_rate, check the data, or resume from an earlier checkpoint"
+        )
+
+
+def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimizer, Any]:
+    """The sharded, initialised model, its AdamW optimizer and LR scheduler."""
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
+    mesh = build_mesh(cfg, info)
+    model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
+    if not cfg.low_cpu_fsdp:
+        init_weights(model, cfg.seed)
+    n_ckpt = parallelize(model, cfg, mesh)
+    if cfg.low_cpu_fsdp:
+        model.to_empty(device=info.device)
+        init_weights(model, cfg.seed)
+    log(info, f"model {cfg.model_variant}: {count_params(model_config) / 1e6:,.1f}M parameters, "
+              f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
+              f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks'}, "
+              f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    return model, optimizer, build_scheduler(optimizer, cfg)
+
+
+def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
+    """Train for num_steps; returns the metric records (rank 0 also printed and saved them)."""
+    torch.manual_seed(cfg.seed)
+    if info.is_main:
+        save_config(cfg, cfg.ckpt_save_path)
+        log(info, "resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+        log(info, "note: checkpoints are not written by this version; checkpoint_interval is not used")
+        if info.device.type == "cpu" and cfg.mixed_precision:
+            log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
+    model, optimizer, scheduler = build(cfg, info)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
+    batches = iter(get_data_loader(cfg, info.rank, info.world_size))
+    reporter = MetricsReporter(cfg, info, flops_per_token(model_config, cfg.seq_length))
+    records: list[dict[str, Any]] = []
+    pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+    model.train()
+    with maybe_profiler(cfg, info) as prof:
+        for step in range(1, cfg.num_steps + 1):
+            loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            if pending is not None:  # checked one step late: no device sync on the hot path
+                _check_finite(*pending)
+            pending = (step, loss, norm)
+            reporter.step_done(loss, wait)
+            if step % cfg.report_interval == 0 or step == cfg.num_steps:
+                _check_finite(*pending)
+                records.append(reporter.report(step, lr, norm))
+            if prof is not None:
+                prof.step()
+    reporter.close()
+    return records
+
+
+def run(cfg: train_config) -> list[dict[str, Any]]:
+    """Start the process group, train, and tear it down."""
+    info = init_distributed(cfg)
+    try:
+        return train(cfg, info)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Command-line entry: flags -> config -> run; known errors end in one line and status 1 or 2."""
+    cfg = cli_config(argv)
+    try:
+        run(cfg)
+    except (ConfigError, TrainingError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
