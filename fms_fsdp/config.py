@@ -242,17 +242,13 @@ def parse_args(argv: Sequence[str]) -> train_config:
         if config_files[0] is None:
             raise ConfigError("--config needs a value: --config=run.yaml")
         raw.update(load_config_file(config_files[0]))
-    seen: set[str] = set()
-    for name, value in pairs:
+    for name, value in pairs:  # a flag given twice: the later one wins, as in scripts that append "$@"
         if name == "config":
             continue
         if name not in FIELDS:
             raise _unknown(name, "")
         if value is None:
             raise ConfigError(f"--{name} needs a value: --{name}=...")
-        if name in seen:
-            raise ConfigError(f"--{name} given more than once")
-        seen.add(name)
         raw[name] = value
     return make_config(**raw)
 

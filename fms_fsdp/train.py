@@ -135,7 +135,9 @@ def run(cfg: train_config) -> list[dict[str, Any]]:
     """Start the process group, train, and tear it down."""
     info = init_distributed(cfg)
     try:
-        return train(cfg, info)
+        records = train(cfg, info)
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
+        return records
     finally:
         dist.destroy_process_group()
 

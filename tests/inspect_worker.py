@@ -1,0 +1,40 @@
+"""Test worker (run under torchrun): builds the model as training does, then writes
+<ckpt_save_path>/rank<N>.json with this rank's shard sizes, a fingerprint of the full weights and
+the loss on the first batch."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fms_fsdp.config import parse_args
+from fms_fsdp.data import get_data_loader
+from fms_fsdp.parallel import init_distributed
+from fms_fsdp.train import build, causal_lm_loss
+
+cfg = parse_args(sys.argv[1:])
+info = init_distributed(cfg)
+model, _, _ = build(cfg, info)
+params = list(model.parameters())
+local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+inputs, labels = next(iter(get_data_loader(cfg, info.rank, info.world_size)))
+with torch.no_grad():
+    loss = causal_lm_loss(model, inputs, labels)
+dist.all_reduce(loss)
+record = {
+    "rank": info.rank,
+    "local_numel": local,
+    "full_numel": sum(t.numel() for t in full.values()),
+    "all_dtensor": all(isinstance(p, DTensor) for p in params),
+    "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
+    "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
+    "initial_loss": loss.item() / info.world_size,
+}
+Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)
+(Path(cfg.ckpt_save_path) / f"rank{info.rank}.json").write_text(json.dumps(record))
+dist.barrier()
+dist.destroy_process_group()

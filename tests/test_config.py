@@ -1,0 +1,131 @@
+"""Flags and config files: coercion, errors naming the flag, file + override precedence."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from fms_fsdp.config import ConfigError, FIELDS, parse_args, save_config
+
+from conftest import ROOT
+
+BASE = ["--use_dummy_dataset=True"]
+
+
+def parse(*flags: str):
+    return parse_args([*BASE, *flags])
+
+
+def test_values_are_coerced_to_field_types():
+    cfg = parse("--mixed_precision=False", "--learning_rate=1e-4", "--selective_checkpointing=1/3",
+                "--datasets=a,b", "--weights=1,1/3", "--strip_tokens=0,1", "--batch_size=8", "--seq_length=1e3",
+                "--vocab_size=None")
+    assert cfg.mixed_precision is False
+    assert cfg.learning_rate == 1e-4
+    assert cfg.selective_checkpointing == "1/3"
+    assert cfg.datasets == ["a", "b"]
+    assert cfg.weights == [1.0, pytest.approx(1 / 3)]
+    assert cfg.strip_tokens == [0, 1]
+    assert cfg.batch_size == 8 and cfg.seq_length == 1000
+    assert cfg.vocab_size is None
+
+
+def test_fire_style_flag_forms():
+    cfg = parse("--low_cpu_fsdp", "--nouse_torch_compile", "--num_steps", "7", "--model-variant=7b")
+    assert cfg.low_cpu_fsdp is True
+    assert cfg.use_torch_compile is False
+    assert cfg.num_steps == 7
+    assert cfg.model_variant == "7b"
+
+
+def test_every_field_has_help_and_round_trips_through_a_file(tmp_path):
+    cfg = parse()
+    assert all(f.metadata["help"] for f in FIELDS.values())
+    save_config(cfg, str(tmp_path))
+    assert parse(f"--config={tmp_path / 'config.yaml'}") == cfg
+
+
+def test_unknown_flag_names_it_and_suggests_the_nearest():
+    with pytest.raises(ConfigError, match=r"unknown flag --lerning_rate; did you mean --learning_rate\?"):
+        parse("--lerning_rate=1e-3")
+    with pytest.raises(ConfigError, match="unknown flag --zzz"):
+        parse("--zzz=1")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--batch_size=two", "--batch_size: expected int"),
+    ("--batch_size=2.5", "--batch_size: expected int"),
+    ("--batch_size=0", "--batch_size: must be >= 1"),
+    ("--learning_rate=-1", "--learning_rate: must be >= 0"),
+    ("--mixed_precision=maybe", "--mixed_precision: expected bool"),
+    ("--sharding_strategy=zero3", "--sharding_strategy: 'zero3' is not one of fsdp, hsdp, ddp"),
+    ("--selective_checkpointing=1/0", "--selective_checkpointing"),
+    ("--selective_checkpointing=__import__('os').system('true')", "--selective_checkpointing"),
+    ("--learning_rate=__import__('os')", "--learning_rate: expected float"),
+    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, small, llama2_1.4b"),
+    ("--adam_beta2=1", "--adam_beta2: must be < 1"),
+    ("--weights=1,-1", "--weights: every weight must be > 0"),
+    ("--num_steps=0", "--num_steps: must be >= 1"),
+    ("--strip_tokens=a,b", "--strip_tokens: expected comma list of int"),
+])
+def test_bad_values_name_the_flag(flag, message):
+    with pytest.raises(ConfigError) as e:
+        parse(flag)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_weights_and_datasets_lengths_must_agree():
+    with pytest.raises(ConfigError, match="--weights has 1 values but --datasets names 2"):
+        parse("--datasets=a,b", "--weights=1")
+
+
+def test_file_then_flags_override(tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"batch_size": 3, "learning_rate": "1/1000", "seq_length": 128}))
+    (tmp_path / "run.json").write_text(json.dumps({"batch_size": 5, "use_dummy_dataset": True}))
+    cfg = parse(f"--config={tmp_path / 'run.yaml'}", "--batch_size=4")
+    assert (cfg.batch_size, cfg.learning_rate, cfg.seq_length) == (4, 0.001, 128)
+    cfg = parse_args([f"--config={tmp_path / 'run.json'}"])
+    assert cfg.batch_size == 5 and cfg.use_dummy_dataset
+
+
+def test_bad_config_files(tmp_path):
+    (tmp_path / "typo.yaml").write_text("batch_sise: 3\n")
+    (tmp_path / "broken.yaml").write_text("batch_size: [1,\n")
+    with pytest.raises(ConfigError, match=r"unknown flag --batch_sise in .*typo.yaml; did you mean --batch_size"):
+        parse(f"--config={tmp_path / 'typo.yaml'}")
+    with pytest.raises(ConfigError, match="--config: cannot parse"):
+        parse(f"--config={tmp_path / 'broken.yaml'}")
+    with pytest.raises(ConfigError, match="--config: file not found"):
+        parse(f"--config={tmp_path / 'none.yaml'}")
+
+
+def test_save_config_never_overwrites_a_different_one(tmp_path):
+    save_config(parse("--batch_size=3"), str(tmp_path))
+    save_config(parse("--batch_size=4"), str(tmp_path))
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["batch_size"] == 4
+    assert yaml.safe_load((tmp_path / "config.1.yaml").read_text())["batch_size"] == 3
+
+
+def test_cli_error_is_one_line_before_any_process_group_starts():
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "main_training.py"), "--use_dummy_dataset", "--lerning_rate=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown flag --lerning_rate; did you mean --learning_rate?"
+    assert proc.stdout == ""
+    assert time.time() - start < 60
+
+
+def test_features_of_later_versions_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="--use_dummy_dataset=False"):
+        parse_args([])
+    with pytest.raises(ConfigError, match="--ckpt_load_path"):
+        parse("--ckpt_load_path=/x")
+
+
+def test_a_repeated_flag_takes_the_later_value():
+    assert parse("--batch_size=3", "--batch_size=5").batch_size == 5

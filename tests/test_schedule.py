@@ -1,0 +1,59 @@
+"""Learning-rate schedules: fms-fsdp's values, WSD, and short runs."""
+
+import math
+
+import pytest
+import torch
+
+from fms_fsdp.config import parse_args
+from fms_fsdp.schedule import build_scheduler, lr_multiplier
+
+
+def schedule(*flags):
+    return lr_multiplier(parse_args(["--use_dummy_dataset", *flags]))
+
+
+def fms_fsdp_initial(x, n):
+    w = min(2000, n // 20)
+    return min(1 - (1 - min(x, w) / w) ** 2, 0.1 + 0.5 * (1 - 0.1) * (1 + math.cos(min(x, n) * math.pi / n)))
+
+
+@pytest.mark.parametrize("x", [0, 1, 50, 999, 1000, 1001, 5000, 12345, 19999, 20000])
+def test_initial_stage_equals_fms_fsdp(x):
+    assert schedule("--num_steps=20000")(x) == pytest.approx(fms_fsdp_initial(x, 20000), abs=1e-12)
+
+
+def test_chosen_values():
+    f = schedule("--num_steps=100000")
+    assert f(0) == 0.0
+    assert f(1000) == pytest.approx(0.75)  # quadratic warmup, half way
+    assert f(2000) == pytest.approx(1.0, abs=1e-3)
+    assert f(50000) == pytest.approx(0.55)
+    assert f(100000) == pytest.approx(0.1)
+    g = schedule("--num_steps=100", "--training_stage=annealing")
+    assert [g(0), g(25), g(99)] == [1.0, 0.75, pytest.approx(0.01)]
+
+
+def test_wsd():
+    f = schedule("--num_steps=100", "--lr_schedule=wsd", "--warmup_steps=10", "--decay_steps=20", "--min_lr_ratio=0.2")
+    assert f(5) == pytest.approx(0.75)
+    assert f(10) == f(50) == f(80) == 1.0
+    assert f(90) == pytest.approx(0.6)
+    assert f(100) == pytest.approx(0.2)
+    c = schedule("--num_steps=100", "--lr_schedule=constant", "--warmup_steps=0")
+    assert c(0) == c(99) == 1.0
+
+
+@pytest.mark.parametrize("n", [1, 5, 19])
+@pytest.mark.parametrize("flags", [(), ("--lr_schedule=wsd",), ("--training_stage=annealing",), ("--lr_schedule=constant",)])
+def test_short_runs_work(n, flags):
+    cfg = parse_args(["--use_dummy_dataset", f"--num_steps={n}", *flags])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(n):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert all(math.isfinite(v) and 0 <= v <= 1 for v in lrs)
+    assert lrs[0] > 0  # no warmup below 20 steps: the first step learns

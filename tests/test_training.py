@@ -1,0 +1,102 @@
+"""Real training runs: torchrun with gloo on CPU, several processes, the tiny model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import inspect, launch, train, TINY
+
+STEPS = 10
+FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
+          "overall_tokens_per_sec_per_gpu", "tokens_per_day", "data_wait", "max_rss_gb"}
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The reference: 1 process (plain python, no torchrun), global batch 4."""
+    return train(tmp_path_factory.mktemp("one"), [f"--num_steps={STEPS}", "--batch_size=4"], nproc=None)
+
+
+def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_rank):
+    logs = tmp / "logs"
+    two = train(tmp, [f"--num_steps={STEPS}", "--batch_size=2", "--sharding_strategy=fsdp"], nproc=2,
+                torchrun_args=(f"--log-dir={logs}", "--redirects=3"))
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    assert losses(two)[-1] < losses(two)[0] - 2.0, losses(two)
+    for a, b in zip(losses(two), losses(one_rank)):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert all(FIELDS <= set(r) for r in two)
+    assert two[-1]["tokens_seen"] == STEPS * 4 * 64
+    assert yaml.safe_load((tmp / "run" / "config.yaml").read_text())["batch_size"] == 2
+    # rank 0 speaks, rank 1 stays silent
+    out0, out1 = (next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in (0, 1))
+    assert f"step {STEPS} | loss" in out0 and "resolved config" in out0
+    assert out1 == ""
+
+
+def test_gradient_accumulation_equals_the_bigger_batch(tmp, one_rank):
+    accum = train(tmp, [f"--num_steps={STEPS}", "--batch_size=2", "--grad_accum_steps=2"], nproc=None)
+    for a, b in zip(losses(accum), losses(one_rank)):
+        assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
+    ac = train(tmp, [f"--num_steps={STEPS}", "--batch_size=4", "--fsdp_activation_checkpointing=True",
+                     "--selective_checkpointing=1/2"], nproc=None)
+    for a, b in zip(losses(ac), losses(one_rank)):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
+    hsdp = ["--sharding_strategy=hsdp", "--sharding_group_size=2", "--batch_size=1"]
+    records = train(tmp, [*hsdp, f"--num_steps={STEPS}"], nproc=4)
+    for a, b in zip(losses(records), losses(one_rank)):
+        assert a == pytest.approx(b, rel=1e-4)
+    ranks = inspect(tmp, hsdp, nproc=4)
+    assert all(r["mesh"] == [2, 2] and r["all_dtensor"] for r in ranks)
+    full = ranks[0]["full_numel"]
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == full  # one shard group holds one copy
+    assert all(r["local_numel"] <= full // 2 + 4096 for r in ranks)
+
+
+def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
+    eager = inspect(tmp / "eager", ["--sharding_strategy=fsdp"], nproc=2)
+    meta = inspect(tmp / "meta", ["--sharding_strategy=fsdp", "--low_cpu_fsdp=True"], nproc=2)
+    ddp = inspect(tmp / "ddp", ["--sharding_strategy=ddp"], nproc=2)
+    full = eager[0]["full_numel"]
+    for ranks in (eager, meta):
+        assert sum(r["local_numel"] for r in ranks) == full
+        assert all(r["local_numel"] < 0.6 * full and r["mesh"] == [1, 2] for r in ranks)
+    assert all(r["local_numel"] == full and r["mesh"] == [2, 1] for r in ddp)
+    # the meta path materialises exactly the eager weights, so the first loss is the same
+    assert meta[0]["weight_fingerprint"] == eager[0]["weight_fingerprint"] == ddp[0]["weight_fingerprint"]
+    assert meta[0]["initial_loss"] == eager[0]["initial_loss"]
+
+
+def test_bf16_mixed_precision_and_compile(tmp, one_rank):
+    records = train(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True"],
+                    nproc=None)
+    assert losses(records)[0] == pytest.approx(losses(one_rank)[0], abs=0.02)  # same weights, bf16 forward
+    assert losses(records)[-1] < losses(records)[0] - 1.0
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
+    proc = launch("main_training.py", [*TINY, "--num_steps=30", "--learning_rate=1e30", "--grad_clip_thresh=0",
+                                       f"--ckpt_save_path={tmp}"], nproc=2)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("error: step ") and "the gradient norm is" in errors[0]
+
+
+def test_profiler_writes_traces(tmp):
+    train(tmp, ["--num_steps=7", "--batch_size=2", "--use_profiler=True", f"--profiler_dir={tmp / 'prof'}"], nproc=None)
+    traces = list((tmp / "prof").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    assert json.loads(traces[0].read_text())["traceEvents"]
