@@ -330,13 +330,30 @@ def save_config(cfg: train_config, folder: str) -> Path:
     return target
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def format_help() -> str:
     """One line per flag: name, type, default and help."""
     lines = ["usage: torchrun [...] main_training.py [--config=run.yaml] [--field=value ...]", ""]
     for name, f in FIELDS.items():
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  --{name} ({_type_name(_HINTS[name])}, default {default!r}): {f.metadata['help']}")
+        lines.append(f"  --{name} ({_type_name(_HINTS[name])}, default {_default(f)!r}): {f.metadata['help']}")
     return "\n".join(lines)
+
+
+def markdown_reference() -> str:
+    """Every flag as a Markdown table (docs/configuration.md is generated from it)."""
+    rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
+    for name, f in FIELDS.items():
+        extra = []
+        if f.metadata["choices"]:
+            extra.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
+        if f.metadata["min"] is not None:
+            extra.append(f">= {f.metadata['min']}")
+        meaning = f.metadata["help"] + (f" ({'; '.join(extra)})" if extra else "")
+        rows.append(f"| `--{name}` | {_type_name(_HINTS[name])} | `{_default(f)!r}` | {meaning} |")
+    return "\n".join(rows)
 
 
 def cli_config(argv: Optional[Sequence[str]] = None) -> train_config:

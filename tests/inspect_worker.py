@@ -3,6 +3,7 @@
 the loss on the first batch."""
 
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from fms_fsdp.train import build, causal_lm_loss
 cfg = parse_args(sys.argv[1:])
 info = init_distributed(cfg)
 model, _, _ = build(cfg, info)
+peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers
 params = list(model.parameters())
 local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
 full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
@@ -33,6 +35,7 @@ record = {
     "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
     "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
     "initial_loss": loss.item() / info.world_size,
+    "peak_rss_after_build_mb": peak_rss_mb,
 }
 Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)
 (Path(cfg.ckpt_save_path) / f"rank{info.rank}.json").write_text(json.dumps(record))

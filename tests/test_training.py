@@ -1,12 +1,14 @@
 """Real training runs: torchrun with gloo on CPU, several processes, the tiny model."""
 
 import json
-from pathlib import Path
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from conftest import inspect, launch, train, TINY
+from conftest import ROOT, inspect, launch, train, TINY
 
 STEPS = 10
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
@@ -100,3 +102,29 @@ def test_profiler_writes_traces(tmp):
     traces = list((tmp / "prof").glob("rank0*.pt.trace.json"))
     assert len(traces) == 1
     assert json.loads(traces[0].read_text())["traceEvents"]
+
+
+def test_low_cpu_fsdp_never_holds_the_full_model(tmp):
+    """`small` is 0.5 GB in fp32: the eager path holds all of it while building, the meta path
+    only its half."""
+    args = ["--model_variant=small", "--vocab_size=32000", "--sharding_strategy=fsdp"]
+    eager = inspect(tmp / "eager", args, nproc=2)
+    meta = inspect(tmp / "meta", [*args, "--low_cpu_fsdp=True"], nproc=2)
+    full_mb = eager[0]["full_numel"] * 4 / 2**20
+    for e, m in zip(eager, meta):
+        assert m["peak_rss_after_build_mb"] < e["peak_rss_after_build_mb"] - 0.3 * full_mb, (e, m)
+    assert meta[0]["weight_fingerprint"] == eager[0]["weight_fingerprint"]
+
+
+def test_progress_bar_in_a_terminal(tmp):
+    """Under a pseudo-terminal rank 0 draws a tqdm bar; metric lines still print."""
+    args = " ".join([*TINY, "--num_steps=6", "--batch_size=2", f"--ckpt_save_path={tmp}"])
+    proc = launch_in_terminal(f"stty cols 120 rows 40; {sys.executable} main_training.py {args}")
+    assert "6/6 [" in proc.stdout and ("step/s" in proc.stdout or "s/step" in proc.stdout), proc.stdout[-2000:]
+    assert "step 6 | loss" in proc.stdout
+
+
+def launch_in_terminal(command: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["script", "-qec", command, "/dev/null"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
