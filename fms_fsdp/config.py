@@ -295,11 +295,6 @@ def validate(cfg: train_config) -> None:
 
 def _check_not_yet_supported(cfg: train_config) -> None:
     """Refuse settings whose machinery this version does not have, instead of ignoring them."""
-    if not cfg.use_dummy_dataset:
-        raise ConfigError(
-            "--use_dummy_dataset=False: the Arrow/Parquet data loader is not in this version yet; "
-            "run with --use_dummy_dataset=True"
-        )
     if cfg.ckpt_load_path is not None:
         raise ConfigError("--ckpt_load_path: loading checkpoints is not in this version yet; leave it unset")
     if cfg.tracker is not None:

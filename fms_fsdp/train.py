@@ -17,7 +17,7 @@ from fms.models.llama import LLaMA
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.config import ConfigError, cli_config, save_config, to_dict, train_config
-from fms_fsdp.data import get_data_loader
+from fms_fsdp.data import DataError, get_data_loader
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights
 from fms_fsdp.parallel import DistInfo, build_mesh, init_distributed, parallelize
@@ -106,9 +106,10 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
         log(info, "note: checkpoints are not written by this version; checkpoint_interval is not used")
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
+    loader = get_data_loader(cfg, info.rank, info.world_size)  # bad data fails here, before the model
     model, optimizer, scheduler = build(cfg, info)
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
-    batches = iter(get_data_loader(cfg, info.rank, info.world_size))
+    batches = iter(loader)
     reporter = MetricsReporter(cfg, info, flops_per_token(model_config, cfg.seq_length))
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
@@ -147,7 +148,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = cli_config(argv)
     try:
         run(cfg)
-    except (ConfigError, TrainingError) as e:
-        if os.environ.get("RANK", "0") == "0":
+    except (ConfigError, DataError, TrainingError) as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        elif isinstance(e, DataError) and not e.every_rank:  # found by this rank's reader alone
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1 if isinstance(e, TrainingError) else 2) from None

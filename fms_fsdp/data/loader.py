@@ -1,0 +1,128 @@
+"""The stateful data loader of one rank: torch DataLoader workers, each a Reader, with the state of
+every delivered batch tracked for exact resume and regrouped for rescaling.
+
+As in torchdata's StatefulDataLoader, each worker sends its state with every batch, so the saved
+state is that of the batches the trainer has taken, not of those prefetched. The DataLoader hands
+out batches from workers 0, 1, ..., W-1 in turn; on resume, worker roles are rotated so that the
+worker whose batch was due next delivers first, and the batch sequence continues exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from fms_fsdp.data.shards import DataError, Dataset
+from fms_fsdp.data.stream import Packing, Reader, n_logical_shards, shard_table
+
+STATE_VERSION = 1
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _as_is(item: Any) -> Any:
+    """DataLoader's collate_fn: keep worker states as numpy (default_convert would make tensors)."""
+    return item
+
+
+class _Workers(IterableDataset):
+    """What each DataLoader worker runs: one Reader, yielding (inputs, labels, reader state)."""
+
+    def __init__(self, loader: "StatefulLoader"):
+        self.datasets, self.weights, self.packing = loader.datasets, loader.weights, loader.packing
+        self.batch_size, self.logical_shards, self.seed = loader.batch_size, loader.logical_shards, loader.seed
+        self.rank, self.workers = loader.rank, loader.workers
+        self.consumers = loader.world_size * self.workers
+        self.states, self.rotation = list(loader.states), loader.next_worker
+
+    def __iter__(self) -> Iterator[tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]]:
+        info = get_worker_info()
+        logical = ((info.id if info else 0) + self.rotation) % self.workers
+        try:
+            reader = Reader(self.datasets, self.weights, self.logical_shards, self.rank * self.workers + logical,
+                            self.consumers, self.seed, self.packing, self.states[logical])
+            while True:
+                lines = torch.from_numpy(np.stack([reader.next_line() for _ in range(self.batch_size)]))
+                yield lines[:, :-1], lines[:, 1:], reader.state()
+        except DataError as e:  # crosses the worker boundary as one line, not a wrapped traceback
+            yield None, None, {"error": str(e)}
+
+
+class StatefulLoader:
+    """Iterable of (inputs, labels) [batch_size, seq_length] int64 batches for one rank, with
+    state_dict() / load_state_dict()."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], packing: Packing, batch_size: int,
+                 logical_shards: int, seed: int, rank: int, world_size: int, num_workers: int):
+        self.datasets, self.weights, self.packing = datasets, weights, packing
+        self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.workers = max(1, num_workers)  # readers per rank; 0 workers = one reader in this process
+        self.states: list[Optional[dict[str, Any]]] = [None] * self.workers
+        self.next_worker = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        source = _Workers(self)
+        it = iter(source) if self.num_workers == 0 else iter(
+            DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is))
+        for inputs, labels, state in it:
+            if "error" in state:
+                raise DataError(state["error"])
+            logical = state["consumer"] - self.rank * self.workers
+            self.states[logical] = state
+            self.next_worker = (logical + 1) % self.workers
+            yield inputs, labels
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"seed": self.seed, "logical_shards": self.logical_shards,
+                "documents": {d.name: d.documents for d in self.datasets}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position: small, picklable, no tokens."""
+        return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size,
+                "num_workers": self.num_workers, "next_worker": self.next_worker,
+                "readers": list(self.states), **self._fingerprint()}
+
+    def load_state_dict(self, state: Union[dict[str, Any], list[dict[str, Any]]]) -> None:
+        """Resume from this rank's own state, or from the list of every rank's states of a run with
+        any world size and num_workers (regrouped by logical shard)."""
+        states = state if isinstance(state, list) else [state]
+        for s in states:
+            if s.get("version") != STATE_VERSION:
+                raise DataError(f"data loader state version {s.get('version')} is not {STATE_VERSION}")
+            for key, value in self._fingerprint().items():
+                if s[key] != value:
+                    raise DataError(f"the data changed since this state was saved: {key} was {s[key]}, is {value}")
+        own = states[self.rank] if isinstance(state, list) and len(states) == self.world_size else states[0]
+        if (own["rank"], own["world_size"], own["num_workers"]) == (self.rank, self.world_size, self.num_workers):
+            self.states, self.next_worker = list(own["readers"]), own["next_worker"]
+        elif not isinstance(state, list):
+            raise DataError("a single rank's loader state cannot be rescaled: pass the list of every rank's states")
+        else:
+            self.states, self.next_worker = self._regroup(states), 0
+
+    def _regroup(self, states: list[dict[str, Any]]) -> list[Optional[dict[str, Any]]]:
+        """Reader states for this rank's readers from every old reader's shards."""
+        old = [r for s in states for r in s["readers"]]
+        consumers = self.world_size * self.workers
+        ranks = {s["rank"] for s in states}
+        if len(ranks) != states[0]["world_size"] or len(old) != states[0]["world_size"] * max(1, states[0]["num_workers"]):
+            raise DataError(f"loader state of {len(ranks)} ranks given; the run had {states[0]['world_size']}")
+        result: list[Optional[dict[str, Any]]] = []
+        for logical in range(self.workers):
+            consumer = self.rank * self.workers + logical
+            datasets = {}
+            for ds in self.datasets:
+                n = n_logical_shards(self.logical_shards, ds.documents)
+                table = {}
+                for r in old:
+                    if r is not None:
+                        table.update(shard_table(r["datasets"][ds.name], r["consumer"], r["consumers"], n))
+                rows = [table.get(s, (0, 0, 0)) for s in range(consumer, n, consumers)]
+                datasets[ds.name] = {"epoch": np.array([x[0] for x in rows], np.int32),
+                                     "cursor": np.array([x[1] for x in rows], np.int32),
+                                     "offset": np.array([x[2] for x in rows], np.int32), "next": 0}
+            result.append({"consumer": consumer, "consumers": consumers, "lines": 0, "datasets": datasets})
+        return result

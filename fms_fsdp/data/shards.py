@@ -1,0 +1,208 @@
+"""Shard files on disk: discovery, validation, document counts (meta/*counts*.csv, computed and cached
+once when absent) and zero-copy random access to documents.
+
+Two layouts are read, in Arrow IPC files and Parquet:
+- fms-fsdp's: one record batch per document, one token per row in an integer column (Arrow only);
+- one row per document, a list-of-integers column (what Hugging Face datasets and pyarrow write).
+Arrow files are memory-mapped: a document is a view of the file's pages, never a copy.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
+COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
+CACHED_COUNTS = "counts_fms_fsdp_cache.csv"
+_OPEN_FILES = 128
+
+
+class DataError(ValueError):
+    """Bad training data; the message is one line naming the file or flag. every_rank: every rank
+    raised the same error (so rank 0 alone reports it)."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+@dataclass
+class FileEntry:
+    path: str  # relative to data_path, with a leading slash: /dataset/sub/f.arrow
+    documents: int
+    tokens: int
+
+
+class ShardFile:
+    """Random access to the documents of one shard file."""
+
+    def __init__(self, path: Path, col_name: str):
+        self.path, self.col = path, col_name
+        try:
+            if path.suffix == ".parquet":
+                self._pq = pq.ParquetFile(path, memory_map=True)
+                schema = self._pq.schema_arrow
+                rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
+            else:
+                self._pq = None
+                self._ipc = pa.ipc.open_file(pa.memory_map(str(path)))
+                schema = self._ipc.schema
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({str(e).splitlines()[0]})") from None
+        if col_name not in schema.names:
+            raise DataError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
+        ctype = schema.field(col_name).type
+        if pa.types.is_integer(ctype) and self._pq is None:
+            self.rows_layout = False
+            self.documents = self._ipc.num_record_batches
+        elif (pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_integer(ctype.value_type):
+            self.rows_layout = True
+            if self._pq is None:
+                rows = [self._ipc.get_batch(i).num_rows for i in range(self._ipc.num_record_batches)]
+            self._starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+            self.documents = int(self._starts[-1])
+        else:
+            raise DataError(f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch "
+                            "per document, Arrow) or a list of integers (one row per document)")
+        self._block: tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
+
+    def count_tokens(self) -> int:
+        """Tokens in the file (reads every batch's or row group's offsets once)."""
+        if not self.rows_layout:
+            return sum(self._ipc.get_batch(i).num_rows for i in range(self.documents))
+        total = 0
+        for b in range(len(self._starts) - 1):
+            offsets = self._load(b)[1]
+            total += int(offsets[-1] - offsets[0])
+        return total
+
+    def _load(self, block: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(block, values, offsets) of one record batch or row group (rows layout), cached."""
+        if self._block[0] != block:
+            if self._pq is not None:
+                column = self._pq.read_row_group(block, columns=[self.col]).column(0).combine_chunks()
+            else:
+                column = self._ipc.get_batch(block).column(self.col)
+            self._block = (block, column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy())
+        return self._block
+
+    def document(self, j: int) -> np.ndarray:
+        """Tokens of document j (a read-only view for Arrow files)."""
+        if not self.rows_layout:
+            return self._ipc.get_batch(j).column(self.col).to_numpy(zero_copy_only=False)
+        block = int(np.searchsorted(self._starts, j, side="right") - 1)
+        _, values, offsets = self._load(block)
+        row = j - int(self._starts[block])
+        return values[offsets[row]: offsets[row + 1]]
+
+
+class Dataset:
+    """The documents of one dataset folder, addressed by a global index [0, documents)."""
+
+    def __init__(self, name: str, root: Path, entries: list[FileEntry], col_name: str):
+        self.name, self.root, self.entries, self.col = name, root, entries, col_name
+        self.starts = np.concatenate([[0], np.cumsum([e.documents for e in entries], dtype=np.int64)])
+        self.documents = int(self.starts[-1])
+        self.tokens = sum(e.tokens for e in entries)
+        self._open: OrderedDict[int, ShardFile] = OrderedDict()
+
+    def _file(self, i: int) -> ShardFile:
+        f = self._open.get(i)
+        if f is None:
+            f = ShardFile(self.root / self.entries[i].path.lstrip("/"), self.col)
+            if len(self._open) >= _OPEN_FILES:
+                self._open.popitem(last=False)
+            self._open[i] = f
+        else:
+            self._open.move_to_end(i)
+        return f
+
+    def document(self, doc: int) -> tuple[np.ndarray, str, int]:
+        """(tokens, file path, index in file) of global document `doc`."""
+        i = int(np.searchsorted(self.starts, doc, side="right") - 1)
+        j = doc - int(self.starts[i])
+        return self._file(i).document(j), self.entries[i].path, j
+
+    def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
+        return {**self.__dict__, "_open": OrderedDict()}
+
+
+def list_datasets(data_path: str, datasets: Optional[list[str]]) -> list[str]:
+    """The dataset folders to read: --datasets, or every sub-folder of data_path but meta."""
+    root = Path(data_path)
+    if not root.is_dir():
+        raise DataError(f"--data_path: folder not found: {data_path}", every_rank=True)
+    names = datasets or sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
+    if not names:
+        raise DataError(f"--data_path: {data_path} has no dataset sub-folders", every_rank=True)
+    for name in names:
+        if not (root / name).is_dir():
+            raise DataError(f"--datasets: no folder {name!r} in {data_path}", every_rank=True)
+    return names
+
+
+def read_counts(data_path: str) -> dict[str, FileEntry]:
+    """Entries of every meta/*counts*.csv under data_path, by relative path."""
+    entries: dict[str, FileEntry] = {}
+    for csv_path in sorted((Path(data_path) / "meta").glob("*counts*.csv")):
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
+            raise DataError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
+        for row in rows[1:]:
+            try:
+                path = "/" + row[0].strip().lstrip("/")
+                entries.setdefault(path, FileEntry(path, int(row[1]), int(row[2])))
+            except (IndexError, ValueError):
+                raise DataError(f"{csv_path}: bad row {','.join(row)!r}") from None
+    return entries
+
+
+def write_counts(path: Path, entries: list[FileEntry]) -> None:
+    """Write a counts CSV atomically."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COUNTS_HEADER)
+        writer.writerows([e.path, e.documents, e.tokens] for e in entries)
+    os.replace(tmp, path)
+
+
+def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dict[str, list[FileEntry]]:
+    """Every shard of every dataset with its counts: validated by opening each file; counts from
+    meta/*counts*.csv where listed and right, computed otherwise and cached in meta/."""
+    root = Path(data_path)
+    known = read_counts(data_path)
+    result: dict[str, list[FileEntry]] = {}
+    computed = False
+    for name in names:
+        files = sorted(p for ext in EXTENSIONS[file_type] for p in (root / name).rglob(f"*{ext}") if p.is_file())
+        if not files:
+            raise DataError(f"{root / name}: no {' or '.join(EXTENSIONS[file_type])} files (--file_type={file_type})")
+        entries = []
+        for path in files:
+            rel = "/" + path.relative_to(root).as_posix()
+            shard = ShardFile(path, col_name)
+            entry = known.get(rel)
+            if entry is None or entry.documents != shard.documents:
+                entry, computed = FileEntry(rel, shard.documents, shard.count_tokens()), True
+            entries.append(entry)
+        if sum(e.documents for e in entries) == 0:
+            raise DataError(f"{root / name}: the dataset has no documents")
+        result[name] = entries
+    if computed:
+        try:
+            (root / "meta").mkdir(exist_ok=True)
+            write_counts(root / "meta" / CACHED_COUNTS, [e for es in result.values() for e in es])
+        except OSError:
+            pass  # a read-only data folder: counts are recomputed next time
+    return result

@@ -1,0 +1,283 @@
+"""Report what the training loader will read from a data folder, and what looks wrong in it.
+
+    python scripts/inspect_data.py --data_path=/data
+    python scripts/inspect_data.py --data_path=/data --datasets=web,code --vocab_size=128256 --eos_token=128001 \
+        [--bos_token=128000] [--col_name=tokens]
+
+Reads every .arrow and .parquet file of each dataset folder (default: all sub-folders but meta), in both
+layouts the loader accepts: one record batch per document with an integer column (IBM fms-fsdp's, Arrow
+only), or one row per document with a list-of-integers column (Arrow or Parquet). Arrow files are
+memory-mapped, Parquet files read batch by batch.
+
+Prints documents, tokens and the largest id per file and per dataset, then flags, with the first few
+examples (file and document index):
+- doubled separators: documents beginning or ending with --eos_token or --bos_token (the loader adds
+  them, so such a document gets two);
+- empty documents;
+- out-of-vocabulary ids (>= --vocab_size, when given);
+- differences from <data_path>/meta/*counts*.csv: wrong counts, listed files that are missing.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import fire
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
+EXAMPLES = 5
+
+
+class CliError(Exception):
+    """Bad flags or data; the message is one actionable line."""
+
+
+def as_names(value: object) -> Optional[list[str]]:
+    """--datasets as a list (fire turns `a,b` into a tuple and `1` into an int)."""
+    if value is None:
+        return None
+    items = value if isinstance(value, (tuple, list)) else str(value).split(",")
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
+def as_id(flag: str, value: object, low: int = 0) -> Optional[int]:
+    """An optional integer flag >= low."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:
+        raise CliError(f"--{flag}={value}: expected an integer >= {low} (or None)")
+    return int(value)
+
+
+@dataclass
+class Flag:
+    """One kind of problem: how many documents have it, and the first few."""
+
+    title: str
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.examples) < EXAMPLES:
+            self.examples.append(where)
+
+    def print(self) -> None:
+        print(f"{self.title}: {self.count}")
+        for line in self.examples:
+            print(f"  {line}")
+
+
+@dataclass
+class FileStats:
+    path: str  # relative to data_path, with a leading slash, as in the counts CSV
+    documents: int = 0
+    tokens: int = 0
+    max_id: int = -1
+
+
+class Checker:
+    """Runs the per-document checks over chunks of documents and keeps the flags."""
+
+    def __init__(self, separators: dict[str, int], vocab_size: Optional[int]):
+        self.separators, self.vocab_size = separators, vocab_size
+        names = " or ".join(f"{k} {v}" for k, v in separators.items())
+        self.doubled = Flag(f"doubled separators (documents beginning or ending with {names}; "
+                            "the loader adds one, so they get two)")
+        self.empty = Flag("empty documents")
+        self.oov = Flag(f"documents with out-of-vocabulary ids (>= {vocab_size})")
+
+    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray) -> None:
+        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats."""
+        first_doc = stats.documents
+        stats.documents += len(lengths)
+        stats.tokens += len(values)
+        if len(values):
+            stats.max_id = max(stats.max_id, int(values.max()))
+        ends = np.cumsum(lengths)
+        for d in np.flatnonzero(lengths == 0):
+            self.empty.add(f"{stats.path} document {first_doc + d}")
+        docs = np.flatnonzero(lengths)
+        seps = list(self.separators.values())
+        first, last = values[ends[docs] - lengths[docs]], values[ends[docs] - 1]
+        starts_sep, ends_sep = np.isin(first, seps), np.isin(last, seps)
+        for d in np.flatnonzero(starts_sep | ends_sep):
+            how = []
+            if starts_sep[d]:
+                how.append(f"begins with {first[d]}")
+            if ends_sep[d]:
+                how.append(f"ends with {last[d]}")
+            self.doubled.add(f"{stats.path} document {first_doc + docs[d]}: {' and '.join(how)}")
+        if self.vocab_size is not None:
+            bad = np.flatnonzero((values >= self.vocab_size) | (values < 0))
+            doc_of = np.searchsorted(ends, bad, side="right")
+            for d in np.unique(doc_of):
+                self.oov.add(f"{stats.path} document {first_doc + d}: id {values[bad[doc_of == d][0]]}")
+
+
+def chunks(path: Path, col_name: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(token values, document lengths) for each record batch of a shard file, in either layout."""
+    parquet = path.suffix == ".parquet"
+    if parquet:
+        pf = pq.ParquetFile(path, memory_map=True)
+        schema = pf.schema_arrow
+    else:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        schema = reader.schema
+    if col_name not in schema.names:
+        raise CliError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
+    ctype = schema.field(col_name).type
+    batches = (pf.iter_batches(columns=[col_name]) if parquet
+               else (reader.get_batch(i) for i in range(reader.num_record_batches)))
+    if (pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_integer(ctype.value_type):
+        for batch in batches:  # one document per row
+            column = batch.column(col_name)
+            lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            yield column.flatten().to_numpy(zero_copy_only=False), lengths
+    elif pa.types.is_integer(ctype) and not parquet:
+        for batch in batches:  # one document per record batch
+            yield batch.column(col_name).to_numpy(zero_copy_only=False), np.array([batch.num_rows])
+    else:
+        raise CliError(f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch per "
+                       "document, Arrow only) or a list of integers (one row per document)")
+
+
+def scan_file(path: Path, rel: str, col_name: str, checker: Checker) -> FileStats:
+    """Counts of one shard file, its documents checked."""
+    stats = FileStats(rel)
+    try:
+        for values, lengths in chunks(path, col_name):
+            checker.documents(stats, values, lengths)
+    except (pa.ArrowException, OSError) as e:
+        kind = "a Parquet file" if path.suffix == ".parquet" else "an Arrow IPC file (pyarrow.ipc.new_file)"
+        raise CliError(f"{path}: truncated, corrupt or not {kind}: {str(e).splitlines()[0]}") from None
+    return stats
+
+
+def dataset_names(root: Path, datasets: Optional[list[str]]) -> list[str]:
+    """--datasets, or every sub-folder of data_path but meta and hidden ones."""
+    names = datasets or sorted(p.name for p in root.iterdir()
+                               if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
+    if not names:
+        raise CliError(f"--data_path={root}: no dataset sub-folders")
+    for name in names:
+        if not (root / name).is_dir():
+            raise CliError(f"--datasets: no folder {name!r} in {root}")
+    return names
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The .arrow and .parquet files under a dataset folder, not in hidden folders, sorted."""
+    files = sorted(p for ext in (".arrow", ".parquet") for p in folder.rglob(f"*{ext}")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not files:
+        raise CliError(f"{folder}: no .arrow or .parquet files (check --data_path and --datasets)")
+    return files
+
+
+def read_counts(root: Path) -> dict[str, tuple[int, int, str]]:
+    """(documents, tokens, csv name) by file path from every meta/*counts*.csv; the first listing wins,
+    as in the loader."""
+    entries: dict[str, tuple[int, int, str]] = {}
+    for csv_path in sorted((root / "meta").glob("*counts*.csv")):
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
+            raise CliError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
+        for row in rows[1:]:
+            try:
+                path = "/" + row[0].strip().lstrip("/")
+                entries.setdefault(path, (int(row[1]), int(row[2]), f"meta/{csv_path.name}"))
+            except (IndexError, ValueError):
+                raise CliError(f"{csv_path}: bad row {','.join(row)!r}") from None
+    return entries
+
+
+def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None:
+    """Print how the counts CSVs agree with the files."""
+    listed = {p: e for p, e in read_counts(root).items() if p.split("/")[1] in names}
+    if not listed:
+        print("counts CSV: none for these datasets (the loader counts the files itself and caches the counts)")
+        return
+    mismatch = Flag("counts CSV mismatches")
+    unlisted = 0
+    for f in files:
+        entry = listed.pop(f.path, None)
+        if entry is None:
+            unlisted += 1
+        elif entry[:2] != (f.documents, f.tokens):
+            mismatch.add(f"{f.path}: {entry[2]} says {entry[0]} documents, {entry[1]} tokens; "
+                         f"the file has {f.documents} documents, {f.tokens} tokens")
+    for path, entry in sorted(listed.items()):
+        mismatch.add(f"{path}: listed in {entry[2]} but not found")
+    mismatch.print()
+    if unlisted:
+        print(f"  ({unlisted} files not listed: the loader counts them itself)")
+
+
+def print_table(rows: list[list[str]]) -> None:
+    """Left-aligned text columns, right-aligned numbers."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def report_row(name: str, label: str, files: list[FileStats]) -> list[str]:
+    return [name, label, str(sum(f.documents for f in files)), str(sum(f.tokens for f in files)),
+            str(max((f.max_id for f in files), default=-1))]
+
+
+def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> None:
+    """Scan every shard of the datasets and print the table, the flags and the counts comparison."""
+    paths = {name: shard_files(root / name) for name in names}
+    every = [p for ps in paths.values() for p in ps]
+    stats = {p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
+             for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)}
+    rows = [["dataset", "file", "documents", "tokens", "max id"]]
+    for name in names:
+        files = [stats[p] for p in paths[name]]
+        rows += [report_row(name, f.path, [f]) for f in files]
+        rows.append(report_row(name, f"total ({len(files)} files)", files))
+    rows.append(report_row("all", f"total ({len(names)} datasets)", list(stats.values())))
+    print_table(rows)
+    print()
+    if checker.separators:
+        checker.doubled.print()
+    else:
+        print("doubled separators: not checked (--eos_token=None and no --bos_token)")
+    checker.empty.print()
+    if checker.vocab_size is None:
+        print("out-of-vocabulary ids: not checked (give --vocab_size)")
+    else:
+        checker.oov.print()
+    compare_counts(root, names, list(stats.values()))
+
+
+def main(data_path: str = "", datasets: Optional[str] = None, vocab_size: Optional[int] = None,
+         eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+    """Report documents and tokens per dataset and file of --data_path, and flag problems (see the module docstring)."""
+    try:
+        if not data_path:
+            raise CliError("--data_path is required: the folder holding one sub-folder per dataset")
+        root = Path(str(data_path))
+        if not root.is_dir():
+            raise CliError(f"--data_path={data_path}: folder not found")
+        separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
+                      if v is not None}
+        checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
+        inspect(root, dataset_names(root, as_names(datasets)), str(col_name), checker)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

@@ -1,0 +1,264 @@
+"""The Arrow/Parquet loader: coverage, mixing, packing, stripping, exact resume, rescaling, errors."""
+
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fms_fsdp.config import make_config
+from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.data.order import permute, round_keys, shard_bounds
+from fms_fsdp.data.stream import n_logical_shards
+
+EOS, BOS, BOL, EOL = 0, 1, 2, 3
+
+
+def write_arrow_docs(path: Path, docs: list[list[int]]) -> None:
+    """fms-fsdp's layout: one record batch per document, uint32 column `tokens`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("tokens", pa.uint32())])
+    with pa.ipc.new_file(str(path), schema) as w:
+        for d in docs:
+            w.write_batch(pa.record_batch([pa.array(d, pa.uint32())], schema=schema))
+
+
+def write_rows(path: Path, docs: list[list[int]], rows_per_batch: int = 7) -> None:
+    """One row per document, list<int32> column `tokens`, in an Arrow IPC file or Parquet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"tokens": pa.array(docs, pa.list_(pa.int32()))})
+    if path.suffix == ".parquet":
+        pq.write_table(table, path, row_group_size=rows_per_batch)
+    else:
+        with pa.ipc.new_file(str(path), table.schema) as w:
+            for batch in table.to_batches(max_chunksize=rows_per_batch):
+                w.write_batch(batch)
+
+
+def make_docs(first_id: int, n: int, seed: int) -> list[list[int]]:
+    """Document k is the token k repeated 1..40 times: every token names its document."""
+    rng = np.random.default_rng(seed)
+    return [[k] * int(rng.integers(1, 40)) for k in range(first_id, first_id + n)]
+
+
+def write_dataset(root: Path, name: str, docs: list[list[int]], layout: str = "arrow", files: int = 3) -> None:
+    """layout: arrow (fms-fsdp's), rows_arrow or parquet (one row per document)."""
+    for f, part in enumerate(np.array_split(np.arange(len(docs)), files)):
+        chunk = [docs[i] for i in part]
+        if layout == "arrow":
+            write_arrow_docs(root / name / f"sub{f % 2}" / f"part{f}.arrow", chunk)
+        else:
+            write_rows(root / name / f"part{f}.{'parquet' if layout == 'parquet' else 'arrow'}", chunk)
+
+
+def cfg(root: Path, **kw):
+    base = dict(data_path=str(root), model_variant="tiny", seq_length=16, batch_size=2, logical_shards=8,
+                num_workers=0, seed=7, file_type="auto")
+    return make_config(**{**base, **kw})
+
+
+def lines_of(batches) -> np.ndarray:
+    """The full lines (seq_length + 1 tokens) behind (inputs, labels) batches."""
+    return np.concatenate([torch.cat([x, y[:, -1:]], dim=1).numpy() for x, y in batches])
+
+
+def take(loader, n: int) -> list:
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def doc_starts(stream: np.ndarray) -> list[int]:
+    return [int(t) for i, t in enumerate(stream) if t != EOS and (i == 0 or stream[i - 1] == EOS)]
+
+
+@pytest.mark.parametrize("layout", ["arrow", "rows_arrow", "parquet"])
+def test_every_document_once_per_epoch_and_epochs_reshuffle(tmp_path, layout):
+    docs = make_docs(10, 48, seed=1)  # 48 documents: 8 logical shards of 6
+    write_dataset(tmp_path, "web", docs, layout)
+    loader = get_data_loader(cfg(tmp_path, seq_length=31), 0, 1)
+    total = sum(len(d) + 1 for d in docs)
+    stream = lines_of(take(loader, total // 32 + 2 + total // 32 + 2)).reshape(-1)
+    epoch0, epoch1 = stream[:total], stream[total: 2 * total]
+    counts = Counter(epoch0.tolist())
+    assert counts[EOS] == len(docs)
+    assert all(counts[d[0]] == len(d) for d in docs)
+    order0, order1 = doc_starts(epoch0), doc_starts(epoch1)
+    assert sorted(order0) == sorted(order1) == [d[0] for d in docs]
+    assert order0 != order1
+    pos = {t: i for i, t in enumerate(order0)}  # consecutive documents of a file land far apart
+    assert np.mean([abs(pos[k + 1] - pos[k]) for k in range(10, 10 + len(docs) - 1)]) > len(docs) / 5
+
+
+def test_weights_are_token_proportions(tmp_path):
+    write_dataset(tmp_path, "a", make_docs(10, 30, 1))
+    write_dataset(tmp_path, "b", make_docs(100, 300, 2))
+    loader = get_data_loader(cfg(tmp_path, datasets=["a", "b"], weights=[3, 1], batch_size=50), 0, 1)
+    lines = lines_of(take(loader, 800))  # 40,000 lines
+    from_a = np.isin(lines, np.arange(10, 40)).any(axis=1)
+    from_b = np.isin(lines, np.arange(100, 400)).any(axis=1)
+    assert not (from_a & from_b).any()  # a line comes from one dataset
+    assert from_a.mean() == pytest.approx(0.75, abs=0.01)
+
+
+def test_packing_format_and_shift(tmp_path):
+    docs = make_docs(10, 20, 3)
+    write_dataset(tmp_path, "web", docs)
+    loader = get_data_loader(cfg(tmp_path, bos_token=BOS, bol_token=BOL, eol_token=EOL, seq_length=24), 0, 1)
+    batches = take(loader, 10)
+    x, y = batches[0]
+    assert x.shape == y.shape == (2, 24) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    lines = lines_of(batches)
+    assert (lines[:, 0] == BOL).all() and (lines[:, -1] == EOL).all()
+    inner = lines[:, 1:-1].reshape(-1)
+    starts = np.flatnonzero(inner == BOS)
+    for s, e in zip(starts, starts[1:]):  # every whole document: [bos] k..k [eos]
+        doc = inner[s:e]
+        assert doc[-1] == EOS and len(set(doc[1:-1].tolist())) == 1
+        assert len(doc) - 2 == len(docs[doc[1] - 10])
+
+
+def test_separators_already_in_documents_are_stripped(tmp_path):
+    docs = [[EOS, EOS, 50, 51, 50, EOS], [BOS, 60, 7, 60, 7, EOS, EOS, EOS], [7, 70, EOS, 70]] * 4
+    write_dataset(tmp_path, "web", docs, files=1)
+    loader = get_data_loader(cfg(tmp_path, bos_token=BOS, strip_tokens=[7], logical_shards=1, seq_length=7), 0, 1)
+    stream = lines_of(take(loader, 10)).reshape(-1).tolist()
+    pairs = set(zip(stream, stream[1:]))
+    assert (EOS, EOS) not in pairs and (BOS, BOS) not in pairs and (BOS, EOS) not in pairs
+    text = " " + " ".join(map(str, stream)) + " "
+    assert " 1 50 51 50 0 " in text and " 1 60 7 60 0 " in text  # ends stripped, inner tokens kept
+    assert " 1 70 0 70 0 " in text  # an inner separator stays
+
+
+def test_empty_documents_are_skipped_and_nothing_else(tmp_path):
+    docs = make_docs(10, 24, 4)
+    mixed = [d for pair in zip(docs, [[], [EOS], [EOS, EOS]] * 8) for d in pair]
+    write_dataset(tmp_path, "web", mixed, files=2)
+    loader = get_data_loader(cfg(tmp_path, logical_shards=1, seq_length=15), 0, 1)
+    total = sum(len(d) + 1 for d in docs)
+    stream = lines_of(take(loader, total // 16 + 1)).reshape(-1)[:total]
+    assert Counter(stream.tolist()) == Counter([t for d in docs for t in d] + [EOS] * len(docs))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_resume(tmp_path, workers):
+    write_dataset(tmp_path, "a", make_docs(10, 60, 5))
+    write_dataset(tmp_path, "b", make_docs(100, 40, 6), layout="parquet")
+    c = cfg(tmp_path, num_workers=workers, weights=[2, 1])
+    for rank in (0, 1):
+        full = take(get_data_loader(c, rank, 2), 13)
+        first = get_data_loader(c, rank, 2)
+        it = iter(first)
+        for _ in range(5):
+            next(it)
+        state = pickle.loads(pickle.dumps(first.state_dict()))
+        again = get_data_loader(c, rank, 2)
+        again.load_state_dict(state)
+        rest = take(again, 8)
+        for (x1, y1), (x2, y2) in zip(full[5:], rest):
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def consumed_from_states(loader, states) -> Counter:
+    """Tokens the readers' states say were consumed: whole documents before each shard's cursor, and
+    `offset` framed tokens of the current one (all in epoch 0)."""
+    expected: Counter = Counter()
+    for k, ds in enumerate(loader.datasets):
+        n = n_logical_shards(loader.logical_shards, ds.documents)
+        for r in (r for s in states for r in s["readers"] if r is not None):
+            d = r["datasets"][ds.name]
+            for s, epoch, cursor, offset in zip(range(r["consumer"], n, r["consumers"]), d["epoch"], d["cursor"], d["offset"]):
+                assert epoch == 0
+                lo, _ = shard_bounds(ds.documents, n, s)
+                ids = permute(np.arange(lo, lo + cursor + 1), ds.documents, round_keys(loader.seed, k, 0))
+                for i, doc in enumerate(ids):
+                    tokens = ds.document(int(doc))[0]
+                    expected[int(tokens[0])] += len(tokens) if i < cursor else min(int(offset), len(tokens))
+    return expected
+
+
+@pytest.mark.parametrize("before, after", [((2, 0), (3, 0)), ((4, 2), (1, 0)), ((3, 1), (5, 2))])
+def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
+    write_dataset(tmp_path, "a", make_docs(10, 400, 7))
+    write_dataset(tmp_path, "b", make_docs(1000, 300, 8), layout="rows_arrow")
+    seen: Counter = Counter()
+    (w1, n1), (w2, n2) = before, after
+    old = []
+    for rank in range(w1):
+        loader = get_data_loader(cfg(tmp_path, num_workers=n1, logical_shards=24, batch_size=4, seq_length=32), rank, w1)
+        seen.update(lines_of(take(loader, 6)).reshape(-1).tolist())
+        old.append(loader.state_dict())
+    new = []
+    for rank in range(w2):
+        loader = get_data_loader(cfg(tmp_path, num_workers=n2, logical_shards=24, batch_size=4, seq_length=32), rank, w2)
+        loader.load_state_dict(pickle.loads(pickle.dumps(old)))
+        seen.update(lines_of(take(loader, 5)).reshape(-1).tolist())
+        new.append(loader.state_dict())
+    del seen[EOS]
+    assert seen == consumed_from_states(loader, new)
+    assert sum(seen.values()) > 1500 and any(t < 1000 for t in seen) and any(t >= 1000 for t in seen)
+
+
+def test_loader_state_is_small(tmp_path):
+    for name, first in (("a", 10), ("b", 2000), ("c", 4000)):
+        write_dataset(tmp_path, name, make_docs(first, 1500, first), files=4)
+    loader = get_data_loader(cfg(tmp_path, logical_shards=1024, vocab_size=8192), 0, 1)
+    take(loader, 3)
+    assert len(pickle.dumps(loader.state_dict())) <= 64 * 1024
+
+
+def test_a_single_rank_state_is_not_rescaled_silently(tmp_path):
+    write_dataset(tmp_path, "a", make_docs(10, 40, 1))
+    loader = get_data_loader(cfg(tmp_path), 0, 2)
+    take(loader, 2)
+    other = get_data_loader(cfg(tmp_path), 0, 3)
+    with pytest.raises(DataError, match="pass the list of every rank's states"):
+        other.load_state_dict(loader.state_dict())
+    write_dataset(tmp_path, "a", make_docs(500, 10, 2), files=1)  # more documents now
+    changed = get_data_loader(cfg(tmp_path), 0, 2)
+    with pytest.raises(DataError, match="the data changed since this state was saved"):
+        changed.load_state_dict(loader.state_dict())
+
+
+def test_counts_file_is_read_when_present_and_cached_when_absent(tmp_path):
+    write_dataset(tmp_path, "a", make_docs(10, 30, 1))
+    (tmp_path / "meta").mkdir()
+    files = sorted((tmp_path / "a").rglob("*.arrow"))
+    rows = [f"/a/{p.relative_to(tmp_path / 'a').as_posix()},10,12345" for p in files]
+    (tmp_path / "meta" / "combined_counts.csv").write_text("dataset/filename,documents,tokens\n" + "\n".join(rows) + "\n")
+    loader = get_data_loader(cfg(tmp_path), 0, 1)
+    assert loader.datasets[0].tokens == 3 * 12345  # taken from the file, not recomputed
+    (tmp_path / "meta" / "combined_counts.csv").unlink()
+    loader = get_data_loader(cfg(tmp_path), 0, 1)
+    cache = next((tmp_path / "meta").glob("*counts*.csv")).read_text().splitlines()
+    assert cache[0] == "dataset/filename,documents,tokens" and len(cache) == 4
+    assert loader.datasets[0].tokens == sum(len(d) for d in make_docs(10, 30, 1))
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path):
+    def error(**kw) -> str:
+        with pytest.raises(DataError) as e:
+            take(get_data_loader(cfg(tmp_path, **kw), 0, 1), 4)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "--data_path: folder not found" in error(data_path=str(tmp_path / "nowhere"))
+    write_dataset(tmp_path, "a", make_docs(10, 30, 1))
+    assert "--datasets: no folder 'zz'" in error(datasets=["zz"])
+    assert "--weights has 2 values but" in error(weights=[1, 2])
+    (tmp_path / "empty").mkdir()
+    write_arrow_docs(tmp_path / "empty" / "x.arrow", [])
+    assert "empty: the dataset has no documents" in error(datasets=["empty"])
+    write_dataset(tmp_path, "big", [[5, 9000, 5]] * 10)
+    assert "has token id 9000 >= vocab_size 4096" in error(datasets=["big"]) and "big/sub0/part0.arrow" in error(datasets=["big"])
+    write_rows(tmp_path / "strcol" / "x.parquet", [[1, 2]])
+    assert "no column 'text'" in error(datasets=["strcol"], col_name="text")
+    good = tmp_path / "a" / "sub0" / "part0.arrow"
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "t.arrow").write_bytes(good.read_bytes()[:-40])
+    message = error(datasets=["trunc"])
+    assert "trunc/t.arrow: not a readable arrow shard" in message
