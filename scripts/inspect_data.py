@@ -21,10 +21,11 @@ examples (file and document index):
 from __future__ import annotations
 
 import csv
+import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import fire
 import numpy as np
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
 EXAMPLES = 5
+GROUP = 1024  # one-batch documents checked together
 
 
 class CliError(Exception):
@@ -65,10 +67,10 @@ class Flag:
     count: int = 0
     examples: list[str] = field(default_factory=list)
 
-    def add(self, where: str) -> None:
-        self.count += 1
-        if len(self.examples) < EXAMPLES:
-            self.examples.append(where)
+    def add(self, n: int, examples: Iterable[str]) -> None:
+        """Count n more documents; keep the first of their (lazily made) examples while there is room."""
+        self.count += n
+        self.examples += itertools.islice(examples, EXAMPLES - len(self.examples))
 
     def print(self) -> None:
         print(f"{self.title}: {self.count}")
@@ -103,24 +105,28 @@ class Checker:
         if len(values):
             stats.max_id = max(stats.max_id, int(values.max()))
         ends = np.cumsum(lengths)
-        for d in np.flatnonzero(lengths == 0):
-            self.empty.add(f"{stats.path} document {first_doc + d}")
+
+        def where(d: int) -> str:
+            return f"{stats.path} document {first_doc + d}"
+
+        empty = np.flatnonzero(lengths == 0)
+        self.empty.add(len(empty), map(where, empty))
         docs = np.flatnonzero(lengths)
-        seps = list(self.separators.values())
         first, last = values[ends[docs] - lengths[docs]], values[ends[docs] - 1]
-        starts_sep, ends_sep = np.isin(first, seps), np.isin(last, seps)
-        for d in np.flatnonzero(starts_sep | ends_sep):
-            how = []
-            if starts_sep[d]:
-                how.append(f"begins with {first[d]}")
-            if ends_sep[d]:
-                how.append(f"ends with {last[d]}")
-            self.doubled.add(f"{stats.path} document {first_doc + docs[d]}: {' and '.join(how)}")
+        seps = list(self.separators.values())
+        begins, finishes = np.isin(first, seps), np.isin(last, seps)
+
+        def edges(k: int) -> str:
+            how = [f"begins with {first[k]}"] if begins[k] else []
+            how += [f"ends with {last[k]}"] if finishes[k] else []
+            return f"{where(docs[k])}: {' and '.join(how)}"
+
+        doubled = np.flatnonzero(begins | finishes)
+        self.doubled.add(len(doubled), map(edges, doubled))
         if self.vocab_size is not None:
             bad = np.flatnonzero((values >= self.vocab_size) | (values < 0))
-            doc_of = np.searchsorted(ends, bad, side="right")
-            for d in np.unique(doc_of):
-                self.oov.add(f"{stats.path} document {first_doc + d}: id {values[bad[doc_of == d][0]]}")
+            oov_docs, first_bad = np.unique(np.searchsorted(ends, bad, side="right"), return_index=True)
+            self.oov.add(len(oov_docs), (f"{where(d)}: id {values[bad[i]]}" for d, i in zip(oov_docs, first_bad)))
 
 
 def chunks(path: Path, col_name: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -135,16 +141,18 @@ def chunks(path: Path, col_name: str) -> Iterator[tuple[np.ndarray, np.ndarray]]
     if col_name not in schema.names:
         raise CliError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
     ctype = schema.field(col_name).type
-    batches = (pf.iter_batches(columns=[col_name]) if parquet
-               else (reader.get_batch(i) for i in range(reader.num_record_batches)))
     if (pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_integer(ctype.value_type):
+        batches = (pf.iter_batches(columns=[col_name]) if parquet
+                   else (reader.get_batch(i) for i in range(reader.num_record_batches)))
         for batch in batches:  # one document per row
             column = batch.column(col_name)
             lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
             yield column.flatten().to_numpy(zero_copy_only=False), lengths
     elif pa.types.is_integer(ctype) and not parquet:
-        for batch in batches:  # one document per record batch
-            yield batch.column(col_name).to_numpy(zero_copy_only=False), np.array([batch.num_rows])
+        n = reader.num_record_batches
+        for start in range(0, n, GROUP):  # one document per record batch, GROUP documents at a time
+            docs = [reader.get_batch(i).column(col_name) for i in range(start, min(n, start + GROUP))]
+            yield pa.chunked_array(docs, type=ctype).to_numpy(), np.array([len(d) for d in docs], dtype=np.int64)
     else:
         raise CliError(f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch per "
                        "document, Arrow only) or a list of integers (one row per document)")
@@ -207,18 +215,18 @@ def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None
     if not listed:
         print("counts CSV: none for these datasets (the loader counts the files itself and caches the counts)")
         return
-    mismatch = Flag("counts CSV mismatches")
-    unlisted = 0
+    problems, unlisted = [], 0
     for f in files:
         entry = listed.pop(f.path, None)
         if entry is None:
             unlisted += 1
         elif entry[:2] != (f.documents, f.tokens):
-            mismatch.add(f"{f.path}: {entry[2]} says {entry[0]} documents, {entry[1]} tokens; "
-                         f"the file has {f.documents} documents, {f.tokens} tokens")
-    for path, entry in sorted(listed.items()):
-        mismatch.add(f"{path}: listed in {entry[2]} but not found")
-    mismatch.print()
+            problems.append(f"{f.path}: {entry[2]} says {entry[0]} documents, {entry[1]} tokens; "
+                            f"the file has {f.documents} documents, {f.tokens} tokens")
+    problems += [f"{path}: listed in {entry[2]} but not found" for path, entry in sorted(listed.items())]
+    mismatches = Flag("counts CSV mismatches")
+    mismatches.add(len(problems), problems)
+    mismatches.print()
     if unlisted:
         print(f"  ({unlisted} files not listed: the loader counts them itself)")
 
@@ -263,7 +271,15 @@ def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> No
 
 def main(data_path: str = "", datasets: Optional[str] = None, vocab_size: Optional[int] = None,
          eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
-    """Report documents and tokens per dataset and file of --data_path, and flag problems (see the module docstring)."""
+    """Report documents and tokens per dataset and file of --data_path, and flag problems.
+
+    --data_path   the folder holding one sub-folder per dataset (and meta/)
+    --datasets    comma list of dataset folders (default: all but meta)
+    --vocab_size  flag ids >= this (not checked when not given)
+    --eos_token   the separator the loader adds after each document (None: none)
+    --bos_token   the token the loader puts before each document (None: none)
+    --col_name    the column holding the token ids
+    """
     try:
         if not data_path:
             raise CliError("--data_path is required: the folder holding one sub-folder per dataset")

@@ -4,15 +4,6 @@
     python scripts/prepare_data.py --input='raw/*.jsonl.gz' --output=/data/web --tokenizer=byte \
         --text_field=content --shard_tokens=50_000_000 --workers=8
 
---input       a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
-              .parquet (the --text_field column) and .txt/.md files (one document each); mixed types are fine
---output      <data_path>/<dataset>: shards go here, meta/counts_<dataset>.csv beside it in <data_path>/meta
---tokenizer   a folder holding tokenizer.json (loaded offline, special tokens not added), or `byte`:
-              token id = byte value of the UTF-8 text (vocabulary 256)
---text_field  the JSON key / Parquet column holding the text (default text)
---shard_tokens  a shard is closed once it holds this many tokens (default 100_000_000)
---workers     input files tokenized in parallel (default: the number of CPUs)
-
 Input file i (in sorted order) becomes <output>/part-<i>-<j>.arrow, j = 0, 1, ...: Arrow IPC files with one
 uint32 column `tokens` and one record batch per document. Every file is written under a temporary name and
 renamed into place when complete; <output>/.done/<i>.json marks input i as finished, so a re-run skips
@@ -113,7 +104,10 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
             except json.JSONDecodeError:
                 yield n, None, "invalid JSON"
                 continue
-            yield n, *check_text(record.get(text_field) if isinstance(record, dict) else None, text_field)
+            if not isinstance(record, dict):
+                yield n, None, "not a JSON object"
+                continue
+            yield n, *check_text(record.get(text_field), text_field)
 
 
 def check_text(text: object, text_field: str) -> tuple[Optional[str], Optional[str]]:
@@ -170,7 +164,8 @@ def records(path: Path, text_field: str) -> Iterator[Record]:
     try:
         yield from reader(path, text_field)
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
-        raise CliError(f"{path}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CliError(f"{path}: cannot read it ({why}); fix or remove this input file") from None
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -272,6 +267,12 @@ class ShardWriter:
             fsync(self._tmp(self.shards[-1]["name"]))
             self._writer = None
 
+    def abandon(self) -> None:
+        """Close and delete every shard written so far."""
+        self._close()
+        for shard in self.shards:
+            self._tmp(shard["name"]).unlink(missing_ok=True)
+
     def finish(self) -> list[dict]:
         """Close the last shard, rename every shard into place; returns their names and counts."""
         self._close()
@@ -295,16 +296,20 @@ def process_input(job: tuple[int, Path, Path, dict]) -> tuple[int, dict, list[st
     writer = ShardWriter(output, index, settings["shard_tokens"])
     skipped: Counter[str] = Counter()
     warnings: list[str] = []
-    for line, text, reason in records(path, settings["text_field"]):
-        tokens = _encode(text) if text is not None else None
-        if tokens is not None and len(tokens) == 0:
-            reason = "no tokens"
-        if reason is not None:
-            skipped[reason] += 1
-            if len(warnings) < MAX_WARNINGS:
-                warnings.append(f"warning: {path}:{line}: {reason}")
-            continue
-        writer.add(tokens)
+    try:
+        for line, text, reason in records(path, settings["text_field"]):
+            tokens = _encode(text) if text is not None else None
+            if tokens is not None and len(tokens) == 0:
+                reason = "no tokens"
+            if reason is not None:
+                skipped[reason] += 1
+                if len(warnings) < MAX_WARNINGS:
+                    warnings.append(f"warning: {path}:{line}: {reason}")
+                continue
+            writer.add(tokens)
+    except (CliError, OSError):
+        writer.abandon()
+        raise
     stat = path.stat()
     marker = {"input": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
               "settings": settings, "shards": writer.finish(), "skipped": dict(sorted(skipped.items()))}
@@ -391,7 +396,8 @@ def run(inputs: list[Path], output: Path, tok_file: Optional[Path], settings: di
     report(output, len(inputs), markers, {i: warnings[i] for i in sorted(warnings)}, counts)
 
 
-def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict[int, list[str]], counts: Path) -> None:
+def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict[int, list[str]],
+           counts: Path) -> None:
     """The first MAX_WARNINGS warnings of this run on stderr, the summary of the dataset on stdout."""
     shown = [line for lines in warnings.values() for line in lines][:MAX_WARNINGS]
     for line in shown:
@@ -407,13 +413,24 @@ def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict
           f"{sum(s['documents'] for s in shards)} documents, {sum(s['tokens'] for s in shards)} tokens, "
           f"{len(shards)} shards")
     if skipped:
-        print(f"skipped {sum(skipped.values())} records: " + ", ".join(f"{why} {n}" for why, n in sorted(skipped.items())))
+        reasons = ", ".join(f"{why} {n}" for why, n in sorted(skipped.items()))
+        print(f"skipped {sum(skipped.values())} records: {reasons}")
     print(f"counts: {counts}")
 
 
 def main(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
          shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
-    """Tokenize --input into Arrow shards under --output (see the module docstring)."""
+    """Tokenize --input into Arrow shards under --output.
+
+    --input         a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
+                    .parquet (the --text_field column) and .txt/.md files (one document each); types can be mixed
+    --output        <data_path>/<dataset>: the shards; <data_path>/meta/counts_<dataset>.csv lists them
+    --tokenizer     a folder holding tokenizer.json (loaded offline; special tokens are not added), or byte:
+                    token id = byte value of the UTF-8 text (vocabulary 256)
+    --text_field    the JSON key / Parquet column holding the text
+    --shard_tokens  a shard is closed once it holds this many tokens
+    --workers       input files tokenized in parallel (default: the number of CPUs)
+    """
     try:
         inputs = find_inputs(as_text(input))
         if not as_text(output):
@@ -428,10 +445,14 @@ def main(input: str = "", output: str = "", tokenizer: str = "", text_field: str
         fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
         settings = {"tokenizer": fingerprint, "text_field": as_text(text_field),
                     "shard_tokens": as_count("shard_tokens", shard_tokens)}
-        run(inputs, out, tok_file, settings, as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers))
+        workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
+        run(inputs, out, tok_file, settings, workers)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the output cannot be written: no space, no permission
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

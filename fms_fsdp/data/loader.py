@@ -22,13 +22,20 @@ STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
+    """A reader state with its per-shard positions as int32 arrays."""
+    datasets = {name: {**d, **{k: np.asarray(d[k], np.int32) for k in ("epoch", "cursor", "offset")}}
+                for name, d in reader_state["datasets"].items()}
+    return {**reader_state, "datasets": datasets}
+
+
 def _as_is(item: Any) -> Any:
     """DataLoader's collate_fn: keep worker states as numpy (default_convert would make tensors)."""
     return item
 
 
 class _Workers(IterableDataset):
-    """What each DataLoader worker runs: one Reader, yielding (inputs, labels, reader state)."""
+    """What each DataLoader worker runs: one Reader, yielding (lines, reader state) batches."""
 
     def __init__(self, loader: "StatefulLoader"):
         self.datasets, self.weights, self.packing = loader.datasets, loader.weights, loader.packing
@@ -37,17 +44,19 @@ class _Workers(IterableDataset):
         self.consumers = loader.world_size * self.workers
         self.states, self.rotation = list(loader.states), loader.next_worker
 
-    def __iter__(self) -> Iterator[tuple[Optional[torch.Tensor], Optional[torch.Tensor], dict]]:
+    def __iter__(self) -> Iterator[tuple[Optional[np.ndarray], dict]]:
         info = get_worker_info()
         logical = ((info.id if info else 0) + self.rotation) % self.workers
         try:
             reader = Reader(self.datasets, self.weights, self.logical_shards, self.rank * self.workers + logical,
                             self.consumers, self.seed, self.packing, self.states[logical])
             while True:
-                lines = torch.from_numpy(np.stack([reader.next_line() for _ in range(self.batch_size)]))
-                yield lines[:, :-1], lines[:, 1:], reader.state()
+                lines = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
+                for line in lines:
+                    reader.next_line(line)
+                yield lines, reader.state()  # numpy crosses the worker pipe faster than a shared tensor
         except DataError as e:  # crosses the worker boundary as one line, not a wrapped traceback
-            yield None, None, {"error": str(e)}
+            yield None, {"error": str(e)}
 
 
 class StatefulLoader:
@@ -60,6 +69,12 @@ class StatefulLoader:
         self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.workers = max(1, num_workers)  # readers per rank; 0 workers = one reader in this process
+        readers = world_size * self.workers
+        for ds in datasets:
+            if n_logical_shards(logical_shards, ds.documents) < readers:
+                raise DataError(f"{ds.root / ds.name}: {ds.documents} documents and --logical_shards={logical_shards} "
+                                f"give fewer logical shards than the {readers} readers (world size x num_workers); "
+                                "add data or use fewer workers", every_rank=True)
         self.states: list[Optional[dict[str, Any]]] = [None] * self.workers
         self.next_worker = 0
 
@@ -67,23 +82,24 @@ class StatefulLoader:
         source = _Workers(self)
         it = iter(source) if self.num_workers == 0 else iter(
             DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is))
-        for inputs, labels, state in it:
+        for lines, state in it:
             if "error" in state:
                 raise DataError(state["error"])
             logical = state["consumer"] - self.rank * self.workers
             self.states[logical] = state
             self.next_worker = (logical + 1) % self.workers
-            yield inputs, labels
+            batch = torch.from_numpy(lines)
+            yield batch[:, :-1], batch[:, 1:]
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"seed": self.seed, "logical_shards": self.logical_shards,
                 "documents": {d.name: d.documents for d in self.datasets}}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position: small, picklable, no tokens."""
+        """This rank's position: small (int32 arrays), picklable, no tokens."""
         return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size,
                 "num_workers": self.num_workers, "next_worker": self.next_worker,
-                "readers": list(self.states), **self._fingerprint()}
+                "readers": [None if r is None else _compact(r) for r in self.states], **self._fingerprint()}
 
     def load_state_dict(self, state: Union[dict[str, Any], list[dict[str, Any]]]) -> None:
         """Resume from this rank's own state, or from the list of every rank's states of a run with

@@ -1,7 +1,6 @@
-"""Document order: a seeded pseudo-random permutation of [0, n) per dataset and epoch, computed
-index by index (a Feistel network with cycle walking), so the whole dataset is shuffled with O(1)
-memory and a reader's position is just an integer. Logical shards are contiguous ranges of that
-order."""
+"""Seeded pseudo-random permutations of [0, n), computed index by index (a Feistel network with cycle
+walking): a shard's documents are shuffled with O(1) memory and a reader's position is an integer.
+Logical shards are contiguous ranges of a dataset's documents in file order."""
 
 from __future__ import annotations
 
@@ -42,5 +41,5 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 
 def shard_bounds(n_docs: int, n_shards: int, shard: int) -> tuple[int, int]:
-    """Positions [lo, hi) of logical shard `shard` of n_shards in the epoch's order."""
+    """Documents [lo, hi) (in file order) of logical shard `shard` of n_shards."""
     return shard * n_docs // n_shards, (shard + 1) * n_docs // n_shards

@@ -60,6 +60,7 @@ class ShardFile:
             raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({str(e).splitlines()[0]})") from None
         if col_name not in schema.names:
             raise DataError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
+        self._col_index = schema.get_field_index(col_name)
         ctype = schema.field(col_name).type
         if pa.types.is_integer(ctype) and self._pq is None:
             self.rows_layout = False
@@ -98,7 +99,7 @@ class ShardFile:
     def document(self, j: int) -> np.ndarray:
         """Tokens of document j (a read-only view for Arrow files)."""
         if not self.rows_layout:
-            return self._ipc.get_batch(j).column(self.col).to_numpy(zero_copy_only=False)
+            return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
         block = int(np.searchsorted(self._starts, j, side="right") - 1)
         _, values, offsets = self._load(block)
         row = j - int(self._starts[block])
@@ -126,11 +127,14 @@ class Dataset:
             self._open.move_to_end(i)
         return f
 
-    def document(self, doc: int) -> tuple[np.ndarray, str, int]:
-        """(tokens, file path, index in file) of global document `doc`."""
-        i = int(np.searchsorted(self.starts, doc, side="right") - 1)
-        j = doc - int(self.starts[i])
-        return self._file(i).document(j), self.entries[i].path, j
+    def locate(self, docs: np.ndarray) -> tuple[list[int], list[int]]:
+        """(file numbers, indices in file) of global documents `docs`."""
+        files = np.searchsorted(self.starts, docs, side="right") - 1
+        return files.tolist(), (docs - self.starts[files]).tolist()
+
+    def read(self, file: int, j: int) -> np.ndarray:
+        """Tokens of document j of file number `file` (a read-only view for Arrow files)."""
+        return self._file(file).document(j)
 
     def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
         return {**self.__dict__, "_open": OrderedDict()}
@@ -151,9 +155,11 @@ def list_datasets(data_path: str, datasets: Optional[list[str]]) -> list[str]:
 
 
 def read_counts(data_path: str) -> dict[str, FileEntry]:
-    """Entries of every meta/*counts*.csv under data_path, by relative path."""
+    """Entries of every meta/*counts*.csv under data_path, by relative path; the users' files win over
+    this loader's own cache."""
     entries: dict[str, FileEntry] = {}
-    for csv_path in sorted((Path(data_path) / "meta").glob("*counts*.csv")):
+    found = sorted((Path(data_path) / "meta").glob("*counts*.csv"), key=lambda p: (p.name == CACHED_COUNTS, p.name))
+    for csv_path in found:
         with open(csv_path, newline="") as f:
             rows = list(csv.reader(f))
         if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:

@@ -2,9 +2,13 @@
 documents stripped, framed with bos/eos and packed into lines of seq_length + 1 tokens.
 
 A reader (consumer c of C: one data-loader worker of one rank) owns logical shards c, c + C, c + 2C,
-... of every dataset and reads them round-robin, one document at a time. Its whole position is a
-few integers per shard (epoch, documents read, tokens read of the current one) and a line counter:
-no token buffer, so states are small and can be regrouped over any number of readers.
+... of every dataset. A logical shard is a contiguous range of a dataset's documents in file order
+(so it touches one or two files), read in an order permuted anew each epoch. The reader interleaves
+document by document a window of ACTIVE_SHARDS shards, taken in a seeded priority order among those
+of its shards furthest behind, so few files are hot at a time, while documents that are adjacent
+in a file land far apart in the stream. Its whole position is a few integers per shard (epoch,
+documents read, tokens read of the current one) and a line counter: no token buffer, so states are
+small and can be regrouped over any number of readers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from fms_fsdp.data.order import permute, round_keys, shard_bounds
 from fms_fsdp.data.shards import DataError, Dataset
 
+ACTIVE_SHARDS = 8  # logical shards a reader interleaves at a time, per dataset
 _LOOKAHEAD = 256  # document ids computed at once per shard
 _CHOICE_BLOCK = 4096  # dataset choices drawn at once
 
@@ -46,81 +51,138 @@ def shard_table(dataset_state: dict[str, Any], consumer: int, consumers: int, n_
             zip(ids, dataset_state["epoch"], dataset_state["cursor"], dataset_state["offset"])}
 
 
+def shard_documents(documents: int, n_shards: int, shard: int, epoch: int, seed: int, ds_index: int,
+                    positions: np.ndarray) -> np.ndarray:
+    """Dataset document indices read at `positions` (0, 1, ...) of `shard` in `epoch`."""
+    lo, hi = shard_bounds(documents, n_shards, shard)
+    return lo + permute(positions, hi - lo, round_keys(seed, ds_index, shard, epoch))
+
+
 class DatasetReader:
-    """The logical shards of one dataset owned by one reader."""
+    """The logical shards of one dataset owned by one reader. Per-shard positions are plain Python
+    ints on this hot path; state() turns them into small numpy arrays."""
 
     def __init__(self, ds: Dataset, ds_index: int, n_shards: int, consumer: int, consumers: int, seed: int,
                  packing: Packing, table: Optional[dict[int, tuple]] = None, next_shard: int = 0):
-        self.ds, self.ds_index, self.seed, self.packing = ds, ds_index, seed, packing
-        self.shards = np.arange(consumer, n_shards, consumers)
-        self.bounds = [shard_bounds(ds.documents, n_shards, int(s)) for s in self.shards]
-        zeros = [(0, 0, 0)] * len(self.shards)
-        rows = zeros if table is None else [table[int(s)] for s in self.shards]
-        self.epoch = np.array([r[0] for r in rows], dtype=np.int64)
-        self.cursor = np.array([r[1] for r in rows], dtype=np.int64)
-        self.offset = np.array([r[2] for r in rows], dtype=np.int64)
-        self.next = next_shard % max(1, len(self.shards))
-        self._ids: dict[int, tuple[int, int, np.ndarray]] = {}  # shard -> (epoch, first cursor, doc ids)
-        self._framed: tuple[tuple[int, int, int], np.ndarray] = ((-1, -1, -1), np.empty(0, np.int64))
+        self.ds, self.ds_index, self.n_shards, self.seed, self.packing = ds, ds_index, n_shards, seed, packing
+        self.shards = list(range(consumer, n_shards, consumers))
+        self.sizes = [hi - lo for lo, hi in (shard_bounds(ds.documents, n_shards, s) for s in self.shards)]
+        rows = [(0, 0, 0)] * len(self.shards) if table is None else [table[s] for s in self.shards]
+        self.epoch, self.cursor, self.offset = (list(col) for col in zip(*rows)) if rows else ([], [], [])
+        self.next = next_shard
+        self._order: tuple[int, list[int], int] = (-1, [], 0)  # (round, shards by priority, finished prefix)
+        self._active = self._window()
+        self._ahead: dict[int, tuple[int, int, list[int], list[int]]] = {}  # shard -> (epoch, cursor, files, indices)
+        self._current: tuple[tuple[int, int, int], np.ndarray] = ((-1, -1, -1), np.empty(0, np.int64))
+        self.read_docs: list[tuple[int, int]] = []  # (file, index) of the documents read since the last check
 
-    def _doc_id(self, i: int) -> int:
-        epoch, cursor = int(self.epoch[i]), int(self.cursor[i])
-        cached = self._ids.get(i)
-        if cached is None or cached[0] != epoch or not cached[1] <= cursor < cached[1] + len(cached[2]):
-            lo, hi = self.bounds[i]
-            positions = np.arange(lo + cursor, min(hi, lo + cursor + _LOOKAHEAD))
-            keys = round_keys(self.seed, self.ds_index, epoch)
-            cached = (epoch, cursor, permute(positions, self.ds.documents, keys))
-            self._ids[i] = cached
-        return int(cached[2][cursor - cached[1]])
+    def _window(self) -> list[int]:
+        """The active shards: the first ACTIVE_SHARDS, in round R's seeded priority order, of those
+        still in round R = the lowest epoch among this reader's shards. Derived from the state alone
+        (the order of a round is computed once and its finished prefix skipped)."""
+        if not self.shards:
+            return []
+        round_ = min(self.epoch)
+        if self._order[0] != round_:
+            priority = permute(np.array(self.shards), self.n_shards, round_keys(self.seed, self.ds_index, round_, -1))
+            self._order = (round_, np.argsort(priority, kind="stable").tolist(), 0)
+        _, order, skip = self._order
+        while self.epoch[order[skip]] != round_:
+            skip += 1
+        self._order = (round_, order, skip)
+        window = []
+        for i in order[skip:]:
+            if self.epoch[i] == round_:
+                window.append(i)
+                if len(window) == ACTIVE_SHARDS:
+                    break
+        return window
 
-    def _frame(self, i: int) -> np.ndarray:
-        """The current document of shard i: stripped, checked, with bos/eos; empty if nothing is left."""
-        key = (i, int(self.epoch[i]), int(self.cursor[i]))
-        if self._framed[0] != key:
-            tokens, path, j = self.ds.document(self._doc_id(i))
-            p, lo, hi = self.packing, 0, len(tokens)
-            while lo < hi and int(tokens[lo]) in p.strip:
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(file number, index in file) of shard i's current document."""
+        epoch, cursor = self.epoch[i], self.cursor[i]
+        ahead = self._ahead.get(i)
+        if ahead is None or ahead[0] != epoch or not ahead[1] <= cursor < ahead[1] + len(ahead[2]):
+            positions = np.arange(cursor, min(self.sizes[i], cursor + _LOOKAHEAD))
+            docs = shard_documents(self.ds.documents, self.n_shards, self.shards[i], epoch, self.seed,
+                                   self.ds_index, positions)
+            ahead = (epoch, cursor, *self.ds.locate(docs))
+            self._ahead[i] = ahead
+        k = cursor - ahead[1]
+        return ahead[2][k], ahead[3][k]
+
+    def _body(self, i: int) -> np.ndarray:
+        """Shard i's current document stripped of bos/eos/strip_tokens at both ends (a view)."""
+        key = (i, self.epoch[i], self.cursor[i])
+        if self._current[0] != key:
+            file, j = self._locate(i)
+            tokens = self.ds.read(file, j)
+            lo, hi, strip = 0, len(tokens), self.packing.strip
+            while lo < hi and int(tokens[lo]) in strip:
                 lo += 1
-            while hi > lo and int(tokens[hi - 1]) in p.strip:
+            while hi > lo and int(tokens[hi - 1]) in strip:
                 hi -= 1
-            body = tokens[lo:hi]
-            if hi > lo and int(body.max()) >= p.vocab_size:
-                raise DataError(f"{self.ds.root / path.lstrip('/')}: document {j} has token id {int(body.max())} "
-                                f">= vocab_size {p.vocab_size}; set --vocab_size or fix the data")
-            parts = ([[p.bos]] if p.bos is not None else []) + [body, [p.eos]]
-            self._framed = (key, np.concatenate(parts).astype(np.int64) if hi > lo else np.empty(0, np.int64))
-        return self._framed[1]
+            self._current = (key, tokens[lo:hi])
+            self.read_docs.append((file, j))
+        return self._current[1]
 
     def _finish_document(self, i: int) -> None:
         self.cursor[i] += 1
         self.offset[i] = 0
-        lo, hi = self.bounds[i]
-        if self.cursor[i] >= hi - lo:
+        if self.cursor[i] >= self.sizes[i]:
             self.epoch[i] += 1
             self.cursor[i] = 0
-        self.next = (i + 1) % len(self.shards)
+            self._ahead.pop(i, None)
+            self._active = self._window()
+        self.next = (self.next + 1) % len(self._active)
 
     def fill(self, out: np.ndarray) -> None:
-        """Fill `out` with the next tokens of this reader's documents."""
-        filled, empty_in_a_row = 0, 0
-        while filled < len(out):
-            i = self.next
-            framed = self._frame(i)
-            empty_in_a_row = empty_in_a_row + 1 if len(framed) == 0 else 0
-            if empty_in_a_row > self.ds.documents:
-                raise DataError(f"{self.ds.root}: every document is empty once stripped of bos/eos/strip_tokens")
-            rest = framed[int(self.offset[i]):]
-            take = min(len(out) - filled, len(rest))
-            out[filled: filled + take] = rest[:take]
-            filled += take
-            self.offset[i] += take
-            if self.offset[i] >= len(framed):  # done, or an empty document skipped
+        """Fill `out` with the next tokens of this reader's documents, each framed as
+        [bos] document eos. A document's position (offset) counts framed tokens."""
+        bos, eos = self.packing.bos, self.packing.eos
+        first = int(bos is not None)
+        filled, empty_in_a_row, n = 0, 0, len(out)
+        while filled < n:
+            i = self._active[self.next % len(self._active)]
+            body = self._body(i)
+            if len(body) == 0:
+                empty_in_a_row += 1
+                if empty_in_a_row > self.ds.documents:
+                    raise DataError(f"{self.ds.root / self.ds.name}: every document is empty once stripped of "
+                                    "bos/eos/strip_tokens")
+                self._finish_document(i)
+                continue
+            empty_in_a_row = 0
+            o = self.offset[i]
+            if o < first:
+                out[filled] = bos
+                filled, o = filled + 1, o + 1
+            k = min(n - filled, len(body) + first - o)
+            out[filled: filled + k] = body[o - first: o - first + k]
+            filled, o = filled + k, o + k
+            if filled < n and o == len(body) + first:
+                out[filled] = eos
+                filled, o = filled + 1, o + 1
+            self.offset[i] = o
+            if o == len(body) + first + 1:
                 self._finish_document(i)
 
+    def check_vocab(self, tokens: np.ndarray) -> None:
+        """After filling: every token id < vocab_size, else a DataError naming the document."""
+        if len(tokens) and int(tokens.max()) >= self.packing.vocab_size:
+            for file, j in self.read_docs:
+                doc = self.ds.read(file, j)
+                if len(doc) and int(doc.max()) >= self.packing.vocab_size:
+                    path = self.ds.root / self.ds.entries[file].path.lstrip("/")
+                    raise DataError(f"{path}: document {j} has token id {int(doc.max())} >= vocab_size "
+                                    f"{self.packing.vocab_size}; set --vocab_size or fix the data")
+            raise DataError(f"token id {int(tokens.max())} >= vocab_size {self.packing.vocab_size} in "
+                            f"--bos/eos/bol/eol tokens; set --vocab_size")
+        self.read_docs.clear()
+
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch.astype(np.int32), "cursor": self.cursor.astype(np.int32),
-                "offset": self.offset.astype(np.int32), "next": self.next}
+        """Copies of the positions (lists: cheap enough to take at every batch)."""
+        return {"epoch": self.epoch[:], "cursor": self.cursor[:], "offset": self.offset[:], "next": self.next}
 
 
 class Reader:
@@ -150,18 +212,19 @@ class Reader:
             self._choices = (block, rng.choice(len(self.readers), size=_CHOICE_BLOCK, p=self.p))
         return int(self._choices[1][line % _CHOICE_BLOCK])
 
-    def next_line(self) -> np.ndarray:
-        """seq_length + 1 tokens: [bol] documents... [eol], all from one dataset chosen by weight."""
+    def next_line(self, line: np.ndarray) -> None:
+        """Fill `line` (seq_length + 1 tokens) with [bol] documents... [eol], all from one dataset
+        chosen by weight."""
         p = self.packing
-        line = np.empty(p.seq_length + 1, dtype=np.int64)
         start, stop = int(p.bol is not None), len(line) - int(p.eol is not None)
         if p.bol is not None:
             line[0] = p.bol
         if p.eol is not None:
             line[-1] = p.eol
-        self.readers[self._dataset_for_line(self.lines)].fill(line[start:stop])
+        reader = self.readers[self._dataset_for_line(self.lines)]
+        reader.fill(line[start:stop])
+        reader.check_vocab(line)
         self.lines += 1
-        return line
 
     def state(self) -> dict[str, Any]:
         return {"consumer": self.consumer, "consumers": self.consumers, "lines": self.lines,

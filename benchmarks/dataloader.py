@@ -1,0 +1,88 @@
+"""Data loader benchmark: throughput, private memory, state size and time to the first batch.
+
+    python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
+        [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
+
+Writes a synthetic dataset once (fms-fsdp's Arrow layout, document lengths log-normal around 1,000
+tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
+1024 logical shards, tokens/s after a warm-up, the peak of RssAnon (private memory; pages of the
+memory-mapped shards are the kernel's file cache and not counted) sampled every 50 ms, and the
+pickled loader state size. Prints one line of key=value figures.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+
+import fire
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fms_fsdp.config import make_config  # noqa: E402
+from fms_fsdp.data import get_data_loader  # noqa: E402
+
+
+def rss_anon_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def write_data(root: Path, files: int, docs_per_file: int, vocab: int) -> None:
+    """A dataset `bench` of `files` shards in fms-fsdp's layout."""
+    rng = np.random.default_rng(0)
+    schema = pa.schema([("tokens", pa.uint32())])
+    for f in range(files):
+        path = root / "bench" / f"shard_{f:05d}.arrow"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lengths = np.clip(rng.lognormal(np.log(800), 0.8, docs_per_file), 1, 20000).astype(int)
+        with pa.ipc.new_file(str(path), schema) as w:
+            for n in lengths:
+                w.write_batch(pa.record_batch([pa.array(rng.integers(1, vocab, n, dtype=np.uint32))], schema=schema))
+
+
+def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: int = 50, seconds: float = 20.0,
+         seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024) -> None:
+    root = Path(data_path)
+    if not (root / "bench").is_dir():
+        print(f"writing {files} shards to {root} ...", flush=True)
+        write_data(root, files, docs_per_file, 32000)
+    cfg = make_config(data_path=data_path, model_variant="llama2_7b", seq_length=seq_length, batch_size=batch_size,
+                      num_workers=num_workers, logical_shards=logical_shards)
+    peak, stop = [rss_anon_mb()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            peak.append(rss_anon_mb())
+
+    threading.Thread(target=sample, daemon=True).start()
+    start = time.perf_counter()
+    loader = get_data_loader(cfg, 0, 1)
+    it = iter(loader)
+    next(it)
+    first_batch = time.perf_counter() - start
+    warm_until = time.perf_counter() + min(5.0, seconds / 4)
+    while time.perf_counter() < warm_until:
+        next(it)
+    batches, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        next(it)
+        batches += 1
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    tokens_per_s = batches * batch_size * seq_length / elapsed
+    state_kb = len(pickle.dumps(loader.state_dict())) / 1024
+    print(f"BENCH files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
+          f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.2f}M "
+          f"peak_rss_anon_mb={max(peak):.0f} state_kb={state_kb:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
