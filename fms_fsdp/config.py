@@ -49,7 +49,7 @@ class train_config:
     col_name: str = _f("tokens", "Column holding the token ids.")
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (for raw-text Parquet).")
     datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
-    weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset.")
+    weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens).")
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
     bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
     eos_token: int = _f(0, "Token id separating documents.", min=0)

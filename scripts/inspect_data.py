@@ -20,7 +20,6 @@ examples (file and document index):
 
 from __future__ import annotations
 
-import csv
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -33,7 +32,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fms_fsdp.data.shards import DataError, list_datasets, read_counts, shard_paths  # noqa: E402
+
 EXAMPLES = 5
 GROUP = 1024  # one-batch documents checked together
 
@@ -170,48 +172,9 @@ def scan_file(path: Path, rel: str, col_name: str, checker: Checker) -> FileStat
     return stats
 
 
-def dataset_names(root: Path, datasets: Optional[list[str]]) -> list[str]:
-    """--datasets, or every sub-folder of data_path but meta and hidden ones."""
-    names = datasets or sorted(p.name for p in root.iterdir()
-                               if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
-    if not names:
-        raise CliError(f"--data_path={root}: no dataset sub-folders")
-    for name in names:
-        if not (root / name).is_dir():
-            raise CliError(f"--datasets: no folder {name!r} in {root}")
-    return names
-
-
-def shard_files(folder: Path) -> list[Path]:
-    """The .arrow and .parquet files under a dataset folder, not in hidden folders, sorted."""
-    files = sorted(p for ext in (".arrow", ".parquet") for p in folder.rglob(f"*{ext}")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-    if not files:
-        raise CliError(f"{folder}: no .arrow or .parquet files (check --data_path and --datasets)")
-    return files
-
-
-def read_counts(root: Path) -> dict[str, tuple[int, int, str]]:
-    """(documents, tokens, csv name) by file path from every meta/*counts*.csv; the first listing wins,
-    as in the loader."""
-    entries: dict[str, tuple[int, int, str]] = {}
-    for csv_path in sorted((root / "meta").glob("*counts*.csv")):
-        with open(csv_path, newline="") as f:
-            rows = list(csv.reader(f))
-        if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
-            raise CliError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
-        for row in rows[1:]:
-            try:
-                path = "/" + row[0].strip().lstrip("/")
-                entries.setdefault(path, (int(row[1]), int(row[2]), f"meta/{csv_path.name}"))
-            except (IndexError, ValueError):
-                raise CliError(f"{csv_path}: bad row {','.join(row)!r}") from None
-    return entries
-
-
 def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None:
     """Print how the counts CSVs agree with the files."""
-    listed = {p: e for p, e in read_counts(root).items() if p.split("/")[1] in names}
+    listed = {p: e for p, e in read_counts(str(root)).items() if p.split("/")[1] in names}
     if not listed:
         print("counts CSV: none for these datasets (the loader counts the files itself and caches the counts)")
         return
@@ -220,10 +183,10 @@ def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None
         entry = listed.pop(f.path, None)
         if entry is None:
             unlisted += 1
-        elif entry[:2] != (f.documents, f.tokens):
-            problems.append(f"{f.path}: {entry[2]} says {entry[0]} documents, {entry[1]} tokens; "
+        elif (entry.documents, entry.tokens) != (f.documents, f.tokens):
+            problems.append(f"{f.path}: meta/*counts*.csv says {entry.documents} documents, {entry.tokens} tokens; "
                             f"the file has {f.documents} documents, {f.tokens} tokens")
-    problems += [f"{path}: listed in {entry[2]} but not found" for path, entry in sorted(listed.items())]
+    problems += [f"{path}: listed in meta/*counts*.csv but not found" for path in sorted(listed)]
     mismatches = Flag("counts CSV mismatches")
     mismatches.add(len(problems), problems)
     mismatches.print()
@@ -245,7 +208,7 @@ def report_row(name: str, label: str, files: list[FileStats]) -> list[str]:
 
 def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> None:
     """Scan every shard of the datasets and print the table, the flags and the counts comparison."""
-    paths = {name: shard_files(root / name) for name in names}
+    paths = {name: shard_paths(root / name, "auto") for name in names}
     every = [p for ps in paths.values() for p in ps]
     stats = {p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
              for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)}
@@ -289,8 +252,8 @@ def main(data_path: str = "", datasets: Optional[str] = None, vocab_size: Option
         separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
                       if v is not None}
         checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
-        inspect(root, dataset_names(root, as_names(datasets)), str(col_name), checker)
-    except CliError as e:
+        inspect(root, list_datasets(str(root), as_names(datasets)), str(col_name), checker)
+    except (CliError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

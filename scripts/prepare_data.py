@@ -34,9 +34,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fms_fsdp.data.shards import COUNTS_HEADER  # noqa: E402
+
 EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
 SCHEMA = pa.schema([("tokens", pa.uint32())])
-COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
 MAX_WARNINGS = 20
 
 Record = tuple[int, Optional[str], Optional[str]]  # (line or row, text, reason it is skipped)

@@ -183,6 +183,17 @@ def write_counts(path: Path, entries: list[FileEntry]) -> None:
     os.replace(tmp, path)
 
 
+def shard_paths(folder: Path, file_type: str) -> list[Path]:
+    """The shard files under a dataset folder, sorted; hidden files and folders (temporary files of a
+    preparation in progress) are not shards."""
+    files = sorted(p for ext in EXTENSIONS[file_type] for p in folder.rglob(f"*{ext}")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not files:
+        raise DataError(f"{folder}: no {' or '.join(EXTENSIONS[file_type])} files (--file_type={file_type})",
+                        every_rank=True)
+    return files
+
+
 def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dict[str, list[FileEntry]]:
     """Every shard of every dataset with its counts: validated by opening each file; counts from
     meta/*counts*.csv where listed and right, computed otherwise and cached in meta/."""
@@ -191,11 +202,8 @@ def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dic
     result: dict[str, list[FileEntry]] = {}
     computed = False
     for name in names:
-        files = sorted(p for ext in EXTENSIONS[file_type] for p in (root / name).rglob(f"*{ext}") if p.is_file())
-        if not files:
-            raise DataError(f"{root / name}: no {' or '.join(EXTENSIONS[file_type])} files (--file_type={file_type})")
         entries = []
-        for path in files:
+        for path in shard_paths(root / name, file_type):
             rel = "/" + path.relative_to(root).as_posix()
             shard = ShardFile(path, col_name)
             entry = known.get(rel)

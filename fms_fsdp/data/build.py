@@ -1,0 +1,53 @@
+"""get_data_loader(cfg, rank, world_size): the synthetic loader, or the stateful loader over the
+Arrow/Parquet shards under data_path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import torch.distributed as dist
+
+from fms_fsdp.config import train_config
+from fms_fsdp.data.dummy import DummyDataLoader
+from fms_fsdp.data.loader import StatefulLoader
+from fms_fsdp.data.shards import DataError, Dataset, FileEntry, list_datasets, scan
+from fms_fsdp.data.stream import Packing
+from fms_fsdp.models import get_model_config
+
+
+def _shared_scan(cfg: train_config, names: list[str]) -> dict[str, list[FileEntry]]:
+    """scan() on rank 0 only, its result (or its error) sent to every rank."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        return scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
+    box: list[Union[dict, str, None]] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
+        except DataError as e:
+            box[0] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise DataError(box[0], every_rank=True)
+    return box[0]
+
+
+def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[StatefulLoader, DummyDataLoader]:
+    """The loader for this rank: synthetic lines with use_dummy_dataset, else the shards under
+    data_path. Bad data raises DataError (one line naming the file or flag)."""
+    vocab = get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size
+    if cfg.use_dummy_dataset:
+        return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab, cfg.seed, rank, world_size)
+    names = list_datasets(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
+    if cfg.weights is not None and len(cfg.weights) != len(names):
+        raise DataError(f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
+                        f"{', '.join(names)}; give one weight per dataset or set --datasets", every_rank=True)
+    entries = _shared_scan(cfg, names)
+    datasets = [Dataset(n, Path(cfg.data_path), entries[n], cfg.col_name) for n in names]
+    weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
+    strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
+    packing = Packing(cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token,
+                      frozenset(strip), vocab)
+    return StatefulLoader(datasets, weights, packing, cfg.batch_size, cfg.logical_shards, cfg.seed,
+                          rank, world_size, cfg.num_workers)
