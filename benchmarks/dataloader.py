@@ -1,7 +1,7 @@
 """Data loader benchmark: throughput, private memory, state size and time to the first batch.
 
     python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
-        [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
+        [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0] [--layout=arrow|parquet]
 
 Writes a synthetic dataset once (fms-fsdp's Arrow layout, document lengths log-normal around 1,000
 tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
@@ -21,6 +21,7 @@ from pathlib import Path
 import fire
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,27 +36,33 @@ def rss_anon_mb() -> float:
     return float("nan")
 
 
-def write_data(root: Path, files: int, docs_per_file: int, vocab: int) -> None:
-    """A dataset `bench` of `files` shards in fms-fsdp's layout."""
+def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: str) -> None:
+    """A dataset `bench` of `files` shards: fms-fsdp's Arrow layout, or Parquet with one row per
+    document in row groups of 500."""
     rng = np.random.default_rng(0)
     schema = pa.schema([("tokens", pa.uint32())])
     for f in range(files):
-        path = root / "bench" / f"shard_{f:05d}.arrow"
+        path = root / "bench" / f"shard_{f:05d}.{layout}"
         path.parent.mkdir(parents=True, exist_ok=True)
         lengths = np.clip(rng.lognormal(np.log(800), 0.8, docs_per_file), 1, 20000).astype(int)
+        docs = [rng.integers(1, vocab, n, dtype=np.uint32) for n in lengths]
+        if layout == "parquet":
+            pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.uint32()))}), path, row_group_size=500)
+            continue
         with pa.ipc.new_file(str(path), schema) as w:
-            for n in lengths:
-                w.write_batch(pa.record_batch([pa.array(rng.integers(1, vocab, n, dtype=np.uint32))], schema=schema))
+            for d in docs:
+                w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
 
 
 def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: int = 50, seconds: float = 20.0,
-         seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024) -> None:
+         seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024,
+         layout: str = "arrow") -> None:
     root = Path(data_path)
     if not (root / "bench").is_dir():
         print(f"writing {files} shards to {root} ...", flush=True)
-        write_data(root, files, docs_per_file, 32000)
+        write_data(root, files, docs_per_file, 32000, layout)
     cfg = make_config(data_path=data_path, model_variant="llama2_7b", seq_length=seq_length, batch_size=batch_size,
-                      num_workers=num_workers, logical_shards=logical_shards)
+                      num_workers=num_workers, logical_shards=logical_shards, file_type="auto")
     peak, stop = [rss_anon_mb()], threading.Event()
 
     def sample() -> None:
@@ -79,7 +86,7 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
     stop.set()
     tokens_per_s = batches * batch_size * seq_length / elapsed
     state_kb = len(pickle.dumps(loader.state_dict())) / 1024
-    print(f"BENCH files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
+    print(f"BENCH layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
           f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.2f}M "
           f"peak_rss_anon_mb={max(peak):.0f} state_kb={state_kb:.1f}", flush=True)
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fms_fsdp.data.shards import DataError, Dataset
-from fms_fsdp.data.stream import Packing, Reader, n_logical_shards, shard_table
+from fms_fsdp.data.stream import POSITION, Packing, Reader, n_logical_shards, shard_table
 
 STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -24,7 +24,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
     """A reader state with its per-shard positions as int32 arrays."""
-    datasets = {name: {**d, **{k: np.asarray(d[k], np.int32) for k in ("epoch", "cursor", "offset")}}
+    datasets = {name: {**d, **{k: np.asarray(d[k], np.int32) for k in POSITION}}
                 for name, d in reader_state["datasets"].items()}
     return {**reader_state, "datasets": datasets}
 
@@ -136,9 +136,8 @@ class StatefulLoader:
                 for r in old:
                     if r is not None:
                         table.update(shard_table(r["datasets"][ds.name], r["consumer"], r["consumers"], n))
-                rows = [table.get(s, (0, 0, 0)) for s in range(consumer, n, consumers)]
-                datasets[ds.name] = {"epoch": np.array([x[0] for x in rows], np.int32),
-                                     "cursor": np.array([x[1] for x in rows], np.int32),
-                                     "offset": np.array([x[2] for x in rows], np.int32), "next": 0}
+                rows = [table.get(s, (0,) * len(POSITION)) for s in range(consumer, n, consumers)]
+                datasets[ds.name] = {key: np.array([x[k] for x in rows], np.int32) for k, key in enumerate(POSITION)}
+                datasets[ds.name]["next"] = 0
             result.append({"consumer": consumer, "consumers": consumers, "lines": 0, "datasets": datasets})
         return result

@@ -24,6 +24,8 @@ EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arro
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
 CACHED_COUNTS = "counts_fms_fsdp_cache.csv"
 _OPEN_FILES = 128
+# record batches / row groups kept at once: a reader reads one block per active shard at a time
+DECODED_BLOCKS = 12
 
 
 class DataError(ValueError):
@@ -74,36 +76,36 @@ class ShardFile:
         else:
             raise DataError(f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch "
                             "per document, Arrow) or a list of integers (one row per document)")
-        self._block: tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
+
+    @property
+    def row_groups(self) -> Optional[np.ndarray]:
+        """First document of each Parquet row group (and the end), or None for Arrow files, whose
+        documents are read one by one."""
+        return self._starts if self._pq is not None else None
 
     def count_tokens(self) -> int:
         """Tokens in the file (reads every batch's or row group's offsets once)."""
         if not self.rows_layout:
             return sum(self._ipc.get_batch(i).num_rows for i in range(self.documents))
-        total = 0
-        for b in range(len(self._starts) - 1):
-            offsets = self._load(b)[1]
-            total += int(offsets[-1] - offsets[0])
-        return total
+        return sum(int(offsets[-1] - offsets[0]) for _, offsets in map(self.block, range(len(self._starts) - 1)))
 
-    def _load(self, block: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(block, values, offsets) of one record batch or row group (rows layout), cached."""
-        if self._block[0] != block:
-            if self._pq is not None:
-                column = self._pq.read_row_group(block, columns=[self.col]).column(0).combine_chunks()
-            else:
-                column = self._ipc.get_batch(block).column(self.col)
-            self._block = (block, column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy())
-        return self._block
+    def block_of(self, j: int) -> tuple[int, int]:
+        """(record batch or row group, row in it) of document j (rows layout)."""
+        block = int(np.searchsorted(self._starts, j, side="right") - 1)
+        return block, j - int(self._starts[block])
+
+    def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(values, offsets) of record batch or row group b (rows layout): views for Arrow, decoded
+        for Parquet."""
+        if self._pq is not None:
+            column = self._pq.read_row_group(b, columns=[self.col]).column(0).combine_chunks()
+        else:
+            column = self._ipc.get_batch(b).column(self._col_index)
+        return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
 
     def document(self, j: int) -> np.ndarray:
-        """Tokens of document j (a read-only view for Arrow files)."""
-        if not self.rows_layout:
-            return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
-        block = int(np.searchsorted(self._starts, j, side="right") - 1)
-        _, values, offsets = self._load(block)
-        row = j - int(self._starts[block])
-        return values[offsets[row]: offsets[row + 1]]
+        """Tokens of document j, fms-fsdp's layout (a read-only view of the mapped file)."""
+        return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
 
 
 class Dataset:
@@ -115,8 +117,10 @@ class Dataset:
         self.documents = int(self.starts[-1])
         self.tokens = sum(e.tokens for e in entries)
         self._open: OrderedDict[int, ShardFile] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
-    def _file(self, i: int) -> ShardFile:
+    def file(self, i: int) -> ShardFile:
+        """Shard file number i, opened on first use (the most recently used stay open)."""
         f = self._open.get(i)
         if f is None:
             f = ShardFile(self.root / self.entries[i].path.lstrip("/"), self.col)
@@ -134,10 +138,24 @@ class Dataset:
 
     def read(self, file: int, j: int) -> np.ndarray:
         """Tokens of document j of file number `file` (a read-only view for Arrow files)."""
-        return self._file(file).document(j)
+        f = self.file(file)
+        if not f.rows_layout:
+            return f.document(j)
+        b, row = f.block_of(j)
+        key = (file, b)
+        block = self._blocks.get(key)
+        if block is None:
+            block = f.block(b)
+            if len(self._blocks) >= DECODED_BLOCKS:
+                self._blocks.popitem(last=False)
+            self._blocks[key] = block
+        else:
+            self._blocks.move_to_end(key)
+        values, offsets = block
+        return values[offsets[row]: offsets[row + 1]]
 
     def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
-        return {**self.__dict__, "_open": OrderedDict()}
+        return {**self.__dict__, "_open": OrderedDict(), "_blocks": OrderedDict()}
 
 
 def list_datasets(data_path: str, datasets: Optional[list[str]]) -> list[str]:

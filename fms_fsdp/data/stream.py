@@ -3,12 +3,15 @@ documents stripped, framed with bos/eos and packed into lines of seq_length + 1 
 
 A reader (consumer c of C: one data-loader worker of one rank) owns logical shards c, c + C, c + 2C,
 ... of every dataset. A logical shard is a contiguous range of a dataset's documents in file order
-(so it touches one or two files), read in an order permuted anew each epoch. The reader interleaves
-document by document a window of ACTIVE_SHARDS shards, taken in a seeded priority order among those
-of its shards furthest behind, so few files are hot at a time, while documents that are adjacent
-in a file land far apart in the stream. Its whole position is a few integers per shard (epoch,
-documents read, tokens read of the current one) and a line counter: no token buffer, so states are
-small and can be regrouped over any number of readers.
+(so it touches one or two files), cut into blocks: one document each in Arrow files (read at
+random, zero-copy), one row group in Parquet (decoded once, then read whole). Each epoch a shard's
+blocks, and the documents inside each block, are read in a new seeded order. The reader
+interleaves, document by document, a window of ACTIVE_SHARDS shards, taken in a seeded priority
+order among those of its shards furthest behind: few files are hot at a time, while documents
+that are adjacent in a file land far apart in the stream. Its whole position is four integers per
+shard (epoch, blocks done, documents done in the current block, tokens read of the current
+document) and a line counter: no token buffer, so states are small and can be regrouped over any
+number of readers.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from fms_fsdp.data.order import permute, round_keys, shard_bounds
 from fms_fsdp.data.shards import DataError, Dataset
 
 ACTIVE_SHARDS = 8  # logical shards a reader interleaves at a time, per dataset
-_LOOKAHEAD = 256  # document ids computed at once per shard
+_LOOKAHEAD = 256  # block ids computed at once per shard
 _CHOICE_BLOCK = 4096  # dataset choices drawn at once
+POSITION = ("epoch", "cursor", "inner", "offset")  # a shard's position, as stored in reader states
 
 
 @dataclass(frozen=True)
@@ -45,36 +49,77 @@ def n_logical_shards(logical_shards: int, documents: int) -> int:
 
 
 def shard_table(dataset_state: dict[str, Any], consumer: int, consumers: int, n_shards: int) -> dict[int, tuple]:
-    """shard id -> (epoch, cursor, offset) for one reader's dataset state."""
-    ids = range(consumer, n_shards, consumers)
-    return {s: (int(e), int(c), int(o)) for s, e, c, o in
-            zip(ids, dataset_state["epoch"], dataset_state["cursor"], dataset_state["offset"])}
+    """shard id -> (epoch, cursor, inner, offset) for one reader's dataset state."""
+    columns = [dataset_state[k] for k in POSITION]
+    return {s: tuple(int(c[k]) for c in columns) for k, s in enumerate(range(consumer, n_shards, consumers))}
 
 
-def shard_documents(documents: int, n_shards: int, shard: int, epoch: int, seed: int, ds_index: int,
-                    positions: np.ndarray) -> np.ndarray:
-    """Dataset document indices read at `positions` (0, 1, ...) of `shard` in `epoch`."""
-    lo, hi = shard_bounds(documents, n_shards, shard)
-    return lo + permute(positions, hi - lo, round_keys(seed, ds_index, shard, epoch))
+class ShardPlan:
+    """The blocks of one logical shard and their order in each epoch."""
+
+    def __init__(self, ds: Dataset, n_shards: int, shard: int, seed: int, ds_index: int):
+        self.shard, self.seed, self.ds_index = shard, seed, ds_index
+        lo, hi = shard_bounds(ds.documents, n_shards, shard)
+        first, last = (int(np.searchsorted(ds.starts, d, side="right") - 1) for d in (lo, hi - 1))
+        files, starts, seg_blocks = [], [], []  # per file segment: file, block starts (file-local docs)
+        for f in range(first, last + 1):
+            a, b = max(lo, int(ds.starts[f])) - int(ds.starts[f]), min(hi, int(ds.starts[f + 1])) - int(ds.starts[f])
+            groups = ds.file(f).row_groups if ds.entries[f].path.endswith(".parquet") else None
+            if groups is None:
+                cuts = np.arange(a, b + 1)
+            else:
+                cuts = np.unique(np.clip(groups, a, b))
+            files.append(f)
+            starts.append(cuts)
+            seg_blocks.append(len(cuts) - 1)
+        self.files, self.starts = files, starts
+        self.first_block = np.concatenate([[0], np.cumsum(seg_blocks)])
+        self.n_blocks = int(self.first_block[-1])
+
+    def order(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The blocks read at `positions` of the shard's epoch."""
+        return permute(positions, self.n_blocks, round_keys(self.seed, self.ds_index, self.shard, epoch))
+
+    def blocks(self, ids: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """(block id, file, first document in the file, documents) of each block id."""
+        seg = np.searchsorted(self.first_block, ids, side="right") - 1
+        out = []
+        for block, k, b in zip(ids.tolist(), seg.tolist(), (ids - self.first_block[seg]).tolist()):
+            cuts = self.starts[k]
+            out.append((block, self.files[k], int(cuts[b]), int(cuts[b + 1] - cuts[b])))
+        return out
+
+    def inner_order(self, epoch: int, block: int, size: int) -> np.ndarray:
+        """The order of the documents inside a block of `size` documents."""
+        if size == 1:
+            return np.zeros(1, np.int64)
+        return permute(np.arange(size), size, round_keys(self.seed, self.ds_index, self.shard, epoch, block + 1))
 
 
 class DatasetReader:
-    """The logical shards of one dataset owned by one reader. Per-shard positions are plain Python
-    ints on this hot path; state() turns them into small numpy arrays."""
+    """The logical shards of one dataset owned by one reader. Positions are plain Python ints on this
+    hot path; state() copies them."""
 
     def __init__(self, ds: Dataset, ds_index: int, n_shards: int, consumer: int, consumers: int, seed: int,
                  packing: Packing, table: Optional[dict[int, tuple]] = None, next_shard: int = 0):
         self.ds, self.ds_index, self.n_shards, self.seed, self.packing = ds, ds_index, n_shards, seed, packing
         self.shards = list(range(consumer, n_shards, consumers))
-        self.sizes = [hi - lo for lo, hi in (shard_bounds(ds.documents, n_shards, s) for s in self.shards)]
-        rows = [(0, 0, 0)] * len(self.shards) if table is None else [table[s] for s in self.shards]
-        self.epoch, self.cursor, self.offset = (list(col) for col in zip(*rows)) if rows else ([], [], [])
+        rows = [table[s] if table else (0, 0, 0, 0) for s in self.shards]
+        self.epoch, self.cursor, self.inner, self.offset = (list(c) for c in zip(*rows)) if rows else ([],) * 4
         self.next = next_shard
+        self._plans: dict[int, ShardPlan] = {}
         self._order: tuple[int, list[int], int] = (-1, [], 0)  # (round, shards by priority, finished prefix)
         self._active = self._window()
-        self._ahead: dict[int, tuple[int, int, list[int], list[int]]] = {}  # shard -> (epoch, cursor, files, indices)
-        self._current: tuple[tuple[int, int, int], np.ndarray] = ((-1, -1, -1), np.empty(0, np.int64))
+        self._ahead: dict[int, tuple[int, int, list[tuple[int, int, int, int]]]] = {}  # shard -> (epoch, cursor, blocks)
+        self._inner: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # shard -> ((epoch, cursor), order)
+        self._current: tuple[tuple[int, ...], np.ndarray, int] = ((), np.empty(0, np.int64), 0)  # key, body, block size
         self.read_docs: list[tuple[int, int]] = []  # (file, index) of the documents read since the last check
+
+    def _plan(self, i: int) -> ShardPlan:
+        plan = self._plans.get(i)
+        if plan is None:
+            plan = self._plans[i] = ShardPlan(self.ds, self.n_shards, self.shards[i], self.seed, self.ds_index)
+        return plan
 
     def _window(self) -> list[int]:
         """The active shards: the first ACTIVE_SHARDS, in round R's seeded priority order, of those
@@ -98,42 +143,55 @@ class DatasetReader:
                     break
         return window
 
-    def _locate(self, i: int) -> tuple[int, int]:
-        """(file number, index in file) of shard i's current document."""
+    def _block(self, i: int) -> tuple[int, int, int, int]:
+        """(block id, file, first document, documents) of shard i's current block."""
         epoch, cursor = self.epoch[i], self.cursor[i]
         ahead = self._ahead.get(i)
         if ahead is None or ahead[0] != epoch or not ahead[1] <= cursor < ahead[1] + len(ahead[2]):
-            positions = np.arange(cursor, min(self.sizes[i], cursor + _LOOKAHEAD))
-            docs = shard_documents(self.ds.documents, self.n_shards, self.shards[i], epoch, self.seed,
-                                   self.ds_index, positions)
-            ahead = (epoch, cursor, *self.ds.locate(docs))
+            plan = self._plan(i)
+            positions = np.arange(cursor, min(plan.n_blocks, cursor + _LOOKAHEAD))
+            ahead = (epoch, cursor, plan.blocks(plan.order(epoch, positions)))
             self._ahead[i] = ahead
-        k = cursor - ahead[1]
-        return ahead[2][k], ahead[3][k]
+        return ahead[2][cursor - ahead[1]]
+
+    def _locate(self, i: int) -> tuple[int, int, int]:
+        """(file, index in file, documents in its block) of shard i's current document."""
+        block, file, first, size = self._block(i)
+        if size == 1:
+            return file, first, 1
+        key = (self.epoch[i], self.cursor[i])
+        cached = self._inner.get(i)
+        if cached is None or cached[0] != key:
+            cached = self._inner[i] = (key, self._plan(i).inner_order(key[0], block, size))
+        return file, first + int(cached[1][self.inner[i]]), size
 
     def _body(self, i: int) -> np.ndarray:
         """Shard i's current document stripped of bos/eos/strip_tokens at both ends (a view)."""
-        key = (i, self.epoch[i], self.cursor[i])
+        key = (i, self.epoch[i], self.cursor[i], self.inner[i])
         if self._current[0] != key:
-            file, j = self._locate(i)
+            file, j, size = self._locate(i)
             tokens = self.ds.read(file, j)
             lo, hi, strip = 0, len(tokens), self.packing.strip
             while lo < hi and int(tokens[lo]) in strip:
                 lo += 1
             while hi > lo and int(tokens[hi - 1]) in strip:
                 hi -= 1
-            self._current = (key, tokens[lo:hi])
+            self._current = (key, tokens[lo:hi], size)
             self.read_docs.append((file, j))
         return self._current[1]
 
     def _finish_document(self, i: int) -> None:
-        self.cursor[i] += 1
+        """Move shard i past its current document (the one _body(i) just returned)."""
         self.offset[i] = 0
-        if self.cursor[i] >= self.sizes[i]:
-            self.epoch[i] += 1
-            self.cursor[i] = 0
-            self._ahead.pop(i, None)
-            self._active = self._window()
+        self.inner[i] += 1
+        if self.inner[i] >= self._current[2]:
+            self.inner[i] = 0
+            self.cursor[i] += 1
+            if self.cursor[i] >= self._plan(i).n_blocks:
+                self.epoch[i] += 1
+                self.cursor[i] = 0
+                self._ahead.pop(i, None)
+                self._active = self._window()
         self.next = (self.next + 1) % len(self._active)
 
     def fill(self, out: np.ndarray) -> None:
@@ -182,7 +240,8 @@ class DatasetReader:
 
     def state(self) -> dict[str, Any]:
         """Copies of the positions (lists: cheap enough to take at every batch)."""
-        return {"epoch": self.epoch[:], "cursor": self.cursor[:], "offset": self.offset[:], "next": self.next}
+        return {"epoch": self.epoch[:], "cursor": self.cursor[:], "inner": self.inner[:], "offset": self.offset[:],
+                "next": self.next}
 
 
 class Reader:
