@@ -92,9 +92,15 @@ class train_config:
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, wsd).", min=0.0)
 
     # checkpoints
-    ckpt_load_path: Optional[str] = _f(None, "Checkpoint to initialise the model from.")
-    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/.")
-    checkpoint_interval: int = _f(10000, "Steps between checkpoints.", min=1)
+    ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
+    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present).")
+    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step).", min=1)
+    checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
+    checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
+    checkpoint_keep_policy: str = _f("", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.")
+    async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.")
+    on_checkpoint_error: str = _f("stop", "A failed save stops the run (stop) or is reported and skipped (warn).", choices=("stop", "warn"))
+    export_model_at_end: bool = _f(False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors.")
 
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
@@ -290,13 +296,14 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
         )
+    from fms_fsdp.checkpoint import KeepPolicy
+
+    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
     _check_not_yet_supported(cfg)
 
 
 def _check_not_yet_supported(cfg: train_config) -> None:
     """Refuse settings whose machinery this version does not have, instead of ignoring them."""
-    if cfg.ckpt_load_path is not None:
-        raise ConfigError("--ckpt_load_path: loading checkpoints is not in this version yet; leave it unset")
     if cfg.tracker is not None:
         raise ConfigError(f"--tracker={cfg.tracker}: trackers are not in this version yet; metrics go to "
                           "<ckpt_save_path>/metrics.jsonl")

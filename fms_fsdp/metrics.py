@@ -47,7 +47,8 @@ def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Option
 class MetricsReporter:
     """Accumulates per-step figures on the device and reports them every report_interval steps."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, flops_per_token: float, start_step: int = 0):
+    def __init__(self, cfg: train_config, info: DistInfo, flops_per_token: float, start_step: int = 0,
+                 tokens_seen: int = 0):
         self.info = info
         self.device = info.device
         self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps  # per rank
@@ -55,6 +56,7 @@ class MetricsReporter:
         self.peak = peak_flops(info.device, cfg.peak_tflops)
         self.path = Path(cfg.ckpt_save_path) / "metrics.jsonl"
         self.start_step = start_step
+        self.tokens_seen = tokens_seen  # all ranks, carried over a resume
         self.run_start = time.perf_counter()
         self._reset(time.perf_counter())
         self.bar = None
@@ -66,6 +68,7 @@ class MetricsReporter:
         self.loss_sum = torch.zeros((), device=self.device)
         self.steps = 0
         self.data_wait = 0.0
+        self.checkpoint_stall: Optional[float] = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -73,9 +76,14 @@ class MetricsReporter:
         """Record one optimizer step's loss (a detached scalar; no device sync) and data wait."""
         self.loss_sum += loss
         self.steps += 1
+        self.tokens_seen += self.tokens_per_step * self.info.world_size
         self.data_wait += data_wait_s
         if self.bar is not None:
             self.bar.update(1)
+
+    def checkpoint_saved(self, stall_s: float) -> None:
+        """Record the seconds training waited for a checkpoint save (reported with the interval)."""
+        self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
 
     def report(self, step: int, lr: float, grad_norm: torch.Tensor) -> dict[str, Any]:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
@@ -94,13 +102,15 @@ class MetricsReporter:
             "loss": loss_value / self.info.world_size,
             "lr": lr,
             "grad_norm": norm_value,
-            "tokens_seen": step * self.tokens_per_step * self.info.world_size,
+            "tokens_seen": self.tokens_seen,
             "step_time": step_time,
             "tokens_per_sec_per_gpu": tps,
             "overall_tokens_per_sec_per_gpu": overall_tps,
             "tokens_per_day": overall_tps * self.info.world_size * 86400,
             "data_wait": self.data_wait / (now - self.interval_start),
         }
+        if self.checkpoint_stall is not None:
+            record["checkpoint_stall_s"] = self.checkpoint_stall
         if self.peak is not None:
             record["mfu"] = tps * self.flops_per_token / self.peak
         if self.device.type == "cuda":
@@ -147,4 +157,6 @@ def format_record(r: dict[str, Any]) -> str:
     else:
         parts.append(f"rss {r['max_rss_gb']:.2f} GiB")
     parts.append(f"data_wait {100 * r['data_wait']:.1f}%")
+    if "checkpoint_stall_s" in r:
+        parts.append(f"ckpt_stall {r['checkpoint_stall_s']:.2f}s")
     return " | ".join(parts)

@@ -16,6 +16,7 @@ import yaml
 from fms.models.llama import LLaMA
 from torch.distributed.tensor import DTensor
 
+from fms_fsdp.checkpoint import CheckpointError, Checkpointer, StopRequest
 from fms_fsdp.config import ConfigError, cli_config, save_config, to_dict, train_config
 from fms_fsdp.data import DataError, get_data_loader
 from fms_fsdp.metrics import MetricsReporter
@@ -98,24 +99,30 @@ def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimiz
 
 
 def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
-    """Train for num_steps; returns the metric records (rank 0 also printed and saved them)."""
+    """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one;
+    returns the metric records of this run (rank 0 also printed and saved them)."""
     torch.manual_seed(cfg.seed)
     if info.is_main:
         save_config(cfg, cfg.ckpt_save_path)
         log(info, "resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
-        log(info, "note: checkpoints are not written by this version; checkpoint_interval is not used")
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
     loader = get_data_loader(cfg, info.rank, info.world_size)  # bad data fails here, before the model
     model, optimizer, scheduler = build(cfg, info)
+    checkpointer = Checkpointer(cfg, info, model, optimizer, scheduler, loader)
+    start, tokens_seen = checkpointer.resume() or (0, 0)
+    if start == 0 and cfg.ckpt_load_path:
+        checkpointer.load_model(cfg.ckpt_load_path)
+    stop = StopRequest()
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
     batches = iter(loader)
-    reporter = MetricsReporter(cfg, info, flops_per_token(model_config, cfg.seq_length))
+    reporter = MetricsReporter(cfg, info, flops_per_token(model_config, cfg.seq_length), start, tokens_seen)
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()
+    step = start
     with maybe_profiler(cfg, info) as prof:
-        for step in range(1, cfg.num_steps + 1):
+        for step in range(start + 1, cfg.num_steps + 1):
             loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -123,11 +130,23 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
                 _check_finite(*pending)
             pending = (step, loss, norm)
             reporter.step_done(loss, wait)
-            if step % cfg.report_interval == 0 or step == cfg.num_steps:
+            save_now, stopping = checkpointer.due(step, stop)
+            if save_now:
+                _check_finite(*pending)  # never checkpoint a diverged model
+                checkpointer.save(step, reporter.tokens_seen)
+                reporter.checkpoint_saved(checkpointer.stall_seconds)
+            if step % cfg.report_interval == 0 or step == cfg.num_steps or stopping:
                 _check_finite(*pending)
                 records.append(reporter.report(step, lr, norm))
+            if stopping:
+                log(info, f"stopping after step {step} on {stop.requested}: the checkpoint is saved, resume by "
+                          "running the same command")
+                break
             if prof is not None:
                 prof.step()
+    checkpointer.finish_pending()
+    if cfg.export_model_at_end:
+        checkpointer.export(step)
     reporter.close()
     return records
 
@@ -148,10 +167,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = cli_config(argv)
     try:
         run(cfg)
-    except (ConfigError, DataError, TrainingError) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         elif isinstance(e, DataError) and not e.every_rank:  # found by this rank's reader alone
             print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1 if isinstance(e, TrainingError) else 2) from None
+        raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None

@@ -8,7 +8,7 @@ and a 1-rank run with the same global batch see the same lines.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -36,5 +36,6 @@ class DummyDataLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"batches_seen": self.batches_seen}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.batches_seen = int(state["batches_seen"])
+    def load_state_dict(self, state: Union[dict[str, Any], list[dict[str, Any]]]) -> None:
+        """This rank's state, or every rank's (all ranks have seen the same number of batches)."""
+        self.batches_seen = int((state[0] if isinstance(state, list) else state)["batches_seen"])

@@ -9,6 +9,7 @@ worker whose batch was due next delivers first, and the batch sequence continues
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
@@ -27,6 +28,12 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
     datasets = {name: {**d, **{k: np.asarray(d[k], np.int32) for k in POSITION}}
                 for name, d in reader_state["datasets"].items()}
     return {**reader_state, "datasets": datasets}
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and then ends them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _as_is(item: Any) -> Any:
@@ -81,7 +88,8 @@ class StatefulLoader:
     def __iter__(self) -> Iterator[Batch]:
         source = _Workers(self)
         it = iter(source) if self.num_workers == 0 else iter(
-            DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is))
+            DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is,
+                       worker_init_fn=_ignore_stop_signals))
         for lines, state in it:
             if "error" in state:
                 raise DataError(state["error"])

@@ -1,0 +1,238 @@
+"""Checkpoints: exact resume, resharding, atomicity, keep policy, full disk, SIGTERM, model loading."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fms_fsdp.checkpoint import KeepPolicy, complete_checkpoints, read_model_state
+from fms_fsdp.config import ConfigError
+
+from conftest import ROOT, TINY, launch
+from test_data import make_docs, write_dataset
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    write_dataset(root, "web", make_docs(10, 400, 1))
+    write_dataset(root, "code", make_docs(500, 200, 2), layout="parquet")
+    return root
+
+
+def flags(data: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY, "--use_dummy_dataset=False", f"--data_path={data}", "--file_type=auto", "--weights=2,1", "--vocab_size=1024",
+            "--batch_size=4", "--seq_length=128", f"--num_steps={STEPS}", "--num_workers=1", "--logical_shards=16",
+            f"--ckpt_save_path={out}", *extra]
+
+
+def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
+    proc = launch("main_training.py", args, nproc)
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(out: Path) -> dict[int, float]:
+    """step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return read_model_state(str(folder))
+
+
+def start(args: list[str], nproc=2) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "main_training.py"), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_tree(pid: int, sig: signal.Signals) -> None:
+    """Signal a process and all its descendants (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    run(flags(data, out, "--checkpoint_interval=6"))
+    return out
+
+
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = start(flags(data, out, "--checkpoint_interval=6"))
+    wait_for(out / "checkpoints" / "step_6_ckp" / "COMPLETE", proc)
+    kill_tree(proc.pid, signal.SIGKILL)  # a hard stop of every process, six steps before the next checkpoint
+    proc.wait()
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [6]
+    proc = run(flags(data, out, "--checkpoint_interval=6"))  # the same command resumes
+    assert "step_6_ckp at step 6" in proc.stdout
+    ref, got = losses(uninterrupted), losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == ref[s] for s in ref), (ref, got)
+    a, b = weights(uninterrupted / "checkpoints" / "step_12_ckp"), weights(out / "checkpoints" / "step_12_ckp")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("nproc, strategy", [(1, "fsdp"), (4, "hsdp")])
+def test_resume_on_other_world_sizes_and_strategies(data, uninterrupted, tmp_path, nproc, strategy):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", out / "checkpoints" / "step_6_ckp")
+    extra = ["--num_steps=6", "--export_model_at_end=True", f"--sharding_strategy={strategy}", "--sharding_group_size=2"]
+    proc = run(flags(data, out, *extra), nproc=nproc)
+    assert "resumed from" in proc.stdout
+    exported = load_file(str(out / "model_step_6.safetensors"))
+    saved = weights(uninterrupted / "checkpoints" / "step_6_ckp")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    # and training goes on from there, the data position rescaled to the new world size
+    run(flags(data, out, "--num_steps=8", f"--sharding_strategy={strategy}", "--sharding_group_size=2"), nproc=nproc)
+    assert sorted(losses(out)) == [7, 8]
+
+
+def test_an_unfinished_or_unreadable_newest_checkpoint_is_not_resumed(data, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", ckpts)
+    # a save killed midway: its temporary folder, and a step folder without the completion marker
+    shutil.copytree(ckpts / "step_12_ckp", ckpts / ".step_18_ckp.tmp")
+    shutil.copytree(ckpts / "step_12_ckp", ckpts / "step_15_ckp")
+    (ckpts / "step_15_ckp" / "COMPLETE").unlink()
+    # the newest complete one is unreadable (a shard truncated after the fact)
+    shard = next((ckpts / "step_12_ckp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run(flags(data, out, "--num_steps=7", "--checkpoint_interval=100"))
+    assert "cannot resume from" in proc.stdout and "step_6_ckp at step 6" in proc.stdout
+    assert sorted(losses(out)) == [7]
+    assert not (ckpts / ".step_18_ckp.tmp").exists()  # cleaned at the next save
+
+
+def test_keep_policy():
+    policy = KeepPolicy.parse(2, "every 9 until 18, then every 15")
+    assert [s for s in range(1, 61) if policy.permanent(s)] == [9, 18, 30, 45, 60]
+    assert policy.to_delete([3, 6, 9, 12, 15, 18, 21]) == [3, 6, 12, 15]
+    assert KeepPolicy.parse(1, "").to_delete([5]) == []
+    with pytest.raises(ConfigError, match="--checkpoint_keep_policy: cannot read 'each 10'"):
+        KeepPolicy.parse(2, "each 10")
+
+
+def test_keep_policy_over_30_steps(tmp_path):
+    out = tmp_path / "run"
+    run([*TINY, "--num_steps=30", "--checkpoint_interval=3", "--checkpoint_keep=2", "--report_interval=10",
+         "--checkpoint_keep_policy=every 9 until 18, then every 15", f"--ckpt_save_path={out}"], nproc=1)
+    assert [p.name for _, p in complete_checkpoints(out / "checkpoints")] == \
+        ["step_9_ckp", "step_18_ckp", "step_27_ckp", "step_30_ckp"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
+        ["step_18_ckp", "step_27_ckp", "step_30_ckp", "step_9_ckp"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 24 MB filesystem (tmpfs)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)])
+
+
+def test_full_disk_stops_with_a_clear_error(small_disk):
+    out = small_disk / "run"  # a checkpoint of tiny is about 37 MB
+    proc = run([*TINY, "--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}"], nproc=2, ok=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not enough space in" in errors[0] and str(out / "checkpoints") in errors[0]
+    assert "GiB needed; free space or set --ckpt_save_path" in errors[0]
+    assert (out / "metrics.jsonl").read_text().count("\n") == 1  # stopped at the first save, step 2, before its report
+    proc = run([*TINY, "--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}",
+                "--on_checkpoint_error=warn"], nproc=2)
+    assert "training goes on (--on_checkpoint_error=warn)" in proc.stdout
+
+
+def test_sigterm_saves_and_exits_and_the_run_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--num_steps=400", "--checkpoint_interval=1000", "--batch_size=2", f"--ckpt_save_path={out}"]
+    proc = start(args)
+    wait_for(out / "metrics.jsonl", proc)
+    kill_tree(proc.pid, signal.SIGTERM)  # as Slurm does: every process of the job
+    output = proc.communicate(timeout=120)[0]
+    assert "stopping after step" in output and "on SIGTERM" in output, output[-3000:]
+    (step, _), = complete_checkpoints(out / "checkpoints")
+    assert 1 <= step < 400
+    proc = run([*args, f"--num_steps={step + 2}"])  # the later flag wins
+    assert f"at step {step}" in proc.stdout
+    assert max(losses(out)) == step + 2
+
+
+def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path):
+    src = uninterrupted / "checkpoints" / "step_12_ckp"
+    reference = weights(src)
+    proc = launch("scripts/export_model.py", [f"--load_path={src}", f"--save_path={tmp_path / 'm.safetensors'}"], None)
+    assert proc.returncode == 0, proc.stderr
+    torch.save({"model_state": reference}, tmp_path / "m.pth")
+    for path in (src, tmp_path / "m.safetensors", tmp_path / "m.pth"):
+        out = tmp_path / f"from_{path.name}"
+        # learning rate 0: one step leaves the loaded weights as they are, to compare exactly
+        run(flags(data, out, f"--ckpt_load_path={path}", "--num_steps=1", "--learning_rate=0",
+                  "--export_model_at_end=True"))
+        got = load_file(str(out / "model_step_1.safetensors"))
+        assert all(torch.equal(got[k], reference[k]) for k in reference), path
+
+
+def test_a_wrong_or_missing_checkpoint_is_a_clear_error(data, uninterrupted, tmp_path):
+    src = uninterrupted / "checkpoints" / "step_12_ckp"
+    proc = run(flags(data, tmp_path / "a", f"--ckpt_load_path={src}", "--vocab_size=2048"), ok=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"--ckpt_load_path: {src} does not fit --model_variant=tiny (vocab 2048)" in errors[0]
+    proc = run(flags(data, tmp_path / "b", f"--ckpt_load_path={tmp_path / 'nothing'}"), ok=False)
+    assert f"error: --ckpt_load_path: {tmp_path / 'nothing'} does not exist" in proc.stderr
+
+
+def test_async_checkpoints_hold_the_state_of_their_step(data, uninterrupted, tmp_path):
+    """Training goes on while the files are written; what is written is the state at the save."""
+    out = tmp_path / "run"
+    proc = run(flags(data, out, "--checkpoint_interval=6", "--async_checkpoint=True"))
+    assert proc.stdout.count("checkpoint: saved") == 2
+    for step in (6, 12):
+        a = weights(uninterrupted / "checkpoints" / f"step_{step}_ckp")
+        b = weights(out / "checkpoints" / f"step_{step}_ckp")
+        assert all(torch.equal(a[k], b[k]) for k in a), step
+    assert all("checkpoint_stall_s" in r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if r["step"] in (6, 12))
