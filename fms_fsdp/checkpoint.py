@@ -12,6 +12,7 @@ save; a failed save stops the run unless --on_checkpoint_error=warn.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +47,36 @@ _DISK_MARGIN = 1.05  # a checkpoint's files take a little more than its tensors
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the path."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata file, refusing every global but the plain data types it holds,
+    so reading a checkpoint never runs code from it."""
+
+    _CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self._CLASSES:
+            found = super().find_class(module, name)
+            if isinstance(found, type) or (module, name) in self._CLASSES:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read without running code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 @dataclass(frozen=True)
@@ -297,7 +329,7 @@ class Checkpointer:
         for step, path in reversed(candidates):
             try:
                 return self._load(path)
-            except (OSError, RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:
+            except (OSError, RuntimeError, KeyError, ValueError, pickle.UnpicklingError, dcp.CheckpointException) as e:
                 if self.info.is_main:
                     print(f"warning: cannot resume from {path} ({str(e).splitlines()[0]}); trying an older one",
                           flush=True)
@@ -308,7 +340,7 @@ class Checkpointer:
     def _load(self, path: Path) -> tuple[int, int]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model_state": model_sd, "optimizer_state": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
                        optim_state_dict=state["optimizer_state"])
         meta = torch.load(path / "metadata.pth", weights_only=True)
@@ -332,11 +364,13 @@ class Checkpointer:
         try:
             if p.is_dir():
                 state = {"model_state": get_model_state_dict(self.model)}
-                dcp.load(state, checkpoint_id=str(p), process_group=self.group)
+                dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
                 set_model_state_dict(self.model, state["model_state"])
             else:
                 full = _read_model_file(p)
                 set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:
             raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={self.cfg.model_variant}"
                                   f" (vocab {self.model.config.src_vocab_size}): {_first_line(e)}") from None
@@ -363,7 +397,7 @@ class Checkpointer:
 def read_model_state(folder: str) -> dict[str, torch.Tensor]:
     """The full model of a checkpoint folder (this project's or fms-fsdp's) in one process, no process
     group: tensors allocated from the checkpoint's own metadata, each read once."""
-    reader = dcp.FileSystemReader(folder)
+    reader = SafeReader(folder)
     metadata = reader.read_metadata()
     state = {key.removeprefix("model_state."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()

@@ -58,7 +58,7 @@ class train_config:
     strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.")
     logical_shards: int = _f(1024, "Logical data shards (the unit of data-parallel rescaling).", min=1)
     num_workers: int = _f(1, "Data loader worker processes per rank.", min=0)
-    resuming_dataset: bool = _f(False, "Resume data position from the loaded checkpoint (fms-fsdp compatibility).")
+    resuming_dataset: bool = _f(False, "Accepted for fms-fsdp scripts; a resumed run always restores its data position.")
 
     # parallelism
     device: str = _f("auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu"))

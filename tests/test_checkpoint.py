@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, resharding, atomicity, keep policy, full disk, SIGTERM, model loading."""
 
 import json
+import pickle
 import os
 import shutil
 import signal
@@ -236,3 +237,19 @@ def test_async_checkpoints_hold_the_state_of_their_step(data, uninterrupted, tmp
         assert all(torch.equal(a[k], b[k]) for k in a), step
     assert all("checkpoint_stall_s" in r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                if r["step"] in (6, 12))
+
+
+def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
+    evil = tmp_path / "evil_ckp"
+    shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", evil)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing posix.system"):
+        read_model_state(str(evil))
+    assert not marker.exists()
+    assert weights(uninterrupted / "checkpoints" / "step_6_ckp")  # real metadata still reads

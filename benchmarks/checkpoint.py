@@ -1,0 +1,67 @@
+"""Checkpoint save and load: seconds, bytes, and the training stall of sync vs async saves.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint.py --model_variant=small --device=cpu \
+        --mixed_precision=False --use_torch_compile=False [--ckpt_save_path=/tmp/ckpt_bench]
+
+Takes the training flags; builds the model and optimizer as training does, takes one step (so the
+optimizer state exists), then saves twice synchronously, twice with --async_checkpoint (the stall is
+the time training waits; the total includes waiting for the background write), and loads the
+newest checkpoint back. Rank 0 prints one line of key=value figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed as dist  # noqa: E402
+
+from fms_fsdp.checkpoint import Checkpointer, complete_checkpoints  # noqa: E402
+from fms_fsdp.config import parse_args  # noqa: E402
+from fms_fsdp.data import get_data_loader  # noqa: E402
+from fms_fsdp.parallel import init_distributed  # noqa: E402
+from fms_fsdp.train import build, train_step  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=/tmp/ckpt_bench", "--checkpoint_keep=4", *argv])
+    info = init_distributed(cfg)
+    root = Path(cfg.ckpt_save_path)
+    if info.is_main:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    loader = get_data_loader(cfg, info.rank, info.world_size)
+    model, optimizer, scheduler = build(cfg, info)
+    train_step(model, optimizer, iter(loader), cfg, info.device)
+    figures = {}
+    for mode in ("sync", "async"):
+        run_cfg = dataclasses.replace(cfg, async_checkpoint=mode == "async")
+        ckpt = Checkpointer(run_cfg, info, model, optimizer, scheduler, loader)
+        stalls, totals = [], []
+        for step in (1, 2) if mode == "sync" else (3, 4):
+            start = time.perf_counter()
+            ckpt.save(step, 0)
+            stalls.append(ckpt.stall_seconds)
+            ckpt.finish_pending()
+            totals.append(time.perf_counter() - start)
+        figures[f"{mode}_stall_s"] = round(min(stalls), 3)
+        figures[f"{mode}_total_s"] = round(min(totals), 3)
+    start = time.perf_counter()
+    ckpt.resume()
+    figures["load_s"] = round(time.perf_counter() - start, 3)
+    step, path = complete_checkpoints(root / "checkpoints")[-1]
+    figures["bytes"] = sum(p.stat().st_size for p in path.iterdir())
+    if info.is_main:
+        print(f"BENCH variant={cfg.model_variant} world={info.world_size} device={info.device.type} "
+              + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
