@@ -21,7 +21,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -249,15 +249,20 @@ class Checkpointer:
         tmp = self.root / f".step_{step}_ckp.tmp"
         try:
             self._make_room(self._estimate_bytes())
-            if self.info.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            dist.barrier(group=self.group)
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model_state": model_sd, "optimizer_state": optim_sd}
             error: Optional[BaseException] = None
             try:
+                if self.info.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
+            self._agree(error)  # also the barrier: the folder exists for every rank
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model_state": model_sd, "optimizer_state": optim_sd}
+            try:
                 rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
+                if self.info.device.type == "cuda":
+                    rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
                 _save_file(rank_state, tmp / f"loader_state_{self.info.rank}.pth")
                 if self.info.is_main:
                     _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
@@ -283,8 +288,13 @@ class Checkpointer:
             return
         step, tmp, future = self.pending
         self.pending = None
+        error: Optional[BaseException] = None
         try:
             future.result()
+        except (OSError, RuntimeError, dcp.CheckpointException) as e:
+            error = e
+        try:
+            self._agree(error)
             self._commit(tmp, self.root / f"step_{step}_ckp")
         except (OSError, RuntimeError, dcp.CheckpointException) as e:
             self._failed(tmp, e)
@@ -292,21 +302,25 @@ class Checkpointer:
     def _commit(self, tmp: Path, final: Path) -> None:
         """Every rank has written its part: mark complete, rename into place, apply the policy."""
         dist.barrier(group=self.group)
+        error: Optional[BaseException] = None
         if self.info.is_main:
-            with open(tmp / COMPLETE, "w") as f:
-                f.write("ok\n")
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # a checkpoint of this step from an earlier attempt
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            steps = [s for s, _ in complete_checkpoints(self.root)]
-            for s in self.policy.to_delete(steps):
-                shutil.rmtree(self.root / f"step_{s}_ckp", ignore_errors=True)
-            print(f"checkpoint: saved {final}", flush=True)
-        dist.barrier(group=self.group)
+            try:
+                with open(tmp / COMPLETE, "w") as f:
+                    f.write("ok\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                _fsync_dir(tmp)
+                if final.exists():  # a checkpoint of this step from an earlier attempt
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.root)
+                steps = [s for s, _ in complete_checkpoints(self.root)]
+                for s in self.policy.to_delete(steps):
+                    shutil.rmtree(self.root / f"step_{s}_ckp", ignore_errors=True)
+                print(f"checkpoint: saved {final}", flush=True)
+            except OSError as e:
+                error = e
+        self._agree(error)
 
     def _failed(self, tmp: Path, error: BaseException) -> None:
         if self.info.is_main:
@@ -350,7 +364,10 @@ class Checkpointer:
         loader_states = [r["loader"] for r in rank_states]
         self.loader.load_state_dict(loader_states if len(loader_states) > 1 else loader_states[0])
         if len(rank_states) == self.info.world_size:
-            torch.set_rng_state(rank_states[self.info.rank]["rng"])
+            own = rank_states[self.info.rank]
+            torch.set_rng_state(own["rng"])
+            if "cuda_rng" in own and self.info.device.type == "cuda":
+                torch.cuda.set_rng_state(own["cuda_rng"], self.info.device)
         if self.info.is_main:
             print(f"checkpoint: resumed from {path} at step {meta['step']}", flush=True)
         return int(meta["step"]), int(meta["tokens_seen"])
@@ -362,16 +379,21 @@ class Checkpointer:
         if not p.exists():
             raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
         try:
-            if p.is_dir():
+            if p.is_dir() and (p / "config.json").is_file():  # a Hugging Face Llama folder
+                from fms_fsdp.hf import read_hf_model
+
+                full = read_hf_model(str(p), self.model.config)
+                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+            elif p.is_dir():
                 state = {"model_state": get_model_state_dict(self.model)}
                 dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
                 set_model_state_dict(self.model, state["model_state"])
             else:
                 full = _read_model_file(p)
                 set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
-        except pickle.UnpicklingError as e:
+        except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
-        except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as e:
+        except (RuntimeError, KeyError, dcp.CheckpointException) as e:
             raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={self.cfg.model_variant}"
                                   f" (vocab {self.model.config.src_vocab_size}): {_first_line(e)}") from None
         if self.info.is_main:
@@ -394,20 +416,48 @@ class Checkpointer:
         return target
 
 
-def read_model_state(folder: str) -> dict[str, torch.Tensor]:
-    """The full model of a checkpoint folder (this project's or fms-fsdp's) in one process, no process
-    group: tensors allocated from the checkpoint's own metadata, each read once."""
-    reader = SafeReader(folder)
-    metadata = reader.read_metadata()
-    state = {key.removeprefix("model_state."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model_state.") and hasattr(meta, "size")}
-    if not state:
+def read_model_keys(folder: str) -> dict[str, torch.Size]:
+    """Model tensor names and shapes of a checkpoint folder, from its metadata."""
+    metadata = SafeReader(folder).read_metadata()
+    keys = {key.removeprefix("model_state."): meta.size for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model_state.") and hasattr(meta, "size")}
+    if not keys:
         raise CheckpointError(f"{folder}: no model_state in this checkpoint")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model_state": state}, storage_reader=reader, no_dist=True)
+    return keys
+
+
+def read_model_part(folder: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Some model tensors of a checkpoint folder, whole, in one process without a process group."""
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    state = {k: torch.empty(metadata[f"model_state.{k}"].size, dtype=metadata[f"model_state.{k}"].properties.dtype)
+             for k in keys}
+    if state:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model_state": state}, storage_reader=SafeReader(folder), no_dist=True)
     return state
+
+
+def read_model_state(folder: str) -> dict[str, torch.Tensor]:
+    """The full model of a checkpoint folder (this project's or fms-fsdp's), read once."""
+    return read_model_part(folder, list(read_model_keys(folder)))
+
+
+def model_file_reader(path: Path) -> tuple[dict[str, torch.Size], Callable[[list[str]], dict[str, torch.Tensor]]]:
+    """(names and shapes, reader of some tensors) of a .safetensors or .pth model file, read lazily."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
+
+        def read(keys: list[str]) -> dict[str, torch.Tensor]:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in keys}
+
+        return shapes, read
+    state = _read_model_file(path)
+    return {k: v.shape for k, v in state.items()}, lambda keys: {k: state[k] for k in keys}
 
 
 def _read_model_file(path: Path) -> dict[str, torch.Tensor]:

@@ -26,6 +26,8 @@ _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 VARIANTS: dict[str, dict[str, Any]] = {
     # small variants for CPU tests and the quick start
     "tiny": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024),
+    "tiny_llama3": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64,
+                        max_expected_seq_len=1024, rope_theta=500000.0),
     "small": dict(src_vocab_size=32000, emb_dim=768, nheads=12, kvheads=4, nlayers=12, multiple_of=256, max_expected_seq_len=2048),
     # fms-fsdp's variants, with exactly its dimensions
     "llama2_1.4b": dict(emb_dim=2048, nheads=16, nlayers=24, hidden_grow_factor=3, kvheads=4),

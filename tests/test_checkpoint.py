@@ -253,3 +253,10 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
         read_model_state(str(evil))
     assert not marker.exists()
     assert weights(uninterrupted / "checkpoints" / "step_6_ckp")  # real metadata still reads
+
+
+def test_time_based_saves(tmp_path):
+    out = tmp_path / "run"
+    run([*TINY, "--num_steps=3", "--checkpoint_interval=100", "--checkpoint_minutes=0", "--checkpoint_keep=5",
+         f"--ckpt_save_path={out}"], nproc=1)
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]

@@ -1,0 +1,196 @@
+"""Hugging Face interop: fms LLaMA checkpoints <-> transformers LlamaForCausalLM folders.
+
+HF -> fms uses ibm-fms's own registered adapter (serialization.get_adapted("llama", "hf")).
+fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
+wrong inverse rotary permutation for head_dim != 4 and misspells max_position_embeddings (checked:
+its logits differ by 3e-2), so this module inverts fms's own hf->fms steps instead, and a test checks
+the round trip is bit-exact. Tensors are converted and written one layer at a time, so an export never
+holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+from fms.models.llama import LLaMAConfig
+from fms.utils import serialization
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
+
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+class HFError(ValueError):
+    """A conversion that cannot be done; the message is one line naming the flag or path."""
+
+
+def hidden_dim(cfg: LLaMAConfig) -> int:
+    """fms GatedLinearUnit's hidden size."""
+    hidden = int(cfg.hidden_grow_factor * cfg.emb_dim)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of) if cfg.multiple_of else hidden
+
+
+def hf_config(cfg: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:
+    """config.json of the LlamaForCausalLM equivalent to an fms LLaMAConfig."""
+    if cfg.rope_scaling:
+        raise HFError(f"rope_scaling={cfg.rope_scaling} has no Hugging Face translation here")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.src_vocab_size,
+        "hidden_size": cfg.emb_dim,
+        "intermediate_size": hidden_dim(cfg),
+        "num_hidden_layers": cfg.nlayers,
+        "num_attention_heads": cfg.nheads,
+        "num_key_value_heads": cfg.kvheads or cfg.nheads,
+        "head_dim": cfg.emb_dim // cfg.nheads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_expected_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": float(cfg.rope_theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "attention_bias": cfg.attn_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_heads,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of fms's _hf_to_fms_rope: fms rotates interleaved pairs, HF the two halves."""
+    heads = t.size(0) // head_dim
+    return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensors of fms block i, from its fms tensors (keys without the 'base_model.layers.i.' prefix)."""
+    head_dim = cfg.emb_dim // cfg.nheads
+    kv = (cfg.kvheads or cfg.nheads) * head_dim
+    out, h = {}, f"model.layers.{i}."
+    for kind in ("weight", "bias"):
+        if f"attn.in_proj.qkv_fused.{kind}" in sd:
+            q, k, v = torch.split(sd[f"attn.in_proj.qkv_fused.{kind}"], [cfg.emb_dim, kv, kv], dim=0)
+            out[h + f"self_attn.q_proj.{kind}"] = _rope_fms_to_hf(q, head_dim)
+            out[h + f"self_attn.k_proj.{kind}"] = _rope_fms_to_hf(k, head_dim)
+            out[h + f"self_attn.v_proj.{kind}"] = v
+        if f"ff_sub_layer.wg1_fused.{kind}" in sd:
+            gate, up = torch.split(sd[f"ff_sub_layer.wg1_fused.{kind}"], hidden_dim(cfg), dim=0)  # fused as [wg, w1]
+            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
+        for fms_name, hf_name in (("attn.dense", "self_attn.o_proj"), ("ff_sub_layer.w2", "mlp.down_proj"),
+                                  ("ln", "input_layernorm"), ("ff_ln", "post_attention_layernorm")):
+            if f"{fms_name}.{kind}" in sd:
+                out[h + f"{hf_name}.{kind}"] = sd[f"{fms_name}.{kind}"]
+    return out
+
+
+def hf_tensors(cfg: LLaMAConfig, read: Reader, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """The HF tensors, one group at a time (embedding and head, then each block), reading only the fms
+    tensors each group needs through `read(keys) -> {key: tensor}`."""
+    top = {"base_model.embedding.weight": "model.embed_tokens.weight", "base_model.dec_norm.weight": "model.norm.weight"}
+    if not cfg.tie_heads:
+        top["head.weight"] = "lm_head.weight"
+    got = read([k for k in top if k in keys])
+    yield {top[k]: v for k, v in got.items()}
+    for i in range(cfg.nlayers):
+        prefix = f"base_model.layers.{i}."
+        layer = read([k for k in keys if k.startswith(prefix)])
+        yield _layer_to_hf(cfg, i, {k.removeprefix(prefix): v for k, v in layer.items()})
+
+
+def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, dtype: torch.dtype,
+                    bos_token_id: Optional[int], eos_token_id: Optional[int], max_shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write config.json and safetensors shards of at most max_shard_bytes (with an index when more
+    than one) into `out`, atomically: a temporary folder renamed at the end."""
+    target = Path(out)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    names: list[str] = []
+
+    def flush() -> None:
+        name = f"model-{len(names) + 1:05d}.safetensors"
+        save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+        names.append(name)
+        shards[-1] = {}
+
+    index: dict[str, int] = {}
+    for group in hf_tensors(cfg, read, keys):
+        for key, tensor in group.items():
+            tensor = tensor.to(dtype).contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                flush()
+                size = 0
+            shards[-1][key] = tensor
+            index[key] = len(names)
+            size += nbytes
+    flush()
+    if len(names) == 1:
+        os.replace(tmp / names[0], tmp / "model.safetensors")
+    else:
+        total = sum((tmp / n).stat().st_size for n in names)
+        renamed = {i: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))}
+        for i, n in enumerate(names):
+            os.replace(tmp / n, tmp / renamed[i])
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": {k: renamed[i] for k, i in sorted(index.items())}}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, bos_token_id, eos_token_id), indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def read_hf_config(folder: str) -> dict:
+    """config.json of a Hugging Face folder."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HFError(f"{folder}: no config.json: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def check_hf_config(hf: dict, cfg: LLaMAConfig, folder: str) -> None:
+    """HFError naming the first dimension where the folder's model and the fms config differ."""
+    theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    pairs = {"vocab_size": (hf.get("vocab_size"), cfg.src_vocab_size), "hidden_size": (hf.get("hidden_size"), cfg.emb_dim),
+             "intermediate_size": (hf.get("intermediate_size"), hidden_dim(cfg)),
+             "num_hidden_layers": (hf.get("num_hidden_layers"), cfg.nlayers),
+             "num_attention_heads": (hf.get("num_attention_heads"), cfg.nheads),
+             "num_key_value_heads": (hf.get("num_key_value_heads", hf.get("num_attention_heads")), cfg.kvheads or cfg.nheads),
+             "rope_theta": (float(theta), float(cfg.rope_theta))}
+    for name, (theirs, ours) in pairs.items():
+        if theirs != ours:
+            raise HFError(f"{folder}: {name} is {theirs} but the model variant has {ours}; "
+                          "choose the matching --model_variant (and --vocab_size)")
+
+
+def read_hf_model(folder: str, cfg: LLaMAConfig) -> dict[str, torch.Tensor]:
+    """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter."""
+    check_hf_config(read_hf_config(folder), cfg, folder)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise HFError(f"{folder}: no .safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            sd.update({k: handle.get_tensor(k) for k in handle.keys()})
+    if cfg.tie_heads and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": cfg}))

@@ -1,0 +1,137 @@
+"""Hugging Face interop: export that transformers loads with equal logits, import, round trip."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fms_fsdp.checkpoint import read_model_state
+from fms_fsdp.models import build_model, get_model_config
+
+from conftest import ROOT, TINY, launch, train
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "fms_to_hf.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_llama3"])
+def trained(request, tmp_path_factory) -> tuple[str, Path]:
+    """A few training steps of a tiny variant with grouped-query attention (and llama3's rope_theta)."""
+    out = tmp_path_factory.mktemp(request.param)
+    train(out, [f"--model_variant={request.param}", "--num_steps=3", "--batch_size=2", "--vocab_size=512"], nproc=1)
+    return request.param, out / "run" / "checkpoints" / "step_3_ckp"
+
+
+def fms_model(variant: str, weights: dict) -> torch.nn.Module:
+    model = build_model(get_model_config(variant, 512), torch.device("cpu"))
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def greedy(step, ids: torch.Tensor, n: int = 20) -> torch.Tensor:
+    for _ in range(n):
+        ids = torch.cat([ids, step(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    variant, ckpt = trained
+    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}", "--dtype=fp32")  # variant from the checkpoint
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    c = get_model_config(variant, 512)
+    assert (config["vocab_size"], config["hidden_size"], config["num_key_value_heads"], config["rope_theta"],
+            config["max_position_embeddings"], config["eos_token_id"]) == (512, 256, 2, c.rope_theta, 1024, 0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
+    ours = fms_model(variant, read_model_state(str(ckpt)))
+    tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
+        hf.generation_config.eos_token_id = None
+        generated = hf.generate(tokens[:, :8], attention_mask=torch.ones_like(tokens[:, :8]), max_new_tokens=20,
+                                do_sample=False, eos_token_id=None)
+        assert torch.equal(generated, greedy(ours, tokens[:, :8]))
+
+
+def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
+    variant, ckpt = trained
+    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}", "--dtype=fp32")
+    # start training from the Hugging Face folder (learning rate 0: the weights stay as loaded)
+    train(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
+                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=1)
+    exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
+    original = read_model_state(str(ckpt))
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+    convert(f"--load_path={tmp_path / 'run' / 'model_step_1.safetensors'}", f"--save_path={tmp_path / 'hf2'}",
+            f"--model_variant={variant}", "--vocab_size=512", "--dtype=fp32")
+    a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    variant, ckpt = trained
+    old = tmp_path / "step_3_ckp"  # as fms-fsdp wrote it: no completion marker, metadata without the config
+    shutil.copytree(ckpt, old)
+    (old / "COMPLETE").unlink()
+    torch.save({"step": 3, "tokens_seen": 384}, old / "metadata.pth")
+    vocab = {f"w{i}": i for i in range(510)} | {"<s>": 510, "</s>": 511}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    error = convert(f"--load_path={old}", f"--save_path={tmp_path / 'x'}", rc=2).stderr
+    assert "error: --model_variant is needed" in error
+    convert(f"--load_path={old}", f"--save_path={tmp_path / 'hf'}", f"--model_variant={variant}", "--vocab_size=512",
+            f"--tokenizer_name_or_path={tmp_path / 'tok'}")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)("w5 w7")["input_ids"] == [5, 7]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 511
+
+
+def test_bad_input_gives_clear_errors(trained, tmp_path):
+    variant, ckpt = trained
+    assert "does not exist" in convert(f"--load_path={tmp_path / 'none'}", f"--save_path={tmp_path / 'o'}", rc=2).stderr
+    assert "--dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8", rc=2).stderr
+    error = convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--model_variant=small", rc=2).stderr
+    assert "error: --model_variant=small does not match" in error and "base_model.embedding.weight" in error
+    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}")
+    proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
+                                       f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], 1)
+    assert proc.returncode != 0
+    assert f"error: --ckpt_load_path: {tmp_path / 'hf'}: {tmp_path / 'hf'}: vocab_size is 512 but the model variant " \
+           "has 1024" in proc.stderr
+
+
+def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fms_fsdp.checkpoint import read_model_keys, read_model_part
+    from fms_fsdp.hf import write_hf_folder
+
+    variant, ckpt = trained
+    keys = list(read_model_keys(str(ckpt)))
+    write_hf_folder(get_model_config(variant, 512), lambda ks: read_model_part(str(ckpt), ks), keys,
+                    str(tmp_path / "hf"), torch.float32, None, 0, max_shard_bytes=2**20)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(tokens).logits - fms_model(variant, read_model_state(str(ckpt)))(tokens)).abs().max() <= 1e-4
