@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fms_fsdp.atomic import fsync_path
 from fms_fsdp.config import ConfigError, to_dict, train_config
 from fms_fsdp.parallel import DistInfo
 
@@ -138,14 +139,6 @@ def _to_torch(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_torch(v) for v in obj)
     return obj
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -309,11 +302,11 @@ class Checkpointer:
                     f.write("ok\n")
                     f.flush()
                     os.fsync(f.fileno())
-                _fsync_dir(tmp)
+                fsync_path(tmp)
                 if final.exists():  # a checkpoint of this step from an earlier attempt
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(self.root)
+                fsync_path(self.root)
                 steps = [s for s, _ in complete_checkpoints(self.root)]
                 for s in self.policy.to_delete(steps):
                     shutil.rmtree(self.root / f"step_{s}_ckp", ignore_errors=True)

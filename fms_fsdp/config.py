@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
+from fms_fsdp.atomic import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A bad flag, value or config file; the message is one actionable line."""
@@ -326,9 +328,7 @@ def save_config(cfg: train_config, folder: str) -> Path:
         while (out / f"config.{n}.yaml").exists():
             n += 1
         os.replace(target, out / f"config.{n}.yaml")
-    tmp = out / f".config.yaml.tmp{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    write_text_atomic(target, text)
     return target
 
 

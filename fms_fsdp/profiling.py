@@ -6,7 +6,6 @@ import contextlib
 from pathlib import Path
 from typing import Optional
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from fms_fsdp.config import train_config

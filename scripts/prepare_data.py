@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fms_fsdp.atomic import fsync_path, write_text_atomic  # noqa: E402
 from fms_fsdp.data.shards import COUNTS_HEADER  # noqa: E402
 
 EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
@@ -211,22 +212,6 @@ def init_worker(path: Optional[Path]) -> None:
 # ---------------------------------------------------------------- output
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small text file under a temporary name, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    fsync(tmp)
-    os.replace(tmp, path)
-
-
 def marker_path(output: Path, index: int) -> Path:
     return output / ".done" / f"{index:05d}.json"
 
@@ -267,7 +252,7 @@ class ShardWriter:
         if self._writer is not None:
             self._writer.close()
             self._sink.close()
-            fsync(self._tmp(self.shards[-1]["name"]))
+            fsync_path(self._tmp(self.shards[-1]["name"]))
             self._writer = None
 
     def abandon(self) -> None:
@@ -316,7 +301,7 @@ def process_input(job: tuple[int, Path, Path, dict]) -> tuple[int, dict, list[st
     stat = path.stat()
     marker = {"input": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
               "settings": settings, "shards": writer.finish(), "skipped": dict(sorted(skipped.items()))}
-    write_atomic(marker_path(output, index), json.dumps(marker, indent=1) + "\n")
+    write_text_atomic(marker_path(output, index), json.dumps(marker, indent=1) + "\n")
     return index, marker, warnings
 
 
@@ -361,7 +346,7 @@ def write_counts(output: Path, markers: list[dict]) -> Path:
     text = buffer.getvalue()
     if not path.is_file() or path.read_text() != text:
         path.parent.mkdir(exist_ok=True)
-        write_atomic(path, text)
+        write_text_atomic(path, text)
     return path
 
 

@@ -65,7 +65,7 @@ def test_unknown_flag_names_it_and_suggests_the_nearest():
     ("--selective_checkpointing=1/0", "--selective_checkpointing"),
     ("--selective_checkpointing=__import__('os').system('true')", "--selective_checkpointing"),
     ("--learning_rate=__import__('os')", "--learning_rate: expected float"),
-    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, small, llama2_1.4b"),
+    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, small, llama2_1.4b"),
     ("--adam_beta2=1", "--adam_beta2: must be < 1"),
     ("--weights=1,-1", "--weights: every weight must be > 0"),
     ("--num_steps=0", "--num_steps: must be >= 1"),

@@ -10,7 +10,7 @@ import numpy as np
 from fms_fsdp.config import make_config
 from fms_fsdp.data import get_data_loader
 
-from conftest import ROOT, TINY, train
+from conftest import ROOT, train
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog. ", "pack my box with five dozen liquor jugs. ",
              "how vexingly quick daft zebras jump! "]

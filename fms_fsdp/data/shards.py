@@ -10,7 +10,7 @@ Arrow files are memory-mapped: a document is a view of the file's pages, never a
 from __future__ import annotations
 
 import csv
-import os
+import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,8 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from fms_fsdp.atomic import write_text_atomic
 
 EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
@@ -193,12 +195,11 @@ def read_counts(data_path: str) -> dict[str, FileEntry]:
 
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
     """Write a counts CSV atomically."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COUNTS_HEADER)
-        writer.writerows([e.path, e.documents, e.tokens] for e in entries)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(COUNTS_HEADER)
+    writer.writerows([e.path, e.documents, e.tokens] for e in entries)
+    write_text_atomic(path, text.getvalue())
 
 
 def shard_paths(folder: Path, file_type: str) -> list[Path]:

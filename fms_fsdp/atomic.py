@@ -1,0 +1,24 @@
+"""Durable, atomic writes: a file is either complete under its final name or absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` under a temporary name (unique per process), flush it, rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
