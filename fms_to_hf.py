@@ -44,6 +44,12 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
     src = Path(load_path)
     if not src.exists():
         raise HFError(f"--load_path: {load_path} does not exist")
+    if src.is_dir() and not (src / ".metadata").is_file():
+        raise HFError(f"--load_path: {load_path} is not a checkpoint folder (no .metadata): give a step_N_ckp "
+                      "folder or a .safetensors/.pth file")
+    target = Path(save_path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise HFError(f"--save_path: {save_path} exists and is not empty; choose a new folder (nothing is overwritten)")
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
@@ -75,7 +81,7 @@ def main(load_path: str = "", save_path: str = "", model_variant: Optional[str] 
     """fms checkpoint -> Hugging Face LlamaForCausalLM folder."""
     try:
         out = convert(str(load_path), str(save_path), model_variant, vocab_size, tokenizer_name_or_path, str(dtype))
-    except (HFError, CheckpointError, ConfigError) as e:
+    except (HFError, CheckpointError, ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")

@@ -44,6 +44,8 @@ COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)_ckp$")
 _POLICY_PART = re.compile(r"^every (\d+)(?: until (\d+))?$")
 _DISK_MARGIN = 1.05  # a checkpoint's files take a little more than its tensors
+# a whole model from one file: read on rank 0 only, each rank receives its shards
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 class CheckpointError(RuntimeError):
@@ -130,6 +132,14 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _delete_checkpoint(path: Path) -> None:
+    """Unmark, then move aside, then delete: a checkpoint is never half there and marked complete."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    doomed = path.with_name(f".{path.name}.deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _to_torch(obj: Any) -> Any:
     """numpy arrays -> tensors, so torch.load(weights_only=True) reads the file back."""
     if isinstance(obj, np.ndarray):
@@ -172,6 +182,9 @@ class Checkpointer:
         self.policy = KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
         # checkpoint collectives run on gloo, also when training runs on NCCL (async saves need it)
         self.group = dist.new_group(backend="gloo")
+        # background saves get a group of their own: their collectives run in another thread, and
+        # sharing a group with the step-boundary all-reduce could pair collectives across ranks wrongly
+        self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.last_save_time = time.monotonic()
         self.stall_seconds = 0.0
@@ -182,8 +195,11 @@ class Checkpointer:
         """(save now, then stop) at this step boundary, agreed by every rank."""
         by_time = (self.cfg.checkpoint_minutes is not None and self.info.is_main
                    and time.monotonic() - self.last_save_time >= 60 * self.cfg.checkpoint_minutes)
-        flags = torch.tensor([float(stop.requested is not None), float(by_time)])
+        writing = self.pending is not None and not self.pending[2].done()
+        flags = torch.tensor([float(stop.requested is not None), float(by_time), float(writing)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if self.pending is not None and not flags[2]:  # every rank's background write is done: commit now
+            self.finish_pending()
         stopping = bool(flags[0])
         interval = step % self.cfg.checkpoint_interval == 0 or step == self.cfg.num_steps
         return stopping or bool(flags[1]) or interval, stopping
@@ -191,8 +207,12 @@ class Checkpointer:
     # ---------------------------------------------------------------- save
 
     def _estimate_bytes(self) -> int:
-        local = sum(t.numel() * t.element_size() for t in _tensors(self.model.state_dict()))
-        local += sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state_dict()))
+        """Bytes of one checkpoint: model and optimizer shards of one replica (DCP writes each once)."""
+        mesh = next(self.model.parameters()).device_mesh
+        local = 0
+        if mesh.get_coordinate()[0] == 0:  # the first replica along the mesh's 'replicate' dimension
+            local = sum(t.numel() * t.element_size() for t in _tensors(self.model.state_dict()))
+            local += sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state_dict()))
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)
         return int(total.item() * _DISK_MARGIN)
@@ -200,26 +220,37 @@ class Checkpointer:
     def _make_room(self, needed: int) -> None:
         """Prune by the policy until `needed` bytes are free; CheckpointError if they can't be."""
         self.root.mkdir(parents=True, exist_ok=True)
-        verdict = torch.tensor([1.0, 0.0])  # (enough room, bytes free)
+        verdict = torch.tensor([1.0, 0.0])  # (enough room, bytes free); free < 0: rank 0 failed
+        error: Optional[OSError] = None
         if self.info.is_main:
-            self._remove_stale()
-            free = shutil.disk_usage(self.root).free
-            complete = complete_checkpoints(self.root)
-            deletable = [p for s, p in complete if s in self.policy.to_delete([s for s, _ in complete])]
-            # beyond the policy, the oldest may go as long as one complete checkpoint stays
-            deletable += [p for _, p in complete[:-1] if p not in deletable]
-            for path in deletable:
-                if free >= needed:
-                    break
-                print(f"checkpoint: {free / 2**30:.2f} GiB free, {needed / 2**30:.2f} GiB needed: deleting {path}",
-                      flush=True)
-                shutil.rmtree(path)
-                free = shutil.disk_usage(self.root).free
-            verdict = torch.tensor([float(free >= needed), float(free)])
+            try:
+                verdict = torch.tensor([1.0, float(self._prune_for(needed))])
+                verdict[0] = float(verdict[1] >= needed)
+            except OSError as e:
+                error, verdict = e, torch.tensor([0.0, -1.0])
         dist.broadcast(verdict, src=0, group=self.group)
+        if verdict[1] < 0:
+            raise error if error is not None else OSError(f"rank 0 could not prepare {self.root}")
         if not verdict[0]:
             raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {verdict[1] / 2**30:.2f} GiB "
                                   f"free, about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
+
+    def _prune_for(self, needed: int) -> int:
+        """(rank 0) Delete what the keep policy would, then the oldest, until `needed` bytes are free or
+        only the newest complete checkpoint is left; returns the bytes free."""
+        self._remove_stale()
+        free = shutil.disk_usage(self.root).free
+        complete = complete_checkpoints(self.root)
+        deletable = [p for s, p in complete if s in self.policy.to_delete([s for s, _ in complete])]
+        deletable += [p for _, p in complete[:-1] if p not in deletable]
+        for path in deletable:
+            if free >= needed:
+                break
+            print(f"checkpoint: {free / 2**30:.2f} GiB free, {needed / 2**30:.2f} GiB needed: deleting {path}",
+                  flush=True)
+            _delete_checkpoint(path)
+            free = shutil.disk_usage(self.root).free
+        return free
 
     def _agree(self, error: Optional[BaseException]) -> None:
         """Raise on every rank if any rank failed (so none waits in a collective for it)."""
@@ -230,7 +261,7 @@ class Checkpointer:
 
     def _remove_stale(self) -> None:
         """Temporary folders of saves that never completed (a crash, a kill)."""
-        for p in self.root.glob(".step_*_ckp.tmp*"):
+        for p in [*self.root.glob(".step_*_ckp.tmp*"), *self.root.glob(".step_*_ckp.deleting")]:
             shutil.rmtree(p, ignore_errors=True)
 
     def save(self, step: int, tokens_seen: int) -> None:
@@ -265,7 +296,7 @@ class Checkpointer:
                 error = e
             self._agree(error)
             if self.cfg.async_checkpoint:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
                 self.pending = (step, tmp, future)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
@@ -304,12 +335,12 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 fsync_path(tmp)
                 if final.exists():  # a checkpoint of this step from an earlier attempt
-                    shutil.rmtree(final)
+                    _delete_checkpoint(final)
                 os.replace(tmp, final)
                 fsync_path(self.root)
                 steps = [s for s, _ in complete_checkpoints(self.root)]
                 for s in self.policy.to_delete(steps):
-                    shutil.rmtree(self.root / f"step_{s}_ckp", ignore_errors=True)
+                    _delete_checkpoint(self.root / f"step_{s}_ckp")
                 print(f"checkpoint: saved {final}", flush=True)
             except OSError as e:
                 error = e
@@ -331,17 +362,27 @@ class Checkpointer:
 
     def resume(self) -> Optional[tuple[int, int]]:
         """Restore the newest complete checkpoint under ckpt_save_path (the previous one if it can't
-        be read): (step, tokens_seen), or None when there is none."""
-        candidates = complete_checkpoints(self.root)
-        for step, path in reversed(candidates):
+        be read): (step, tokens_seen), or None when there is none. Rank 0 lists the candidates and every
+        rank agrees on each attempt, so all resume from the same one."""
+        box: list[Any] = [[str(p) for _, p in reversed(complete_checkpoints(self.root))] if self.info.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        last_error = ""
+        for path in map(Path, box[0]):
+            error: Optional[BaseException] = None
             try:
-                return self._load(path)
-            except (OSError, RuntimeError, KeyError, ValueError, pickle.UnpicklingError, dcp.CheckpointException) as e:
-                if self.info.is_main:
-                    print(f"warning: cannot resume from {path} ({str(e).splitlines()[0]}); trying an older one",
-                          flush=True)
-        if candidates:
-            raise CheckpointError(f"no checkpoint under {self.root} can be read; move them away to start afresh")
+                result = self._load(path)
+            except (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException) as e:
+                error, last_error = e, _first_line(e)
+            failed = torch.tensor([float(error is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+            if not failed[0]:
+                return result
+            if self.info.is_main:
+                print(f"warning: cannot resume from {path} ({last_error or 'failed on another rank'}); "
+                      "trying an older one", flush=True)
+        if box[0]:
+            raise CheckpointError(f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
+                                  "run's settings changed on purpose, start it with a new --ckpt_save_path")
         return None
 
     def _load(self, path: Path) -> tuple[int, int]:
@@ -354,8 +395,7 @@ class Checkpointer:
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [torch.load(p, weights_only=True) for p in ranks]
-        loader_states = [r["loader"] for r in rank_states]
-        self.loader.load_state_dict(loader_states if len(loader_states) > 1 else loader_states[0])
+        self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
         if len(rank_states) == self.info.world_size:
             own = rank_states[self.info.rank]
             torch.set_rng_state(own["rng"])
@@ -373,17 +413,18 @@ class Checkpointer:
             raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
         try:
             if p.is_dir() and (p / "config.json").is_file():  # a Hugging Face Llama folder
-                from fms_fsdp.hf import read_hf_model
+                from fms_fsdp.hf import check_hf_config, read_hf_config, read_hf_model
 
-                full = read_hf_model(str(p), self.model.config)
-                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+                check_hf_config(read_hf_config(str(p)), self.model.config, str(p))  # on every rank: same verdict
+                full = read_hf_model(str(p), self.model.config) if self.info.is_main else {}
+                set_model_state_dict(self.model, full, options=_FROM_RANK0)
             elif p.is_dir():
                 state = {"model_state": get_model_state_dict(self.model)}
                 dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
                 set_model_state_dict(self.model, state["model_state"])
             else:
-                full = _read_model_file(p)
-                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+                full = _read_model_file(p) if self.info.is_main else {}
+                set_model_state_dict(self.model, full, options=_FROM_RANK0)
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, dcp.CheckpointException) as e:

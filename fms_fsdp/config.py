@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 import types
@@ -148,10 +149,10 @@ def _scalar(value: Any, tp: type) -> Any:
         if number.denominator == 1:
             return int(number)
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
         if isinstance(value, str):
-            return float(Fraction(value.strip().replace("_", "")))
+            return float(Fraction(value.strip().replace("_", "")))  # Fraction refuses nan and inf
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -289,6 +290,8 @@ def validate(cfg: train_config) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
+    if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps:
+        raise ConfigError(f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}")
     if cfg.min_lr_ratio > 1:
         raise ConfigError(f"--min_lr_ratio: must be <= 1, got {cfg.min_lr_ratio}")
     parse_fraction("selective_checkpointing", cfg.selective_checkpointing)

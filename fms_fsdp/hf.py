@@ -114,7 +114,7 @@ def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, d
                     bos_token_id: Optional[int], eos_token_id: Optional[int], max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Write config.json and safetensors shards of at most max_shard_bytes (with an index when more
     than one) into `out`, atomically: a temporary folder renamed at the end."""
-    target = Path(out)
+    target = Path(out).resolve()
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -152,8 +152,8 @@ def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, d
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, bos_token_id, eos_token_id), indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2))
-    if target.exists():
-        shutil.rmtree(target)
+    if target.exists():  # an empty folder (callers refuse anything else)
+        target.rmdir()
     os.replace(tmp, target)
     return target
 

@@ -120,7 +120,7 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()
-    step = start
+    step, stopping = start, False
     with maybe_profiler(cfg, info) as prof:
         for step in range(start + 1, cfg.num_steps + 1):
             loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device)
@@ -145,7 +145,7 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
             if prof is not None:
                 prof.step()
     checkpointer.finish_pending()
-    if cfg.export_model_at_end:
+    if cfg.export_model_at_end and not stopping:  # a preempted run keeps its grace period for the checkpoint
         checkpointer.export(step)
     reporter.close()
     return records

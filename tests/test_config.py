@@ -12,7 +12,7 @@ from fms_fsdp.config import ConfigError, FIELDS, parse_args, save_config
 
 from conftest import ROOT
 
-BASE = ["--use_dummy_dataset=True"]
+BASE = ["--use_dummy_dataset=True", "--num_steps=10"]
 
 
 def parse(*flags: str):
@@ -70,6 +70,8 @@ def test_unknown_flag_names_it_and_suggests_the_nearest():
     ("--weights=1,-1", "--weights: every weight must be > 0"),
     ("--num_steps=0", "--num_steps: must be >= 1"),
     ("--strip_tokens=a,b", "--strip_tokens: expected comma list of int"),
+    ("--learning_rate=nan", "--learning_rate: expected float"),
+    ("--decay_steps=50", "--decay_steps=50 is more than --num_steps=10"),
 ])
 def test_bad_values_name_the_flag(flag, message):
     with pytest.raises(ConfigError) as e:

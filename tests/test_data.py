@@ -187,7 +187,7 @@ def consumed_from_states(loader, states) -> Counter:
     return expected
 
 
-@pytest.mark.parametrize("before, after", [((2, 0), (3, 0)), ((4, 2), (1, 0)), ((3, 1), (5, 2))])
+@pytest.mark.parametrize("before, after", [((2, 0), (3, 0)), ((4, 2), (1, 0)), ((3, 1), (5, 2)), ((1, 0), (2, 1))])
 def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
     write_dataset(tmp_path, "a", make_docs(10, 400, 7))
     write_dataset(tmp_path, "b", make_docs(1000, 300, 8), layout="rows_arrow")

@@ -105,12 +105,20 @@ def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 511
 
 
+@pytest.mark.parametrize("trained", ["tiny"], indirect=True)
 def test_bad_input_gives_clear_errors(trained, tmp_path):
     variant, ckpt = trained
     assert "does not exist" in convert(f"--load_path={tmp_path / 'none'}", f"--save_path={tmp_path / 'o'}", rc=2).stderr
     assert "--dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8", rc=2).stderr
     error = convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--model_variant=small", rc=2).stderr
     assert "error: --model_variant=small does not match" in error and "base_model.embedding.weight" in error
+    assert "is not a checkpoint folder (no .metadata)" in convert(f"--load_path={ckpt.parent}",
+                                                                  f"--save_path={tmp_path / 'o'}", rc=2).stderr
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    error = convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'busy'}", rc=2).stderr
+    assert "exists and is not empty; choose a new folder" in error
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
     convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}")
     proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
                                        f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], 1)
@@ -119,6 +127,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path):
            "has 1024" in proc.stderr
 
 
+@pytest.mark.parametrize("trained", ["tiny"], indirect=True)
 def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,7 @@ Arrow/Parquet shards under data_path."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Union
 
@@ -21,13 +22,15 @@ def _shared_scan(cfg: train_config, names: list[str]) -> dict[str, list[FileEntr
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
         return scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
+    # rank 0 may count a large corpus for a long time: wait on gloo with a long timeout, not on NCCL's watchdog
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
     box: list[Union[dict, str, None]] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
         except DataError as e:
             box[0] = str(e)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if isinstance(box[0], str):
         raise DataError(box[0], every_rank=True)
     return box[0]
