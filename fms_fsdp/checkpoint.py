@@ -61,6 +61,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):  # some Python versions pickle enum members so
+            return _public_attribute
         if module == "torch.distributed.checkpoint.metadata" or (module, name) in self._CLASSES:
             found = super().find_class(module, name)
             if isinstance(found, type) or (module, name) in self._CLASSES:
@@ -68,6 +70,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+
+
+def _public_attribute(obj: Any, name: str) -> Any:
+    """getattr for the metadata unpickler: public names of the types it admits (enum members), nothing
+    that could reach a function's globals."""
+    if name.startswith("_") or not isinstance(obj, type) or obj.__module__ != "torch.distributed.checkpoint.metadata":
+        raise pickle.UnpicklingError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
+    return getattr(obj, name)
 
 
 class SafeReader(dcp.FileSystemReader):

@@ -251,6 +251,16 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
     (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(pickle.UnpicklingError, match="refusing posix.system"):
         read_model_state(str(evil))
+
+    class Sneaky:  # getattr is admitted for enum members only, not to walk to a function's globals
+        def __reduce__(self):
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            return getattr, (Metadata, "__init__")
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Sneaky()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing getattr"):
+        read_model_state(str(evil))
     assert not marker.exists()
     assert weights(uninterrupted / "checkpoints" / "step_6_ckp")  # real metadata still reads
 
