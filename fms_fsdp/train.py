@@ -113,6 +113,9 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
     start, tokens_seen = checkpointer.resume() or (0, 0)
     if start == 0 and cfg.ckpt_load_path:
         checkpointer.load_model(cfg.ckpt_load_path)
+    if start >= cfg.num_steps:
+        log(info, f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
+                  "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh")
     stop = StopRequest()
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
     batches = iter(loader)

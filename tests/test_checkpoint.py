@@ -117,7 +117,7 @@ def test_resume_on_other_world_sizes_and_strategies(data, uninterrupted, tmp_pat
     shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", out / "checkpoints" / "step_6_ckp")
     extra = ["--num_steps=6", "--export_model_at_end=True", f"--sharding_strategy={strategy}", "--sharding_group_size=2"]
     proc = run(flags(data, out, *extra), nproc=nproc)
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stdout and "nothing to train: the checkpoint is at step 6" in proc.stdout
     exported = load_file(str(out / "model_step_6.safetensors"))
     saved = weights(uninterrupted / "checkpoints" / "step_6_ckp")
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
