@@ -230,19 +230,17 @@ class Checkpointer:
     def _make_room(self, needed: int) -> None:
         """Prune by the policy until `needed` bytes are free; CheckpointError if they can't be."""
         self.root.mkdir(parents=True, exist_ok=True)
-        verdict = torch.tensor([1.0, 0.0])  # (enough room, bytes free); free < 0: rank 0 failed
+        free = torch.tensor([0.0])
         error: Optional[OSError] = None
         if self.info.is_main:
             try:
-                verdict = torch.tensor([1.0, float(self._prune_for(needed))])
-                verdict[0] = float(verdict[1] >= needed)
+                free[0] = float(self._prune_for(needed))
             except OSError as e:
-                error, verdict = e, torch.tensor([0.0, -1.0])
-        dist.broadcast(verdict, src=0, group=self.group)
-        if verdict[1] < 0:
-            raise error if error is not None else OSError(f"rank 0 could not prepare {self.root}")
-        if not verdict[0]:
-            raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {verdict[1] / 2**30:.2f} GiB "
+                error = e
+        self._agree(error)
+        dist.broadcast(free, src=0, group=self.group)
+        if free[0] < needed:
+            raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free[0] / 2**30:.2f} GiB "
                                   f"free, about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
 
     def _prune_for(self, needed: int) -> int:
@@ -276,7 +274,8 @@ class Checkpointer:
 
     def save(self, step: int, tokens_seen: int) -> None:
         """Write a checkpoint of `step`; with --async_checkpoint the tensors are written in the
-        background and the checkpoint is committed at the next save or at the end."""
+        background and the checkpoint is committed at the first step boundary after every rank's write
+        is done (see due())."""
         start = time.monotonic()
         self.finish_pending()
         final = self.root / f"step_{step}_ckp"

@@ -112,11 +112,12 @@ def apply_activation_checkpointing(model: LLaMA, fraction: Fraction) -> int:
     """Recompute the chosen blocks' activations in backward (non-reentrant torch.utils.checkpoint).
     The block's parameters keep their names, so checkpoints don't depend on this setting."""
     blocks = list(model.base_model.layers)
-    for block, take in zip(blocks, checkpointed_blocks(len(blocks), fraction)):
+    chosen = checkpointed_blocks(len(blocks), fraction)
+    for block, take in zip(blocks, chosen):
         if take:
             forward = block.forward
             block.forward = lambda *a, _f=forward, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
-    return sum(checkpointed_blocks(len(blocks), fraction))
+    return sum(chosen)
 
 
 def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool) -> None:

@@ -117,9 +117,8 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
         log(info, f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
                   "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh")
     stop = StopRequest()
-    model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
     batches = iter(loader)
-    reporter = MetricsReporter(cfg, info, flops_per_token(model_config, cfg.seq_length), start, tokens_seen)
+    reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen)
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()
@@ -134,12 +133,13 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
             pending = (step, loss, norm)
             reporter.step_done(loss, wait)
             save_now, stopping = checkpointer.due(step, stop)
+            report_now = step % cfg.report_interval == 0 or step == cfg.num_steps or stopping
+            if save_now or report_now:  # never checkpoint or report a diverged model
+                _check_finite(*pending)
             if save_now:
-                _check_finite(*pending)  # never checkpoint a diverged model
                 checkpointer.save(step, reporter.tokens_seen)
                 reporter.checkpoint_saved(checkpointer.stall_seconds)
-            if step % cfg.report_interval == 0 or step == cfg.num_steps or stopping:
-                _check_finite(*pending)
+            if report_now:
                 records.append(reporter.report(step, lr, norm))
             if stopping:
                 log(info, f"stopping after step {step} on {stop.requested}: the checkpoint is saved, resume by "

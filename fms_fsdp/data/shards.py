@@ -121,11 +121,15 @@ class Dataset:
         self._open: OrderedDict[int, ShardFile] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
+    def path(self, i: int) -> Path:
+        """Where shard file number i is on disk."""
+        return self.root / self.entries[i].path.lstrip("/")
+
     def file(self, i: int) -> ShardFile:
         """Shard file number i, opened on first use (the most recently used stay open)."""
         f = self._open.get(i)
         if f is None:
-            f = ShardFile(self.root / self.entries[i].path.lstrip("/"), self.col)
+            f = ShardFile(self.path(i), self.col)
             if len(self._open) >= _OPEN_FILES:
                 self._open.popitem(last=False)
             self._open[i] = f

@@ -231,8 +231,7 @@ class DatasetReader:
             for file, j in self.read_docs:
                 doc = self.ds.read(file, j)
                 if len(doc) and int(doc.max()) >= self.packing.vocab_size:
-                    path = self.ds.root / self.ds.entries[file].path.lstrip("/")
-                    raise DataError(f"{path}: document {j} has token id {int(doc.max())} >= vocab_size "
+                    raise DataError(f"{self.ds.path(file)}: document {j} has token id {int(doc.max())} >= vocab_size "
                                     f"{self.packing.vocab_size}; set --vocab_size or fix the data")
             raise DataError(f"token id {int(tokens.max())} >= vocab_size {self.packing.vocab_size} in "
                             f"--bos/eos/bol/eol tokens; set --vocab_size")
