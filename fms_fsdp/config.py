@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -27,6 +28,10 @@ from fms_fsdp.atomic import write_text_atomic
 
 class ConfigError(ValueError):
     """A bad flag, value or config file; the message is one actionable line."""
+
+
+# --tracker names; each is also the name of the package it needs
+TRACKERS = ("tensorboard", "wandb", "aim")
 
 
 def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None) -> Any:
@@ -108,15 +113,16 @@ class train_config:
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
     peak_tflops: Optional[float] = _f(None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0)
-    tracker: Optional[str] = _f(None, "Experiment tracker.", choices=(None, "wandb", "aim", "tensorboard"))
-    tracker_dir: str = _f("output/tracker", "Folder for tracker files.")
-    tracker_project_name: str = _f("llama", "Tracker project name.")
-    tracker_run_id: Optional[str] = _f(None, "Tracker run id to resume.")
+    tracker: Optional[list[str]] = _f(None, "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.", choices=TRACKERS)
+    tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).")
+    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.")
+    tracker_run_id: Optional[str] = _f(None, "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).")
 
     # profiler
-    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) for a few steps.")
-    profiler_rank0_only: bool = _f(True, "Profile rank 0 only.")
+    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) of steps 4-6 of the run.")
+    profiler_rank0_only: bool = _f(True, "Profile rank 0 only (else every rank writes its own trace).")
     profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
+    profiler_memory_snapshot: bool = _f(False, "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).")
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
@@ -279,12 +285,11 @@ def validate(cfg: train_config) -> None:
     for name, f in FIELDS.items():
         value = getattr(cfg, name)
         choices, low = f.metadata["choices"], f.metadata["min"]
-        if choices and value not in choices:
-            shown = ", ".join(str(c) for c in choices)
-            raise ConfigError(f"--{name}: {value!r} is not one of {shown}")
-        values = value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else [] if value is None else [value]
         for v in values:
-            if low is not None and v is not None and v < low:
+            if choices and v not in choices:
+                raise ConfigError(f"--{name}: {v!r} is not one of {', '.join(str(c) for c in choices)}")
+            if low is not None and v < low:
                 raise ConfigError(f"--{name}: must be >= {low}, got {v}")
     resolve_variant(cfg.model_variant)
     for name in ("adam_beta1", "adam_beta2"):
@@ -304,14 +309,22 @@ def validate(cfg: train_config) -> None:
     from fms_fsdp.checkpoint import KeepPolicy
 
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
-    _check_not_yet_supported(cfg)
+    _check_trackers(cfg)
+    if cfg.profiler_memory_snapshot and not cfg.use_profiler:
+        raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
+    if cfg.profiler_memory_snapshot and cfg.device == "cpu":
+        raise ConfigError("--profiler_memory_snapshot records the CUDA allocator: it needs --device=cuda (or auto on a GPU)")
 
 
-def _check_not_yet_supported(cfg: train_config) -> None:
-    """Refuse settings whose machinery this version does not have, instead of ignoring them."""
-    if cfg.tracker is not None:
-        raise ConfigError(f"--tracker={cfg.tracker}: trackers are not in this version yet; metrics go to "
-                          "<ckpt_save_path>/metrics.jsonl")
+def _check_trackers(cfg: train_config) -> None:
+    """Each tracker named once and installed (found without importing it)."""
+    names = cfg.tracker or []
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"--tracker: {name} is named twice")
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--tracker={name}: the {name} package is not installed; pip install {name} "
+                              f"(or drop {name} from --tracker)")
 
 
 def to_dict(cfg: train_config) -> dict[str, Any]:

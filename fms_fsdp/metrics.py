@@ -1,5 +1,6 @@
 """Training metrics: throughput, MFU, memory, data wait; printed by rank 0, appended as JSON lines to
-<ckpt_save_path>/metrics.jsonl, and shown on a tqdm bar when rank 0 runs in a terminal."""
+<ckpt_save_path>/metrics.jsonl, sent to the --tracker trackers, and shown on a tqdm bar when rank 0
+runs in a terminal."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from fms_fsdp.config import train_config
 from fms_fsdp.parallel import DistInfo
+from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
@@ -49,8 +51,9 @@ class MetricsReporter:
     """Accumulates per-step figures on the device and reports them every report_interval steps."""
 
     def __init__(self, cfg: train_config, info: DistInfo, flops_per_token: float, start_step: int = 0,
-                 tokens_seen: int = 0):
+                 tokens_seen: int = 0, trackers: Optional[Trackers] = None):
         self.info = info
+        self.trackers = trackers or Trackers({})
         self.device = info.device
         self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps  # per rank
         self.flops_per_token = flops_per_token
@@ -127,6 +130,7 @@ class MetricsReporter:
     def _emit(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        self.trackers.log(record)
         line = format_record(record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")

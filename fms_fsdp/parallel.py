@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from fractions import Fraction
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from fms_fsdp.config import ConfigError, parse_fraction, train_config
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,18 @@ def init_distributed(cfg: train_config) -> DistInfo:
     else:
         dist.init_process_group(backend="gloo")
     return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def broadcast_from_rank0(obj: T, timeout: timedelta = timedelta(minutes=30)) -> T:
+    """Rank 0's `obj` on every rank (every rank calls it). It goes over a gloo group of its own, so a
+    CPU object and a long wait for rank 0 are fine under NCCL and its watchdog."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    return box[0]
 
 
 def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> tuple[int, int]:

@@ -1,33 +1,59 @@
-"""torch.profiler traces of a few training steps (use_profiler)."""
+"""torch.profiler traces of a few training steps (use_profiler), and on CUDA an optional memory
+snapshot of the same steps (profiler_memory_snapshot)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional
 
+import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from fms_fsdp.config import train_config
+from fms_fsdp.config import ConfigError, train_config
 from fms_fsdp.parallel import DistInfo
 
 # skip 1 step, warm up 2, record 3: past compilation and FSDP's first all-gathers, bounded in size
 WAIT, WARMUP, ACTIVE = 1, 2, 3
+MEMORY_HISTORY_ENTRIES = 100_000
 
 
-def maybe_profiler(cfg: train_config, info: DistInfo) -> contextlib.AbstractContextManager[Optional[profile]]:
-    """A torch.profiler context writing Chrome traces to profiler_dir, or a null context when
-    profiling is off (or this rank is not profiled). Call .step() on it once per training step."""
+def check_profiler(cfg: train_config, info: DistInfo) -> None:
+    """ConfigError when the profiler settings need what this run lacks (before any expensive work)."""
+    if cfg.use_profiler and cfg.profiler_memory_snapshot and info.device.type != "cuda":
+        raise ConfigError("--profiler_memory_snapshot records the CUDA allocator: this run has no GPU; "
+                          "drop the flag or run on CUDA")
+
+
+def _with_memory_snapshot(handler: Callable[[profile], None], path: Path) -> Callable[[profile], None]:
+    """The trace handler, then the allocator history recorded since the start, written to `path`
+    atomically; recording stops there."""
+    def on_trace_ready(prof: profile) -> None:
+        handler(prof)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        os.replace(tmp, path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return on_trace_ready
+
+
+@contextlib.contextmanager
+def maybe_profiler(cfg: train_config, info: DistInfo) -> Iterator[Optional[profile]]:
+    """A torch.profiler context writing Chrome traces to profiler_dir, or None when profiling is off
+    (or this rank is not profiled). Call .step() on it once per training step."""
     if not cfg.use_profiler or (cfg.profiler_rank0_only and not info.is_main):
-        return contextlib.nullcontext()
+        yield None
+        return
     folder = Path(cfg.profiler_dir or Path(cfg.ckpt_save_path) / "profiler")
     folder.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    return profile(
-        activities=activities,
-        schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(folder), worker_name=f"rank{info.rank}"),
-        record_shapes=True,
-        profile_memory=True,
-        with_stack=False,
-    )
+    handler: Any = tensorboard_trace_handler(str(folder), worker_name=f"rank{info.rank}")
+    if cfg.profiler_memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        handler = _with_memory_snapshot(handler, folder / f"memory_snapshot_rank{info.rank}.pickle")
+    with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
+                 on_trace_ready=handler, record_shapes=True, profile_memory=True, with_stack=False) as prof:
+        yield prof

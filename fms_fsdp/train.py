@@ -22,8 +22,9 @@ from fms_fsdp.data import DataError, get_data_loader
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights
 from fms_fsdp.parallel import DistInfo, build_mesh, init_distributed, parallelize
-from fms_fsdp.profiling import maybe_profiler
+from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.trackers import Trackers, start_trackers
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,13 +101,23 @@ def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimiz
 
 def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
     """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one;
-    returns the metric records of this run (rank 0 also printed and saved them)."""
+    returns the metric records of this run (rank 0 also printed, saved and tracked them)."""
+    stop = StopRequest()  # from the start: a signal during start-up stops the run at its first step
     torch.manual_seed(cfg.seed)
+    check_profiler(cfg, info)
     if info.is_main:
         save_config(cfg, cfg.ckpt_save_path)
         log(info, "resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
+    trackers = start_trackers(cfg, info)
+    try:
+        return _train(cfg, info, stop, trackers)
+    finally:
+        trackers.close()
+
+
+def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
     loader = get_data_loader(cfg, info.rank, info.world_size)  # bad data fails here, before the model
     model, optimizer, scheduler = build(cfg, info)
     checkpointer = Checkpointer(cfg, info, model, optimizer, scheduler, loader)
@@ -116,9 +127,9 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
     if start >= cfg.num_steps:
         log(info, f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
                   "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh")
-    stop = StopRequest()
     batches = iter(loader)
-    reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen)
+    reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen,
+                               trackers)
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()

@@ -18,6 +18,7 @@ from fms_fsdp.train import build, causal_lm_loss
 
 cfg = parse_args(sys.argv[1:])
 info = init_distributed(cfg)
+rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 model, _, _ = build(cfg, info)
 peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers
 params = list(model.parameters())
@@ -35,6 +36,7 @@ record = {
     "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
     "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
     "initial_loss": loss.item() / info.world_size,
+    "peak_rss_before_build_mb": rss_before_mb,
     "peak_rss_after_build_mb": peak_rss_mb,
 }
 Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from fms_fsdp.config import ConfigError, FIELDS, parse_args, save_config
@@ -122,9 +123,17 @@ def test_cli_error_is_one_line_before_any_process_group_starts():
     assert time.time() - start < 60
 
 
-def test_features_of_later_versions_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="--tracker=wandb"):
-        parse("--tracker=wandb")
+def test_memory_snapshot_without_a_gpu_is_refused_before_training():
+    from fms_fsdp.parallel import DistInfo
+    from fms_fsdp.profiling import check_profiler
+
+    with pytest.raises(ConfigError, match="add --use_profiler=True"):
+        parse("--profiler_memory_snapshot", "--device=cuda")
+    with pytest.raises(ConfigError, match="--profiler_memory_snapshot records the CUDA allocator"):
+        parse("--use_profiler", "--profiler_memory_snapshot", "--device=cpu")
+    cfg = parse("--use_profiler", "--profiler_memory_snapshot")  # --device=auto: known once the device is
+    with pytest.raises(ConfigError, match="this run has no GPU"):
+        check_profiler(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu")))
 
 
 def test_a_repeated_flag_takes_the_later_value():

@@ -56,15 +56,14 @@ def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
 
 
 def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
+    """2 replicas of a 2-way sharded model take the steps of one rank with the same global batch."""
     hsdp = ["--sharding_strategy=hsdp", "--sharding_group_size=2", "--batch_size=1"]
-    records = train(tmp, [*hsdp, f"--num_steps={STEPS}"], nproc=4)
+    proc = launch("main_training.py", [*TINY, *hsdp, f"--num_steps={STEPS}", f"--ckpt_save_path={tmp}"], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh (replicate, shard) = (2, 2)" in proc.stdout
+    records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(losses(records), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-4)
-    ranks = inspect(tmp, hsdp, nproc=4)
-    assert all(r["mesh"] == [2, 2] and r["all_dtensor"] for r in ranks)
-    full = ranks[0]["full_numel"]
-    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == full  # one shard group holds one copy
-    assert all(r["local_numel"] <= full // 2 + 4096 for r in ranks)
 
 
 def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
@@ -97,23 +96,26 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
     assert errors[0].startswith("error: step ") and "the gradient norm is" in errors[0]
 
 
-def test_profiler_writes_traces(tmp):
-    train(tmp, ["--num_steps=7", "--batch_size=2", "--use_profiler=True", f"--profiler_dir={tmp / 'prof'}"], nproc=None)
-    traces = list((tmp / "prof").glob("rank0*.pt.trace.json"))
-    assert len(traces) == 1
-    assert json.loads(traces[0].read_text())["traceEvents"]
+def test_profiler_writes_one_bounded_trace_per_rank(tmp):
+    """3 profiled steps of 10, one trace per rank with --profiler_rank0_only=False."""
+    train(tmp, ["--num_steps=10", "--batch_size=2", "--use_profiler=True", "--profiler_rank0_only=False",
+                f"--profiler_dir={tmp / 'prof'}"], nproc=2)
+    for rank in (0, 1):
+        traces = list((tmp / "prof").glob(f"rank{rank}.*.pt.trace.json"))
+        assert len(traces) == 1, traces
+        events = json.loads(traces[0].read_text())["traceEvents"]
+        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"}, steps
 
 
 def test_low_cpu_fsdp_never_holds_the_full_model(tmp):
-    """`small` is 0.5 GB in fp32: the eager path holds all of it while building, the meta path
-    only its half."""
-    args = ["--model_variant=small", "--vocab_size=32000", "--sharding_strategy=fsdp"]
-    eager = inspect(tmp / "eager", args, nproc=2)
-    meta = inspect(tmp / "meta", [*args, "--low_cpu_fsdp=True"], nproc=2)
-    full_mb = eager[0]["full_numel"] * 4 / 2**20
-    for e, m in zip(eager, meta):
-        assert m["peak_rss_after_build_mb"] < e["peak_rss_after_build_mb"] - 0.3 * full_mb, (e, m)
-    assert meta[0]["weight_fingerprint"] == eager[0]["weight_fingerprint"]
+    """`small` is 0.5 GB in fp32: built on the meta device, each of 2 ranks grows by about its half,
+    never by the whole model (the eager path would)."""
+    args = ["--model_variant=small", "--vocab_size=32000", "--sharding_strategy=fsdp", "--low_cpu_fsdp=True"]
+    for r in inspect(tmp, args, nproc=2):
+        full_mb = r["full_numel"] * 4 / 2**20
+        growth = r["peak_rss_after_build_mb"] - r["peak_rss_before_build_mb"]
+        assert 0.4 * full_mb < growth < 0.9 * full_mb, (growth, full_mb)  # eager: > 1.0
 
 
 def test_progress_bar_in_a_terminal(tmp):

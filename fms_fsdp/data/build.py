@@ -15,25 +15,22 @@ from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.shards import DataError, Dataset, FileEntry, list_datasets, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.models import get_model_config
+from fms_fsdp.parallel import broadcast_from_rank0
 
 
 def _shared_scan(cfg: train_config, names: list[str]) -> dict[str, list[FileEntry]]:
     """scan() on rank 0 only, its result (or its error) sent to every rank."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed:
-        return scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
-    # rank 0 may count a large corpus for a long time: wait on gloo with a long timeout, not on NCCL's watchdog
-    group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
-    box: list[Union[dict, str, None]] = [None]
-    if dist.get_rank() == 0:
+    result: Union[dict[str, list[FileEntry]], str] = ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            box[0] = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
+            result = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
         except DataError as e:
-            box[0] = str(e)
-    dist.broadcast_object_list(box, src=0, group=group)
-    if isinstance(box[0], str):
-        raise DataError(box[0], every_rank=True)
-    return box[0]
+            result = str(e)
+    # rank 0 may count a large corpus for a long time: the others wait with a long timeout
+    result = broadcast_from_rank0(result, timeout=timedelta(hours=6))
+    if isinstance(result, str):
+        raise DataError(result, every_rank=True)
+    return result
 
 
 def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[StatefulLoader, DummyDataLoader]:

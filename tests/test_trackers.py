@@ -1,0 +1,103 @@
+"""--tracker: TensorBoard, W&B (offline) and Aim together get metrics.jsonl's records and the config,
+and a resumed run goes on in the same tracker runs; a tracker that is not installed is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, train
+from fms_fsdp.config import ConfigError, parse_args
+
+
+def _tensorboard_scalars(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+    """Scalars by tag as (step, value), and whether hyper-parameters were written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return scalars, bool(acc.PluginTagToContent("hparams"))
+
+
+def _aim_run(repo: Path, run_hash: str) -> tuple[dict, list[float], list[int]]:
+    import aim
+
+    run = aim.Run(run_hash=run_hash, repo=str(repo), system_tracking_interval=None, capture_terminal_logs=False)
+    try:
+        loss = next(m for m in run.metrics() if m.name == "loss")
+        steps, (values, *_) = loss.data.items_list()  # columns: value, epoch, time
+        return run.get("hparams"), values, steps
+    finally:
+        run.close()
+
+
+def test_three_trackers_get_the_metrics_and_config_and_keep_their_runs_on_resume(tmp):
+    flags = ["--tracker=tensorboard,wandb,aim", "--report_interval=2", "--tracker_project_name=tests"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    train(tmp, [*flags, "--num_steps=4"], nproc=None, extra_env=env)
+    run = tmp / "run"
+    ids = json.loads((run / "tracker_runs.json").read_text())
+    assert set(ids) == {"tensorboard", "wandb", "aim"}
+    records = train(tmp, [*flags, "--num_steps=6"], nproc=None, extra_env=env)  # resumes at step 4
+    assert json.loads((run / "tracker_runs.json").read_text()) == ids
+    loss = {r["step"]: r["loss"] for r in records}
+    assert sorted(loss) == [2, 4, 6]
+
+    scalars, has_hparams = _tensorboard_scalars(run / "tracker" / "tensorboard" / ids["tensorboard"])
+    assert [s for s, _ in scalars["loss"]] == [2, 4, 6]
+    assert all(abs(v - loss[s]) < 1e-5 * max(1.0, abs(loss[s])) for s, v in scalars["loss"])
+    assert {"lr", "grad_norm", "tokens_seen", "tokens_per_sec_per_gpu"} <= set(scalars)
+    assert has_hparams
+
+    wandb_runs = sorted((run / "tracker" / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
+    assert len(wandb_runs) == 2, wandb_runs  # one folder per attempt, both the same W&B run id
+    # the offline log holds protobuf records whose values are JSON text: find each loss in its attempt
+    first, second = (next(r.glob("run-*.wandb")).read_bytes() for r in wandb_runs)
+    assert all(json.dumps(loss[s]).encode() in first for s in (2, 4))
+    assert json.dumps(loss[6]).encode() in second and json.dumps(loss[6]).encode() not in first
+    assert all(b"model_variant" in log and b"tokens_per_sec_per_gpu" in log for log in (first, second))
+
+    hparams, values, steps = _aim_run(run / "tracker", ids["aim"])
+    assert hparams["model_variant"] == "tiny" and hparams["tracker"] == ["tensorboard", "wandb", "aim"]
+    assert steps == [2, 4, 6]
+    assert all(abs(v - loss[s]) < 1e-5 * max(1.0, abs(loss[s])) for s, v in zip(steps, values))
+
+
+def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
+    """Run the real entry point in an environment without wandb: this interpreter's packages, minus
+    wandb, linked into a folder that replaces site-packages."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    without = tmp / "site"
+    without.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith("wandb"):
+            (without / entry.name).symlink_to(entry)
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
+            "from fms_fsdp.train import main; main(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-S", "-c", code, "--tracker=tensorboard,wandb"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("error: --tracker=wandb: the wandb package is not installed; pip install wandb "
+                                   "(or drop wandb from --tracker)")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("tensorboard,mlflow", "--tracker: 'mlflow' is not one of tensorboard, wandb, aim"),
+    ("aim,aim", "--tracker: aim is named twice"),
+])
+def test_unknown_or_repeated_tracker_is_a_config_error(flag, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--tracker={flag}"])
+    assert str(e.value) == message
+
+
+def test_no_tracker_spellings():
+    assert parse_args(["--tracker=none"]).tracker is None
+    assert parse_args(["--tracker=wandb"]).tracker == ["wandb"]
