@@ -6,18 +6,27 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint import read_model_state
+from fms_fsdp.hf import HFError
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def to_hf(load_path: Path, save_path: Path, **flags: Any) -> Path:
+    """fms_to_hf's conversion in this process (its command line is run in test_bad_input_gives_clear_errors)."""
+    import fms_to_hf
+
+    return fms_to_hf.convert(str(load_path), str(save_path), **flags)
 
 
 def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
@@ -51,7 +60,7 @@ def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     variant, ckpt = trained
-    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}", "--dtype=fp32")  # variant from the checkpoint
+    to_hf(ckpt, tmp_path / "hf", dtype="fp32")  # the variant from the checkpoint
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     c = get_model_config(variant, 512)
     assert (config["vocab_size"], config["hidden_size"], config["num_key_value_heads"], config["rope_theta"],
@@ -69,15 +78,15 @@ def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
 
 def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
     variant, ckpt = trained
-    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}", "--dtype=fp32")
+    to_hf(ckpt, tmp_path / "hf", dtype="fp32")
     # start training from the Hugging Face folder (learning rate 0: the weights stay as loaded)
     train(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
                      "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=1)
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
     original = read_model_state(str(ckpt))
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
-    convert(f"--load_path={tmp_path / 'run' / 'model_step_1.safetensors'}", f"--save_path={tmp_path / 'hf2'}",
-            f"--model_variant={variant}", "--vocab_size=512", "--dtype=fp32")
+    to_hf(tmp_path / "run" / "model_step_1.safetensors", tmp_path / "hf2", model_variant=variant, vocab_size=512,
+          dtype="fp32")
     a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -95,10 +104,9 @@ def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "tok")
-    error = convert(f"--load_path={old}", f"--save_path={tmp_path / 'x'}", rc=2).stderr
-    assert "error: --model_variant is needed" in error
-    convert(f"--load_path={old}", f"--save_path={tmp_path / 'hf'}", f"--model_variant={variant}", "--vocab_size=512",
-            f"--tokenizer_name_or_path={tmp_path / 'tok'}")
+    with pytest.raises(HFError, match="--model_variant is needed"):
+        to_hf(old, tmp_path / "x")
+    to_hf(old, tmp_path / "hf", model_variant=variant, vocab_size=512, tokenizer_name_or_path=str(tmp_path / "tok"))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert next(hf.parameters()).dtype == torch.bfloat16
     assert AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)("w5 w7")["input_ids"] == [5, 7]
@@ -106,20 +114,33 @@ def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
 
 
 @pytest.mark.parametrize("trained", ["tiny"], indirect=True)
-def test_bad_input_gives_clear_errors(trained, tmp_path):
+def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
+    import fms_to_hf
+
     variant, ckpt = trained
-    assert "does not exist" in convert(f"--load_path={tmp_path / 'none'}", f"--save_path={tmp_path / 'o'}", rc=2).stderr
-    assert "--dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8", rc=2).stderr
-    error = convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--model_variant=small", rc=2).stderr
-    assert "error: --model_variant=small does not match" in error and "base_model.embedding.weight" in error
-    assert "is not a checkpoint folder (no .metadata)" in convert(f"--load_path={ckpt.parent}",
-                                                                  f"--save_path={tmp_path / 'o'}", rc=2).stderr
+
+    def error(load_path: Path, save_path: Path, **kw: str) -> str:
+        """fms_to_hf's entry point in this process: status 2 and the one line it printed."""
+        with pytest.raises(SystemExit) as e:
+            fms_to_hf.main(str(load_path), str(save_path), **kw)
+        assert e.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert "does not exist" in error(tmp_path / "none", tmp_path / "o")
+    assert "--dtype: 'fp8'" in error(ckpt, tmp_path / "o", dtype="fp8")
+    message = error(ckpt, tmp_path / "o", model_variant="small")
+    assert "error: --model_variant=small does not match" in message and "base_model.embedding.weight" in message
+    assert "is not a checkpoint folder (no .metadata)" in error(ckpt.parent, tmp_path / "o")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    error = convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'busy'}", rc=2).stderr
-    assert "exists and is not empty; choose a new folder" in error
+    assert "exists and is not empty; choose a new folder" in error(ckpt, tmp_path / "busy")
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
-    convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'hf'}")
+    # the command line (fire) gives the same line and status
+    assert "error: --dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8",
+                                              rc=2).stderr
+    fms_to_hf.main(str(ckpt), str(tmp_path / "hf"))
     proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
                                        f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], 1)
     assert proc.returncode != 0
