@@ -71,8 +71,8 @@ class WandbTracker:
             self.run = wandb.init(project=project, dir=str(folder), id=run_id, resume="allow", config=config,
                                   allow_val_change=True)
         except Exception as e:  # wandb raises its own error types for login, network and bad ids
-            raise TrackerError(f"--tracker=wandb: {str(e).splitlines()[0]}; run `wandb login`, set "
-                               "WANDB_API_KEY, or set WANDB_MODE=offline") from None
+            raise TrackerError(f"--tracker=wandb: {str(e).splitlines()[0].rstrip('.')} (WANDB_MODE=offline logs "
+                               "without a network or an account)") from None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

@@ -88,6 +88,18 @@ def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
                                    "(or drop wandb from --tracker)")
 
 
+def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
+    from fms_fsdp.trackers import TrackerError, open_trackers
+
+    monkeypatch.setenv("HOME", str(tmp))  # no ~/.netrc, so no W&B login
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TrackerError) as e:
+        open_trackers(parse_args(["--tracker=wandb", f"--ckpt_save_path={tmp / 'run'}"]))
+    message = str(e.value)
+    assert message.startswith("--tracker=wandb: ") and "WANDB_MODE=offline" in message and "\n" not in message
+
+
 @pytest.mark.parametrize("flag, message", [
     ("tensorboard,mlflow", "--tracker: 'mlflow' is not one of tensorboard, wandb, aim"),
     ("aim,aim", "--tracker: aim is named twice"),
