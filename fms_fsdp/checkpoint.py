@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fms_fsdp.atomic import fsync_path
-from fms_fsdp.config import ConfigError, to_dict, train_config
+from fms_fsdp.config import ConfigError, first_line, to_dict, train_config
 from fms_fsdp.parallel import DistInfo
 
 COMPLETE = "COMPLETE"
@@ -358,7 +358,7 @@ class Checkpointer:
     def _failed(self, tmp: Path, error: BaseException) -> None:
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        message = f"checkpoint save to {tmp.parent} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        message = f"checkpoint save to {tmp.parent} failed: {first_line(error)}"
         if isinstance(error, CheckpointError):
             message = str(error)
         if self.cfg.on_checkpoint_error == "warn":
@@ -381,7 +381,7 @@ class Checkpointer:
             try:
                 result = self._load(path)
             except (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException) as e:
-                error, last_error = e, _first_line(e)
+                error, last_error = e, first_line(e)
             failed = torch.tensor([float(error is not None)])
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
             if not failed[0]:
@@ -438,7 +438,7 @@ class Checkpointer:
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, dcp.CheckpointException) as e:
             raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={self.cfg.model_variant}"
-                                  f" (vocab {self.model.config.src_vocab_size}): {_first_line(e)}") from None
+                                  f" (vocab {self.model.config.src_vocab_size}): {first_line(e)}") from None
         if self.info.is_main:
             print(f"checkpoint: model initialised from {path}", flush=True)
 
@@ -522,8 +522,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

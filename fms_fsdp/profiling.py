@@ -54,6 +54,10 @@ def maybe_profiler(cfg: train_config, info: DistInfo) -> Iterator[Optional[profi
     if cfg.profiler_memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         handler = _with_memory_snapshot(handler, folder / f"memory_snapshot_rank{info.rank}.pickle")
-    with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
-                 on_trace_ready=handler, record_shapes=True, profile_memory=True, with_stack=False) as prof:
-        yield prof
+    try:
+        with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
+                     on_trace_ready=handler, record_shapes=True, profile_memory=True, with_stack=False) as prof:
+            yield prof
+    finally:
+        if cfg.profiler_memory_snapshot:  # a run that ended before the profiled steps stops recording too
+            torch.cuda.memory._record_memory_history(enabled=None)

@@ -2,7 +2,9 @@
 
 Rank 0 sends each tracker the records that go to metrics.jsonl, and the resolved config as
 hyper-parameters. Each tracker's run id is kept in <ckpt_save_path>/tracker_runs.json, so a resumed
-run (the same command again, or a requeued Slurm job) goes on in the same tracker run.
+run (the same command again, or a requeued Slurm job) goes on in the same tracker run. A tracker that
+cannot start stops a new run at start-up; a resumed run warns and goes on without it, so that a
+requeued job is never lost to a tracker.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.config import ConfigError, to_dict, train_config
+from fms_fsdp.config import ConfigError, first_line, to_dict, train_config
 from fms_fsdp.parallel import DistInfo, broadcast_from_rank0
 
 RUN_IDS_FILE = "tracker_runs.json"
@@ -27,7 +29,7 @@ class TrackerError(RuntimeError):
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool) -> None: ...
 
 
 def _flat_hparams(config: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +56,7 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
         if self.writer is not None:
             self.writer.close()
 
@@ -70,15 +72,15 @@ class WandbTracker:
         try:
             self.run = wandb.init(project=project, dir=str(folder), id=run_id, resume="allow", config=config,
                                   allow_val_change=True)
-        except Exception as e:  # wandb raises its own error types for login, network and bad ids
-            raise TrackerError(f"--tracker=wandb: {str(e).splitlines()[0].rstrip('.')} (WANDB_MODE=offline logs "
+        except (wandb.errors.Error, OSError) as e:  # login, network, a bad id
+            raise TrackerError(f"--tracker=wandb: {first_line(e).rstrip('.')} (WANDB_MODE=offline logs "
                                "without a network or an account)") from None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class AimTracker:
@@ -86,14 +88,16 @@ class AimTracker:
 
     def __init__(self, folder: Path, project: str, run_hash: Optional[str], config: dict[str, Any]):
         import aim
+        from aim.sdk.errors import MissingRunError, RepoIntegrityError, RunLockingError
 
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = aim.Run(run_hash=run_hash, repo=str(folder), experiment=project,
+            # force_resume: the lock of an attempt killed on another node never goes stale by itself
+            self.run = aim.Run(run_hash=run_hash, repo=str(folder), experiment=project, force_resume=run_hash is not None,
                                system_tracking_interval=None, capture_terminal_logs=False)
-        except Exception as e:  # e.g. MissingRunError for a hash not in this repository
-            raise TrackerError(f"--tracker=aim: {str(e).splitlines()[0]}") from None
-        self.run["hparams"] = config
+            self.run["hparams"] = config
+        except (MissingRunError, RepoIntegrityError, RunLockingError) as e:
+            raise TrackerError(f"--tracker=aim: {first_line(e)}") from None
 
     @property
     def run_id(self) -> str:
@@ -103,7 +107,7 @@ class AimTracker:
         for name, value in metrics.items():
             self.run.track(value, name=name, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
         self.run.close()
 
 
@@ -115,22 +119,25 @@ class Trackers:
         self.trackers = trackers
 
     def log(self, record: dict[str, Any]) -> None:
-        metrics = {k: float(v) for k, v in record.items() if k != "step"}
         for name, tracker in list(self.trackers.items()):
-            self._guard(name, lambda: tracker.log(metrics, record["step"]))
+            try:
+                tracker.log({k: float(v) for k, v in record.items() if k != "step"}, record["step"])
+            except Exception as e:
+                _warn(f"--tracker={name} failed and is switched off: {first_line(e)}")
+                del self.trackers[name]
 
-    def close(self) -> None:
-        for name, tracker in list(self.trackers.items()):
-            self._guard(name, tracker.close)
+    def close(self, failed: bool = False) -> None:
+        """Finish every tracker's run (marked failed when training raised)."""
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close(failed)
+            except Exception as e:
+                _warn(f"--tracker={name} could not close its run: {first_line(e)}")
         self.trackers = {}
 
-    def _guard(self, name: str, call: Callable[[], None]) -> None:
-        try:
-            call()
-        except Exception as e:
-            print(f"warning: --tracker={name} failed and is switched off: {str(e).splitlines()[0]}",
-                  file=sys.stderr, flush=True)
-            self.trackers.pop(name, None)
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _load_run_ids(path: Path) -> dict[str, str]:
@@ -145,48 +152,62 @@ def _load_run_ids(path: Path) -> dict[str, str]:
     return ids
 
 
+def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str]) -> Tracker:
+    config = to_dict(cfg)
+    if name == "tensorboard":
+        return TensorBoardTracker(folder / "tensorboard" / (run_id or ""), config)
+    if name == "wandb":
+        return WandbTracker(folder, cfg.tracker_project_name, run_id or "", config)
+    return AimTracker(folder, cfg.tracker_project_name, run_id, config)
+
+
 def open_trackers(cfg: train_config) -> Trackers:
     """Start (or resume) every tracker in --tracker. Call on rank 0 only; raises TrackerError."""
-    if not cfg.tracker:
-        return Trackers({})
     folder = Path(cfg.tracker_dir or Path(cfg.ckpt_save_path) / "tracker")
     ids_path = Path(cfg.ckpt_save_path) / RUN_IDS_FILE
-    ids = _load_run_ids(ids_path)
-    if cfg.tracker_run_id:
-        ids = {name: cfg.tracker_run_id for name in cfg.tracker}
-    config = to_dict(cfg)
+    saved = _load_run_ids(ids_path)
+    ids = {name: cfg.tracker_run_id for name in cfg.tracker or []} if cfg.tracker_run_id else dict(saved)
     trackers: dict[str, Tracker] = {}
     try:
-        for name in cfg.tracker:
-            if name == "tensorboard":
+        for name in cfg.tracker or []:
+            if name != "aim":  # an Aim run's hash is Aim's to choose
                 ids.setdefault(name, uuid.uuid4().hex[:12])
-                trackers[name] = TensorBoardTracker(folder / "tensorboard" / ids[name], config)
-            elif name == "wandb":
-                ids.setdefault(name, uuid.uuid4().hex[:12])
-                trackers[name] = WandbTracker(folder, cfg.tracker_project_name, ids[name], config)
-            else:
-                aim_tracker = AimTracker(folder, cfg.tracker_project_name, ids.get(name), config)
-                ids[name] = aim_tracker.run_id
-                trackers[name] = aim_tracker
-        write_text_atomic(ids_path, json.dumps(ids, indent=1) + "\n")
-    except OSError as e:
-        Trackers(trackers).close()
-        raise TrackerError(f"--tracker_dir={folder}: {e.strerror or e}") from None
-    except TrackerError:
+            try:
+                tracker = _open(name, cfg, folder, ids.get(name))
+            except TrackerError as e:
+                if name not in saved:
+                    raise
+                _warn(f"{e}; this resumed run goes on without it")
+                continue
+            except OSError as e:
+                raise TrackerError(f"--tracker={name}: cannot write {e.filename or folder}: {e.strerror or e}") from None
+            trackers[name] = tracker
+            if isinstance(tracker, AimTracker):
+                ids[name] = tracker.run_id
+        try:
+            write_text_atomic(ids_path, json.dumps(ids, indent=1) + "\n")
+        except OSError as e:
+            raise TrackerError(f"cannot write {ids_path}: {e.strerror or e}") from None
+    except BaseException:
         Trackers(trackers).close()
         raise
     return Trackers(trackers)
 
 
 def start_trackers(cfg: train_config, info: DistInfo) -> Trackers:
-    """open_trackers on rank 0; a tracker that cannot start stops every rank with one ConfigError."""
-    trackers, error = Trackers({}), None
+    """open_trackers on rank 0; a tracker that cannot start stops every rank, with one ConfigError
+    (or, on rank 0, the original error when it was not a TrackerError)."""
+    if not cfg.tracker:
+        return Trackers({})
+    trackers, error, message = Trackers({}), None, None
     if info.is_main:
         try:
             trackers = open_trackers(cfg)
-        except TrackerError as e:
-            error = str(e)
-    error = broadcast_from_rank0(error)
-    if error is not None:
-        raise ConfigError(error)
+        except Exception as e:
+            error, message = e, first_line(e)
+    message = broadcast_from_rank0(message)
+    if error is not None and not isinstance(error, TrackerError):
+        raise error
+    if message is not None:
+        raise ConfigError(message)
     return trackers

@@ -99,10 +99,11 @@ def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimiz
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
-    """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one;
-    returns the metric records of this run (rank 0 also printed, saved and tracked them)."""
-    stop = StopRequest()  # from the start: a signal during start-up stops the run at its first step
+def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None) -> list[dict[str, Any]]:
+    """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one, until
+    done or `stop` is requested; returns the metric records of this run (rank 0 also printed, saved and
+    tracked them). Every rank must call it."""
+    stop = stop or StopRequest()
     torch.manual_seed(cfg.seed)
     check_profiler(cfg, info)
     if info.is_main:
@@ -111,10 +112,14 @@ def train(cfg: train_config, info: DistInfo) -> list[dict[str, Any]]:
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
     trackers = start_trackers(cfg, info)
+    failed = True
     try:
-        return _train(cfg, info, stop, trackers)
+        records = _train(cfg, info, stop, trackers)
+        dist.barrier()  # every rank is done: rank 0's tracker uploads keep no one waiting in a collective
+        failed = False
+        return records
     finally:
-        trackers.close()
+        trackers.close(failed)
 
 
 def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
@@ -167,11 +172,10 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
 
 def run(cfg: train_config) -> list[dict[str, Any]]:
     """Start the process group, train, and tear it down."""
+    stop = StopRequest()  # first: a SIGTERM/SIGUSR1 during start-up stops the run after its first step
     info = init_distributed(cfg)
     try:
-        records = train(cfg, info)
-        dist.barrier()  # no rank tears down its connections while a peer still uses them
-        return records
+        return train(cfg, info, stop)
     finally:
         dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ import fire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fms_fsdp.config import first_line  # noqa: E402
 from fms_fsdp.checkpoint import CheckpointError, read_model_state  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def main(load_path: str = "", save_path: str = "") -> None:
     try:
         state = read_model_state(load_path)
     except (CheckpointError, RuntimeError, OSError) as e:
-        sys.exit(f"error: --load_path: cannot read {load_path}: {str(e).splitlines()[0]}")
+        sys.exit(f"error: --load_path: cannot read {load_path}: {first_line(e)}")
     target = Path(save_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fms_fsdp.config import first_line  # noqa: E402
 from fms_fsdp.data.shards import DataError, list_datasets, read_counts, shard_paths  # noqa: E402
 
 EXAMPLES = 5
@@ -168,7 +169,7 @@ def scan_file(path: Path, rel: str, col_name: str, checker: Checker) -> FileStat
             checker.documents(stats, values, lengths)
     except (pa.ArrowException, OSError) as e:
         kind = "a Parquet file" if path.suffix == ".parquet" else "an Arrow IPC file (pyarrow.ipc.new_file)"
-        raise CliError(f"{path}: truncated, corrupt or not {kind}: {str(e).splitlines()[0]}") from None
+        raise CliError(f"{path}: truncated, corrupt or not {kind}: {first_line(e)}") from None
     return stats
 
 

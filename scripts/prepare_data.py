@@ -37,6 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fms_fsdp.atomic import fsync_path, write_text_atomic  # noqa: E402
+from fms_fsdp.config import first_line  # noqa: E402
 from fms_fsdp.data.shards import COUNTS_HEADER  # noqa: E402
 
 EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
@@ -168,7 +169,7 @@ def records(path: Path, text_field: str) -> Iterator[Record]:
     try:
         yield from reader(path, text_field)
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         raise CliError(f"{path}: cannot read it ({why}); fix or remove this input file") from None
 
 
@@ -197,7 +198,7 @@ def load_tokenizer(path: Optional[Path]) -> Callable[[str], pa.Array]:
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for a bad file
-        raise CliError(f"--tokenizer: cannot load {path} ({str(e).splitlines()[0]})") from None
+        raise CliError(f"--tokenizer: cannot load {path} ({first_line(e)})") from None
     return lambda text: pa.array(tok.encode(text, add_special_tokens=False).ids, type=pa.uint32())
 
 

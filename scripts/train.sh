@@ -9,8 +9,9 @@
 #
 # Nodes, GPUs per node and the rendezvous host come from Slurm's environment when there is one:
 # torchrun's c10d rendezvous runs on the allocation's first host, on a port derived from the job id.
+# Relative paths in flags are relative to the folder you run this from.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 # The run's flags, in one place (or in a YAML file passed as --config=run.yaml, which replaces them).
 TRAIN_ARGS=(
@@ -29,7 +30,6 @@ TRAIN_ARGS=(
     --checkpoint_minutes=60
     --async_checkpoint=True
 )
-
 for arg in "$@"; do
     case "$arg" in --config|--config=*) TRAIN_ARGS=() ;; esac
 done
@@ -41,19 +41,23 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(gpu_count)}}
 [ "${NPROC_PER_NODE:-0}" -gt 0 ] || NPROC_PER_NODE=1  # no GPU: one CPU process unless NPROC_PER_NODE says more
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     RDZV_HOST=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-    RDZV_PORT=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # two jobs on one node get different ports
+    # below Linux's ephemeral ports (32768+); two jobs sharing a first host get different ports
+    RDZV_PORT=${RDZV_PORT:-$((10000 + SLURM_JOB_ID % 20000))}
     RENDEZVOUS=(--rdzv_backend=c10d --rdzv_endpoint="${RDZV_HOST}:${RDZV_PORT}" --rdzv_id="${SLURM_JOB_ID}")
 else
     RENDEZVOUS=(--standalone)  # this machine only, on a free port
 fi
 
-# SIGTERM (preemption, scancel) and SIGUSR1 (sbatch --signal) reach every process of the job. The
-# training processes answer by saving a checkpoint and exiting; torchrun must not cut that short, so
-# it ignores both signals and just waits for them.
+# Preemption and scancel send SIGTERM to every process of the job, and train.slurm passes its
+# time-limit warning on as SIGUSR1 to every process of the job's steps. The training processes
+# answer both by saving a checkpoint and exiting; torchrun must not cut that short, so it ignores
+# both and waits for them. (torch versions without --signals_to_handle still forward SIGTERM and
+# wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, or 30 where that is not known either.)
 trap '' TERM USR1
-export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}  # torch versions that ignore the line above
+export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 
 echo "$(hostname -s): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE} process(es) ${RENDEZVOUS[*]}"
+# ${a[@]+"${a[@]}"}: an empty array under set -u on bash < 4.4
 exec torchrun --nnodes="${NNODES}" --nproc_per_node="${NPROC_PER_NODE}" "${RENDEZVOUS[@]}" \
-    main_training.py "${TRAIN_ARGS[@]}" "$@"
+    "${REPO}/main_training.py" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"

@@ -1,5 +1,6 @@
 """`sbatch scripts/train.slurm` against a real Slurm (munged, slurmctld and slurmd started here on
-localhost): the job trains, saves on the time-limit signal, requeues itself and resumes to the end."""
+localhost): the job trains, saves on the time-limit signal, requeues itself and resumes; a SIGTERM
+to every process (preemption, scancel) ends it cleanly with a checkpoint."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         _wait("the Slurm node to be idle", idle, 60, folder / "slurmctld.log")
         yield env
     finally:
+        subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True)
+        time.sleep(1)
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True)
         subprocess.run(["munged", "--stop", f"--socket={folder / 'munge.sock'}"], env=env, capture_output=True)
 
@@ -100,40 +103,46 @@ def _job_state(env: dict[str, str], job: str) -> str:
     return fields.get("JobState", "UNKNOWN")
 
 
-def test_sbatch_trains_saves_on_time_limit_signal_requeues_and_resumes(slurm: dict[str, str], tmp_path: Path):
+def _records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigterm(slurm: dict[str, str],
+                                                                                 tmp_path: Path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     metrics = run / "metrics.jsonl"
-    steps = 60  # about 0.2 s each here: the signal (under a second) comes well before the end
     env = {**slurm, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}"}
     job = subprocess.run(
         ["sbatch", "--parsable", "--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}",
          "--time=10", f"--output={log}", "scripts/train.slurm",
-         *TINY, "--report_interval=5", "--checkpoint_interval=100000", f"--num_steps={steps}",
+         *TINY, "--report_interval=5", "--checkpoint_interval=100000", "--num_steps=100000",
          f"--ckpt_save_path={run}"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout.strip()
+    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
 
-    _wait("the first metrics", lambda: metrics.exists() and metrics.stat().st_size > 0, 120, log)
+    _wait("the first metrics", lambda: len(_records(metrics)) > 0, 120, log)
     # what `#SBATCH --signal=B:USR1@180` delivers to the batch script before the time limit
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
-    _wait("the requeue", lambda: "requeueing job" in log.read_text(), 120, log)
+    _wait("the requeue", lambda: "requeueing job" in text(), 120, log)
+    stopped = int(text().split("stopping after step ")[1].split()[0])
     _wait("the requeued job to be pending", lambda: _job_state(slurm, job) == "PENDING", 60, log)
     # a requeued job waits two minutes before it may start again; let it start now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
-    _wait("the job to complete", lambda: _job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 180, log)
+    _wait("the second attempt's metrics", lambda: _records(metrics)[-1]["step"] > stopped, 120, log)
+    # a preemption: SIGTERM to every process of the job's steps (torchrun included)
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
+    _wait("the job to end", lambda: _job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 120, log)
 
-    text = log.read_text()
-    assert _job_state(slurm, job) == "COMPLETED", text[-4000:]
-    stopped = int(text.split("stopping after step ")[1].split()[0])
-    assert 0 < stopped < steps, text[-4000:]
-    assert "on SIGUSR1" in text and "start 1 on" in text
-    assert f"resumed from {run / 'checkpoints' / f'step_{stopped}_ckp'} at step {stopped}" in text, text[-4000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records[-1]["step"] == steps
-    after = [r["step"] for r in records if r["step"] > stopped]
-    assert after and after[0] <= stopped + 5  # the second attempt went on from the checkpoint
-    tokens_per_step = 2 * 64 * 2  # batch 2 x seq 64 x 2 ranks
-    assert records[-1]["tokens_seen"] == steps * tokens_per_step
+    out = text()
+    assert _job_state(slurm, job) == "COMPLETED", out[-4000:]  # exit status 0: torchrun waited for the save
+    assert "on SIGUSR1" in out and "start 1 on" in out and "on SIGTERM" in out, out[-4000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{stopped}_ckp'} at step {stopped}" in out, out[-4000:]
+    terminated = int(out.split("stopping after step ")[2].split()[0])
+    records = _records(metrics)
+    assert [r["step"] for r in records][-1] == terminated > stopped
+    assert min(r["step"] for r in records if r["step"] > stopped) <= stopped + 5  # went on from the checkpoint
+    assert records[-1]["tokens_seen"] == terminated * 2 * 64 * 2  # batch 2 x seq 64 x 2 ranks, none lost
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert saved == sorted([f"step_{stopped}_ckp", f"step_{steps}_ckp"]), saved
+    assert saved == sorted([f"step_{stopped}_ckp", f"step_{terminated}_ckp"]), saved

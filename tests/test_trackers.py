@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, train
+from conftest import ROOT, TINY, launch, train
 from fms_fsdp.config import ConfigError, parse_args
 
 
@@ -98,6 +98,17 @@ def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
         open_trackers(parse_args(["--tracker=wandb", f"--ckpt_save_path={tmp / 'run'}"]))
     message = str(e.value)
     assert message.startswith("--tracker=wandb: ") and "WANDB_MODE=offline" in message and "\n" not in message
+
+
+def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(tmp):
+    """Rank 0 opens the trackers; its failure reaches rank 1 too, so no rank waits in a collective."""
+    proc = launch("main_training.py", [*TINY, "--tracker=aim", "--tracker_run_id=0123456789abcdef01234567",
+                                       f"--ckpt_save_path={tmp / 'run'}"], nproc=2, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"error: --tracker=aim: Cannot find Run 0123456789abcdef01234567 in aim Repo "
+                      f"{tmp / 'run' / 'tracker' / '.aim'}."], proc.stderr[-2000:]
+    assert not (tmp / "run" / "checkpoints").exists()  # stopped before training
 
 
 @pytest.mark.parametrize("flag, message", [

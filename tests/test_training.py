@@ -115,7 +115,8 @@ def test_low_cpu_fsdp_never_holds_the_full_model(tmp):
     for r in inspect(tmp, args, nproc=2):
         full_mb = r["full_numel"] * 4 / 2**20
         growth = r["peak_rss_after_build_mb"] - r["peak_rss_before_build_mb"]
-        assert 0.4 * full_mb < growth < 0.9 * full_mb, (growth, full_mb)  # eager: > 1.0
+        # measured on 2 cores: 0.75 x the model here, 1.11 x with --low_cpu_fsdp=False
+        assert 0.4 * full_mb < growth < 0.9 * full_mb, (growth, full_mb)
 
 
 def test_progress_bar_in_a_terminal(tmp):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch.distributed as dist
 
-from fms_fsdp.config import train_config
+from fms_fsdp.config import first_line, train_config
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.shards import DataError, Dataset, FileEntry, list_datasets, scan
@@ -19,15 +19,18 @@ from fms_fsdp.parallel import broadcast_from_rank0
 
 
 def _shared_scan(cfg: train_config, names: list[str]) -> dict[str, list[FileEntry]]:
-    """scan() on rank 0 only, its result (or its error) sent to every rank."""
+    """scan() on rank 0 only, its result (or its error) sent to every rank: no rank is left waiting."""
     result: Union[dict[str, list[FileEntry]], str] = ""
+    error: Optional[Exception] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             result = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
-        except DataError as e:
-            result = str(e)
+        except Exception as e:
+            error, result = e, first_line(e)
     # rank 0 may count a large corpus for a long time: the others wait with a long timeout
     result = broadcast_from_rank0(result, timeout=timedelta(hours=6))
+    if error is not None and not isinstance(error, DataError):
+        raise error  # rank 0: an unexpected failure keeps its traceback
     if isinstance(result, str):
         raise DataError(result, every_rank=True)
     return result

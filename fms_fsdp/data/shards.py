@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.config import first_line
 
 EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
@@ -61,7 +62,7 @@ class ShardFile:
                 self._ipc = pa.ipc.open_file(pa.memory_map(str(path)))
                 schema = self._ipc.schema
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({str(e).splitlines()[0]})") from None
+            raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({first_line(e)})") from None
         if col_name not in schema.names:
             raise DataError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
         self._col_index = schema.get_field_index(col_name)
