@@ -56,7 +56,8 @@ def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
 
 
 def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
-    """2 replicas of a 2-way sharded model take the steps of one rank with the same global batch."""
+    """2 replicas of a 2-way sharded model take the steps of one rank with the same global batch, and
+    each rank holds half of one copy."""
     hsdp = ["--sharding_strategy=hsdp", "--sharding_group_size=2", "--batch_size=1"]
     proc = launch("main_training.py", [*TINY, *hsdp, f"--num_steps={STEPS}", f"--ckpt_save_path={tmp}"], nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,6 +65,11 @@ def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
     records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(losses(records), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-4)
+    ranks = inspect(tmp, hsdp, nproc=4)
+    assert all(r["mesh"] == [2, 2] and r["all_dtensor"] for r in ranks)
+    full = ranks[0]["full_numel"]
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == full  # one shard group holds one copy
+    assert all(r["local_numel"] <= full // 2 + 4096 for r in ranks)
 
 
 def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
