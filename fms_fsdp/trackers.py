@@ -86,14 +86,15 @@ class WandbTracker:
 class AimTracker:
     """An Aim run in the repository <tracker_dir> (created when missing), resumed by its hash."""
 
-    def __init__(self, folder: Path, project: str, run_hash: Optional[str], config: dict[str, Any]):
+    def __init__(self, folder: Path, project: str, run_hash: Optional[str], config: dict[str, Any],
+                 take_over: bool):
         import aim
         from aim.sdk.errors import MissingRunError, RepoIntegrityError, RunLockingError
 
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            # force_resume: the lock of an attempt killed on another node never goes stale by itself
-            self.run = aim.Run(run_hash=run_hash, repo=str(folder), experiment=project, force_resume=run_hash is not None,
+            # take_over: the lock of an earlier attempt of this run killed on another node never goes stale
+            self.run = aim.Run(run_hash=run_hash, repo=str(folder), experiment=project, force_resume=take_over,
                                system_tracking_interval=None, capture_terminal_logs=False)
             self.run["hparams"] = config
         except (MissingRunError, RepoIntegrityError, RunLockingError) as e:
@@ -152,35 +153,40 @@ def _load_run_ids(path: Path) -> dict[str, str]:
     return ids
 
 
-def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str]) -> Tracker:
+def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str], resumed: bool) -> Tracker:
     config = to_dict(cfg)
     if name == "tensorboard":
         return TensorBoardTracker(folder / "tensorboard" / (run_id or ""), config)
     if name == "wandb":
         return WandbTracker(folder, cfg.tracker_project_name, run_id or "", config)
-    return AimTracker(folder, cfg.tracker_project_name, run_id, config)
+    return AimTracker(folder, cfg.tracker_project_name, run_id, config, take_over=resumed)
 
 
 def open_trackers(cfg: train_config) -> Trackers:
     """Start (or resume) every tracker in --tracker. Call on rank 0 only; raises TrackerError."""
+    if not cfg.tracker:
+        return Trackers({})
     folder = Path(cfg.tracker_dir or Path(cfg.ckpt_save_path) / "tracker")
     ids_path = Path(cfg.ckpt_save_path) / RUN_IDS_FILE
-    saved = _load_run_ids(ids_path)
-    ids = {name: cfg.tracker_run_id for name in cfg.tracker or []} if cfg.tracker_run_id else dict(saved)
+    saved = _load_run_ids(ids_path)  # the tracker runs of earlier attempts of this run
+    ids = {name: cfg.tracker_run_id for name in cfg.tracker} if cfg.tracker_run_id else dict(saved)
     trackers: dict[str, Tracker] = {}
     try:
-        for name in cfg.tracker or []:
+        for name in cfg.tracker:
             if name != "aim":  # an Aim run's hash is Aim's to choose
                 ids.setdefault(name, uuid.uuid4().hex[:12])
+            resumed = name in saved and saved[name] == ids.get(name)
             try:
-                tracker = _open(name, cfg, folder, ids.get(name))
-            except TrackerError as e:
-                if name not in saved:
-                    raise
-                _warn(f"{e}; this resumed run goes on without it")
-                continue
-            except OSError as e:
-                raise TrackerError(f"--tracker={name}: cannot write {e.filename or folder}: {e.strerror or e}") from None
+                tracker = _open(name, cfg, folder, ids.get(name), resumed)
+            except Exception as e:
+                if resumed:  # a resumed run goes on: a requeued job is never lost to a tracker
+                    message = str(e) if isinstance(e, TrackerError) else f"--tracker={name}: {first_line(e)}"
+                    _warn(f"{message}; this resumed run goes on without it")
+                    continue
+                if isinstance(e, OSError):
+                    raise TrackerError(f"--tracker={name}: cannot write {e.filename or folder}: "
+                                       f"{e.strerror or e}") from None
+                raise
             trackers[name] = tracker
             if isinstance(tracker, AimTracker):
                 ids[name] = tracker.run_id
@@ -189,7 +195,7 @@ def open_trackers(cfg: train_config) -> Trackers:
         except OSError as e:
             raise TrackerError(f"cannot write {ids_path}: {e.strerror or e}") from None
     except BaseException:
-        Trackers(trackers).close()
+        Trackers(trackers).close(failed=True)
         raise
     return Trackers(trackers)
 

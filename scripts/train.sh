@@ -11,7 +11,7 @@
 # torchrun's c10d rendezvous runs on the allocation's first host, on a port derived from the job id.
 # Relative paths in flags are relative to the folder you run this from.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 
 # The run's flags, in one place (or in a YAML file passed as --config=run.yaml, which replaces them).
 TRAIN_ARGS=(
@@ -51,8 +51,8 @@ fi
 # Preemption and scancel send SIGTERM to every process of the job, and train.slurm passes its
 # time-limit warning on as SIGUSR1 to every process of the job's steps. The training processes
 # answer both by saving a checkpoint and exiting; torchrun must not cut that short, so it ignores
-# both and waits for them. (torch versions without --signals_to_handle still forward SIGTERM and
-# wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, or 30 where that is not known either.)
+# both and waits for them. (torch before 2.9 has no --signals_to_handle: its torchrun forwards
+# SIGTERM and kills the workers after 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT where that is known.)
 trap '' TERM USR1
 export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
