@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from test_data import write_arrow_docs  # fms-fsdp's layout: one record batch per document
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -184,18 +186,9 @@ def test_two_workers_give_the_same_bytes_as_one(tmp_path):
     assert one == {k: v[1] for k, v in snapshot(tmp_path / "two").items()}
 
 
-def write_predecessor(path: Path, docs: list[list[int]]) -> None:
-    """An fms-fsdp shard: one record batch per document."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema([("tokens", pa.uint32())])
-    with pa.ipc.new_file(str(path), schema) as writer:
-        for doc in docs:
-            writer.write_batch(pa.record_batch([pa.array(doc, pa.uint32())], schema=schema))
-
-
 def test_inspect_flags_problems_in_the_predecessor_layout(tmp_path):
-    write_predecessor(tmp_path / "ds" / "a.arrow", [[5, 6, 7], [0, 8], [], [9, 500]])
-    write_predecessor(tmp_path / "ds" / "sub" / "b.arrow", [[1, 2]])
+    write_arrow_docs(tmp_path / "ds" / "a.arrow", [[5, 6, 7], [0, 8], [], [9, 500]])
+    write_arrow_docs(tmp_path / "ds" / "sub" / "b.arrow", [[1, 2]])
     (tmp_path / "meta").mkdir()
     (tmp_path / "meta" / "counts.csv").write_text("dataset/filename,documents,tokens\n/ds/a.arrow,4,9\n"
                                                   "/ds/sub/b.arrow,1,2\n")
@@ -240,7 +233,7 @@ def error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
     if case == "no data_path":
         return ["inspect_data.py", f"--data_path={tmp_path}/nowhere"], f"--data_path={tmp_path}/nowhere"
     shard = data / "ds" / "a.arrow"
-    write_predecessor(shard, [[1, 2, 3]] * 10)
+    write_arrow_docs(shard, [[1, 2, 3]] * 10)
     if case == "no column":
         return ["inspect_data.py", f"--data_path={data}", "--col_name=ids"], "--col_name"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
