@@ -21,16 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from fms_fsdp.checkpoint import Checkpointer, complete_checkpoints  # noqa: E402
+from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
+from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.config import parse_args  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
-from fms_fsdp.parallel import init_distributed  # noqa: E402
+from fms_fsdp.distributed import init_distributed  # noqa: E402
 from fms_fsdp.train import build, train_step  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=/tmp/ckpt_bench", "--checkpoint_keep=4", *argv])
-    info = init_distributed(cfg)
+    info = init_distributed(cfg.device)
     root = Path(cfg.ckpt_save_path)
     if info.is_main:
         shutil.rmtree(root, ignore_errors=True)
@@ -45,9 +46,8 @@ def main(argv: list[str]) -> None:
         stalls, totals = [], []
         for step in (1, 2) if mode == "sync" else (3, 4):
             start = time.perf_counter()
-            ckpt.save(step, 0)
-            stalls.append(ckpt.stall_seconds)
-            ckpt.finish_pending()
+            stalls.append(ckpt.save(step, 0))
+            ckpt.commit_pending()
             totals.append(time.perf_counter() - start)
         figures[f"{mode}_stall_s"] = round(min(stalls), 3)
         figures[f"{mode}_total_s"] = round(min(totals), 3)

@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.config import ConfigError, parse_args  # noqa: E402
+from fms_fsdp.config import parse_args  # noqa: E402
+from fms_fsdp.errors import ConfigError  # noqa: E402
 from fms_fsdp.models import flops_per_token, get_model_config  # noqa: E402
-from fms_fsdp.train import run  # noqa: E402
+from fms_fsdp.train import check_config, run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> None:
             flags.append(arg)
     try:
         cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=output/bench", *flags, "--report_interval=1"])
+        check_config(cfg)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     if cfg.num_steps <= skip:

@@ -22,3 +22,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def write_text_keeping_old(path: Path, text: str) -> None:
+    """write_text_atomic, but a different file already there is kept as <stem>.<n><suffix> (the lowest
+    free n), never overwritten; the same text leaves it as it is."""
+    if path.exists():
+        if path.read_text() == text:
+            return
+        n = 1
+        while path.with_name(f"{path.stem}.{n}{path.suffix}").exists():
+            n += 1
+        os.replace(path, path.with_name(f"{path.stem}.{n}{path.suffix}"))
+    write_text_atomic(path, text)

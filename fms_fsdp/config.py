@@ -2,7 +2,10 @@
 
 Every field of `train_config` is a `--field=value` flag. `parse_args` reads a `--config` file
 (YAML or JSON) first and lets flags override it; every value is coerced to its field's type and
-checked before any process group or model is built, so a typo fails at minute one with one line.
+checked here, before any process group or model is built, so a typo fails at minute one with one
+line. What only another module can judge (the model variant, the keep policy, the mesh) is checked
+by that module, called from `fms_fsdp.train.check_config` at start-up. This module imports nothing
+from the package but its errors.
 """
 
 from __future__ import annotations
@@ -23,18 +26,7 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-from fms_fsdp.atomic import write_text_atomic
-
-
-class ConfigError(ValueError):
-    """A bad flag, value or config file; the message is one actionable line."""
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none), for one-line errors."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
+from fms_fsdp.errors import ConfigError, first_line
 
 # --tracker names; each is also the name of the package it needs
 TRACKERS = ("tensorboard", "wandb", "aim")
@@ -61,7 +53,6 @@ class train_config:
     data_path: str = _f("/fsx/data", "Folder holding one sub-folder of Arrow/Parquet shards per dataset.")
     file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
     col_name: str = _f("tokens", "Column holding the token ids.")
-    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (for raw-text Parquet).")
     datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
     weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens).")
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
@@ -72,7 +63,6 @@ class train_config:
     strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.")
     logical_shards: int = _f(1024, "Logical data shards (the unit of data-parallel rescaling).", min=1)
     num_workers: int = _f(1, "Data loader worker processes per rank.", min=0)
-    resuming_dataset: bool = _f(False, "Accepted for fms-fsdp scripts; a resumed run always restores its data position.")
 
     # parallelism
     device: str = _f("auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu"))
@@ -130,6 +120,12 @@ class train_config:
     profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
     profiler_memory_snapshot: bool = _f(False, "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).")
 
+
+# fms-fsdp flags that scripts pass and that mean nothing here: accepted, with a note, and dropped
+IGNORED_FMS_FSDP_FLAGS = {
+    "resuming_dataset": "a resumed run always restores its data position",
+    "tokenizer_path": "training reads pre-tokenized shards; tokenize with scripts/prepare_data.py",
+}
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
 _HINTS: dict[str, Any] = typing.get_type_hints(train_config)
@@ -266,6 +262,11 @@ def parse_args(argv: Sequence[str]) -> train_config:
     for name, value in pairs:  # a flag given twice: the later one wins, as in scripts that append "$@"
         if name == "config":
             continue
+        if name in IGNORED_FMS_FSDP_FLAGS:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"note: --{name} is accepted for fms-fsdp scripts and ignored: {IGNORED_FMS_FSDP_FLAGS[name]}",
+                      file=sys.stderr)
+            continue
         if name not in FIELDS:
             raise _unknown(name, "")
         if value is None:
@@ -286,8 +287,6 @@ def make_config(**raw: Any) -> train_config:
 
 def validate(cfg: train_config) -> None:
     """Check ranges, choices and cross-field rules; raise ConfigError naming the flag."""
-    from fms_fsdp.models import resolve_variant  # a light import: the variant table only
-
     for name, f in FIELDS.items():
         value = getattr(cfg, name)
         choices, low = f.metadata["choices"], f.metadata["min"]
@@ -297,7 +296,6 @@ def validate(cfg: train_config) -> None:
                 raise ConfigError(f"--{name}: {v!r} is not one of {', '.join(str(c) for c in choices)}")
             if low is not None and v < low:
                 raise ConfigError(f"--{name}: must be >= {low}, got {v}")
-    resolve_variant(cfg.model_variant)
     for name in ("adam_beta1", "adam_beta2"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
@@ -312,9 +310,6 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
         )
-    from fms_fsdp.checkpoint import KeepPolicy
-
-    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
     _check_trackers(cfg)
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
@@ -336,20 +331,9 @@ def to_dict(cfg: train_config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: train_config, folder: str) -> Path:
-    """Write the resolved config to <folder>/config.yaml atomically; an earlier, different one is kept
-    under a numbered name rather than overwritten."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / "config.yaml"
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    if target.exists() and target.read_text() != text:
-        n = 1
-        while (out / f"config.{n}.yaml").exists():
-            n += 1
-        os.replace(target, out / f"config.{n}.yaml")
-    write_text_atomic(target, text)
-    return target
+def to_yaml(cfg: train_config) -> str:
+    """The config as YAML text, as saved to <ckpt_save_path>/config.yaml and read back by --config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fms_fsdp.config import train_config
-from fms_fsdp.parallel import DistInfo
+from fms_fsdp.distributed import DistInfo
 from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.

@@ -18,7 +18,7 @@ from fms.models.llama import LLaMA, LLaMAConfig
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Shard
 
-from fms_fsdp.config import ConfigError
+from fms_fsdp.errors import ConfigError
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 

@@ -12,8 +12,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from fms_fsdp.config import ConfigError, train_config
-from fms_fsdp.parallel import DistInfo
+from fms_fsdp.config import train_config
+from fms_fsdp.distributed import DistInfo
+from fms_fsdp.errors import ConfigError
 
 # skip 1 step, warm up 2, record 3: past compilation and FSDP's first all-gathers, bounded in size
 WAIT, WARMUP, ACTIVE = 1, 2, 3

@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.config import ConfigError, first_line, to_dict, train_config
-from fms_fsdp.parallel import DistInfo, broadcast_from_rank0
+from fms_fsdp.config import to_dict, train_config
+from fms_fsdp.distributed import DistInfo, on_rank0
+from fms_fsdp.errors import ConfigError, TrackerError, first_line
 
 RUN_IDS_FILE = "tracker_runs.json"
-
-
-class TrackerError(RuntimeError):
-    """A tracker that cannot start; the message is one actionable line."""
 
 
 class Tracker(Protocol):
@@ -201,19 +198,9 @@ def open_trackers(cfg: train_config) -> Trackers:
 
 
 def start_trackers(cfg: train_config, info: DistInfo) -> Trackers:
-    """open_trackers on rank 0; a tracker that cannot start stops every rank, with one ConfigError
-    (or, on rank 0, the original error when it was not a TrackerError)."""
-    if not cfg.tracker:
-        return Trackers({})
-    trackers, error, message = Trackers({}), None, None
-    if info.is_main:
-        try:
-            trackers = open_trackers(cfg)
-        except Exception as e:
-            error, message = e, first_line(e)
-    message = broadcast_from_rank0(message)
-    if error is not None and not isinstance(error, TrackerError):
-        raise error
-    if message is not None:
-        raise ConfigError(message)
-    return trackers
+    """open_trackers on rank 0 (the other ranks get none); a tracker that cannot start stops every rank
+    with one ConfigError (rank 0 keeps the traceback of an error that is not a TrackerError)."""
+    opened: list[Trackers] = []
+    if cfg.tracker:
+        on_rank0(lambda: opened.append(open_trackers(cfg)), TrackerError, ConfigError)  # nothing to share
+    return opened[0] if opened else Trackers({})

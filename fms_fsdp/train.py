@@ -1,5 +1,12 @@
-"""The training loop: build model, parallelism, optimizer, schedule and data from the config, then
-step, report and stop on a non-finite loss."""
+"""The training loop, top to bottom.
+
+`main`: flags -> train_config (config.py) -> `run`: the flags that other modules judge are checked
+(`check_config`), the process group starts (distributed.py), then `train`: the data loader first (bad
+data fails before the model is built), the model (models.py) parallelised (parallel.py), AdamW and
+the LR schedule (schedule.py); resume from the newest checkpoint or start from --ckpt_load_path
+(checkpoint/io.py); then step. After each step every rank agrees on stop requests and saves
+(triggers.py), checkpoints, and reports (metrics.py, trackers.py); a non-finite loss stops the run.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +14,41 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from fms.models.llama import LLaMA
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.checkpoint import CheckpointError, Checkpointer, StopRequest
-from fms_fsdp.config import ConfigError, cli_config, save_config, to_dict, train_config
-from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.atomic import write_text_keeping_old
+from fms_fsdp.checkpoint.export import export_trained_model
+from fms_fsdp.checkpoint.io import Checkpointer
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.config import cli_config, to_yaml, train_config
+from fms_fsdp.data import get_data_loader
+from fms_fsdp.distributed import DistInfo, init_distributed, world_from_env
+from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError
 from fms_fsdp.metrics import MetricsReporter
-from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights
-from fms_fsdp.parallel import DistInfo, build_mesh, init_distributed, parallelize
+from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights, resolve_variant
+from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.trackers import Trackers, start_trackers
+from fms_fsdp.triggers import StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
-class TrainingError(RuntimeError):
-    """A run that cannot go on (e.g. a non-finite loss); the message names the step."""
+def check_config(cfg: train_config) -> None:
+    """The start-up checks of the flags that config.py cannot judge alone, each by the module that
+    uses them; ConfigError before any process group, model or data is touched."""
+    resolve_variant(cfg.model_variant)
+    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
+    _, world_size, _, local_world_size = world_from_env()
+    mesh_shape(cfg, world_size, local_world_size)
 
 
 def log(info: DistInfo, message: str) -> None:
@@ -107,8 +125,9 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
     torch.manual_seed(cfg.seed)
     check_profiler(cfg, info)
     if info.is_main:
-        save_config(cfg, cfg.ckpt_save_path)
-        log(info, "resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+        Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)
+        write_text_keeping_old(Path(cfg.ckpt_save_path) / "config.yaml", to_yaml(cfg))
+        log(info, "resolved config:\n" + to_yaml(cfg).rstrip())
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
     trackers = start_trackers(cfg, info)
@@ -135,10 +154,11 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     batches = iter(loader)
     reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen,
                                trackers)
+    triggers = StepTriggers(cfg, info, stop)
     records: list[dict[str, Any]] = []
     pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()
-    step, stopping = start, False
+    step, stopped = start, False
     with maybe_profiler(cfg, info) as prof:
         for step in range(start + 1, cfg.num_steps + 1):
             loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device)
@@ -148,24 +168,27 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
                 _check_finite(*pending)
             pending = (step, loss, norm)
             reporter.step_done(loss, wait)
-            save_now, stopping = checkpointer.due(step, stop)
-            report_now = step % cfg.report_interval == 0 or step == cfg.num_steps or stopping
-            if save_now or report_now:  # never checkpoint or report a diverged model
+            boundary = triggers.poll(step, writing=checkpointer.writing())
+            if boundary.written:
+                checkpointer.commit_pending()
+            report_now = step % cfg.report_interval == 0 or step == cfg.num_steps or boundary.stop is not None
+            if boundary.save or report_now:  # never checkpoint or report a diverged model
                 _check_finite(*pending)
-            if save_now:
-                checkpointer.save(step, reporter.tokens_seen)
-                reporter.checkpoint_saved(checkpointer.stall_seconds)
+            if boundary.save:
+                reporter.checkpoint_saved(checkpointer.save(step, reporter.tokens_seen))
+                triggers.saved()
             if report_now:
                 records.append(reporter.report(step, lr, norm))
-            if stopping:
-                log(info, f"stopping after step {step} on {stop.requested}: the checkpoint is saved, resume by "
+            if boundary.stop is not None:
+                log(info, f"stopping after step {step} on {boundary.stop}: the checkpoint is saved, resume by "
                           "running the same command")
+                stopped = True
                 break
             if prof is not None:
                 prof.step()
-    checkpointer.finish_pending()
-    if cfg.export_model_at_end and not stopping:  # a preempted run keeps its grace period for the checkpoint
-        checkpointer.export(step)
+    checkpointer.commit_pending()
+    if cfg.export_model_at_end and not stopped:  # a preempted run keeps its grace period for the checkpoint
+        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
     reporter.close()
     return records
 
@@ -173,7 +196,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
 def run(cfg: train_config) -> list[dict[str, Any]]:
     """Start the process group, train, and tear it down."""
     stop = StopRequest()  # first: a SIGTERM/SIGUSR1 during start-up stops the run after its first step
-    info = init_distributed(cfg)
+    check_config(cfg)
+    info = init_distributed(cfg.device)
     try:
         return train(cfg, info, stop)
     finally:

@@ -13,11 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.config import parse_args
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.parallel import init_distributed
+from fms_fsdp.distributed import init_distributed
 from fms_fsdp.train import build, causal_lm_loss
 
 cfg = parse_args(sys.argv[1:])
-info = init_distributed(cfg)
+info = init_distributed(cfg.device)
 rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 model, _, _ = build(cfg, info)
 peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers

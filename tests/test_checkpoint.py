@@ -14,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint import KeepPolicy, complete_checkpoints, read_model_state
-from fms_fsdp.config import ConfigError
+from fms_fsdp.checkpoint.layout import complete_checkpoints
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.errors import ConfigError
 
 from conftest import ROOT, TINY, launch
 from test_data import make_docs, write_dataset
@@ -50,7 +52,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
-    return read_model_state(str(folder))
+    return read_model(folder)
 
 
 def start(args: list[str], nproc=2) -> subprocess.Popen:
@@ -250,7 +252,7 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
 
     (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(pickle.UnpicklingError, match="refusing posix.system"):
-        read_model_state(str(evil))
+        read_model(evil)
 
     class Sneaky:  # getattr is admitted for enum members only, not to walk to a function's globals
         def __reduce__(self):
@@ -260,7 +262,7 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
 
     (evil / ".metadata").write_bytes(pickle.dumps(Sneaky()))
     with pytest.raises(pickle.UnpicklingError, match="refusing getattr"):
-        read_model_state(str(evil))
+        read_model(evil)
     assert not marker.exists()
     assert weights(uninterrupted / "checkpoints" / "step_6_ckp")  # real metadata still reads
 

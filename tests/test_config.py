@@ -9,7 +9,10 @@ import pytest
 import torch
 import yaml
 
-from fms_fsdp.config import ConfigError, FIELDS, parse_args, save_config
+from fms_fsdp.atomic import write_text_keeping_old
+from fms_fsdp.config import FIELDS, parse_args, to_yaml
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.train import check_config
 
 from conftest import ROOT
 
@@ -45,7 +48,7 @@ def test_fire_style_flag_forms():
 def test_every_field_has_help_and_round_trips_through_a_file(tmp_path):
     cfg = parse()
     assert all(f.metadata["help"] for f in FIELDS.values())
-    save_config(cfg, str(tmp_path))
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     assert parse(f"--config={tmp_path / 'config.yaml'}") == cfg
 
 
@@ -66,7 +69,6 @@ def test_unknown_flag_names_it_and_suggests_the_nearest():
     ("--selective_checkpointing=1/0", "--selective_checkpointing"),
     ("--selective_checkpointing=__import__('os').system('true')", "--selective_checkpointing"),
     ("--learning_rate=__import__('os')", "--learning_rate: expected float"),
-    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, small, llama2_1.4b"),
     ("--adam_beta2=1", "--adam_beta2: must be < 1"),
     ("--weights=1,-1", "--weights: every weight must be > 0"),
     ("--num_steps=0", "--num_steps: must be >= 1"),
@@ -79,6 +81,26 @@ def test_bad_values_name_the_flag(flag, message):
         parse(flag)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, small, llama2_1.4b"),
+    ("--checkpoint_keep_policy=each 10", "--checkpoint_keep_policy: cannot read 'each 10'"),
+])
+def test_flags_judged_by_their_modules_fail_at_start_up(flag, message):
+    """config.py imports nothing of the package: the modules that use these flags check them, through
+    train.check_config, before any process group starts."""
+    cfg = parse(flag)
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert message in str(e.value)
+
+
+def test_fms_fsdp_flags_without_a_meaning_here_are_accepted_with_a_note(capsys):
+    assert parse("--resuming_dataset=True", "--tokenizer_path=/models/llama") == parse()
+    err = capsys.readouterr().err
+    assert "note: --resuming_dataset is accepted for fms-fsdp scripts and ignored" in err
+    assert "note: --tokenizer_path is accepted" in err
 
 
 def test_weights_and_datasets_lengths_must_agree():
@@ -106,11 +128,12 @@ def test_bad_config_files(tmp_path):
         parse(f"--config={tmp_path / 'none.yaml'}")
 
 
-def test_save_config_never_overwrites_a_different_one(tmp_path):
-    save_config(parse("--batch_size=3"), str(tmp_path))
-    save_config(parse("--batch_size=4"), str(tmp_path))
+def test_a_saved_config_never_overwrites_a_different_one(tmp_path):
+    for batch_size in (3, 4, 4):
+        write_text_keeping_old(tmp_path / "config.yaml", to_yaml(parse(f"--batch_size={batch_size}")))
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["batch_size"] == 4
     assert yaml.safe_load((tmp_path / "config.1.yaml").read_text())["batch_size"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.1.yaml", "config.yaml"]
 
 
 def test_cli_error_is_one_line_before_any_process_group_starts():
@@ -124,7 +147,7 @@ def test_cli_error_is_one_line_before_any_process_group_starts():
 
 
 def test_memory_snapshot_without_a_gpu_is_refused_before_training():
-    from fms_fsdp.parallel import DistInfo
+    from fms_fsdp.distributed import DistInfo
     from fms_fsdp.profiling import check_profiler
 
     with pytest.raises(ConfigError, match="add --use_profiler=True"):

@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint import read_model_state
-from fms_fsdp.hf import HFError
+from fms_fsdp.checkpoint.reader import model_reader, read_model
+from fms_fsdp.errors import HFError
+from fms_fsdp.hf import convert as hf_convert, main as hf_main
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train
@@ -24,9 +25,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 def to_hf(load_path: Path, save_path: Path, **flags: Any) -> Path:
     """fms_to_hf's conversion in this process (its command line is run in test_bad_input_gives_clear_errors)."""
-    import fms_to_hf
-
-    return fms_to_hf.convert(str(load_path), str(save_path), **flags)
+    return hf_convert(str(load_path), str(save_path), **flags)
 
 
 def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
@@ -66,7 +65,7 @@ def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     assert (config["vocab_size"], config["hidden_size"], config["num_key_value_heads"], config["rope_theta"],
             config["max_position_embeddings"], config["eos_token_id"]) == (512, 256, 2, c.rope_theta, 1024, 0)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
-    ours = fms_model(variant, read_model_state(str(ckpt)))
+    ours = fms_model(variant, read_model(ckpt))
     tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
@@ -83,7 +82,7 @@ def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
     train(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
                      "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=1)
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
-    original = read_model_state(str(ckpt))
+    original = read_model(ckpt)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
     to_hf(tmp_path / "run" / "model_step_1.safetensors", tmp_path / "hf2", model_variant=variant, vocab_size=512,
           dtype="fp32")
@@ -115,14 +114,12 @@ def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
 
 @pytest.mark.parametrize("trained", ["tiny"], indirect=True)
 def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
-    import fms_to_hf
-
     variant, ckpt = trained
 
     def error(load_path: Path, save_path: Path, **kw: str) -> str:
         """fms_to_hf's entry point in this process: status 2 and the one line it printed."""
         with pytest.raises(SystemExit) as e:
-            fms_to_hf.main(str(load_path), str(save_path), **kw)
+            hf_main(str(load_path), str(save_path), **kw)
         assert e.value.code == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1, lines
@@ -140,7 +137,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
     # the command line (fire) gives the same line and status
     assert "error: --dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8",
                                               rc=2).stderr
-    fms_to_hf.main(str(ckpt), str(tmp_path / "hf"))
+    hf_main(str(ckpt), str(tmp_path / "hf"))
     proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
                                        f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], 1)
     assert proc.returncode != 0
@@ -152,16 +149,15 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
 def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fms_fsdp.checkpoint import read_model_keys, read_model_part
     from fms_fsdp.hf import write_hf_folder
 
     variant, ckpt = trained
-    keys = list(read_model_keys(str(ckpt)))
-    write_hf_folder(get_model_config(variant, 512), lambda ks: read_model_part(str(ckpt), ks), keys,
-                    str(tmp_path / "hf"), torch.float32, None, 0, max_shard_bytes=2**20)
+    shapes, read = model_reader(ckpt)
+    write_hf_folder(get_model_config(variant, 512), read, list(shapes), str(tmp_path / "hf"), torch.float32, None, 0,
+                    max_shard_bytes=2**20)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert (hf(tokens).logits - fms_model(variant, read_model_state(str(ckpt)))(tokens)).abs().max() <= 1e-4
+        assert (hf(tokens).logits - fms_model(variant, read_model(ckpt))(tokens)).abs().max() <= 1e-4

@@ -7,7 +7,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp import get_model_config, train_config
-from fms_fsdp.config import ConfigError
+from fms_fsdp.errors import ConfigError
 from fms_fsdp.models import ALIASES, VARIANTS, build_model, count_params, flops_per_token, init_weights
 
 # published sizes (Meta's model cards / Hugging Face parameter counts)

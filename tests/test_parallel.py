@@ -4,7 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from fms_fsdp.config import ConfigError, parse_args
+from fms_fsdp.config import parse_args
+from fms_fsdp.errors import ConfigError
 from fms_fsdp.parallel import checkpointed_blocks, mesh_shape
 
 T, F = True, False

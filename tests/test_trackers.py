@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY, launch, train
-from fms_fsdp.config import ConfigError, parse_args
+from fms_fsdp.config import parse_args
+from fms_fsdp.errors import ConfigError
 
 
 def _tensorboard_scalars(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
@@ -89,7 +90,8 @@ def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
 
 
 def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
-    from fms_fsdp.trackers import TrackerError, open_trackers
+    from fms_fsdp.errors import TrackerError
+    from fms_fsdp.trackers import open_trackers
 
     monkeypatch.setenv("HOME", str(tmp))  # no ~/.netrc, so no W&B login
     for name in ("WANDB_MODE", "WANDB_API_KEY"):

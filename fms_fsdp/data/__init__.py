@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return get_data_loader
     if name == "DataError":
-        from fms_fsdp.data.shards import DataError
+        from fms_fsdp.errors import DataError
 
         return DataError
     raise AttributeError(f"module 'fms_fsdp.data' has no attribute {name!r}")

@@ -5,35 +5,16 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
-import torch.distributed as dist
-
-from fms_fsdp.config import first_line, train_config
+from fms_fsdp.config import train_config
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
-from fms_fsdp.data.shards import DataError, Dataset, FileEntry, list_datasets, scan
+from fms_fsdp.data.shards import Dataset, list_datasets, scan
 from fms_fsdp.data.stream import Packing
+from fms_fsdp.distributed import on_rank0
+from fms_fsdp.errors import DataError
 from fms_fsdp.models import get_model_config
-from fms_fsdp.parallel import broadcast_from_rank0
-
-
-def _shared_scan(cfg: train_config, names: list[str]) -> dict[str, list[FileEntry]]:
-    """scan() on rank 0 only, its result (or its error) sent to every rank: no rank is left waiting."""
-    result: Union[dict[str, list[FileEntry]], str] = ""
-    error: Optional[Exception] = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            result = scan(cfg.data_path, names, cfg.file_type, cfg.col_name)
-        except Exception as e:
-            error, result = e, first_line(e)
-    # rank 0 may count a large corpus for a long time: the others wait with a long timeout
-    result = broadcast_from_rank0(result, timeout=timedelta(hours=6))
-    if error is not None and not isinstance(error, DataError):
-        raise error  # rank 0: an unexpected failure keeps its traceback
-    if isinstance(result, str):
-        raise DataError(result, every_rank=True)
-    return result
 
 
 def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[StatefulLoader, DummyDataLoader]:
@@ -46,7 +27,9 @@ def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[Stat
     if cfg.weights is not None and len(cfg.weights) != len(names):
         raise DataError(f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
                         f"{', '.join(names)}; give one weight per dataset or set --datasets", every_rank=True)
-    entries = _shared_scan(cfg, names)
+    # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
+    entries = on_rank0(lambda: scan(cfg.data_path, names, cfg.file_type, cfg.col_name), DataError,
+                       lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
     datasets = [Dataset(n, Path(cfg.data_path), entries[n], cfg.col_name) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
     strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from fms_fsdp.data.shards import DataError, Dataset
+from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, Packing, Reader, n_logical_shards, shard_table
+from fms_fsdp.errors import DataError
 
 STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]

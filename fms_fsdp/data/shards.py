@@ -14,14 +14,14 @@ import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.config import first_line
+from fms_fsdp.errors import DataError, first_line
 
 EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
@@ -29,15 +29,6 @@ CACHED_COUNTS = "counts_fms_fsdp_cache.csv"
 _OPEN_FILES = 128
 # record batches / row groups kept at once: a reader reads one block per active shard at a time
 DECODED_BLOCKS = 12
-
-
-class DataError(ValueError):
-    """Bad training data; the message is one line naming the file or flag. every_rank: every rank
-    raised the same error (so rank 0 alone reports it)."""
-
-    def __init__(self, message: str, every_rank: bool = False):
-        super().__init__(message)
-        self.every_rank = every_rank
 
 
 @dataclass
@@ -110,6 +101,18 @@ class ShardFile:
         """Tokens of document j, fms-fsdp's layout (a read-only view of the mapped file)."""
         return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
 
+    def chunks(self, group: int = 1024) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(token values, document lengths) of consecutive documents, the whole file in order: a record
+        batch or row group at a time (fms-fsdp's layout: `group` documents at a time)."""
+        if self.rows_layout:
+            for b in range(len(self._starts) - 1):
+                values, offsets = self.block(b)
+                yield values[offsets[0]: offsets[-1]], np.diff(offsets).astype(np.int64)
+            return
+        for start in range(0, self.documents, group):
+            docs = [self.document(j) for j in range(start, min(self.documents, start + group))]
+            yield np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
+
 
 class Dataset:
     """The documents of one dataset folder, addressed by a global index [0, documents)."""
@@ -137,11 +140,6 @@ class Dataset:
         else:
             self._open.move_to_end(i)
         return f
-
-    def locate(self, docs: np.ndarray) -> tuple[list[int], list[int]]:
-        """(file numbers, indices in file) of global documents `docs`."""
-        files = np.searchsorted(self.starts, docs, side="right") - 1
-        return files.tolist(), (docs - self.starts[files]).tolist()
 
     def read(self, file: int, j: int) -> np.ndarray:
         """Tokens of document j of file number `file` (a read-only view for Arrow files)."""
@@ -199,11 +197,14 @@ def read_counts(data_path: str) -> dict[str, FileEntry]:
 
 
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
-    """Write a counts CSV atomically."""
+    """Write a counts CSV atomically; one that already says the same is left untouched."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(COUNTS_HEADER)
     writer.writerows([e.path, e.documents, e.tokens] for e in entries)
+    if path.is_file() and path.read_text() == text.getvalue():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text.getvalue())
 
 
@@ -239,7 +240,6 @@ def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dic
         result[name] = entries
     if computed:
         try:
-            (root / "meta").mkdir(exist_ok=True)
             write_counts(root / "meta" / CACHED_COUNTS, [e for es in result.values() for e in es])
         except OSError:
             pass  # a read-only data folder: counts are recomputed next time

@@ -22,7 +22,8 @@ from typing import Any, Optional
 import numpy as np
 
 from fms_fsdp.data.order import permute, round_keys, shard_bounds
-from fms_fsdp.data.shards import DataError, Dataset
+from fms_fsdp.data.shards import Dataset
+from fms_fsdp.errors import DataError
 
 ACTIVE_SHARDS = 8  # logical shards a reader interleaves at a time, per dataset
 _LOOKAHEAD = 256  # block ids computed at once per shard

@@ -1,0 +1,280 @@
+"""Saving and restoring the whole training state with torch.distributed.checkpoint (DCP).
+
+A checkpoint of step N holds the model and optimizer (DCP's .distcp files and .metadata, keys
+`model_state` and `optimizer_state`), metadata.pth (step, tokens_seen, scheduler, world size, the
+run's config) and one loader_state_<rank>.pth per rank (data position, RNG). Every rank calls every
+method. Collectives run on gloo groups of the checkpointer's own (under NCCL too), and a failure on
+any rank is raised on every rank, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
+from fms_fsdp.checkpoint.layout import (
+    checkpoint_root,
+    commit,
+    complete_checkpoints,
+    delete_checkpoint,
+    step_folder,
+    temp_folder,
+)
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.checkpoint.reader import SafeReader, read_model
+from fms_fsdp.config import to_dict, train_config
+from fms_fsdp.distributed import DistInfo
+from fms_fsdp.errors import CheckpointError, first_line
+
+_SAVE_ERRORS = (OSError, RuntimeError, dcp.CheckpointException)
+_LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
+# a whole model from one file: read on rank 0 only, each rank receives its shards
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+class Checkpointer:
+    """Saves the training state under <ckpt_save_path>/checkpoints and restores it."""
+
+    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, loader: Any):
+        self.cfg, self.info = cfg, info
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.root = checkpoint_root(cfg.ckpt_save_path)
+        self.policy = KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
+        self.group = dist.new_group(backend="gloo")
+        # background saves run their collectives in another thread: a group of their own keeps them
+        # from pairing up with this thread's collectives
+        self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        self.pending: Optional[tuple[int, Path, Future]] = None
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, step: int, tokens_seen: int) -> float:
+        """Write a checkpoint of `step`; returns the seconds training waited for it. A synchronous save
+        is committed before it returns. With --async_checkpoint the tensors are written in the
+        background: commit_pending() commits them once no rank is writing() any more."""
+        start = time.monotonic()
+        self.commit_pending()
+        tmp = temp_folder(self.root, step)
+        try:
+            needed = checkpoint_bytes(self.model, self.optimizer, self.group)
+            free = self._on_main(lambda: prune_for(self.root, needed, self.policy))
+            if free < needed:
+                raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB "
+                                      f"free, about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
+            self._on_main(lambda: _empty_folder(tmp))
+            self._write_run_state(tmp, step, tokens_seen)
+            state = self._state_dict()
+            if self.cfg.async_checkpoint:
+                self.pending = (step, tmp, dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group))
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                self._commit(step, tmp)
+        except _SAVE_ERRORS as e:
+            self._failed(tmp, e)
+        return time.monotonic() - start
+
+    def writing(self) -> bool:
+        """Whether this rank's background save is still writing."""
+        return self.pending is not None and not self.pending[2].done()
+
+    def commit_pending(self) -> None:
+        """Wait for the background save, if any, and commit it."""
+        if self.pending is None:
+            return
+        step, tmp, future = self.pending
+        self.pending = None
+        error: Optional[BaseException] = None
+        try:
+            future.result()
+        except _SAVE_ERRORS as e:
+            error = e
+        try:
+            self._agree(error)
+            self._commit(step, tmp)
+        except _SAVE_ERRORS as e:
+            self._failed(tmp, e)
+
+    def _state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model_state": model_sd, "optimizer_state": optim_sd}
+
+    def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
+        """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""
+        error: Optional[OSError] = None
+        try:
+            rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
+            if self.info.device.type == "cuda":
+                rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
+            _save_file(rank_state, tmp / f"loader_state_{self.info.rank}.pth")
+            if self.info.is_main:
+                _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
+                            "world_size": self.info.world_size, "config": to_dict(self.cfg)}, tmp / "metadata.pth")
+        except OSError as e:
+            error = e
+        self._agree(error)
+
+    def _commit(self, step: int, tmp: Path) -> None:
+        """Every rank has written its part: mark complete, rename into place, apply the keep policy."""
+        dist.barrier(group=self.group)
+
+        def files() -> None:
+            commit(tmp, step_folder(self.root, step))
+            for s in self.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
+                delete_checkpoint(step_folder(self.root, s))
+            print(f"checkpoint: saved {step_folder(self.root, step)}", flush=True)
+
+        self._on_main(files)
+
+    def _failed(self, tmp: Path, error: BaseException) -> None:
+        """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn."""
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        message = str(error) if isinstance(error, CheckpointError) else \
+            f"checkpoint save to {tmp.parent} failed: {first_line(error)}"
+        if self.cfg.on_checkpoint_error == "warn":
+            if self.info.is_main:
+                print(f"warning: {message}; training goes on (--on_checkpoint_error=warn)", flush=True)
+            return
+        raise CheckpointError(message) from None
+
+    # ---------------------------------------------------------------- load
+
+    def resume(self) -> Optional[tuple[int, int]]:
+        """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
+        tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
+        each attempt, so all resume from the same one."""
+        box: list[Any] = [[str(p) for _, p in reversed(complete_checkpoints(self.root))] if self.info.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        last_error = ""
+        for path in map(Path, box[0]):
+            error: Optional[BaseException] = None
+            try:
+                result = self._load(path)
+            except _LOAD_ERRORS as e:
+                error, last_error = e, first_line(e)
+            if not self._failed_anywhere(error):
+                return result
+            if self.info.is_main:
+                print(f"warning: cannot resume from {path} ({last_error or 'failed on another rank'}); "
+                      "trying an older one", flush=True)
+        if box[0]:
+            raise CheckpointError(f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
+                                  "run's settings changed on purpose, start it with a new --ckpt_save_path")
+        return None
+
+    def _load(self, path: Path) -> tuple[int, int]:
+        state = self._state_dict()
+        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
+                       optim_state_dict=state["optimizer_state"])
+        meta = torch.load(path / "metadata.pth", weights_only=True)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+        rank_states = [torch.load(p, weights_only=True) for p in ranks]
+        self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
+        if len(rank_states) == self.info.world_size:
+            own = rank_states[self.info.rank]
+            torch.set_rng_state(own["rng"])
+            if "cuda_rng" in own and self.info.device.type == "cuda":
+                torch.cuda.set_rng_state(own["cuda_rng"], self.info.device)
+        if self.info.is_main:
+            print(f"checkpoint: resumed from {path} at step {meta['step']}", flush=True)
+        return int(meta["step"]), int(meta["tokens_seen"])
+
+    def load_model(self, path: str) -> None:
+        """Initialise the model only, from --ckpt_load_path: a checkpoint folder (this project's or
+        fms-fsdp's), a Hugging Face Llama folder, or a .pth / .safetensors file holding the model.
+        Single files and Hugging Face folders are read on rank 0 and broadcast."""
+        from fms_fsdp.hf import check_hf_config, read_hf_config, read_hf_model
+
+        p = Path(path)
+        if not p.exists():
+            raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
+        try:
+            if p.is_dir() and (p / "config.json").is_file():
+                check_hf_config(read_hf_config(str(p)), self.model.config, str(p))  # on every rank: same verdict
+                full = read_hf_model(str(p), self.model.config) if self.info.is_main else {}
+                set_model_state_dict(self.model, full, options=_FROM_RANK0)
+            elif p.is_dir():
+                state = {"model_state": get_model_state_dict(self.model)}
+                dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
+                set_model_state_dict(self.model, state["model_state"])
+            else:
+                full = read_model(p) if self.info.is_main else {}
+                set_model_state_dict(self.model, full, options=_FROM_RANK0)
+        except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
+            raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
+        except (RuntimeError, KeyError, dcp.CheckpointException) as e:
+            raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={self.cfg.model_variant}"
+                                  f" (vocab {self.model.config.src_vocab_size}): {first_line(e)}") from None
+        if self.info.is_main:
+            print(f"checkpoint: model initialised from {path}", flush=True)
+
+    # ---------------------------------------------------------------- agreement
+
+    def _failed_anywhere(self, error: Optional[BaseException]) -> bool:
+        """Whether any rank passed an error (every rank calls it)."""
+        failed = torch.tensor([float(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(failed[0])
+
+    def _agree(self, error: Optional[BaseException]) -> None:
+        """Raise on every rank if any rank failed."""
+        if self._failed_anywhere(error):
+            raise error if error is not None else OSError("another rank failed to write its part")
+
+    def _on_main(self, work: Callable[[], Any]) -> float:
+        """work() on rank 0 (file work: one writer), its numeric result on every rank; an OSError there
+        is raised on every rank."""
+        result, error = torch.tensor([0.0], dtype=torch.float64), None
+        if self.info.is_main:
+            try:
+                result[0] = float(work() or 0)
+            except OSError as e:
+                error = e
+        self._agree(error)
+        dist.broadcast(result, src=0, group=self.group)
+        return float(result[0])
+
+
+def _empty_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _to_torch(obj: Any) -> Any:
+    """numpy arrays -> tensors, so torch.load(weights_only=True) reads the file back."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, dict):
+        return {k: _to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_torch(v) for v in obj)
+    return obj
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    """torch.save, flushed to disk."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())

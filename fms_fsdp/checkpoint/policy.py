@@ -1,0 +1,46 @@
+"""Which complete checkpoints survive: the latest --checkpoint_keep, plus those kept for good by
+--checkpoint_keep_policy, e.g. 'every 1000 until 10000, then every 5000' (Levanter's keep list)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from fms_fsdp.errors import ConfigError
+
+_POLICY_PART = re.compile(r"^every (\d+)(?: until (\d+))?$")
+
+
+@dataclass(frozen=True)
+class KeepPolicy:
+    """The latest `latest` checkpoints, plus permanent ones by step: rules of (every, until)."""
+
+    latest: int
+    rules: tuple[tuple[int, Optional[int]], ...] = ()
+
+    @classmethod
+    def parse(cls, latest: int, text: str) -> "KeepPolicy":
+        """The policy of --checkpoint_keep and --checkpoint_keep_policy; ConfigError naming the part it cannot read."""
+        rules = []
+        for part in filter(None, (p.strip().removeprefix("then ").strip() for p in text.split(","))):
+            m = _POLICY_PART.match(part)
+            if not m or int(m.group(1)) < 1:
+                raise ConfigError(f"--checkpoint_keep_policy: cannot read {part!r}; write e.g. "
+                                  "'every 1000 until 10000, then every 5000'")
+            rules.append((int(m.group(1)), int(m.group(2)) if m.group(2) else None))
+        return cls(latest, tuple(rules))
+
+    def permanent(self, step: int) -> bool:
+        start = 0
+        for every, until in self.rules:
+            if until is None or step <= until:
+                return step > start and step % every == 0
+            start = until
+        return False
+
+    def to_delete(self, steps: list[int]) -> list[int]:
+        """Steps of complete checkpoints to delete (never the newest)."""
+        ordered = sorted(steps)
+        keep = set(ordered[-max(1, self.latest):]) | {s for s in ordered if self.permanent(s)}
+        return [s for s in ordered if s not in keep]

@@ -1,0 +1,111 @@
+"""Reading model weights outside a training run (no process group): a checkpoint folder of this
+project or of fms-fsdp, or a single .safetensors / .pth file, tensor by tensor, without ever running
+code from the file.
+
+DCP reads a folder's .metadata with plain pickle; `SafeReader` reads it through an unpickler that
+admits only the plain data types it holds. .pth files are read with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from fms_fsdp.errors import CheckpointError
+
+# reads the named tensors: {name: tensor}
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata file, refusing every global but the plain data types it holds."""
+
+    _CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):  # some Python versions pickle enum members so
+            return _public_attribute
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self._CLASSES:
+            found = super().find_class(module, name)
+            if isinstance(found, type) or (module, name) in self._CLASSES:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+
+
+def _public_attribute(obj: Any, name: str) -> Any:
+    """getattr for the metadata unpickler: public names of the types it admits (enum members), nothing
+    that could reach a function's globals."""
+    if name.startswith("_") or not isinstance(obj, type) or obj.__module__ != "torch.distributed.checkpoint.metadata":
+        raise pickle.UnpicklingError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
+    return getattr(obj, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read without running code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    shapes = {key.removeprefix("model_state."): meta.size for key, meta in metadata.items()
+              if key.startswith("model_state.") and hasattr(meta, "size")}
+    if not shapes:
+        raise CheckpointError(f"{folder}: no model_state in this checkpoint")
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {k: torch.empty(shapes[k], dtype=metadata[f"model_state.{k}"].properties.dtype) for k in keys}
+        if state:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"model_state": state}, storage_reader=SafeReader(folder), no_dist=True)
+        return state
+
+    return shapes, read
+
+
+def _safetensors_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in keys}
+
+    return shapes, read
+
+
+def model_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
+    """(tensor names and shapes, reader of some tensors) of a checkpoint folder or a .safetensors / .pth
+    model file. Folders and .safetensors files are read lazily; a .pth file is mapped whole."""
+    if path.is_dir():
+        return _folder_reader(str(path))
+    if path.suffix == ".safetensors":
+        return _safetensors_reader(path)
+    obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    state = obj.get("model_state", obj)
+    return {k: v.shape for k, v in state.items()}, lambda keys: {k: state[k] for k in keys}
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint folder or a model file, whole, on the CPU."""
+    shapes, read = model_reader(Path(path))
+    return read(list(shapes))

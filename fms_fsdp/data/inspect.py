@@ -1,0 +1,228 @@
+"""Report what the training loader will read from a data folder, and what looks wrong in it.
+Run as scripts/inspect_data.py or, installed, `fms-inspect-data`:
+
+    python scripts/inspect_data.py --data_path=/data
+    python scripts/inspect_data.py --data_path=/data --datasets=web,code --vocab_size=128256 --eos_token=128001 \
+        [--bos_token=128000] [--col_name=tokens]
+
+Reads every .arrow and .parquet file of each dataset folder (default: all sub-folders but meta) through
+the loader's own reader (shards.ShardFile), so both layouts it accepts are read as it reads them: one
+record batch per document with an integer column (IBM fms-fsdp's, Arrow only), or one row per document
+with a list-of-integers column (Arrow or Parquet).
+
+Prints documents, tokens and the largest id per file and per dataset, then flags, with the first few
+examples (file and document index):
+- doubled separators: documents beginning or ending with --eos_token or --bos_token (the loader adds
+  them, so such a document gets two);
+- empty documents;
+- out-of-vocabulary ids (>= --vocab_size, when given);
+- differences from <data_path>/meta/*counts*.csv: wrong counts, listed files that are missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from fms_fsdp.data.shards import ShardFile, list_datasets, read_counts, shard_paths
+from fms_fsdp.errors import ConfigError, DataError, first_line
+
+EXAMPLES = 5
+
+def as_names(value: object) -> Optional[list[str]]:
+    """--datasets as a list (fire turns `a,b` into a tuple and `1` into an int)."""
+    if value is None:
+        return None
+    items = value if isinstance(value, (tuple, list)) else str(value).split(",")
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
+def as_id(flag: str, value: object, low: int = 0) -> Optional[int]:
+    """An optional integer flag >= low."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:
+        raise ConfigError(f"--{flag}={value}: expected an integer >= {low} (or None)")
+    return int(value)
+
+
+@dataclass
+class Flag:
+    """One kind of problem: how many documents have it, and the first few."""
+
+    title: str
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, n: int, examples: Iterable[str]) -> None:
+        """Count n more documents; keep the first of their (lazily made) examples while there is room."""
+        self.count += n
+        self.examples += itertools.islice(examples, EXAMPLES - len(self.examples))
+
+    def print(self) -> None:
+        print(f"{self.title}: {self.count}")
+        for line in self.examples:
+            print(f"  {line}")
+
+
+@dataclass
+class FileStats:
+    path: str  # relative to data_path, with a leading slash, as in the counts CSV
+    documents: int = 0
+    tokens: int = 0
+    max_id: int = -1
+
+
+class Checker:
+    """Runs the per-document checks over chunks of documents and keeps the flags."""
+
+    def __init__(self, separators: dict[str, int], vocab_size: Optional[int]):
+        self.separators, self.vocab_size = separators, vocab_size
+        names = " or ".join(f"{k} {v}" for k, v in separators.items())
+        self.doubled = Flag(f"doubled separators (documents beginning or ending with {names}; "
+                            "the loader adds one, so they get two)")
+        self.empty = Flag("empty documents")
+        self.oov = Flag(f"documents with out-of-vocabulary ids (>= {vocab_size})")
+
+    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray) -> None:
+        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats."""
+        first_doc = stats.documents
+        stats.documents += len(lengths)
+        stats.tokens += len(values)
+        if len(values):
+            stats.max_id = max(stats.max_id, int(values.max()))
+        ends = np.cumsum(lengths)
+
+        def where(d: int) -> str:
+            return f"{stats.path} document {first_doc + d}"
+
+        empty = np.flatnonzero(lengths == 0)
+        self.empty.add(len(empty), map(where, empty))
+        docs = np.flatnonzero(lengths)
+        first, last = values[ends[docs] - lengths[docs]], values[ends[docs] - 1]
+        seps = list(self.separators.values())
+        begins, finishes = np.isin(first, seps), np.isin(last, seps)
+
+        def edges(k: int) -> str:
+            how = [f"begins with {first[k]}"] if begins[k] else []
+            how += [f"ends with {last[k]}"] if finishes[k] else []
+            return f"{where(docs[k])}: {' and '.join(how)}"
+
+        doubled = np.flatnonzero(begins | finishes)
+        self.doubled.add(len(doubled), map(edges, doubled))
+        if self.vocab_size is not None:
+            bad = np.flatnonzero((values >= self.vocab_size) | (values < 0))
+            oov_docs, first_bad = np.unique(np.searchsorted(ends, bad, side="right"), return_index=True)
+            self.oov.add(len(oov_docs), (f"{where(d)}: id {values[bad[i]]}" for d, i in zip(oov_docs, first_bad)))
+
+
+def scan_file(path: Path, rel: str, col_name: str, checker: Checker) -> FileStats:
+    """Counts of one shard file, its documents checked."""
+    stats = FileStats(rel)
+    shard = ShardFile(path, col_name)
+    try:
+        for values, lengths in shard.chunks():
+            checker.documents(stats, values, lengths)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: truncated or corrupt: {first_line(e)}") from None
+    return stats
+
+
+def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None:
+    """Print how the counts CSVs agree with the files."""
+    listed = {p: e for p, e in read_counts(str(root)).items() if p.split("/")[1] in names}
+    if not listed:
+        print("counts CSV: none for these datasets (the loader counts the files itself and caches the counts)")
+        return
+    problems, unlisted = [], 0
+    for f in files:
+        entry = listed.pop(f.path, None)
+        if entry is None:
+            unlisted += 1
+        elif (entry.documents, entry.tokens) != (f.documents, f.tokens):
+            problems.append(f"{f.path}: meta/*counts*.csv says {entry.documents} documents, {entry.tokens} tokens; "
+                            f"the file has {f.documents} documents, {f.tokens} tokens")
+    problems += [f"{path}: listed in meta/*counts*.csv but not found" for path in sorted(listed)]
+    mismatches = Flag("counts CSV mismatches")
+    mismatches.add(len(problems), problems)
+    mismatches.print()
+    if unlisted:
+        print(f"  ({unlisted} files not listed: the loader counts them itself)")
+
+
+def print_table(rows: list[list[str]]) -> None:
+    """Left-aligned text columns, right-aligned numbers."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def report_row(name: str, label: str, files: list[FileStats]) -> list[str]:
+    return [name, label, str(sum(f.documents for f in files)), str(sum(f.tokens for f in files)),
+            str(max((f.max_id for f in files), default=-1))]
+
+
+def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> None:
+    """Scan every shard of the datasets and print the table, the flags and the counts comparison."""
+    paths = {name: shard_paths(root / name, "auto") for name in names}
+    every = [p for ps in paths.values() for p in ps]
+    stats = {p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
+             for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)}
+    rows = [["dataset", "file", "documents", "tokens", "max id"]]
+    for name in names:
+        files = [stats[p] for p in paths[name]]
+        rows += [report_row(name, f.path, [f]) for f in files]
+        rows.append(report_row(name, f"total ({len(files)} files)", files))
+    rows.append(report_row("all", f"total ({len(names)} datasets)", list(stats.values())))
+    print_table(rows)
+    print()
+    if checker.separators:
+        checker.doubled.print()
+    else:
+        print("doubled separators: not checked (--eos_token=None and no --bos_token)")
+    checker.empty.print()
+    if checker.vocab_size is None:
+        print("out-of-vocabulary ids: not checked (give --vocab_size)")
+    else:
+        checker.oov.print()
+    compare_counts(root, names, list(stats.values()))
+
+
+def main(data_path: str = "", datasets: Optional[str] = None, vocab_size: Optional[int] = None,
+         eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+    """Report documents and tokens per dataset and file of --data_path, and flag problems.
+
+    --data_path   the folder holding one sub-folder per dataset (and meta/)
+    --datasets    comma list of dataset folders (default: all but meta)
+    --vocab_size  flag ids >= this (not checked when not given)
+    --eos_token   the separator the loader adds after each document (None: none)
+    --bos_token   the token the loader puts before each document (None: none)
+    --col_name    the column holding the token ids
+    """
+    try:
+        if not data_path:
+            raise ConfigError("--data_path is required: the folder holding one sub-folder per dataset")
+        root = Path(str(data_path))
+        if not root.is_dir():
+            raise ConfigError(f"--data_path={data_path}: folder not found")
+        separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
+                      if v is not None}
+        checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
+        inspect(root, list_datasets(str(root), as_names(datasets)), str(col_name), checker)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def cli() -> None:
+    """`fms-inspect-data` / scripts/inspect_data.py: main's flags from the command line."""
+    import fire
+
+    fire.Fire(main)

@@ -1,0 +1,75 @@
+"""The package's structure: errors is a leaf, config imports nothing of the package but errors, no
+import cycle anywhere, scripts are entry points, and every console script resolves."""
+
+import ast
+import importlib
+import tomllib
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "fms_fsdp"
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each fms_fsdp module -> the fms_fsdp modules it imports (at module level or inside functions)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found |= {t for t in targets if t in modules and t != name}
+        graph[name] = found
+    return graph
+
+
+def test_errors_is_a_leaf_and_config_imports_only_errors():
+    graph = package_imports()
+    assert graph["fms_fsdp.errors"] == set()
+    assert graph["fms_fsdp.config"] == {"fms_fsdp.errors"}
+
+
+def test_no_import_cycle_in_the_package():
+    graph = package_imports()
+    done, path = set(), []
+
+    def visit(name: str) -> None:
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for dep in sorted(graph[name]):
+            # a package's __init__ runs before its submodules: importing `a.b` imports `a` first
+            visit(dep)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_scripts_are_entry_points_of_a_few_lines():
+    """Their logic lives in fms_fsdp/ (scripts/gen_config_docs.py, a docs tool, aside)."""
+    scripts = [p for p in (ROOT / "scripts").glob("*.py") if p.name != "gen_config_docs.py"]
+    for script in [*scripts, ROOT / "fms_to_hf.py", ROOT / "main_training.py"]:
+        tree = ast.parse(script.read_text())
+        assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body), script.name
+        assert len(script.read_text().splitlines()) <= 15, script.name
+
+
+def test_every_console_script_resolves_to_a_callable():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"fms-train", "fms-prepare-data", "fms-inspect-data", "fms-export-model", "fms-to-hf"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), name
