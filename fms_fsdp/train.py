@@ -108,7 +108,8 @@ def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimiz
     if cfg.low_cpu_fsdp:
         model.to_empty(device=info.device)
         init_weights(model, cfg.seed)
-    log(info, f"model {cfg.model_variant}: {count_params(model_config) / 1e6:,.1f}M parameters, "
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    log(info, f"model {cfg.model_variant}: {count_params(model_config):,} parameters ({held:,} held by rank 0), "
               f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
               f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks'}, "
               f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")

@@ -39,11 +39,15 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def inspect(tmp: Path, args: list[str], nproc: int) -> list[dict]:
-    """Run tests/inspect_worker.py: one JSON record per rank about its shards and initial loss."""
-    proc = launch("tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc)
+def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[str]]] = None) -> list[list[dict]]:
+    """Run tests/inspect_worker.py once: per case (extra flags; default one case without), one JSON
+    record per rank about its shards and initial loss."""
+    cases = cases or [[]]
+    proc = launch("tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc,
+                  extra_env={"INSPECT_CASES": json.dumps(cases)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((tmp / "inspect" / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return [[json.loads((tmp / "inspect" / f"rank{r}.{k}.json").read_text()) for r in range(nproc)]
+            for k in range(len(cases))]
 
 
 @pytest.fixture

@@ -1,8 +1,11 @@
-"""Test worker (run under torchrun): builds the model as training does, then writes
-<ckpt_save_path>/rank<N>.json with this rank's shard sizes, a fingerprint of the full weights and
-the loss on the first batch."""
+"""Test worker (run under torchrun): builds the model as training does, once per case, and writes
+<ckpt_save_path>/rank<N>.<case>.json with this rank's shard sizes, a fingerprint of the full weights
+and the loss on the first batch. argv: the flags every case shares; $INSPECT_CASES: a JSON list of
+each case's extra flags (default: one case without extras). Peak RSS around the first build is
+recorded too (measure memory with one case: later builds start from a higher peak)."""
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -16,30 +19,38 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import init_distributed
 from fms_fsdp.train import build, causal_lm_loss
 
-cfg = parse_args(sys.argv[1:])
-info = init_distributed(cfg.device)
-rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-model, _, _ = build(cfg, info)
-peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers
-params = list(model.parameters())
-local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-inputs, labels = next(iter(get_data_loader(cfg, info.rank, info.world_size)))
-with torch.no_grad():
-    loss = causal_lm_loss(model, inputs, labels)
-dist.all_reduce(loss)
-record = {
-    "rank": info.rank,
-    "local_numel": local,
-    "full_numel": sum(t.numel() for t in full.values()),
-    "all_dtensor": all(isinstance(p, DTensor) for p in params),
-    "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
-    "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
-    "initial_loss": loss.item() / info.world_size,
-    "peak_rss_before_build_mb": rss_before_mb,
-    "peak_rss_after_build_mb": peak_rss_mb,
-}
-Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)
-(Path(cfg.ckpt_save_path) / f"rank{info.rank}.json").write_text(json.dumps(record))
+
+def inspect(cfg, rank: int, world_size: int) -> dict:
+    rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model, _, _ = build(cfg, info)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers
+    params = list(model.parameters())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    inputs, labels = next(iter(get_data_loader(cfg, rank, world_size)))
+    with torch.no_grad():
+        loss = causal_lm_loss(model, inputs, labels)
+    dist.all_reduce(loss)
+    return {
+        "rank": rank,
+        "local_numel": local,
+        "full_numel": sum(t.numel() for t in full.values()),
+        "all_dtensor": all(isinstance(p, DTensor) for p in params),
+        "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
+        "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
+        "initial_loss": loss.item() / world_size,
+        "peak_rss_before_build_mb": rss_before_mb,
+        "peak_rss_after_build_mb": peak_rss_mb,
+    }
+
+
+common = sys.argv[1:]
+cases = json.loads(os.environ.get("INSPECT_CASES", "[[]]"))
+info = init_distributed(parse_args(common).device)
+out = Path(parse_args(common).ckpt_save_path)
+out.mkdir(parents=True, exist_ok=True)
+for k, extra in enumerate(cases):
+    record = inspect(parse_args([*common, *extra]), info.rank, info.world_size)
+    (out / f"rank{info.rank}.{k}.json").write_text(json.dumps(record))
 dist.barrier()
 dist.destroy_process_group()

@@ -39,7 +39,7 @@ def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
 def trained(request, tmp_path_factory) -> tuple[str, Path]:
     """A few training steps of a tiny variant with grouped-query attention (and llama3's rope_theta)."""
     out = tmp_path_factory.mktemp(request.param)
-    train(out, [f"--model_variant={request.param}", "--num_steps=3", "--batch_size=2", "--vocab_size=512"], nproc=1)
+    train(out, [f"--model_variant={request.param}", "--num_steps=3", "--batch_size=2", "--vocab_size=512"], nproc=None)
     return request.param, out / "run" / "checkpoints" / "step_3_ckp"
 
 
@@ -80,7 +80,7 @@ def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
     to_hf(ckpt, tmp_path / "hf", dtype="fp32")
     # start training from the Hugging Face folder (learning rate 0: the weights stay as loaded)
     train(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
-                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=1)
+                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=None)
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
     original = read_model(ckpt)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
@@ -139,7 +139,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
                                               rc=2).stderr
     hf_main(str(ckpt), str(tmp_path / "hf"))
     proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
-                                       f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], 1)
+                                       f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], None)
     assert proc.returncode != 0
     assert f"error: --ckpt_load_path: {tmp_path / 'hf'}: {tmp_path / 'hf'}: vocab_size is 512 but the model variant " \
            "has 1024" in proc.stderr

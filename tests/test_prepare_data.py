@@ -247,3 +247,13 @@ def test_errors_are_one_line_naming_the_culprit(tmp_path, case):
     proc = run(*args, rc=2)
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert culprit in proc.stderr
+
+
+def test_installed_command_runs_the_same_tool(tmp_path):
+    """scripts/setup.sh installs the package editable, so its commands exist next to this interpreter."""
+    command = Path(sys.executable).parent / "fms-inspect-data"
+    assert command.exists(), "the package's commands are not installed: run bash scripts/setup.sh (pip install -e .)"
+    write_arrow_docs(tmp_path / "ds" / "a.arrow", [[5, 6, 7], [8, 9]])
+    proc = subprocess.run([str(command), f"--data_path={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].split() == ["ds", "/ds/a.arrow", "2", "5", "9"]
