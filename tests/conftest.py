@@ -1,11 +1,14 @@
-"""Helpers to run real training processes (torchrun + gloo) from tests."""
+"""Helpers to run real training processes (several ranks, gloo) from tests."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,15 +23,50 @@ TINY = [
 ]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Optional[dict] = None,
            timeout: int = 300, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run `script` with `args`: under torchrun with nproc processes, or plain python when nproc is None."""
+    """Run `script` with `args` in nproc real processes: plain python when nproc is None; under torchrun
+    when torchrun_args are given; else the ranks are started directly with the environment torchrun
+    gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...), which skips torchrun's 2 s agent
+    start-up (torchrun's own behaviour is tested with it: logs, kills, SIGTERM, Slurm). Rank outputs are
+    joined, rank 0's first; the status is the first failing rank's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
-    cmd = [sys.executable]
-    if nproc is not None:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
-    cmd += [str(ROOT / script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if nproc is None or torchrun_args:
+        cmd = [sys.executable]
+        if nproc is not None:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+        cmd += [str(ROOT / script), *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    with ThreadPoolExecutor(nproc) as pool:  # drain every rank's pipes while they run
+        futures = {pool.submit(p.communicate): p for p in procs}
+        deadline, pending = time.monotonic() + timeout, set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if not done or any(futures[f].returncode != 0 for f in done):
+                # as torchrun does: a failed rank (or the time limit) ends the others, so none hangs
+                if done:
+                    wait(pending, timeout=5)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                if not done:
+                    raise subprocess.TimeoutExpired(procs[0].args, timeout)
+        outputs = [f.result() for f in futures]
+    codes = [p.wait() for p in procs]
+    status = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(procs[0].args, status, "".join(o[0] or "" for o in outputs),
+                                       "".join(o[1] or "" for o in outputs))
 
 
 def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> list[dict]:

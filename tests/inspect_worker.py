@@ -6,7 +6,6 @@ recorded too (measure memory with one case: later builds start from a higher pea
 
 import json
 import os
-import resource
 import sys
 from pathlib import Path
 
@@ -20,10 +19,17 @@ from fms_fsdp.distributed import init_distributed
 from fms_fsdp.train import build, causal_lm_loss
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since its exec (VmHWM; getrusage's ru_maxrss would count the
+    parent's memory at fork too)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
 def inspect(cfg, rank: int, world_size: int) -> dict:
-    rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_before_mb = peak_rss_mb()
     model, _, _ = build(cfg, info)
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything below gathers
+    peak_after_mb = peak_rss_mb()  # before anything below gathers
     params = list(model.parameters())
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
@@ -40,7 +46,7 @@ def inspect(cfg, rank: int, world_size: int) -> dict:
         "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
         "initial_loss": loss.item() / world_size,
         "peak_rss_before_build_mb": rss_before_mb,
-        "peak_rss_after_build_mb": peak_rss_mb,
+        "peak_rss_after_build_mb": peak_after_mb,
     }
 
 

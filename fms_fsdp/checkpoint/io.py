@@ -78,13 +78,14 @@ class Checkpointer:
             needed = checkpoint_bytes(self.model, self.optimizer, self.group)
             free = self._on_main(lambda: prune_for(self.root, needed, self.policy))
             if free < needed:
-                raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB "
-                                      f"free, about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
+                raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
+                                      f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
             self._on_main(lambda: _empty_folder(tmp))
             self._write_run_state(tmp, step, tokens_seen)
             state = self._state_dict()
             if self.cfg.async_checkpoint:
-                self.pending = (step, tmp, dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group))
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+                self.pending = (step, tmp, future)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
                 self._commit(step, tmp)

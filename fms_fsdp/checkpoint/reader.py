@@ -37,8 +37,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = super().find_class(module, name)
             if isinstance(found, type) or (module, name) in self._CLASSES:
                 return found
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
         raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
 
 
