@@ -195,7 +195,7 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
 
 
 def run(cfg: train_config) -> list[dict[str, Any]]:
-    """Start the process group, train, and tear it down."""
+    """Check the flags the modules judge, start the process group, train, and tear it down."""
     stop = StopRequest()  # first: a SIGTERM/SIGUSR1 during start-up stops the run after its first step
     check_config(cfg)
     info = init_distributed(cfg.device)

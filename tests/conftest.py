@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +78,36 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
     out = tmp / "run"
     proc = launch("main_training.py", [*TINY, f"--ckpt_save_path={out}", *args], nproc, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_here(args: list[str]) -> str:
+    """main_training.py's run in this process, one rank (no start-up of a new interpreter): the same
+    code path, a real gloo group. Environment, stop-signal handlers and thread count are restored after;
+    returns what it printed. For runs whose command line is not under test."""
+    from fms_fsdp.config import parse_args
+    from fms_fsdp.train import run
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    out = io.StringIO()
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in the launched runs, so losses compare across both
+    try:
+        with contextlib.redirect_stdout(out):
+            run(parse_args([*TINY, *args]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return out.getvalue()
+
+
+def train_here(tmp: Path, args: list[str]) -> list[dict]:
+    """run_here with its outputs in tmp/run; returns the metrics.jsonl records."""
+    out = tmp / "run"
+    run_here([f"--ckpt_save_path={out}", *args])
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -20,7 +20,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import ConfigError
 
-from conftest import ROOT, TINY, launch
+from conftest import ROOT, TINY, launch, run_here
 from test_data import make_docs, write_dataset
 
 STEPS = 12
@@ -157,8 +157,8 @@ def test_keep_policy():
 
 def test_keep_policy_over_12_steps(tmp_path):
     out = tmp_path / "run"
-    run([*TINY, "--num_steps=12", "--checkpoint_interval=2", "--checkpoint_keep=2", "--report_interval=6",
-         "--checkpoint_keep_policy=every 4 until 8, then every 6", f"--ckpt_save_path={out}"], nproc=None)
+    run_here(["--num_steps=12", "--checkpoint_interval=2", "--checkpoint_keep=2", "--report_interval=6",
+              "--checkpoint_keep_policy=every 4 until 8, then every 6", f"--ckpt_save_path={out}"])
     assert [p.name for _, p in complete_checkpoints(out / "checkpoints")] == \
         ["step_4_ckp", "step_8_ckp", "step_10_ckp", "step_12_ckp"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
@@ -213,8 +213,8 @@ def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path)
     for path in (src, tmp_path / "m.safetensors", tmp_path / "m.pth"):
         out = tmp_path / f"from_{path.name}"
         # learning rate 0: one step leaves the loaded weights as they are, to compare exactly
-        run(flags(data, out, f"--ckpt_load_path={path}", "--num_steps=1", "--learning_rate=0",
-                  "--export_model_at_end=True"), nproc=None)
+        run_here(flags(data, out, f"--ckpt_load_path={path}", "--num_steps=1", "--learning_rate=0",
+                       "--export_model_at_end=True"))
         got = load_file(str(out / "model_step_1.safetensors"))
         assert all(torch.equal(got[k], reference[k]) for k in reference), path
 
@@ -269,6 +269,6 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
 
 def test_time_based_saves(tmp_path):
     out = tmp_path / "run"
-    run([*TINY, "--num_steps=3", "--checkpoint_interval=100", "--checkpoint_minutes=0", "--checkpoint_keep=5",
-         f"--ckpt_save_path={out}"], nproc=None)
+    run_here(["--num_steps=3", "--checkpoint_interval=100", "--checkpoint_minutes=0", "--checkpoint_keep=5",
+              f"--ckpt_save_path={out}"])
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]

@@ -17,7 +17,7 @@ from fms_fsdp.errors import HFError
 from fms_fsdp.hf import convert as hf_convert, main as hf_main
 from fms_fsdp.models import build_model, get_model_config
 
-from conftest import ROOT, TINY, launch, train
+from conftest import ROOT, TINY, launch, train_here
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -39,7 +39,7 @@ def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
 def trained(request, tmp_path_factory) -> tuple[str, Path]:
     """A few training steps of a tiny variant with grouped-query attention (and llama3's rope_theta)."""
     out = tmp_path_factory.mktemp(request.param)
-    train(out, [f"--model_variant={request.param}", "--num_steps=3", "--batch_size=2", "--vocab_size=512"], nproc=None)
+    train_here(out, [f"--model_variant={request.param}", "--num_steps=3", "--batch_size=2", "--vocab_size=512"])
     return request.param, out / "run" / "checkpoints" / "step_3_ckp"
 
 
@@ -79,8 +79,8 @@ def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
     variant, ckpt = trained
     to_hf(ckpt, tmp_path / "hf", dtype="fp32")
     # start training from the Hugging Face folder (learning rate 0: the weights stay as loaded)
-    train(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
-                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"], nproc=None)
+    train_here(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
+                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"])
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
     original = read_model(ckpt)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)

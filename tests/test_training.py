@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, inspect, launch, train, TINY
+from conftest import ROOT, TINY, inspect, launch, train, train_here
 
 STEPS = 10
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
@@ -22,8 +22,8 @@ def losses(records):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """The reference: 1 process (plain python, no torchrun), global batch 4."""
-    return train(tmp_path_factory.mktemp("one"), [f"--num_steps={STEPS}", "--batch_size=4"], nproc=None)
+    """The reference: 1 rank (in this process), global batch 4."""
+    return train_here(tmp_path_factory.mktemp("one"), [f"--num_steps={STEPS}", "--batch_size=4"])
 
 
 def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_rank):
@@ -44,14 +44,14 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
 
 
 def test_gradient_accumulation_equals_the_bigger_batch(tmp, one_rank):
-    accum = train(tmp, [f"--num_steps={STEPS}", "--batch_size=2", "--grad_accum_steps=2"], nproc=None)
+    accum = train_here(tmp, [f"--num_steps={STEPS}", "--batch_size=2", "--grad_accum_steps=2"])
     for a, b in zip(losses(accum), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-4)
 
 
 def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
-    ac = train(tmp, [f"--num_steps={STEPS}", "--batch_size=4", "--fsdp_activation_checkpointing=True",
-                     "--selective_checkpointing=1/2"], nproc=None)
+    ac = train_here(tmp, [f"--num_steps={STEPS}", "--batch_size=4", "--fsdp_activation_checkpointing=True",
+                          "--selective_checkpointing=1/2"])
     for a, b in zip(losses(ac), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-5)
 
@@ -85,8 +85,7 @@ def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
 
 
 def test_bf16_mixed_precision_and_compile(tmp, one_rank):
-    records = train(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True"],
-                    nproc=None)
+    records = train_here(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True"])
     assert losses(records)[0] == pytest.approx(losses(one_rank)[0], abs=0.02)  # same weights, bf16 forward
     assert losses(records)[-1] < losses(records)[0] - 1.0
 
