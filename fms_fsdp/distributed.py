@@ -36,7 +36,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,18 +58,19 @@ def resolve_device(flag: str, local_rank: int) -> torch.device:
 
 
 def world_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) from torchrun's environment, which is set up
-    for one process on localhost when absent."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    world = int(os.environ["WORLD_SIZE"])
-    return (int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
+    """(rank, world size, local rank, local world size) from torchrun's environment; one process
+    without it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")),
             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
 def init_distributed(device_flag: str) -> DistInfo:
-    """Start the process group: NCCL on GPUs, gloo on CPU."""
+    """Start the process group: NCCL on GPUs, gloo on CPU. Without torchrun's environment, the
+    environment of a single process on localhost is set up first."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world, local_rank, local_world = world_from_env()
     device = resolve_device(device_flag, local_rank)
     if device.type == "cuda":

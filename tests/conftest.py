@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
+from fms_fsdp.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # a tiny CPU run: fp32 (bf16 is slow on CPU), no compile, short sequences
@@ -25,12 +26,6 @@ TINY = [
     "--model_variant=tiny", "--device=cpu", "--use_dummy_dataset=True", "--use_torch_compile=False",
     "--mixed_precision=False", "--seq_length=64", "--vocab_size=256", "--learning_rate=3e-3", "--report_interval=1",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Optional[dict] = None,
@@ -48,7 +43,7 @@ def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Option
         cmd += [str(ROOT / script), *args]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(_free_port())}
+             "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]

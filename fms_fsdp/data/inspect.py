@@ -36,6 +36,7 @@ from fms_fsdp.errors import ConfigError, DataError, first_line
 
 EXAMPLES = 5
 
+
 def as_names(value: object) -> Optional[list[str]]:
     """--datasets as a list (fire turns `a,b` into a tuple and `1` into an int)."""
     if value is None:
