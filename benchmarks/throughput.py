@@ -1,50 +1,111 @@
-"""Training throughput on synthetic data: tokens/s/GPU, achieved TFLOP/s and MFU for a variant.
+"""Training throughput on synthetic data: tokens/s/GPU, achieved TFLOP/s, MFU and peak memory.
+
+One setting (under torchrun, or plain python for one process):
 
     torchrun --nproc_per_node=1 benchmarks/throughput.py --model_variant=llama3_1.8b_4k \
         --batch_size=2 --seq_length=4096 --use_torch_compile=True --num_steps=30 [--bench_skip=10]
 
-Takes every training flag (use_dummy_dataset is forced on, report_interval to 1). The first
---bench_skip steps (compilation, allocator warm-up) are left out of the figures; the rest are
-summarised by their median. Rank 0 prints one line of key=value figures.
+A sweep (plain python: each setting runs in processes of its own, under torchrun when
+--nproc_per_node > 1, so an out-of-memory or any other failure is one line and the sweep goes on):
+
+    python benchmarks/throughput.py --sweep="batch_size:1,2,4;selective_checkpointing:0,1/2,1" \
+        [--nproc_per_node=1] --model_variant=llama3_1.8b_4k --num_steps=30 ...
+
+Takes every training flag (use_dummy_dataset is forced on, report_interval to 1, and
+checkpoint_interval to 0: a benchmark writes no checkpoint). In a sweep, selective_checkpointing
+turns activation checkpointing on, 0 off. The first --bench_skip steps (compilation, allocator
+warm-up) are left out of the figures; the rest are summarised by their median. Rank 0 prints one
+`BENCH key=value ...` line per setting, and a sweep one `BEST ...` line.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
+import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.config import parse_args  # noqa: E402
-from fms_fsdp.errors import ConfigError  # noqa: E402
+from fms_fsdp.config import parse_args, train_config  # noqa: E402
+from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError  # noqa: E402
 from fms_fsdp.models import flops_per_token, get_model_config  # noqa: E402
 from fms_fsdp.train import check_config, run  # noqa: E402
 
+FORCED = ["--use_dummy_dataset=True", "--report_interval=1", "--checkpoint_interval=0"]
 
-def main(argv: list[str]) -> None:
-    skip = 5
-    flags = []
-    for arg in argv:
-        if arg.startswith("--bench_skip="):
-            skip = int(arg.split("=", 1)[1])
+
+def sweep_settings(spec: str) -> list[list[str]]:
+    """'batch_size:1,2;selective_checkpointing:0,1/2' -> the flags of every combination, in order;
+    ConfigError naming --sweep for a malformed spec or an unknown flag."""
+    known = {f.name for f in fields(train_config)}
+    axes = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, sep, values = part.partition(":")
+        name = name.strip()
+        if not sep or not values.strip():
+            raise ConfigError(f"--sweep: {part!r} is not name:value,value,...")
+        if name not in known:
+            raise ConfigError(f"--sweep: unknown flag {name!r}")
+        axes.append([(name, v.strip()) for v in values.split(",")])
+    if not axes:
+        raise ConfigError("--sweep: no settings; e.g. --sweep='batch_size:1,2,4;selective_checkpointing:0,1/2,1'")
+    settings = []
+    for combo in itertools.product(*axes):
+        flags = []
+        for name, value in combo:
+            if name == "selective_checkpointing":
+                on = value not in ("0", "0.0")
+                flags.append(f"--fsdp_activation_checkpointing={on}")
+                if not on:
+                    continue
+            flags.append(f"--{name}={value}")
+        settings.append(flags)
+    return settings
+
+
+def run_sweep(spec: str, nproc: int, flags: list[str]) -> None:
+    """Each setting in processes of its own; one line per setting, then the best."""
+    best: Optional[tuple[float, str]] = None
+    for setting in sweep_settings(spec):
+        label = ",".join(f.lstrip("-") for f in setting)
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        command = [sys.executable, *launcher, __file__, *flags, *setting]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        out = proc.stdout + proc.stderr
+        bench = [line for line in out.splitlines() if line.startswith("BENCH ")]
+        if proc.returncode == 0 and bench:
+            line = bench[-1].replace("BENCH ", f"BENCH setting={label} ", 1)
+            tps = float(line.split("tokens_per_sec_per_gpu=")[1].split()[0])
+            if best is None or tps > best[0]:
+                best = (tps, line)
         else:
-            flags.append(arg)
-    try:
-        cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=output/bench", *flags, "--report_interval=1"])
-        check_config(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}")
+            errors = [x for x in out.splitlines() if x.startswith("error")] or out.strip().splitlines()[-1:]
+            message = errors[0] if errors else f"exit status {proc.returncode}"
+            status = "oom" if "out of memory" in message.lower() else "failed"
+            line = f"BENCH setting={label} status={status} message={message!r}"
+        print(line, flush=True)
+    print("BEST " + (best[1].split(" ", 1)[1] if best else "none: every setting failed"), flush=True)
+
+
+def bench_one(flags: list[str], skip: int) -> None:
+    """Train the setting on synthetic data and print its BENCH line (rank 0)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+    cfg = parse_args([f"--ckpt_save_path=output/bench/{run_id}", *flags, *FORCED])
+    check_config(cfg)
     if cfg.num_steps <= skip:
-        raise SystemExit(f"error: --num_steps={cfg.num_steps} must exceed --bench_skip={skip}")
+        raise ConfigError(f"--num_steps={cfg.num_steps} must exceed --bench_skip={skip}")
     records = run(cfg)[skip:]
     if os.environ.get("RANK", "0") != "0":
         return
     tps = statistics.median(r["tokens_per_sec_per_gpu"] for r in records)
-    fpt = flops_per_token(get_model_config(cfg.model_variant, cfg.vocab_size), cfg.seq_length)
+    fpt = flops_per_token(get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length), cfg.seq_length)
     figures = {
         "variant": cfg.model_variant,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and cfg.device != "cpu" else "cpu",
@@ -62,6 +123,31 @@ def main(argv: list[str]) -> None:
         "peak_mem_gb": round(max(r.get("peak_memory_reserved_gb", r.get("max_rss_gb", 0)) for r in records), 2),
     }
     print("BENCH " + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    skip, sweep, nproc, flags = 5, None, 1, []
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name == "--bench_skip":
+            skip = int(value)
+        elif name == "--sweep":
+            sweep = value
+        elif name == "--nproc_per_node":
+            nproc = int(value)
+        else:
+            flags.append(arg)
+    try:
+        if sweep is not None:
+            for setting in sweep_settings(sweep):  # a typo fails once, before any setting runs
+                parse_args([*flags, *FORCED, *setting])
+            run_sweep(sweep, nproc, [*flags, f"--bench_skip={skip}"])
+        else:
+            bench_one(flags, skip)
+    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ class train_config:
     adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0)
     adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
+    optimizer_impl: str = _f("auto", "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.", choices=("auto", "fused", "foreach"))
+    weight_decay_norms_and_embeddings: bool = _f(True, "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).")
 
     # learning-rate schedule
     training_stage: str = _f("initial", "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.", choices=("initial", "annealing"))
@@ -98,7 +100,7 @@ class train_config:
     # checkpoints
     ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
     ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present).")
-    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step).", min=1)
+    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none (benchmarks: a stop request then ends the run unsaved).", min=0)
     checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
     checkpoint_keep_policy: str = _f("", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.")

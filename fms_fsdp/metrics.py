@@ -89,12 +89,13 @@ class MetricsReporter:
         """Record the seconds training waited for a checkpoint save (reported with the interval)."""
         self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
 
-    def report(self, step: int, lr: float, grad_norm: torch.Tensor) -> dict[str, Any]:
+    def report(self, step: int, lr: float, grad_norm: Optional[torch.Tensor]) -> dict[str, Any]:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
-        metrics.jsonl. Every rank must call it (it all-reduces)."""
+        metrics.jsonl. `grad_norm`: the global norm of this step, if known. Every rank must call it
+        (it all-reduces)."""
         loss = self.loss_sum / max(1, self.steps)
         dist.all_reduce(loss)  # gloo has no AVG
-        loss_value, norm_value = loss.item(), float(grad_norm)
+        loss_value = loss.item()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -105,7 +106,6 @@ class MetricsReporter:
             "step": step,
             "loss": loss_value / self.info.world_size,
             "lr": lr,
-            "grad_norm": norm_value,
             "tokens_seen": self.tokens_seen,
             "step_time": step_time,
             "tokens_per_sec_per_gpu": tps,
@@ -113,6 +113,8 @@ class MetricsReporter:
             "tokens_per_day": overall_tps * self.info.world_size * 86400,
             "data_wait": self.data_wait / (now - self.interval_start),
         }
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
         if self.checkpoint_stall is not None:
             record["checkpoint_stall_s"] = self.checkpoint_stall
         if self.peak is not None:
@@ -149,7 +151,7 @@ def format_record(r: dict[str, Any]) -> str:
         f"step {r['step']}",
         f"loss {r['loss']:.4f}",
         f"lr {r['lr']:.3e}",
-        f"grad_norm {r['grad_norm']:.3f}",
+        *([f"grad_norm {r['grad_norm']:.3f}"] if "grad_norm" in r else []),
         f"tokens {r['tokens_seen']:,}",
         f"step_time {r['step_time']:.3f}s",
         f"tok/s/gpu {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",

@@ -1,6 +1,7 @@
 """Model variants (names -> ibm-fms LLaMAConfig), model construction, weight init and FLOPs.
 
-The model is ibm-fms's LLaMA. `init_weights` draws the same values fms's `reset_parameters`
+The model is ibm-fms's LLaMA; `CausalLM` only gives it a head that, given labels, returns the loss
+without materialising the logits (loss.py). `init_weights` draws the same values fms's `reset_parameters`
 distributions call for, but from generators seeded per parameter and per block of rows, so a
 parameter initialised whole (eager path) and one initialised shard by shard after FSDP2 on the
 meta device (low_cpu_fsdp) get bit-identical values, whatever the number of ranks.
@@ -15,10 +16,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 from fms.models.llama import LLaMA, LLaMAConfig
+from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Shard
 
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.loss import ChunkFn, chunk_loss, chunked_cross_entropy
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 
@@ -61,18 +64,49 @@ def resolve_variant(name: str) -> str:
     raise ConfigError(f"--model_variant: unknown variant {name!r}; valid: {valid}")
 
 
-def get_model_config(name: str, vocab_size: Optional[int] = None) -> LLaMAConfig:
-    """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given."""
+def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None) -> LLaMAConfig:
+    """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
+    its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
+    weights do not depend on it)."""
     args = dict(VARIANTS[resolve_variant(name)])
     if vocab_size is not None:
         args["src_vocab_size"] = vocab_size
-    return LLaMAConfig(**args)
+    config = LLaMAConfig(**args)
+    if seq_length is not None and seq_length > config.max_expected_seq_len:
+        config = config.updated(max_expected_seq_len=seq_length)
+    return config
 
 
-def build_model(model_config: LLaMAConfig, device: torch.device) -> LLaMA:
+class LMHead(LinearClassificationHead):
+    """fms's output head; called with labels it returns the mean cross entropy (chunked, see loss.py)
+    instead of the logits. `chunk_fn` is replaced by a compiled copy when the run compiles."""
+
+    chunk_fn: ChunkFn = staticmethod(chunk_loss)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        return chunked_cross_entropy(x, self.weight, labels, self.chunk_fn)
+
+
+class CausalLM(LLaMA):
+    """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits."""
+
+    def __init__(self, config: LLaMAConfig):
+        super().__init__(config)
+        self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x, **kwargs)
+        hidden, _ = self.base_model(x, **kwargs)
+        return self.head(hidden, labels)
+
+
+def build_model(model_config: LLaMAConfig, device: torch.device) -> CausalLM:
     """An fms LLaMA with uninitialised weights on `device` (use torch.device('meta') to allocate nothing)."""
     with device:
-        return LLaMA(model_config)
+        return CausalLM(model_config)
 
 
 def count_params(model_config: LLaMAConfig) -> int:

@@ -1,6 +1,7 @@
 """How the model is parallelised: the data-parallel DeviceMesh, selective activation
-checkpointing, per-block torch.compile, FSDP2 (fully_shard) with bf16 mixed precision. fsdp, hsdp
-and ddp are all FSDP2 over a 2-D (replicate, shard) mesh of different shapes.
+checkpointing, per-block torch.compile (and the compiled loss), FSDP2 (fully_shard) with bf16 mixed
+precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP2 over a 2-D
+(replicate, shard) mesh of different shapes.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from typing import Optional
 import torch
 from fms.models.llama import LLaMA
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.loss import chunk_loss
 
 
 def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> tuple[int, int]:
@@ -64,13 +66,28 @@ def apply_activation_checkpointing(model: LLaMA, fraction: Fraction) -> int:
 
 
 def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool) -> None:
-    """fully_shard every LLaMABlock, then the root (embedding, final norm, head)."""
+    """FSDP units, each all-gathered just before use and freed after: the embedding, every block, the
+    final norm with the head, and the root (left with nothing but buffers). The last block and the
+    head are used again first thing in backward, so they stay gathered after forward. A model whose
+    head shares the embedding's weight keeps both in the root."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    tied = model.config.tie_heads
+    if not tied:
+        fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
     blocks = list(model.base_model.layers)
     for i, block in enumerate(blocks):
-        # the last block is needed again right at the start of backward: keep it gathered
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    if not tied:
+        fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def apply_compile(model: LLaMA) -> None:
+    """torch.compile every block whole (fullgraph: a graph break is an error, not a slow step) and the
+    loss's chunk function (its fp32 upcast, log-softmax and gradient fused)."""
+    for block in model.base_model.layers:
+        block.compile(fullgraph=True)
+    model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 
 
 def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Optional[int]:
@@ -80,7 +97,18 @@ def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Optional[i
     if cfg.fsdp_activation_checkpointing:
         n_ckpt = apply_activation_checkpointing(model, parse_fraction("selective_checkpointing", cfg.selective_checkpointing))
     if cfg.use_torch_compile:
-        for block in model.base_model.layers:
-            block.compile()
+        apply_compile(model)
     apply_fsdp(model, mesh, cfg.mixed_precision)
     return n_ckpt
+
+
+def set_gradient_sync(model: FSDPModule, last_micro_batch: bool) -> None:
+    """Before each micro-batch's backward. Sharded gradients are reduce-scattered every micro-batch, so
+    accumulation holds one micro-batch's unsharded gradients at a time; only HSDP's all-reduce across
+    replicas waits for the last (the shards accumulate in FSDP's buffer meanwhile). Without sharding
+    (ddp) the gradients are whole anyway: they accumulate locally and are all-reduced once."""
+    mesh = next(p for p in model.parameters()).device_mesh
+    if mesh["shard"].size() == 1:
+        model.set_requires_gradient_sync(last_micro_batch)
+    elif mesh["replicate"].size() > 1:
+        model.set_requires_all_reduce(last_micro_batch)

@@ -4,14 +4,16 @@
 (`check_config`), the process group starts (distributed.py), then `train`: the data loader first (bad
 data fails before the model is built), the model (models.py) parallelised (parallel.py), AdamW and
 the LR schedule (schedule.py); resume from the newest checkpoint or start from --ckpt_load_path
-(checkpoint/io.py); then step. After each step every rank agrees on stop requests and saves
-(triggers.py), checkpoints, and reports (metrics.py, trackers.py); a non-finite loss stops the run.
+(checkpoint/io.py); then step. A step reads nothing back from the device and takes no collective
+beyond FSDP's (and the norm's all-reduce when clipping); every few seconds the ranks agree on stop
+requests and time-based saves (triggers.py); at report and checkpoint steps a non-finite step noted
+on the device stops the run (FiniteGuard), then the run checkpoints and reports (metrics.py, trackers.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,21 +21,21 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from fms.models.llama import LLaMA
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.checkpoint.export import export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.config import cli_config, to_yaml, train_config
+from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import DistInfo, init_distributed, world_from_env
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError
 from fms_fsdp.metrics import MetricsReporter
-from fms_fsdp.models import build_model, count_params, flops_per_token, get_model_config, init_weights, resolve_variant
-from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize
+from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
+                             resolve_variant)
+from fms_fsdp.optim import build_optimizer, clip_gradients
+from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_sync
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.trackers import Trackers, start_trackers
@@ -57,49 +59,79 @@ def log(info: DistInfo, message: str) -> None:
         print(message, flush=True)
 
 
-def causal_lm_loss(model: LLaMA, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32 over labels != -100; the logits die inside."""
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    del logits
-    return loss
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host batch to `device` without blocking the host: through pinned memory on CUDA."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
-def train_step(model: LLaMA, optimizer: torch.optim.Optimizer, batches: Batches, cfg: train_config,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum_steps micro-batches. Returns the detached loss, the global
-    gradient norm (before clipping) and the seconds spent waiting for data."""
+def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, batches: Batches, cfg: train_config,
+               device: torch.device, global_norm: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum_steps micro-batches, without a host sync. Returns the
+    detached loss, the gradient norm before clipping (global when clipping or `global_norm`, else
+    this rank's) and the seconds spent waiting for data."""
     total = torch.zeros((), device=device)
     wait = 0.0
     for micro in range(cfg.grad_accum_steps):
         t = time.perf_counter()
         inputs, labels = next(batches)
         wait += time.perf_counter() - t
-        model.set_requires_gradient_sync(micro == cfg.grad_accum_steps - 1)
-        loss = causal_lm_loss(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+        set_gradient_sync(model, micro == cfg.grad_accum_steps - 1)
+        loss = model(to_device(inputs, device), labels=to_device(labels, device))
         (loss / cfg.grad_accum_steps).backward()
         total += loss.detach() / cfg.grad_accum_steps
-    max_norm = cfg.grad_clip_thresh if cfg.grad_clip_thresh > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm, wait
 
 
-def _check_finite(step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-    # the norm is global, so every rank takes the same decision
-    if not torch.isfinite(norm):
-        raise TrainingError(
-            f"step {step}: the gradient norm is {norm.item()} (loss on rank {dist.get_rank()}: "
-            f"{loss.item()}); lower --learning_rate, check the data, or resume from an earlier checkpoint"
-        )
+def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_config,
+                        device: torch.device) -> TrainingError:
+    """The one-line error for an out-of-memory at `step`: what was being allocated, the device's
+    memory, and the flags that lower the peak."""
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
+    what = f"allocating {asked.group(1)}" if asked else "out of memory"
+    where = device.type
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = (f"{props.name} ({props.total_memory / 2**30:.1f} GiB, "
+                 f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated)")
+    fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+    if not cfg.fsdp_activation_checkpointing or fraction < 1:
+        advice = (f"lower --batch_size (now {cfg.batch_size}) or checkpoint more blocks "
+                  "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)")
+    else:
+        advice = f"lower --batch_size (now {cfg.batch_size}) or shard over more GPUs"
+    return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}")
 
 
-def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimizer, Any]:
+class FiniteGuard:
+    """Notes the first step whose loss or gradient norm is not finite, on the device (no host sync);
+    `check` reads it, agreed by all ranks, before anything is reported or saved."""
+
+    NONE = 2**62
+
+    def __init__(self, device: torch.device):
+        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
+
+    def step_done(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        self.first_bad = torch.minimum(self.first_bad, torch.where(finite, self.NONE, step))
+
+    def check(self) -> None:
+        """TrainingError on every rank when any rank saw a non-finite step. Every rank must call it."""
+        first = self.first_bad.clone()
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if int(first) != self.NONE:
+            raise TrainingError(f"step {int(first)}: the loss or gradient norm is not finite; lower --learning_rate, "
+                                "check the data, or resume from an earlier checkpoint")
+
+
+def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Optimizer, Any]:
     """The sharded, initialised model, its AdamW optimizer and LR scheduler."""
-    model_config = get_model_config(cfg.model_variant, cfg.vocab_size)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
     mesh = build_mesh(cfg, info)
     model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
     if not cfg.low_cpu_fsdp:
@@ -113,8 +145,7 @@ def build(cfg: train_config, info: DistInfo) -> tuple[LLaMA, torch.optim.Optimiz
               f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
               f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks'}, "
               f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(model, cfg, info.device)
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
@@ -155,34 +186,37 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     batches = iter(loader)
     reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen,
                                trackers)
-    triggers = StepTriggers(cfg, info, stop)
+    triggers = StepTriggers(cfg, info, stop, start)
+    guard = FiniteGuard(info.device)
     records: list[dict[str, Any]] = []
-    pending: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
     model.train()
     step, stopped = start, False
     with maybe_profiler(cfg, info) as prof:
         for step in range(start + 1, cfg.num_steps + 1):
-            loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device)
+            report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
+            try:
+                loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device, global_norm=report_step)
+            except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
+                raise out_of_memory_error(step, e, cfg, info.device) from None
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            if pending is not None:  # checked one step late: no device sync on the hot path
-                _check_finite(*pending)
-            pending = (step, loss, norm)
+            guard.step_done(step, loss, norm)
             reporter.step_done(loss, wait)
             boundary = triggers.poll(step, writing=checkpointer.writing())
             if boundary.written:
                 checkpointer.commit_pending()
-            report_now = step % cfg.report_interval == 0 or step == cfg.num_steps or boundary.stop is not None
-            if boundary.save or report_now:  # never checkpoint or report a diverged model
-                _check_finite(*pending)
+            if boundary.save or report_step or boundary.stop:  # never checkpoint or report a diverged model
+                guard.check()
             if boundary.save:
                 reporter.checkpoint_saved(checkpointer.save(step, reporter.tokens_seen))
                 triggers.saved()
-            if report_now:
-                records.append(reporter.report(step, lr, norm))
+            if report_step or boundary.stop:
+                global_norm = report_step or cfg.grad_clip_thresh > 0
+                records.append(reporter.report(step, lr, norm if global_norm else None))
             if boundary.stop is not None:
-                log(info, f"stopping after step {step} on {boundary.stop}: the checkpoint is saved, resume by "
-                          "running the same command")
+                log(info, f"stopping after step {step} on {boundary.stop}: " + (
+                    "the checkpoint is saved, resume by running the same command" if boundary.save
+                    else "no checkpoint (--checkpoint_interval=0)"))
                 stopped = True
                 break
             if prof is not None:

@@ -106,12 +106,14 @@ def train_here(tmp: Path, args: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[str]]] = None) -> list[list[dict]]:
+def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[str]]] = None,
+            weights: bool = True, backward: bool = False) -> list[list[dict]]:
     """Run tests/inspect_worker.py once: per case (extra flags; default one case without), one JSON
-    record per rank about its shards and initial loss."""
+    record per rank about its shards and memory, with `weights` its full weights' fingerprint and
+    initial loss, with `backward` too its gradients."""
     cases = cases or [[]]
-    proc = launch("tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc,
-                  extra_env={"INSPECT_CASES": json.dumps(cases)})
+    env = {"INSPECT_CASES": json.dumps(cases), "INSPECT_WEIGHTS": str(int(weights)), "INSPECT_BACKWARD": str(int(backward))}
+    proc = launch("tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc, extra_env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [[json.loads((tmp / "inspect" / f"rank{r}.{k}.json").read_text()) for r in range(nproc)]
             for k in range(len(cases))]

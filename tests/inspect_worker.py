@@ -1,6 +1,7 @@
 """Test worker (run under torchrun): builds the model as training does, once per case, and writes
 <ckpt_save_path>/rank<N>.<case>.json with this rank's shard sizes, a fingerprint of the full weights
-and the loss on the first batch. argv: the flags every case shares; $INSPECT_CASES: a JSON list of
+with $INSPECT_WEIGHTS=1 a fingerprint of the full weights and the loss on the first batch, and with
+$INSPECT_BACKWARD=1 too whether a non-last micro-batch's gradients were reduce-scattered. argv: the flags every case shares; $INSPECT_CASES: a JSON list of
 each case's extra flags (default: one case without extras). Peak RSS around the first build is
 recorded too (measure memory with one case: later builds start from a higher peak)."""
 
@@ -16,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.config import parse_args
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import init_distributed
-from fms_fsdp.train import build, causal_lm_loss
+from fms_fsdp.parallel import set_gradient_sync
+from fms_fsdp.train import build
 
 
 def peak_rss_mb() -> float:
@@ -31,23 +33,30 @@ def inspect(cfg, rank: int, world_size: int) -> dict:
     model, _, _ = build(cfg, info)
     peak_after_mb = peak_rss_mb()  # before anything below gathers
     params = list(model.parameters())
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-    inputs, labels = next(iter(get_data_loader(cfg, rank, world_size)))
-    with torch.no_grad():
-        loss = causal_lm_loss(model, inputs, labels)
-    dist.all_reduce(loss)
-    return {
+    record = {
         "rank": rank,
-        "local_numel": local,
-        "full_numel": sum(t.numel() for t in full.values()),
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+        "full_numel": sum(p.numel() for p in params),  # a DTensor's numel is the full parameter's
         "all_dtensor": all(isinstance(p, DTensor) for p in params),
         "mesh": list(params[0].device_mesh.shape) if isinstance(params[0], DTensor) else None,
-        "weight_fingerprint": {n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()},
-        "initial_loss": loss.item() / world_size,
         "peak_rss_before_build_mb": rss_before_mb,
         "peak_rss_after_build_mb": peak_after_mb,
     }
+    if os.environ.get("INSPECT_WEIGHTS") == "1":
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+        record["weight_fingerprint"] = {n: [t.double().sum().item(), t.double().square().sum().item()]
+                                        for n, t in full.items()}
+        inputs, labels = next(iter(get_data_loader(cfg, rank, world_size)))
+        with torch.no_grad():
+            loss = model(inputs, labels=labels)
+        dist.all_reduce(loss)
+        record["initial_loss"] = loss.item() / world_size
+        if os.environ.get("INSPECT_BACKWARD") == "1":
+            # the first micro-batch of an accumulating step: are its gradients already in the sharded .grad?
+            set_gradient_sync(model, last_micro_batch=False)
+            model(inputs, labels=labels).backward()
+            record["reduced_per_micro_batch"] = all(p.grad is not None for p in params)
+    return record
 
 
 common = sys.argv[1:]

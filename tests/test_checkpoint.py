@@ -221,7 +221,7 @@ def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path)
 
 def test_a_wrong_or_missing_checkpoint_is_a_clear_error(data, uninterrupted, tmp_path):
     src = uninterrupted / "checkpoints" / "step_12_ckp"
-    proc = run(flags(data, tmp_path / "a", f"--ckpt_load_path={src}", "--vocab_size=2048"), ok=False)
+    proc = run(flags(data, tmp_path / "a", f"--ckpt_load_path={src}", "--vocab_size=2048"), nproc=None, ok=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"--ckpt_load_path: {src} does not fit --model_variant=tiny (vocab 2048)" in errors[0]
     proc = run(flags(data, tmp_path / "b", f"--ckpt_load_path={tmp_path / 'nothing'}"), nproc=None, ok=False)

@@ -81,3 +81,16 @@ def test_init_is_deterministic_and_seeded():
         assert torch.equal(pa, pb)
         assert pa.numel() == 0 or not torch.equal(pa, pc) or bool((pa == 1).all())
     assert math.isfinite(sum(p.sum().item() for p in a.parameters()))
+
+
+@pytest.mark.parametrize("seq_length", [1024, 2048])
+def test_the_rotary_cache_covers_the_runs_sequence_length(seq_length):
+    """tiny's cache holds 1024 positions; a run's --seq_length past it grows the cache, not the weights."""
+    config = get_model_config("tiny", seq_length=seq_length)
+    assert config.max_expected_seq_len == max(1024, seq_length)
+    model = build_model(config, torch.device("cpu"))
+    init_weights(model, seed=0)
+    assert model.state_dict().keys() == build_model(get_model_config("tiny"), torch.device("meta")).state_dict().keys()
+    tokens = torch.randint(0, 4096, (1, seq_length))
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens, labels=tokens))

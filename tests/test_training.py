@@ -1,15 +1,28 @@
 """Real training runs: torchrun with gloo on CPU, several processes, the tiny model."""
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
+from fms.models.llama import LLaMA
+from torch._dynamo.utils import counters
 
 from conftest import ROOT, TINY, inspect, launch, train, train_here
+from fms_fsdp.config import parse_args
+from fms_fsdp.data import get_data_loader
+from fms_fsdp.data.dummy import DummyDataLoader
+from fms_fsdp.distributed import init_distributed
+from fms_fsdp.models import get_model_config, init_weights
+from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.train import FiniteGuard, build, out_of_memory_error, train_step
 
 STEPS = 10
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
@@ -73,7 +86,8 @@ def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
 
 def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
     eager, meta, ddp = inspect(tmp, [], nproc=2, cases=[
-        ["--sharding_strategy=fsdp"], ["--sharding_strategy=fsdp", "--low_cpu_fsdp=True"], ["--sharding_strategy=ddp"]])
+        ["--sharding_strategy=fsdp"], ["--sharding_strategy=fsdp", "--low_cpu_fsdp=True"], ["--sharding_strategy=ddp"]],
+        backward=True)
     full = eager[0]["full_numel"]
     for ranks in (eager, meta):
         assert sum(r["local_numel"] for r in ranks) == full
@@ -82,12 +96,71 @@ def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
     # the meta path materialises exactly the eager weights, so the first loss is the same
     assert meta[0]["weight_fingerprint"] == eager[0]["weight_fingerprint"] == ddp[0]["weight_fingerprint"]
     assert meta[0]["initial_loss"] == eager[0]["initial_loss"]
+    # gradient accumulation: sharded runs reduce-scatter every micro-batch (one micro-batch of unsharded
+    # gradients at a time); ddp, whose gradients are whole anyway, reduces once at the last
+    assert all(r["reduced_per_micro_batch"] for r in eager + meta)
+    assert not any(r["reduced_per_micro_batch"] for r in ddp)
 
 
 def test_bf16_mixed_precision_and_compile(tmp, one_rank):
+    """bf16 trains; the blocks compile whole (fullgraph: a graph break would fail the run) into one graph
+    shared by all four, the loss into one more, and no step after the first compiles again."""
+    torch._dynamo.reset()
+    counters.clear()
     records = train_here(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True"])
     assert losses(records)[0] == pytest.approx(losses(one_rank)[0], abs=0.02)  # same weights, bf16 forward
     assert losses(records)[-1] < losses(records)[0] - 1.0
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"] and not counters["recompiles"]
+
+
+def test_loss_curve_equals_a_plain_training_loop(one_rank):
+    """The product (FSDP2 on one rank, chunked loss, fused AdamW, device-side checks) takes the losses
+    of a textbook loop: fms LLaMA, full-logit cross entropy, foreach AdamW, torch's clipping."""
+    cfg = parse_args([*TINY, f"--num_steps={STEPS}", "--batch_size=4"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = LLaMA(get_model_config(cfg.model_variant, cfg.vocab_size))
+        init_weights(model, cfg.seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+        scheduler = build_scheduler(optimizer, cfg)
+        batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
+        reference = []
+        for _ in range(STEPS):
+            inputs, labels = next(batches)
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_thresh)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            reference.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    assert reference[-1] < reference[0] - 2.0
+    for a, b in zip(losses(one_rank), reference, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_sequences_longer_than_the_variants_rotary_cache(tmp):
+    """tiny's rotary cache holds 1024 positions: a 2048-token run sizes it to --seq_length."""
+    (record,) = train_here(tmp, ["--num_steps=1", "--batch_size=1", "--seq_length=2048"])
+    assert math.isfinite(record["loss"]) and record["tokens_seen"] == 2048
+
+
+def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags():
+    error = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 15.66 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.12 GiB is free. Including non-PyTorch memory, this process has 76.06 GiB memory in use.")
+    cfg = parse_args([*TINY, "--batch_size=8", "--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"])
+    message = str(out_of_memory_error(12, error, cfg, torch.device("cpu")))
+    assert "\n" not in message
+    assert message.startswith("step 12: out of memory allocating 15.66 GiB on cpu")
+    assert "--batch_size (now 8)" in message and "--selective_checkpointing=1" in message
+    cfg = parse_args([*TINY, "--fsdp_activation_checkpointing=True"])
+    assert "shard over more GPUs" in str(out_of_memory_error(1, error, cfg, torch.device("cpu")))
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
@@ -96,26 +169,39 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("error: step ") and "the gradient norm is" in errors[0]
+    assert errors[0].startswith("error: step ") and "the loss or gradient norm is not finite" in errors[0]
+    assert not (tmp / "checkpoints").exists() or not any((tmp / "checkpoints").iterdir())
 
 
-def test_profiler_writes_one_bounded_trace_per_rank(tmp):
-    """3 profiled steps of 10, one trace per rank with --profiler_rank0_only=False."""
-    train(tmp, ["--num_steps=10", "--batch_size=2", "--use_profiler=True", "--profiler_rank0_only=False",
-                f"--profiler_dir={tmp / 'prof'}"], nproc=2)
+def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective_of_their_own(tmp):
+    """3 profiled steps of 7, one trace per rank with --profiler_rank0_only=False. In those steps (no
+    report, no clipping) every collective is FSDP's, but for at most one agreement on stop requests,
+    which the ranks take only every AGREE_SECONDS of steps."""
+    train(tmp, ["--num_steps=7", "--batch_size=2", "--use_profiler=True", "--profiler_rank0_only=False",
+                f"--profiler_dir={tmp / 'prof'}", "--sharding_strategy=fsdp", "--grad_clip_thresh=0",
+                "--report_interval=100"], nproc=2)
     for rank in (0, 1):
         traces = list((tmp / "prof").glob(f"rank{rank}.*.pt.trace.json"))
         assert len(traces) == 1, traces
-        events = json.loads(traces[0].read_text())["traceEvents"]
-        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
-        assert steps == {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"}, steps
+        events = [e for e in json.loads(traces[0].read_text())["traceEvents"] if e.get("ph") == "X"]
+        steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+        assert {e["name"] for e in steps} == {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"}, steps
+        fsdp = [e for e in events if e["name"].startswith("FSDP::")]
+        collectives = [e for e in events if e["name"].startswith("c10d::")]
+        ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
+        assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
+        assert len(ours) <= 1 and all(e["args"]["Input Dims"][0] == [[5]] for e in ours), ours  # the stop agreement
+
+
+def inside(e: dict, outer: dict) -> bool:
+    return e["tid"] == outer["tid"] and outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]
 
 
 def test_low_cpu_fsdp_never_holds_the_full_model(tmp):
     """`small` is 0.5 GB in fp32: built on the meta device, each of 2 ranks grows by about its half,
     never by the whole model (the eager path would)."""
     args = ["--model_variant=small", "--vocab_size=32000", "--sharding_strategy=fsdp", "--low_cpu_fsdp=True"]
-    for r in inspect(tmp, args, nproc=2)[0]:
+    for r in inspect(tmp, args, nproc=2, weights=False)[0]:
         full_mb = r["full_numel"] * 4 / 2**20
         growth = r["peak_rss_after_build_mb"] - r["peak_rss_before_build_mb"]
         # measured on 2 cores: 0.75 x the model here, 1.11 x with --low_cpu_fsdp=False
@@ -134,3 +220,31 @@ def launch_in_terminal(command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(["script", "-qec", command, "/dev/null"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: set_sync_debug_mode watches CUDA host syncs")
+def test_steps_between_reports_never_wait_for_the_gpu():
+    """The per-step path (batch copy, forward, loss, backward, clipping, fused AdamW, the finite check
+    and the loss sum) under torch.cuda.set_sync_debug_mode('error'): any host sync raises."""
+    cfg = parse_args(["--model_variant=tiny", "--device=cuda", "--use_dummy_dataset=True", "--seq_length=256",
+                      "--batch_size=2", "--grad_accum_steps=2", "--ckpt_save_path=unused"])
+    info = init_distributed(cfg.device)
+    try:
+        model, optimizer, scheduler = build(cfg, info)
+        batches = iter(get_data_loader(cfg, info.rank, info.world_size))
+        guard, total = FiniteGuard(info.device), torch.zeros((), device=info.device)
+        train_step(model, optimizer, batches, cfg, info.device, global_norm=True)  # first step: lazy state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(2, 6):
+                loss, norm, _ = train_step(model, optimizer, batches, cfg, info.device, global_norm=False)
+                scheduler.step()
+                guard.step_done(step, loss, norm)
+                total += loss
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        guard.check()
+        assert math.isfinite(total.item())
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""The optimizer: AdamW over the sharded parameters (fused kernels where the device has them), its
+weight-decay groups, and gradient clipping by the global norm."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError
+
+# fused AdamW measured 6-15x faster than foreach on CPU (tiny, small) and 18% more tokens/s on an H100
+FUSED_DEVICES = ("cuda", "cpu")
+
+
+def decay_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
+    """AdamW parameter groups: every weight decays when `decay_all`, else only the matrices of the
+    linear layers (norms, biases and embeddings are exempt)."""
+    if decay_all:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+    decay, exempt = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            linear = isinstance(module, nn.Linear) and name == "weight"
+            (decay if linear else exempt).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: train_config, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with --optimizer_impl's kernels (auto: fused where the device has them)."""
+    impl = cfg.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if device.type in FUSED_DEVICES else "foreach"
+    elif impl == "fused" and device.type not in FUSED_DEVICES:
+        raise ConfigError(f"--optimizer_impl=fused: no fused AdamW on {device.type}; use foreach or auto")
+    groups = decay_groups(model, cfg.weight_decay, cfg.weight_decay_norms_and_embeddings)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, **{impl: True})
+
+
+def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor:
+    """The L2 norm of the gradients, on the device: over all ranks (one all-reduce of a scalar) when
+    `global_`, else of this rank's shards only (no collective)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not global_:
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norm = get_total_norm(grads, 2.0)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_gradients(model: nn.Module, max_norm: float, global_norm: bool) -> torch.Tensor:
+    """Clip the gradients to the global norm `max_norm` (0: no clipping) and return the norm, which
+    is global when clipping or `global_norm`, else this rank's (enough for the finite check)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = grad_norm(params, global_=max_norm > 0 or global_norm)
+    if max_norm > 0:
+        clip_grads_with_norm_(params, max_norm, norm)
+    return norm

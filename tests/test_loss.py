@@ -1,0 +1,60 @@
+"""The chunked cross entropy (loss.py) against torch's, and the model's loss path against its logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fms_fsdp.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy
+from fms_fsdp.models import build_model, get_model_config, init_weights
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return (a - b).abs().max().item() <= rel * b.abs().max().item()
+
+
+def test_chunks_are_equal_and_bounded():
+    assert chunk_tokens(4096, 128256, 1 << 27) == 256  # 262 would fit; 256 divides
+    assert chunk_tokens(8, 100, 1 << 30) == 8
+    assert chunk_tokens(7, 100, 800) == 1  # a prime: one token at a time
+
+
+@pytest.mark.parametrize("chunk_bytes", [400 * 4 * 100, 1 << 30])  # 10 chunks of 40 tokens; one chunk
+def test_loss_and_gradients_equal_plain_cross_entropy_in_fp32(chunk_bytes):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 100, 32, generator=g, requires_grad=True)
+    weight = torch.randn(400, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 400, (4, 100), generator=g)
+    labels[:, :7] = IGNORE_INDEX  # ignored tokens count neither in the sum nor in the mean
+    loss = chunked_cross_entropy(hidden, weight, labels, max_chunk_bytes=chunk_bytes)
+    (0.5 * loss).backward()
+    ours = loss.detach(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    (0.5 * ref).backward()
+    assert ours[0].item() == pytest.approx(ref.item(), rel=1e-5)
+    assert close(ours[1], hidden.grad) and close(ours[2], weight.grad)
+
+
+def test_bf16_inputs_get_bf16_gradients_and_an_fp32_loss():
+    hidden = torch.randn(64, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (64,))
+    loss = chunked_cross_entropy(hidden, weight, labels, max_chunk_bytes=16 * 50 * 4)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    ref = F.cross_entropy((hidden.float() @ weight.float().t()), labels)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-2)
+
+
+def test_the_models_loss_equals_cross_entropy_of_its_logits():
+    """CausalLM(x, labels) == cross_entropy(CausalLM(x)), with the same gradient for every parameter."""
+    model = build_model(get_model_config("tiny", vocab_size=512), torch.device("cpu"))
+    init_weights(model, seed=3)
+    g = torch.Generator().manual_seed(1)
+    inputs, labels = torch.randint(0, 512, (2, 2, 32), generator=g)
+    model(inputs, labels=labels).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).backward()
+    for name, p in model.named_parameters():
+        assert close(ours[name], p.grad), name
