@@ -69,15 +69,18 @@ def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
         assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_hsdp_four_ranks_two_by_two(tmp, one_rank):
-    """2 replicas of a 2-way sharded model take the steps of one rank with the same global batch, and
+def test_hsdp_four_ranks_two_by_two_with_gradient_accumulation(tmp):
+    """2 replicas of a 2-way sharded model, 2 micro-batches a step (reduce-scattered each, all-reduced
+    across replicas at the last), take the steps of one rank with the same global batch of 8, and
     each rank holds half of one copy."""
-    hsdp = ["--sharding_strategy=hsdp", "--sharding_group_size=2", "--batch_size=1"]
-    proc = launch("main_training.py", [*TINY, *hsdp, f"--num_steps={STEPS}", f"--ckpt_save_path={tmp}"], nproc=4)
+    steps = 6
+    reference = train_here(tmp / "one", [f"--num_steps={steps}", "--batch_size=8"])
+    hsdp = ["--sharding_strategy=hsdp", "--sharding_group_size=2", "--batch_size=1", "--grad_accum_steps=2"]
+    proc = launch("main_training.py", [*TINY, *hsdp, f"--num_steps={steps}", f"--ckpt_save_path={tmp}"], nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mesh (replicate, shard) = (2, 2)" in proc.stdout
     records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(losses(records), losses(one_rank)):
+    for a, b in zip(losses(records), losses(reference), strict=True):
         assert a == pytest.approx(b, rel=1e-4)
     found = re.search(r"model tiny: ([\d,]+) parameters \(([\d,]+) held by rank 0\)", proc.stdout)
     full, held = (int(g.replace(",", "")) for g in found.groups())
