@@ -9,12 +9,12 @@ A sweep (plain python: each setting runs in processes of its own, under torchrun
 --nproc_per_node > 1, so an out-of-memory or any other failure is one line and the sweep goes on):
 
     python benchmarks/throughput.py --sweep="batch_size:1,2,4;selective_checkpointing:0,1/2,1" \
-        [--nproc_per_node=1] --model_variant=llama3_1.8b_4k --num_steps=30 ...
+        [--nproc_per_node=1] [--setting_timeout=3600] --model_variant=llama3_1.8b_4k --num_steps=30 ...
 
-Takes every training flag (use_dummy_dataset is forced on, report_interval to 1, and
-checkpoint_interval to 0: a benchmark writes no checkpoint). In a sweep, selective_checkpointing
-turns activation checkpointing on, 0 off. The first --bench_skip steps (compilation, allocator
-warm-up) are left out of the figures; the rest are summarised by their median. Rank 0 prints one
+Takes every training flag (use_dummy_dataset is forced on and checkpoint_interval to 0: a
+benchmark writes no checkpoint; report_interval defaults to 5, as a report waits for the device). In a sweep, selective_checkpointing
+turns activation checkpointing on, 0 off. Report intervals that start within the first --bench_skip steps
+(compilation, allocator warm-up) are left out of the figures; the rest are summarised by their median. Rank 0 prints one
 `BENCH key=value ...` line per setting, and a sweep one `BEST ...` line.
 """
 
@@ -38,7 +38,8 @@ from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingErr
 from fms_fsdp.models import flops_per_token, get_model_config  # noqa: E402
 from fms_fsdp.train import check_config, run  # noqa: E402
 
-FORCED = ["--use_dummy_dataset=True", "--report_interval=1", "--checkpoint_interval=0"]
+FORCED = ["--use_dummy_dataset=True", "--checkpoint_interval=0"]
+DEFAULTS = ["--report_interval=5"]  # a report reads the device: per-step reports would measure syncs
 
 
 def sweep_settings(spec: str) -> list[list[str]]:
@@ -70,14 +71,18 @@ def sweep_settings(spec: str) -> list[list[str]]:
     return settings
 
 
-def run_sweep(spec: str, nproc: int, flags: list[str]) -> None:
+def run_sweep(spec: str, nproc: int, flags: list[str], timeout: float) -> None:
     """Each setting in processes of its own; one line per setting, then the best."""
     best: Optional[tuple[float, str]] = None
     for setting in sweep_settings(spec):
         label = ",".join(f.lstrip("-") for f in setting)
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
         command = [sys.executable, *launcher, __file__, *flags, *setting]
-        proc = subprocess.run(command, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"BENCH setting={label} status=timeout message='no result in {timeout} s'", flush=True)
+            continue
         out = proc.stdout + proc.stderr
         bench = [line for line in out.splitlines() if line.startswith("BENCH ")]
         if proc.returncode == 0 and bench:
@@ -97,11 +102,12 @@ def run_sweep(spec: str, nproc: int, flags: list[str]) -> None:
 def bench_one(flags: list[str], skip: int) -> None:
     """Train the setting on synthetic data and print its BENCH line (rank 0)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    cfg = parse_args([f"--ckpt_save_path=output/bench/{run_id}", *flags, *FORCED])
+    cfg = parse_args([f"--ckpt_save_path=output/bench/{run_id}", *DEFAULTS, *flags, *FORCED])
     check_config(cfg)
-    if cfg.num_steps <= skip:
-        raise ConfigError(f"--num_steps={cfg.num_steps} must exceed --bench_skip={skip}")
-    records = run(cfg)[skip:]
+    if cfg.num_steps < skip + cfg.report_interval:
+        raise ConfigError(f"--num_steps={cfg.num_steps} leaves no report interval after --bench_skip={skip}: "
+                          f"raise it to {skip + cfg.report_interval} or more")
+    records = [r for r in run(cfg) if r["step"] - cfg.report_interval >= skip]
     if os.environ.get("RANK", "0") != "0":
         return
     tps = statistics.median(r["tokens_per_sec_per_gpu"] for r in records)
@@ -126,7 +132,7 @@ def bench_one(flags: list[str], skip: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    skip, sweep, nproc, flags = 5, None, 1, []
+    skip, sweep, nproc, timeout, flags = 5, None, 1, 3600.0, []
     for arg in argv:
         name, _, value = arg.partition("=")
         if name == "--bench_skip":
@@ -135,18 +141,21 @@ def main(argv: list[str]) -> None:
             sweep = value
         elif name == "--nproc_per_node":
             nproc = int(value)
+        elif name == "--setting_timeout":
+            timeout = float(value)
         else:
             flags.append(arg)
     try:
         if sweep is not None:
             for setting in sweep_settings(sweep):  # a typo fails once, before any setting runs
-                parse_args([*flags, *FORCED, *setting])
-            run_sweep(sweep, nproc, [*flags, f"--bench_skip={skip}"])
+                parse_args([*DEFAULTS, *flags, *FORCED, *setting])
+            run_sweep(sweep, nproc, [*flags, f"--bench_skip={skip}"], timeout)
         else:
             bench_one(flags, skip)
     except (ConfigError, DataError, CheckpointError, TrainingError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or not getattr(e, "every_rank", True):
+            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None
 
 

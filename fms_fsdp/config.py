@@ -100,7 +100,7 @@ class train_config:
     # checkpoints
     ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
     ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present).")
-    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none (benchmarks: a stop request then ends the run unsaved).", min=0)
+    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks).", min=0)
     checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
     checkpoint_keep_policy: str = _f("", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.")
@@ -313,6 +313,9 @@ def validate(cfg: train_config) -> None:
             f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
         )
     _check_trackers(cfg)
+    if cfg.checkpoint_interval == 0 and cfg.checkpoint_minutes is not None:
+        raise ConfigError("--checkpoint_minutes needs checkpoints: --checkpoint_interval=0 saves none; "
+                          "set a --checkpoint_interval (e.g. 1000000 to save by time only)")
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
 

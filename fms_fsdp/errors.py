@@ -24,7 +24,12 @@ class CheckpointError(RuntimeError):
 
 
 class TrainingError(RuntimeError):
-    """A run that cannot go on (e.g. a non-finite loss); the message names the step."""
+    """A run that cannot go on (e.g. a non-finite loss); the message names the step. every_rank: every
+    rank raised it (an agreed decision), so rank 0 alone reports it."""
+
+    def __init__(self, message: str, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class HFError(ValueError):

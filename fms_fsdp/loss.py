@@ -4,8 +4,9 @@ A micro-batch of N tokens and a vocabulary of V would need N x V fp32 logits (16
 128k vocabulary at 8 x 4096 tokens). Here the head's matmul, the fp32 log-softmax and the gradients
 of the logits are computed for one chunk of tokens at a time, in the forward pass (as Liger's fused
 linear cross entropy does): each chunk's gradient w.r.t. the hidden states and the head weight is
-kept, its logits are dropped, and backward only scales them. The head weight's gradient is
-accumulated over chunks in fp32. `chunk_loss` is what torch.compile fuses on GPU.
+kept, its logits are dropped, and backward only scales them. The head weight's gradient sums the
+chunks' products (each in the hidden states' dtype) in fp32. `chunk_loss` is what torch.compile
+fuses when the run compiles. Without gradients (evaluation) only the loss is computed.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tenso
 
 @functools.lru_cache(maxsize=64)
 def chunk_tokens(n_tokens: int, vocab_size: int, max_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk: the fewest equal chunks whose fp32 logits fit `max_bytes` (equal sizes give
-    torch.compile one shape)."""
+    """Tokens per chunk: the fewest chunks whose fp32 logits fit `max_bytes`, all equal when a divisor
+    of the token count at least half as big exists (one shape for torch.compile), else with a shorter
+    last chunk (two shapes, never thousands of tiny chunks)."""
     need = max(1, -(-n_tokens * vocab_size * 4 // max_bytes))
-    for k in range(need, n_tokens + 1):
-        if n_tokens % k == 0:
-            return n_tokens // k
-    return n_tokens
+    even = next(n_tokens // k for k in range(need, n_tokens + 1) if n_tokens % k == 0)
+    uneven = -(-n_tokens // need)
+    return even if 2 * even >= uneven else uneven
 
 
 def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +44,9 @@ def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
-    loss = ((lse - logits.gather(1, target)) * valid).sum()
-    grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.full_like(lse, -1.0)).mul_(valid)  # in place: one chunk of logits
+    loss = torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
+    # in place: one chunk of logits becomes its gradient
+    grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)
     return loss, grad.to(hidden.dtype)
 
 
@@ -80,7 +82,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         it = iter(grads)
         factor = grad_out * scale
         grad_h = next(it).mul(factor) if ctx.has[0] else None  # a 0-dim fp32 factor keeps bf16 bf16
-        grad_w = next(it).mul_(factor).to(ctx.weight_dtype) if ctx.has[1] else None
+        grad_w = next(it).mul_(factor).to(ctx.weight_dtype) if ctx.has[1] else None  # in place: once only
         return grad_h, grad_w, None, None, None
 
 
@@ -91,5 +93,17 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     labels: [...]; fn: chunk_loss or a compiled copy of it."""
     if max_chunk_bytes is None:
         max_chunk_bytes = CUDA_CHUNK_BYTES if hidden.device.type == "cuda" else CHUNK_BYTES
-    return _ChunkedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                      fn or chunk_loss, max_chunk_bytes)
+    hidden, labels, fn = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), fn or chunk_loss
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
+    step = chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
+    total = sum(chunk_loss_only(hidden[i : i + step], weight, labels[i : i + step]) for i in range(0, hidden.shape[0], step))
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def chunk_loss_only(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed cross entropy over labels != IGNORE_INDEX, fp32, no gradient."""
+    logits = (hidden @ weight.t()).float()
+    valid = labels != IGNORE_INDEX
+    picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, logits.logsumexp(dim=-1) - picked, 0.0).sum()

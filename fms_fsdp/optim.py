@@ -42,6 +42,13 @@ def build_optimizer(model: nn.Module, cfg: train_config, device: torch.device) -
                              eps=cfg.adam_eps, **{impl: True})
 
 
+def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -> None:
+    """After loading a checkpoint's optimizer state, which restores the saved groups' settings: this
+    run's --optimizer_impl wins (a checkpoint written with foreach kernels resumes fused)."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = fused, foreach
+
+
 def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor:
     """The L2 norm of the gradients, on the device: over all ranks (one all-reduce of a scalar) when
     `global_`, else of this rank's shards only (no collective)."""
@@ -55,7 +62,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor
 def clip_gradients(model: nn.Module, max_norm: float, global_norm: bool) -> torch.Tensor:
     """Clip the gradients to the global norm `max_norm` (0: no clipping) and return the norm, which
     is global when clipping or `global_norm`, else this rank's (enough for the finite check)."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = list(model.parameters())
     norm = grad_norm(params, global_=max_norm > 0 or global_norm)
     if max_norm > 0:
         clip_grads_with_norm_(params, max_norm, norm)

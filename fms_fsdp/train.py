@@ -104,7 +104,7 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
                   "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)")
     else:
         advice = f"lower --batch_size (now {cfg.batch_size}) or shard over more GPUs"
-    return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}")
+    return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
 
 
 class FiniteGuard:
@@ -248,6 +248,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        elif isinstance(e, DataError) and not e.every_rank:  # found by this rank's reader alone
+        elif isinstance(e, (DataError, TrainingError)) and not e.every_rank:  # found by this rank alone
             print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None

@@ -1,7 +1,7 @@
 """Test worker (run under torchrun): builds the model as training does, once per case, and writes
-<ckpt_save_path>/rank<N>.<case>.json with this rank's shard sizes, a fingerprint of the full weights
-with $INSPECT_WEIGHTS=1 a fingerprint of the full weights and the loss on the first batch, and with
-$INSPECT_BACKWARD=1 too whether a non-last micro-batch's gradients were reduce-scattered. argv: the flags every case shares; $INSPECT_CASES: a JSON list of
+<ckpt_save_path>/rank<N>.<case>.json with this rank's shard sizes; with $INSPECT_WEIGHTS=1 a
+fingerprint of the full weights and the loss on the first batch, and with $INSPECT_BACKWARD=1 too
+whether a non-last micro-batch's gradients were reduce-scattered. argv: the flags every case shares; $INSPECT_CASES: a JSON list of
 each case's extra flags (default: one case without extras). Peak RSS around the first build is
 recorded too (measure memory with one case: later builds start from a higher peak)."""
 

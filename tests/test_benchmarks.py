@@ -28,6 +28,7 @@ def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint
     The sweep's own process is this one; each setting runs in a process of its own."""
     out = tmp_path / "bench"
     throughput.main(["--sweep=sharding_group_size:1,3", *TINY, "--num_steps=3", "--bench_skip=1",
+                     "--report_interval=2",
                      f"--ckpt_save_path={out}"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3, lines

@@ -75,10 +75,12 @@ def test_unknown_flag_names_it_and_suggests_the_nearest():
     ("--strip_tokens=a,b", "--strip_tokens: expected comma list of int"),
     ("--learning_rate=nan", "--learning_rate: expected float"),
     ("--decay_steps=50", "--decay_steps=50 is more than --num_steps=10"),
+    ("--checkpoint_interval=0 --checkpoint_minutes=30", "--checkpoint_minutes needs checkpoints"),
+    ("--optimizer_impl=adamw", "--optimizer_impl: 'adamw' is not one of auto, fused, foreach"),
 ])
 def test_bad_values_name_the_flag(flag, message):
     with pytest.raises(ConfigError) as e:
-        parse(flag)
+        parse(*flag.split())
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 

@@ -15,7 +15,8 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
 def test_chunks_are_equal_and_bounded():
     assert chunk_tokens(4096, 128256, 1 << 27) == 256  # 262 would fit; 256 divides
     assert chunk_tokens(8, 100, 1 << 30) == 8
-    assert chunk_tokens(7, 100, 800) == 1  # a prime: one token at a time
+    assert chunk_tokens(7, 100, 800) == 1  # tiny chunks either way
+    assert chunk_tokens(4099, 128256, 1 << 27) == 257  # a prime count: 16 chunks, the last one shorter
 
 
 @pytest.mark.parametrize("chunk_bytes", [400 * 4 * 100, 1 << 30])  # 10 chunks of 40 tokens; one chunk
@@ -33,6 +34,19 @@ def test_loss_and_gradients_equal_plain_cross_entropy_in_fp32(chunk_bytes):
     (0.5 * ref).backward()
     assert ours[0].item() == pytest.approx(ref.item(), rel=1e-5)
     assert close(ours[1], hidden.grad) and close(ours[2], weight.grad)
+
+
+def test_without_gradients_only_the_loss_is_computed_and_it_is_the_same():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4099, 16, generator=g), torch.randn(300, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 300, (4099,), generator=g)
+    labels[::3] = IGNORE_INDEX
+    with_grad = chunked_cross_entropy(hidden, weight, labels, max_chunk_bytes=300 * 4 * 500)
+    with torch.no_grad():
+        without = chunked_cross_entropy(hidden, weight, labels, max_chunk_bytes=300 * 4 * 500)
+    ref = F.cross_entropy(hidden @ weight.detach().t(), labels, ignore_index=IGNORE_INDEX)
+    assert not without.requires_grad
+    assert without.item() == pytest.approx(ref.item(), rel=1e-5) and with_grad.item() == pytest.approx(ref.item(), rel=1e-5)
 
 
 def test_bf16_inputs_get_bf16_gradients_and_an_fp32_loss():

@@ -7,7 +7,7 @@ from conftest import TINY
 from fms_fsdp.config import parse_args
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.optim import build_optimizer, clip_gradients
+from fms_fsdp.optim import build_optimizer, clip_gradients, keep_kernels
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +22,17 @@ def test_auto_is_fused_on_cpu_and_foreach_can_be_chosen(model):
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
     with pytest.raises(ConfigError, match="--optimizer_impl=fused: no fused AdamW on meta"):
         build_optimizer(model, parse_args([*TINY, "--optimizer_impl=fused"]), torch.device("meta"))
+
+
+def test_a_resumed_optimizer_keeps_this_runs_kernels(model):
+    """load_state_dict restores the saved groups' settings: a foreach checkpoint would resume foreach."""
+    cpu = torch.device("cpu")
+    saved = build_optimizer(model, parse_args([*TINY, "--optimizer_impl=foreach"]), cpu).state_dict()
+    fused = build_optimizer(model, parse_args(TINY), cpu)
+    fused.load_state_dict(saved)
+    assert not fused.param_groups[0]["fused"]
+    keep_kernels(fused, fused.defaults["fused"], fused.defaults["foreach"])
+    assert fused.param_groups[0]["fused"] is True and not fused.param_groups[0]["foreach"]
 
 
 def test_weight_decay_exempts_norms_and_embeddings_only_when_asked(model):

@@ -43,6 +43,7 @@ from fms_fsdp.checkpoint.reader import SafeReader, read_model
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.optim import keep_kernels
 
 _SAVE_ERRORS = (OSError, RuntimeError, dcp.CheckpointException)
 _LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
@@ -185,8 +186,10 @@ class Checkpointer:
     def _load(self, path: Path) -> tuple[int, int]:
         state = self._state_dict()
         dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.group)
+        kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
                        optim_state_dict=state["optimizer_state"])
+        keep_kernels(self.optimizer, *kernels)
         meta = torch.load(path / "metadata.pth", weights_only=True)
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
