@@ -18,7 +18,7 @@ import torch
 
 IGNORE_INDEX = -100
 # fp32 logits of one chunk at most this big: small on CPU, where eager ops hold 2-3 copies of a chunk
-# (measured: 128 MiB keeps the vocab-128k tiny benchmark at 2.2 GiB RSS, 256 MiB 2.55), larger on GPU
+# (measured: 128 MiB keeps the vocab-128k tiny benchmark at 2.18 GiB RSS, 256 MiB 2.55), larger on GPU
 # where the compiled chunk is fused and bigger matmuls run closer to peak (1 GiB: not yet measured)
 CHUNK_BYTES = 1 << 27
 CUDA_CHUNK_BYTES = 1 << 30
