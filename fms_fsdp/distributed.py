@@ -7,8 +7,11 @@ errors travel over gloo groups of their own, so a long wait for rank 0 is fine u
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, TypeVar
@@ -19,6 +22,19 @@ import torch.distributed as dist
 from fms_fsdp.errors import ConfigError, first_line
 
 T = TypeVar("T")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(sig: signal.Signals) -> None:
+    """Have Linux send `sig` to this process when its parent dies, so that a SIGKILLed launcher (or
+    rank) leaves nothing training on; if the parent is already gone, send it now. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 @dataclass(frozen=True)

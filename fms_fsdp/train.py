@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import DistInfo, init_distributed, world_from_env
+from fms_fsdp.distributed import DistInfo, exit_with_parent, init_distributed, world_from_env
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
@@ -240,7 +241,10 @@ def run(cfg: train_config) -> list[dict[str, Any]]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Command-line entry: flags -> config -> run; known errors end in one line and status 1 or 2."""
+    """Command-line entry: flags -> config -> run; known errors end in one line and status 1 or 2. A
+    rank started by torchrun stops (saving, as on a preemption) if torchrun dies."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent(signal.SIGTERM)
     cfg = cli_config(argv)
     try:
         run(cfg)

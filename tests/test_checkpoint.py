@@ -276,3 +276,44 @@ def test_time_based_saves(tmp_path):
     run_here(["--num_steps=3", "--checkpoint_interval=100", "--checkpoint_minutes=0", "--checkpoint_keep=5",
               f"--ckpt_save_path={out}"])
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except OSError:
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_nothing_outlives_a_killed_launcher_and_the_ranks_save_on_their_way_out(data, tmp_path):
+    """kill -9 of torchrun: its ranks get SIGTERM from the kernel (they save, as on a preemption) and
+    their loader workers SIGKILL once the ranks are gone."""
+    out = tmp_path / "run"
+    proc = start(flags(data, out, "--num_steps=400", "--checkpoint_interval=1000", "--num_workers=2"))
+    wait_for(out / "metrics.jsonl", proc)
+    tree = descendants(proc.pid)
+    assert len(tree) >= 6, tree  # 2 ranks, 2 loader workers each
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(alive(p) for p in tree) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in tree if alive(p)], "processes of the run outlived its launcher"
+    assert len(complete_checkpoints(out / "checkpoints")) == 1

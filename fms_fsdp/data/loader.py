@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, Packing, Reader, n_logical_shards, shard_table
+from fms_fsdp.distributed import exit_with_parent
 from fms_fsdp.errors import DataError
 
 STATE_VERSION = 1
@@ -31,10 +32,12 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
     return {**reader_state, "datasets": datasets}
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and then ends them."""
+def _init_worker(worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and then ends them, and
+    die with it: killed when their rank dies, whatever killed it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    exit_with_parent(signal.SIGKILL)
 
 
 def _as_is(item: Any) -> Any:
@@ -90,7 +93,7 @@ class StatefulLoader:
         source = _Workers(self)
         it = iter(source) if self.num_workers == 0 else iter(
             DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is,
-                       worker_init_fn=_ignore_stop_signals))
+                       worker_init_fn=_init_worker))
         for lines, state in it:
             if "error" in state:
                 raise DataError(state["error"])
