@@ -154,7 +154,12 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
     """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one, until
     done or `stop` is requested; returns the metric records of this run (rank 0 also printed, saved and
     tracked them). Every rank must call it."""
-    stop = stop or StopRequest()
+    if stop is None:
+        stop = StopRequest()
+        try:
+            return train(cfg, info, stop)
+        finally:
+            stop.restore()
     torch.manual_seed(cfg.seed)
     check_profiler(cfg, info)
     if info.is_main:
@@ -232,12 +237,15 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
 def run(cfg: train_config) -> list[dict[str, Any]]:
     """Check the flags the modules judge, start the process group, train, and tear it down."""
     stop = StopRequest()  # first: a SIGTERM/SIGUSR1 during start-up stops the run after its first step
-    check_config(cfg)
-    info = init_distributed(cfg.device)
     try:
-        return train(cfg, info, stop)
+        check_config(cfg)
+        info = init_distributed(cfg.device)
+        try:
+            return train(cfg, info, stop)
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        stop.restore()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -30,15 +30,19 @@ MAX_STEPS_BETWEEN_AGREEMENTS = 1000
 
 
 class StopRequest:
-    """Records a SIGTERM / SIGUSR1; created at process start, so a signal during start-up counts."""
+    """Records a SIGTERM / SIGUSR1; created at the start of a run, so a signal during start-up counts.
+    `restore` puts back the handlers it found (a run called from Python leaves the process as it was)."""
 
     def __init__(self) -> None:
         self.signal = 0
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 @dataclass(frozen=True)

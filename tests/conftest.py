@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -78,13 +77,13 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
 
 def run_here(args: list[str]) -> str:
     """main_training.py's run in this process, one rank (no start-up of a new interpreter): the same
-    code path, a real gloo group. Environment, stop-signal handlers and thread count are restored after;
+    code path, a real gloo group. Environment and thread count are restored after (run() restores the
+    stop-signal handlers itself);
     returns what it printed. For runs whose command line is not under test."""
     from fms_fsdp.config import parse_args
     from fms_fsdp.train import run
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     out = io.StringIO()
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in the launched runs, so losses compare across both
     try:
@@ -94,8 +93,6 @@ def run_here(args: list[str]) -> str:
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     return out.getvalue()
 
 

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -145,6 +146,19 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
     assert reference[-1] < reference[0] - 2.0
     for a, b in zip(losses(one_rank), reference, strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_a_run_called_from_python_leaves_the_signal_handlers_as_it_found_them(tmp):
+    def mine(signum, frame):
+        pass
+
+    found = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        train_here(tmp, ["--num_steps=1"])
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
 
 
 def test_sequences_longer_than_the_variants_rotary_cache(tmp):
