@@ -96,8 +96,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden, labels, fn = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), fn or chunk_loss
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
-    step = chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
-    total = sum(chunk_loss_only(hidden[i : i + step], weight, labels[i : i + step]) for i in range(0, hidden.shape[0], step))
+    n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
+    total = sum(chunk_loss_only(hidden[i : i + step], weight, labels[i : i + step]) for i in range(0, n, step))
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 

@@ -41,6 +41,7 @@ class StopRequest:
         self.signal = signum
 
     def restore(self) -> None:
+        """Put back the handlers found at creation."""
         for sig, handler in self.previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -121,14 +122,19 @@ def test_resume_on_other_world_sizes_and_strategies(data, uninterrupted, tmp_pat
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", out / "checkpoints" / "step_6_ckp")
     extra = ["--num_steps=6", "--export_model_at_end=True", f"--sharding_strategy={strategy}", "--sharding_group_size=2"]
-    proc = run(flags(data, out, *extra), nproc=nproc)
-    assert "resumed from" in proc.stdout and "nothing to train: the checkpoint is at step 6" in proc.stdout
+    output = train_on(flags(data, out, *extra), nproc)
+    assert "resumed from" in output and "nothing to train: the checkpoint is at step 6" in output
     exported = load_file(str(out / "model_step_6.safetensors"))
     saved = weights(uninterrupted / "checkpoints" / "step_6_ckp")
     assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     if goes_on:  # and training goes on from there, the data position rescaled to the new world size
-        run(flags(data, out, "--num_steps=8", f"--sharding_strategy={strategy}", "--sharding_group_size=2"), nproc=nproc)
+        train_on(flags(data, out, "--num_steps=8", f"--sharding_strategy={strategy}", "--sharding_group_size=2"), nproc)
         assert sorted(losses(out)) == [7, 8]
+
+
+def train_on(args: list[str], nproc: Optional[int]) -> str:
+    """Train on nproc launched ranks, or on one rank in this process (nproc None); returns the output."""
+    return run_here(args) if nproc is None else run(args, nproc=nproc).stdout
 
 
 def test_an_unfinished_or_unreadable_newest_checkpoint_is_not_resumed(data, uninterrupted, tmp_path):
@@ -187,9 +193,8 @@ def test_full_disk_stops_with_a_clear_error(small_disk):
     assert len(errors) == 1 and "not enough space in" in errors[0] and str(out / "checkpoints") in errors[0]
     assert "GiB needed; free space or set --ckpt_save_path" in errors[0]
     assert (out / "metrics.jsonl").read_text().count("\n") == 1  # stopped at the first save, step 2, before its report
-    proc = run([*TINY, "--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}",
-                "--on_checkpoint_error=warn"], nproc=None)
-    assert "training goes on (--on_checkpoint_error=warn)" in proc.stdout
+    output = run_here(["--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"])
+    assert "training goes on (--on_checkpoint_error=warn)" in output
 
 
 def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path):
