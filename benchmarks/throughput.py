@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fms_fsdp.config import parse_args, train_config  # noqa: E402
-from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError  # noqa: E402
+from fms_fsdp.errors import ConfigError  # noqa: E402
 from fms_fsdp.models import flops_per_token, get_model_config  # noqa: E402
-from fms_fsdp.train import check_config, run  # noqa: E402
+from fms_fsdp.train import KNOWN_ERRORS, check_config, exit_on, run  # noqa: E402
 
 FORCED = ["--use_dummy_dataset=True", "--checkpoint_interval=0"]
 DEFAULTS = ["--report_interval=5"]  # a report reads the device: per-step reports would measure syncs
@@ -152,11 +152,8 @@ def main(argv: list[str]) -> None:
             run_sweep(sweep, nproc, [*flags, f"--bench_skip={skip}"], timeout)
         else:
             bench_one(flags, skip)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0" or not getattr(e, "every_rank", True):
-            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None
+    except KNOWN_ERRORS as e:
+        exit_on(e)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,21 @@ def chunk_tokens(n_tokens: int, vocab_size: int, max_bytes: int = CHUNK_BYTES) -
     return even if 2 * even >= uneven else uneven
 
 
-def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For one chunk: the summed cross entropy over labels != IGNORE_INDEX (fp32) and its gradient
-    w.r.t. the logits (softmax - one-hot, zero on ignored rows), in the hidden states' dtype."""
+def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's fp32 logits, their log-sum-exp, the valid-label mask and targets ([C, 1] each), and
+    the summed cross entropy over labels != IGNORE_INDEX."""
     logits = (hidden @ weight.t()).float()
     lse = logits.logsumexp(dim=-1, keepdim=True)
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
-    loss = torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
+    return logits, lse, valid, target, torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
+
+
+def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one chunk: the summed cross entropy over labels != IGNORE_INDEX (fp32) and its gradient
+    w.r.t. the logits (softmax - one-hot, zero on ignored rows), in the hidden states' dtype."""
+    logits, lse, valid, target, loss = _summed_loss(hidden, weight, labels)
     # in place: one chunk of logits becomes its gradient
     grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)
     return loss, grad.to(hidden.dtype)
@@ -97,13 +104,5 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
-    total = sum(chunk_loss_only(hidden[i : i + step], weight, labels[i : i + step]) for i in range(0, n, step))
+    total = sum(_summed_loss(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
-def chunk_loss_only(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One chunk's summed cross entropy over labels != IGNORE_INDEX, fp32, no gradient."""
-    logits = (hidden @ weight.t()).float()
-    valid = labels != IGNORE_INDEX
-    picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return torch.where(valid, logits.logsumexp(dim=-1) - picked, 0.0).sum()

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -248,6 +248,20 @@ def run(cfg: train_config) -> list[dict[str, Any]]:
         stop.restore()
 
 
+KNOWN_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
+
+
+def exit_on(error: Exception) -> NoReturn:
+    """End a command on one of KNOWN_ERRORS: one line (rank 0's, or the rank that alone found it),
+    status 2 for bad flags or data, 1 otherwise."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif isinstance(error, (DataError, TrainingError)) and not error.every_rank:  # found by this rank alone
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2 if isinstance(error, (ConfigError, DataError)) else 1) from None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Command-line entry: flags -> config -> run; known errors end in one line and status 1 or 2. A
     rank started by torchrun stops (saving, as on a preemption) if torchrun dies."""
@@ -256,10 +270,5 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = cli_config(argv)
     try:
         run(cfg)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        elif isinstance(e, (DataError, TrainingError)) and not e.every_rank:  # found by this rank alone
-            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if isinstance(e, (ConfigError, DataError)) else 1) from None
+    except KNOWN_ERRORS as e:
+        exit_on(e)
