@@ -88,6 +88,8 @@ class train_config:
     adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
     optimizer_impl: str = _f("auto", "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.", choices=("auto", "fused", "foreach"))
+    skip_bad_steps: int = _f(0, "Skip (no optimizer update) a step whose global gradient norm is not finite or spikes (see spike_sigma), up to this many in a row, then stop; 0: a non-finite step stops the run.", min=0)
+    spike_sigma: Optional[float] = _f(6.0, "With skip_bad_steps: a gradient norm more than this many standard deviations above the mean of the last 128 kept steps is a spike (none: skip non-finite steps only).", min=0.0)
     weight_decay_norms_and_embeddings: bool = _f(True, "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).")
 
     # learning-rate schedule
@@ -100,13 +102,18 @@ class train_config:
     # checkpoints
     ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
     ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present).")
-    checkpoint_interval: int = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks).", min=0)
+    checkpoint_interval: Union[int, str] = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks); auto: the time between saves that loses least to failures plus saving, sqrt(2 x save stall x expected_hours_between_failures) (Young), re-estimated from each measured save stall.", min=0)
     checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
+    expected_hours_between_failures: Optional[float] = _f(None, "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).", min=0.0)
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
     checkpoint_keep_policy: str = _f("", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.")
     async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.")
     on_checkpoint_error: str = _f("stop", "A failed save stops the run (stop) or is reported and skipped (warn).", choices=("stop", "warn"))
     export_model_at_end: bool = _f(False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors.")
+    export_interval: int = _f(0, "Also export the whole model every this many steps (0: never) to <ckpt_save_path>/exports/step_<N> (fms: model.safetensors; hf: a Hugging Face folder).", min=0)
+    export_format: str = _f("fms", "Periodic exports as fms (one safetensors file of this package's weights) or hf (config.json, model.safetensors and, with --tokenizer_path, the tokenizer: a folder transformers loads).", choices=("fms", "hf"))
+    export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
+    tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json) copied into --export_format=hf exports; training itself reads pre-tokenized shards.")
 
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
@@ -126,7 +133,6 @@ class train_config:
 # fms-fsdp flags that scripts pass and that mean nothing here: accepted, with a note, and dropped
 IGNORED_FMS_FSDP_FLAGS = {
     "resuming_dataset": "a resumed run always restores its data position",
-    "tokenizer_path": "training reads pre-tokenized shards; tokenize with scripts/prepare_data.py",
 }
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
@@ -163,6 +169,12 @@ def _scalar(value: Any, tp: type) -> Any:
             return float(value)
         if isinstance(value, str):
             return float(Fraction(value.strip().replace("_", "")))  # Fraction refuses nan and inf
+    elif typing.get_origin(tp) in (Union, types.UnionType):  # the first member that takes it
+        for member in typing.get_args(tp):
+            try:
+                return _scalar(value, member)
+            except (ValueError, ZeroDivisionError):
+                continue
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -296,7 +308,7 @@ def validate(cfg: train_config) -> None:
         for v in values:
             if choices and v not in choices:
                 raise ConfigError(f"--{name}: {v!r} is not one of {', '.join(str(c) for c in choices)}")
-            if low is not None and v < low:
+            if low is not None and not isinstance(v, str) and v < low:
                 raise ConfigError(f"--{name}: must be >= {low}, got {v}")
     for name in ("adam_beta1", "adam_beta2"):
         if not getattr(cfg, name) < 1:
@@ -313,9 +325,17 @@ def validate(cfg: train_config) -> None:
             f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
         )
     _check_trackers(cfg)
+    if cfg.skip_bad_steps and cfg.optimizer_impl == "foreach":
+        raise ConfigError("--skip_bad_steps leaves steps out inside the fused AdamW kernels: use --optimizer_impl=auto or fused")
+    if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
+        raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")
+    if cfg.checkpoint_interval == "auto" and cfg.checkpoint_minutes is not None:
+        raise ConfigError("--checkpoint_interval=auto chooses the time between saves: drop --checkpoint_minutes")
     if cfg.checkpoint_interval == 0 and cfg.checkpoint_minutes is not None:
         raise ConfigError("--checkpoint_minutes needs checkpoints: --checkpoint_interval=0 saves none; "
                           "set a --checkpoint_interval (e.g. 1000000 to save by time only)")
+    if cfg.tokenizer_path is not None and not Path(cfg.tokenizer_path).exists():
+        raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)")
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
 

@@ -37,6 +37,12 @@ def exit_with_parent(sig: signal.Signals) -> None:
         os.kill(os.getpid(), sig)
 
 
+def lost_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank is gone: NCCL's and the store's errors, gloo's
+    broken connections (plain RuntimeErrors naming gloo)."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits: global and node-local rank, and its device."""

@@ -69,16 +69,22 @@ class MetricsReporter:
 
     def _reset(self, now: float) -> None:
         self.interval_start = now
-        self.loss_sum = torch.zeros((), device=self.device)
+        # every step's loss, and the kept steps' (--skip_bad_steps: a skipped step is not averaged in)
+        self.loss_sums = torch.zeros(2, device=self.device)
+        self.kept_steps = torch.zeros((), device=self.device)
         self.steps = 0
         self.data_wait = 0.0
         self.checkpoint_stall: Optional[float] = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def step_done(self, loss: torch.Tensor, data_wait_s: float) -> None:
-        """Record one optimizer step's loss (a detached scalar; no device sync) and data wait."""
-        self.loss_sum += loss
+    def step_done(self, loss: torch.Tensor, data_wait_s: float, kept: Optional[torch.Tensor] = None) -> None:
+        """Record one optimizer step's loss (a detached scalar; no device sync) and data wait; a step
+        `kept` false (skipped by --skip_bad_steps) is left out of the reported loss."""
+        if kept is None:
+            kept = torch.ones((), dtype=torch.bool, device=loss.device)
+        self.loss_sums += torch.stack([loss, torch.where(kept, loss, 0.0)])
+        self.kept_steps += kept
         self.steps += 1
         self.tokens_seen += self.tokens_per_step * self.info.world_size
         self.data_wait += data_wait_s
@@ -89,13 +95,15 @@ class MetricsReporter:
         """Record the seconds training waited for a checkpoint save (reported with the interval)."""
         self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
 
-    def report(self, step: int, lr: float, grad_norm: Optional[torch.Tensor]) -> dict[str, Any]:
+    def report(self, step: int, lr: float, grad_norm: Optional[torch.Tensor],
+               skipped_steps: Optional[int] = None) -> dict[str, Any]:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
-        metrics.jsonl. `grad_norm`: the global norm of this step, if known. Every rank must call it
-        (it all-reduces)."""
-        loss = self.loss_sum / max(1, self.steps)
-        dist.all_reduce(loss)  # gloo has no AVG
-        loss_value = loss.item()
+        metrics.jsonl. `grad_norm`: the global norm of this step, if known; `skipped_steps`: steps of
+        the interval left out by --skip_bad_steps. Every rank must call it (it all-reduces)."""
+        sums = self.loss_sums.clone()
+        dist.all_reduce(sums)  # gloo has no AVG; every rank kept the same steps
+        kept = int(self.kept_steps)
+        loss_value = float(sums[1]) / kept if kept else float(sums[0]) / max(1, self.steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -115,6 +123,8 @@ class MetricsReporter:
         }
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
+        if skipped_steps is not None:
+            record["skipped_steps"] = skipped_steps
         if self.checkpoint_stall is not None:
             record["checkpoint_stall_s"] = self.checkpoint_stall
         if self.peak is not None:
@@ -164,6 +174,8 @@ def format_record(r: dict[str, Any]) -> str:
     else:
         parts.append(f"rss {r['max_rss_gb']:.2f} GiB")
     parts.append(f"data_wait {100 * r['data_wait']:.1f}%")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
     if "checkpoint_stall_s" in r:
         parts.append(f"ckpt_stall {r['checkpoint_stall_s']:.2f}s")
     return " | ".join(parts)

@@ -37,6 +37,8 @@ def build_optimizer(model: nn.Module, cfg: train_config, device: torch.device) -
         impl = "fused" if device.type in FUSED_DEVICES else "foreach"
     elif impl == "fused" and device.type not in FUSED_DEVICES:
         raise ConfigError(f"--optimizer_impl=fused: no fused AdamW on {device.type}; use foreach or auto")
+    if cfg.skip_bad_steps and impl != "fused":  # steps are left out inside the fused kernel (found_inf)
+        raise ConfigError(f"--skip_bad_steps needs the fused AdamW kernels, which {device.type} lacks")
     groups = decay_groups(model, cfg.weight_decay, cfg.weight_decay_norms_and_embeddings)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps, **{impl: True})

@@ -6,8 +6,9 @@ data fails before the model is built), the model (models.py) parallelised (paral
 the LR schedule (schedule.py); resume from the newest checkpoint or start from --ckpt_load_path
 (checkpoint/io.py); then step. A step reads nothing back from the device and takes no collective
 beyond FSDP's (and the norm's all-reduce when clipping); every few seconds the ranks agree on stop
-requests and time-based saves (triggers.py); at report and checkpoint steps a non-finite step noted
-on the device stops the run (FiniteGuard), then the run checkpoints and reports (metrics.py, trackers.py).
+requests and time-based saves (triggers.py). Bad steps are judged on the device (guard.py: a non-finite
+step stops the run, --skip_bad_steps leaves spikes out) and read at report, checkpoint and stop steps,
+before the run checkpoints and reports (metrics.py, trackers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import signal
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -25,13 +27,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.checkpoint.export import export_trained_model
+from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import DistInfo, exit_with_parent, init_distributed, world_from_env
-from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError
+from fms_fsdp.distributed import DistInfo, exit_with_parent, init_distributed, lost_peer, world_from_env
+from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
+from fms_fsdp.guard import StepGuard
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
                              resolve_variant)
@@ -67,11 +70,12 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.to(device, non_blocking=True)
 
 
-def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, batches: Batches, cfg: train_config,
-               device: torch.device, global_norm: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum_steps micro-batches, without a host sync. Returns the
-    detached loss, the gradient norm before clipping (global when clipping or `global_norm`, else
-    this rank's) and the seconds spent waiting for data."""
+def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, guard: StepGuard, step: int, batches: Batches,
+               cfg: train_config, device: torch.device, global_norm: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Optimizer step `step` over grad_accum_steps micro-batches, without a host sync; `guard` judges
+    it before the update (and may leave it out). Returns the detached loss, the gradient norm before
+    clipping (global when clipping, skipping bad steps or `global_norm`, else this rank's) and the
+    seconds spent waiting for data."""
     total = torch.zeros((), device=device)
     wait = 0.0
     for micro in range(cfg.grad_accum_steps):
@@ -82,7 +86,8 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, batches: Batch
         loss = model(to_device(inputs, device), labels=to_device(labels, device))
         (loss / cfg.grad_accum_steps).backward()
         total += loss.detach() / cfg.grad_accum_steps
-    norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm)
+    norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
+    guard.judge(step, total, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm, wait
@@ -106,28 +111,6 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
     else:
         advice = f"lower --batch_size (now {cfg.batch_size}) or shard over more GPUs"
     return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
-
-
-class FiniteGuard:
-    """Notes the first step whose loss or gradient norm is not finite, on the device (no host sync);
-    `check` reads it, agreed by all ranks, before anything is reported or saved."""
-
-    NONE = 2**62
-
-    def __init__(self, device: torch.device):
-        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
-
-    def step_done(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        finite = torch.isfinite(loss) & torch.isfinite(norm)
-        self.first_bad = torch.minimum(self.first_bad, torch.where(finite, self.NONE, step))
-
-    def check(self) -> None:
-        """TrainingError on every rank when any rank saw a non-finite step. Every rank must call it."""
-        first = self.first_bad.clone()
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        if int(first) != self.NONE:
-            raise TrainingError(f"step {int(first)}: the loss or gradient norm is not finite; lower --learning_rate, "
-                                "check the data, or resume from an earlier checkpoint")
 
 
 def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Optimizer, Any]:
@@ -189,36 +172,43 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     if start >= cfg.num_steps:
         log(info, f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
                   "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh")
-    batches = iter(loader)
     reporter = MetricsReporter(cfg, info, flops_per_token(model.config, cfg.seq_length), start, tokens_seen,
                                trackers)
     triggers = StepTriggers(cfg, info, stop, start)
-    guard = FiniteGuard(info.device)
+    guard = StepGuard(cfg, optimizer, info.device)
+    exporter = PeriodicExporter(cfg, info, model)
     records: list[dict[str, Any]] = []
     model.train()
     step, stopped = start, False
-    with maybe_profiler(cfg, info) as prof:
+    # closed on the way out, an exception too: its workers stop now, not at exit, where they would
+    # wait (they leave SIGTERM to the rank) and hold the rank forever
+    with closing(iter(loader)) as batches, maybe_profiler(cfg, info) as prof:
         for step in range(start + 1, cfg.num_steps + 1):
             report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
             try:
-                loss, norm, wait = train_step(model, optimizer, batches, cfg, info.device, global_norm=report_step)
+                loss, norm, wait = train_step(model, optimizer, guard, step, batches, cfg, info.device,
+                                              global_norm=report_step)
             except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
                 raise out_of_memory_error(step, e, cfg, info.device) from None
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            guard.step_done(step, loss, norm)
-            reporter.step_done(loss, wait)
+            reporter.step_done(loss, wait, guard.kept)
             boundary = triggers.poll(step, writing=checkpointer.writing())
             if boundary.written:
                 checkpointer.commit_pending()
-            if boundary.save or report_step or boundary.stop:  # never checkpoint or report a diverged model
+            export = exporter.due(step)
+            if boundary.save or report_step or boundary.stop or export:  # never save or report a diverged model
                 guard.check()
             if boundary.save:
-                reporter.checkpoint_saved(checkpointer.save(step, reporter.tokens_seen))
-                triggers.saved()
+                stall = checkpointer.save(step, reporter.tokens_seen)
+                reporter.checkpoint_saved(stall)
+                triggers.saved(stall)
+            if export:
+                exporter.export(step)
             if report_step or boundary.stop:
-                global_norm = report_step or cfg.grad_clip_thresh > 0
-                records.append(reporter.report(step, lr, norm if global_norm else None))
+                global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
+                skipped = guard.skipped_since_report() if guard.skipping else None
+                records.append(reporter.report(step, lr, norm if global_norm else None, skipped))
             if boundary.stop is not None:
                 log(info, f"stopping after step {step} on {boundary.stop}: " + (
                     "the checkpoint is saved, resume by running the same command" if boundary.save
@@ -227,7 +217,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
                 break
             if prof is not None:
                 prof.step()
-    checkpointer.commit_pending()
+    checkpointer.close()
+    exporter.close()
     if cfg.export_model_at_end and not stopped:  # a preempted run keeps its grace period for the checkpoint
         export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
     reporter.close()
@@ -272,3 +263,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         run(cfg)
     except KNOWN_ERRORS as e:
         exit_on(e)
+    except (RuntimeError, dist.DistError) as e:
+        if not lost_peer(e):
+            raise
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". This is typically")[0]  # gloo's source path
+        exit_on(TrainingError(f"lost contact with another rank ({cause}): a process or node of this run "
+                              "died or hung, its log has the cause; run the same command again to resume from "
+                              "the last checkpoint", every_rank=False))

@@ -1,8 +1,10 @@
 """Checkpoints: exact resume, resharding, atomicity, keep policy, full disk, SIGTERM, model loading."""
 
 import json
-import pickle
+import math
 import os
+import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -13,9 +15,12 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+import fms_fsdp.train
 from fms_fsdp.checkpoint.export import export_checkpoint
+from fms_fsdp.checkpoint.io import Checkpointer, write_failure
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
@@ -197,6 +202,24 @@ def test_full_disk_stops_with_a_clear_error(small_disk):
     assert "training goes on (--on_checkpoint_error=warn)" in output
 
 
+def test_on_checkpoint_error_warn_skips_write_failures_only(small_disk, tmp_path, monkeypatch):
+    """Real DCP failures: a full disk is a write failure; an object that cannot be pickled (a bug)
+    is not, and stops even a --on_checkpoint_error=warn run."""
+    with pytest.raises(dcp.CheckpointException) as full:
+        dcp.save({"w": torch.zeros(8 * 2**20)}, checkpoint_id=str(small_disk / "big"), no_dist=True)  # 32 MiB
+    assert write_failure(full.value)
+    with pytest.raises(dcp.CheckpointException) as bug:
+        dcp.save({"f": lambda: 0}, checkpoint_id=str(tmp_path / "bug"), no_dist=True)
+    assert not write_failure(bug.value)
+    state_dict = Checkpointer._state_dict
+    monkeypatch.setattr(Checkpointer, "_state_dict", lambda self: {**state_dict(self), "bug": lambda: 0})
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="checkpoint save to .* failed: .*Error: .*pickle") as e:
+        run_here(["--num_steps=2", "--checkpoint_interval=1", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"])
+    assert "\n" not in str(e.value)
+    assert not list((out / "checkpoints").iterdir())  # the unfinished save is removed
+
+
 def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path):
     src = uninterrupted / "checkpoints" / "step_12_ckp"
     reference = weights(src)
@@ -268,6 +291,32 @@ def test_time_based_saves(tmp_path):
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]
 
 
+def auto_intervals(output: str) -> list[float]:
+    """The seconds between saves that --checkpoint_interval=auto logged, in order."""
+    return [float(m) for m in re.findall(r"checkpoint interval \(auto\): ([\d.e+-]+) s =", output)]
+
+
+def test_auto_checkpoint_interval_follows_the_measured_save_stall(tmp_path, monkeypatch):
+    """Young's interval sqrt(2 x stall x MTBF): it starts from an assumed 30 s stall, moves to the
+    measured one, and a slower save (an artificial 1 s stall) gives a longer interval."""
+    args = ["--num_steps=20", "--checkpoint_interval=auto", "--expected_hours_between_failures=2e-6",
+            "--checkpoint_keep=1", "--report_interval=10"]
+    fast = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'fast'}"]))
+    write_run_state = Checkpointer._write_run_state
+
+    def slow_write(self, *args):
+        time.sleep(1.0)
+        write_run_state(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "_write_run_state", slow_write)
+    slow = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'slow'}"]))
+    first = math.sqrt(2 * 30 * 2e-6 * 3600)
+    assert fast[0] == slow[0] == pytest.approx(first, rel=1e-2)
+    assert len(fast) >= 2 and len(slow) >= 2, (fast, slow)
+    assert fast[-1] < 0.5 * first and slow[-1] > 1.5 * fast[-1]
+    assert slow[-1] >= math.sqrt(2 * 1.0 * 2e-6 * 3600) * 0.95  # the stall is at least the 1 s sleep
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`."""
     children: dict[int, list[int]] = {}
@@ -292,9 +341,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_nothing_outlives_a_killed_launcher_and_the_ranks_save_on_their_way_out(data, tmp_path):
+def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
     """kill -9 of torchrun: its ranks get SIGTERM from the kernel and stop as on a preemption (save,
-    exit), their loader workers get SIGKILL once the ranks are gone, and the same command resumes."""
+    exit), their loader workers get SIGKILL once the ranks are gone, and the same command resumes.
+    kill -9 of one rank: the other loses its peer in a collective and ends with one line, its loader
+    workers shut down on the way out (at exit they would wait forever: they leave SIGTERM to the rank)."""
     out = tmp_path / "run"
     args = flags(data, out, "--num_steps=400", "--checkpoint_interval=1000", "--num_workers=2")
     proc = start(args)
@@ -311,6 +362,33 @@ def test_nothing_outlives_a_killed_launcher_and_the_ranks_save_on_their_way_out(
     assert "stopping after step" in output and "on SIGTERM" in output, output[-3000:]
     (step, _), = complete_checkpoints(out / "checkpoints")
     assert 1 <= step < 400
-    proc = run([*args, f"--num_steps={step + 2}"])  # the later flag wins
-    assert f"at step {step}" in proc.stdout
-    assert max(losses(out)) == step + 2
+    # the same command resumes; kill -9 one of its ranks: the other stops in one line, nothing is left
+    proc = start(args)
+    deadline = time.time() + 120
+    while max(losses(out)) <= step + 1:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    tree = descendants(proc.pid)
+    os.kill(max(p for p in tree if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)),
+            signal.SIGKILL)  # rank 1: the later of torchrun's two children
+    deadline = time.time() + 15
+    while (proc.poll() is None or any(alive(p) for p in tree)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() not in (None, 0) and not [p for p in tree if alive(p)], "processes outlived a killed rank"
+    output = proc.stdout.read()
+    assert f"at step {step}" in output
+    assert "error: lost contact with another rank (" in output and "run the same command again" in output, output[-3000:]
+
+
+def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, monkeypatch):
+    """A bug raised mid-run: the loader workers are shut down before the error leaves training, while
+    its traceback is still held (an uncaught error keeps it until exit, where workers that leave
+    SIGTERM to their rank would hold the process forever)."""
+    def broken(*args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(fms_fsdp.train, "clip_gradients", broken)
+    with pytest.raises(ValueError, match="a bug") as error:
+        run_here(flags(data, tmp_path / "run", "--num_workers=2"))
+    assert error.traceback  # still held here
+    assert not [p for p in descendants(os.getpid()) if alive(p)]

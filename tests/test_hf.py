@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import model_reader, read_model
 from fms_fsdp.errors import HFError
-from fms_fsdp.hf import convert as hf_convert, main as hf_main
+from fms_fsdp.hf import convert as hf_convert, main as hf_main, read_hf_model
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train_here
@@ -91,18 +91,14 @@ def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
 
 
 def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     variant, ckpt = trained
     old = tmp_path / "step_3_ckp"  # as fms-fsdp wrote it: no completion marker, metadata without the config
     shutil.copytree(ckpt, old)
     (old / "COMPLETE").unlink()
     torch.save({"step": 3, "tokens_seen": 384}, old / "metadata.pth")
-    vocab = {f"w{i}": i for i in range(510)} | {"<s>": 510, "</s>": 511}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    save_tokenizer(tmp_path / "tok")
     with pytest.raises(HFError, match="--model_variant is needed"):
         to_hf(old, tmp_path / "x")
     to_hf(old, tmp_path / "hf", model_variant=variant, vocab_size=512, tokenizer_name_or_path=str(tmp_path / "tok"))
@@ -110,6 +106,41 @@ def test_fms_fsdp_layout_bf16_and_tokenizer(trained, tmp_path):
     assert next(hf.parameters()).dtype == torch.bfloat16
     assert AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)("w5 w7")["input_ids"] == [5, 7]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 511
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of 512 tokens: w0..w509, <s>, </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(510)} | {"<s>": 510, "</s>": 511}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+def test_periodic_exports_are_folders_transformers_loads_or_model_files(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_tokenizer(tmp_path / "tok")
+    train_here(tmp_path / "hf", ["--num_steps=6", "--vocab_size=512", "--batch_size=2", "--export_interval=2",
+                                 "--export_format=hf", f"--tokenizer_path={tmp_path / 'tok'}", "--eos_token=511",
+                                 "--export_model_at_end=True"])
+    exports = tmp_path / "hf" / "run" / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["step_4", "step_6"]  # --export_keep=2, nothing half-written
+    final = load_file(str(tmp_path / "hf" / "run" / "model_step_6.safetensors"))
+    exported = read_hf_model(str(exports / "step_6"), get_model_config("tiny", 512))
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k].to(torch.bfloat16)) for k in final)
+    hf = AutoModelForCausalLM.from_pretrained(exports / "step_6", local_files_only=True)
+    assert next(hf.parameters()).dtype == torch.bfloat16 and hf.config.eos_token_id == 511
+    assert AutoTokenizer.from_pretrained(exports / "step_6", local_files_only=True)("w5 w7")["input_ids"] == [5, 7]
+    train_here(tmp_path / "fms", ["--num_steps=2", "--vocab_size=512", "--batch_size=2", "--export_interval=1",
+                                  "--export_keep=1", "--export_model_at_end=True"])
+    exports = tmp_path / "fms" / "run" / "exports"
+    assert [p.name for p in exports.iterdir()] == ["step_2"]
+    a = load_file(str(exports / "step_2" / "model.safetensors"))
+    b = load_file(str(tmp_path / "fms" / "run" / "model_step_2.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("trained", ["tiny"], indirect=True)

@@ -1,11 +1,15 @@
-"""The whole model as one safetensors file: at the end of a run (--export_model_at_end, gathered from
-every rank's shards) or from a checkpoint folder (scripts/export_model.py, `fms-export-model`).
-Written under a temporary name and renamed, so a file of that name is always whole."""
+"""The whole model outside checkpoints: one safetensors file at the end of a run (--export_model_at_end,
+gathered from every rank's shards) or from a checkpoint folder (scripts/export_model.py,
+`fms-export-model`); and every --export_interval steps (`PeriodicExporter`), as that file or as a
+Hugging Face folder, under <ckpt_save_path>/exports/step_<N>. Everything is written under a temporary
+name and renamed, so a file or folder of that name is always whole."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +18,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.config import train_config
+from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
+
+# the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
 
 
 def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> Path:
@@ -30,12 +40,94 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
 
 def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_main: bool) -> Path:
     """Gather the sharded model to rank 0's CPU one tensor at a time and write it there. Every rank calls it."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = gather_model(model)
     if is_main:
         write_safetensors(full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
     dist.barrier()
     return target
+
+
+def gather_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0's CPU, gathered one tensor at a time (empty elsewhere). Every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class PeriodicExporter:
+    """--export_interval: every N steps the model is gathered to rank 0 (the only time training waits)
+    and written there in the background to <ckpt_save_path>/exports/step_<N>, as --export_format; the
+    latest --export_keep are kept. A failed write is raised on every rank at the next export or at
+    `finish`."""
+
+    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module):
+        self.cfg, self.info, self.model = cfg, info, model
+        self.root = Path(cfg.ckpt_save_path) / "exports"
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="export") if info.is_main else None
+        self.pending: Optional[Future] = None
+        # made now: a group made later needs the launcher's store, which is gone if the launcher died
+        self.group = dist.new_group(backend="gloo") if cfg.export_interval > 0 else None
+
+    def due(self, step: int) -> bool:
+        return self.cfg.export_interval > 0 and step % self.cfg.export_interval == 0
+
+    def export(self, step: int) -> None:
+        """Gather the model and start writing it. Every rank calls it."""
+        self.finish()
+        state = gather_model(self.model)
+        if self.writer is not None:
+            self.pending = self.writer.submit(self._write, state, step)
+
+    def finish(self) -> None:
+        """Wait for the export being written; CheckpointError on every rank if it failed."""
+        if self.group is None:
+            return
+        failure: list[Optional[str]] = [None]
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            try:
+                pending.result()
+            except Exception as e:
+                failure[0] = first_line(e)
+        dist.broadcast_object_list(failure, src=0, group=self.group)
+        if failure[0] is not None:
+            raise CheckpointError(f"export to {self.root} failed: {failure[0]}")
+
+    def close(self) -> None:
+        """Wait for the last export (see finish) and stop the writer thread."""
+        try:
+            self.finish()
+        finally:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)
+
+    def _write(self, state: dict[str, torch.Tensor], step: int) -> None:
+        target = self.root / f"step_{step}"
+        tmp = self.root / f".step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if self.cfg.export_format == "hf":
+            self._write_hf(state, tmp)
+        else:
+            write_safetensors(state, tmp / "model.safetensors", metadata={"step": str(step)})
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        print(f"checkpoint: exported the model of step {step} to {target}", flush=True)
+        done = sorted((int(p.name.removeprefix("step_")), p) for p in self.root.glob("step_*") if p.is_dir())
+        for _, old in done[:-self.cfg.export_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _write_hf(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
+        from fms_fsdp.hf import write_hf_folder
+
+        config = getattr(self.model, "config")
+        write_hf_folder(config, lambda keys: {k: state[k] for k in keys}, list(state), str(tmp), torch.bfloat16,
+                        self.cfg.bos_token, self.cfg.eos_token)
+        tokenizer = Path(self.cfg.tokenizer_path) if self.cfg.tokenizer_path else None
+        if tokenizer is not None and tokenizer.is_file():
+            shutil.copy2(tokenizer, tmp / "tokenizer.json")
+        elif tokenizer is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer / name).is_file():
+                    shutil.copy2(tokenizer / name, tmp / name)
 
 
 def export_checkpoint(load_path: str, save_path: str) -> str:

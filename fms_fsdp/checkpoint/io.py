@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,7 +46,10 @@ from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
 
-_SAVE_ERRORS = (OSError, RuntimeError, dcp.CheckpointException)
+# any failure of a save removes the unfinished folder and ends in one line on every rank; only write
+# failures are skipped by --on_checkpoint_error=warn (see write_failure)
+_SAVE_ERRORS = (Exception, dcp.CheckpointException)
+_TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
 _LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
 # a whole model from one file: read on rank 0 only, each rank receives its shards
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -65,6 +69,7 @@ class Checkpointer:
         # from pairing up with this thread's collectives
         self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.pending: Optional[tuple[int, Path, Future]] = None
+        self.stager = _stager(info.device) if cfg.async_checkpoint else None
 
     # ---------------------------------------------------------------- save
 
@@ -85,7 +90,8 @@ class Checkpointer:
             self._write_run_state(tmp, step, tokens_seen)
             state = self._state_dict()
             if self.cfg.async_checkpoint:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group,
+                                        async_stager=self.stager)
                 self.pending = (step, tmp, future)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
@@ -93,6 +99,13 @@ class Checkpointer:
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
         return time.monotonic() - start
+
+    def close(self) -> None:
+        """Commit the background save, if any, and free the staging buffers."""
+        self.commit_pending()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def writing(self) -> bool:
         """Whether this rank's background save is still writing."""
@@ -121,7 +134,7 @@ class Checkpointer:
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
         """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""
-        error: Optional[OSError] = None
+        error: Optional[Exception] = None
         try:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
             if self.info.device.type == "cuda":
@@ -130,7 +143,7 @@ class Checkpointer:
             if self.info.is_main:
                 _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
                             "world_size": self.info.world_size, "config": to_dict(self.cfg)}, tmp / "metadata.pth")
-        except OSError as e:
+        except Exception as e:  # agreed first, so no rank is left waiting in the next collective
             error = e
         self._agree(error)
 
@@ -147,12 +160,14 @@ class Checkpointer:
         self._on_main(files)
 
     def _failed(self, tmp: Path, error: BaseException) -> None:
-        """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn."""
+        """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn when the
+        save failed to write (any other failure, a bug or a lost peer, stops the run)."""
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        message = str(error) if isinstance(error, CheckpointError) else \
-            f"checkpoint save to {tmp.parent} failed: {first_line(error)}"
-        if self.cfg.on_checkpoint_error == "warn":
+        cause = _root_cause(error)
+        message = str(error) if isinstance(error, CheckpointError) else f"checkpoint save to {tmp.parent} failed: " + (
+            first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
+        if self.cfg.on_checkpoint_error == "warn" and write_failure(error):
             if self.info.is_main:
                 print(f"warning: {message}; training goes on (--on_checkpoint_error=warn)", flush=True)
             return
@@ -235,16 +250,21 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- agreement
 
-    def _failed_anywhere(self, error: Optional[BaseException]) -> bool:
-        """Whether any rank passed an error (every rank calls it)."""
-        failed = torch.tensor([float(error is not None)])
+    def _failed_anywhere(self, error: Optional[BaseException]) -> int:
+        """The worst failure of any rank (every rank calls it): 0 none, 1 a write failure, 2 another."""
+        failed = torch.tensor([0.0 if error is None else 1.0 if write_failure(error) else 2.0])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(failed[0])
+        return int(failed[0])
 
     def _agree(self, error: Optional[BaseException]) -> None:
-        """Raise on every rank if any rank failed."""
-        if self._failed_anywhere(error):
-            raise error if error is not None else OSError("another rank failed to write its part")
+        """Raise on every rank if any rank failed; of the same kind (a write failure or not) everywhere."""
+        worst = self._failed_anywhere(error)
+        if not worst:
+            return
+        if error is None or (worst == 2 and write_failure(error)):
+            error = OSError("another rank failed to write its part") if worst == 1 else \
+                RuntimeError("another rank failed to save its part (not a write failure)")
+        raise error
 
     def _on_main(self, work: Callable[[], Any]) -> float:
         """work() on rank 0 (file work: one writer), its numeric result on every rank; an OSError there
@@ -258,6 +278,33 @@ class Checkpointer:
         self._agree(error)
         dist.broadcast(result, src=0, group=self.group)
         return float(result[0])
+
+
+def _stager(device: torch.device) -> DefaultStager:
+    """Where --async_checkpoint copies the state before writing it in the background: CPU buffers
+    allocated at the first save and reused by every later one (cached by tensor storage), pinned and
+    filled by non-blocking copies on CUDA, so a save stalls training for one device-to-host copy."""
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first rank's exception inside a DCP CheckpointException; else `error`."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def write_failure(error: BaseException) -> bool:
+    """Whether a save failed to write its files (an I/O error, a full disk, in DCP's writer on any rank),
+    as opposed to a bug or a lost peer. torch.save's file writer reports a failed write (a full disk
+    too) as a RuntimeError from its C++ stream writer, not as an OSError."""
+    if isinstance(error, dcp.CheckpointException):
+        return bool(error.failures) and all(write_failure(e) for e, _ in error.failures.values())
+    if isinstance(error, (OSError, CheckpointError)):
+        return True
+    return isinstance(error, RuntimeError) and any(where in str(error) for where in _TORCH_WRITER_FAILURES)
 
 
 def _empty_folder(path: Path) -> None:
