@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 import time
 from contextlib import closing
@@ -43,7 +42,7 @@ from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.trackers import Trackers, start_trackers
-from fms_fsdp.triggers import StepTriggers, StopRequest
+from fms_fsdp.triggers import LAUNCHER_DIED, StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -179,7 +178,7 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     exporter = PeriodicExporter(cfg, info, model)
     records: list[dict[str, Any]] = []
     model.train()
-    step, stopped = start, False
+    step, stopped = start, None
     # closed on the way out, an exception too: its workers stop now, not at exit, where they would
     # wait (they leave SIGTERM to the rank) and hold the rank forever
     with closing(iter(loader)) as batches, maybe_profiler(cfg, info) as prof:
@@ -210,24 +209,27 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
                 skipped = guard.skipped_since_report() if guard.skipping else None
                 records.append(reporter.report(step, lr, norm if global_norm else None, skipped))
             if boundary.stop is not None:
-                log(info, f"stopping after step {step} on {boundary.stop}: " + (
-                    "the checkpoint is saved, resume by running the same command" if boundary.save
-                    else "no checkpoint (--checkpoint_interval=0)"))
-                stopped = True
+                stopped = boundary.stop
                 break
             if prof is not None:
                 prof.step()
     checkpointer.close()
     exporter.close()
-    if cfg.export_model_at_end and not stopped:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
     reporter.close()
+    if stopped is not None:
+        outcome = "the checkpoint is saved, resume by running the same command" if cfg.checkpoint_interval != 0 \
+            else "no checkpoint (--checkpoint_interval=0)"
+        if stopped == LAUNCHER_DIED.name:  # an error, so that torchrun on every node ends now
+            raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
+        log(info, f"stopping after step {step} on {stopped}: {outcome}")
+    elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
+        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
     return records
 
 
 def run(cfg: train_config) -> list[dict[str, Any]]:
     """Check the flags the modules judge, start the process group, train, and tear it down."""
-    stop = StopRequest()  # first: a SIGTERM/SIGUSR1 during start-up stops the run after its first step
+    stop = StopRequest()  # first: a stop signal during start-up stops the run after its first step
     try:
         check_config(cfg)
         info = init_distributed(cfg.device)
@@ -255,9 +257,9 @@ def exit_on(error: Exception) -> NoReturn:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Command-line entry: flags -> config -> run; known errors end in one line and status 1 or 2. A
-    rank started by torchrun stops (saving, as on a preemption) if torchrun dies."""
+    rank started by torchrun stops (saving, as on a preemption, then failing) if torchrun dies."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        exit_with_parent(signal.SIGTERM)
+        exit_with_parent(LAUNCHER_DIED)
     cfg = cli_config(argv)
     try:
         run(cfg)

@@ -1,7 +1,8 @@
 """What else happens at a step boundary: stop requests and time-based saves, owned by the loop.
 
 SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
-stop after the current step; --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto
+stop after the current step; so does LAUNCHER_DIED, which Linux sends a rank when its torchrun dies,
+after which the run ends in an error (on every node, so no launcher waits for the dead one); --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto
 after the time between saves that it chooses (`SaveClock`). Every rank must decide alike, so
 the ranks agree on these flags in one small all-reduce, together with the checkpointer's "still
 writing a background save" so that a finished async save is committed soon. A host-blocking
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
 AGREE_SECONDS = 2.0
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000
 AUTO_FIRST_STALL_S = 30.0
@@ -33,7 +35,7 @@ GPU_HOURS_BETWEEN_FAILURES = 50000.0
 
 
 class StopRequest:
-    """Records a SIGTERM / SIGUSR1; created at the start of a run, so a signal during start-up counts.
+    """Records a STOP_SIGNALS signal; created at the start of a run, so a signal during start-up counts.
     `restore` puts back the handlers it found (a run called from Python leaves the process as it was)."""
 
     def __init__(self) -> None:

@@ -33,10 +33,10 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _init_worker(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and then ends them, and
+    """Workers leave the stop signals to the main process, which checkpoints and then ends them, and
     die with it: killed when their rank dies, whatever killed it."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     exit_with_parent(signal.SIGKILL)
 
 
