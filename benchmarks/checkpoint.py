@@ -7,7 +7,9 @@ Takes the training flags; builds the model and optimizer as training does, takes
 optimizer state exists), then saves twice synchronously, three times with --async_checkpoint (the
 stall is the time training waits; the total includes waiting for the background write; the first
 async save allocates the staging buffers, later ones reuse them: async_first_stall_s and
-async_stall_s), and loads the newest checkpoint back. Rank 0 prints one line of key=value figures.
+async_stall_s), exports the model as --export_interval does (fms and hf: the stall is the gather to
+rank 0, the total includes rank 0's write), and loads the newest checkpoint back. Rank 0 prints one
+line of key=value figures.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
+from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.config import parse_args  # noqa: E402
@@ -59,6 +62,13 @@ def main(argv: list[str]) -> None:
         figures[f"{mode}_total_s"] = round(min(totals), 3)
         if mode == "async":
             ckpt.close()
+    for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
+        exporter = PeriodicExporter(dataclasses.replace(cfg, export_interval=1, export_format=fmt), info, model)
+        start = time.perf_counter()
+        exporter.export(6)
+        figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)
+        exporter.close()
+        figures[f"export_{fmt}_total_s"] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
     ckpt.resume()
     figures["load_s"] = round(time.perf_counter() - start, 3)
