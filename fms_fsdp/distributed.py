@@ -87,19 +87,21 @@ def world_from_env() -> tuple[int, int, int, int]:
             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
-def init_distributed(device_flag: str) -> DistInfo:
-    """Start the process group: NCCL on GPUs, gloo on CPU. Without torchrun's environment, the
-    environment of a single process on localhost is set up first."""
+def init_distributed(device_flag: str, timeout_minutes: Optional[float] = None) -> DistInfo:
+    """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
+    `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
+    environment, the environment of a single process on localhost is set up first."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world, local_rank, local_world = world_from_env()
     device = resolve_device(device_flag, local_rank)
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     return DistInfo(rank, world, local_rank, local_world, device)
 
 

@@ -6,11 +6,13 @@ precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP
 
 from __future__ import annotations
 
+from datetime import timedelta
 from fractions import Fraction
 from typing import Optional
 
 import torch
 from fms.models.llama import LLaMA
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -37,9 +39,14 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> tup
 
 
 def build_mesh(cfg: train_config, info: DistInfo) -> DeviceMesh:
-    """The 2-D data-parallel mesh ('replicate', 'shard')."""
+    """The 2-D data-parallel mesh ('replicate', 'shard'), whose groups fail a collective after
+    --collective_timeout_minutes, as the default group does (torchtitan sets its groups' timeouts alike)."""
     shape = mesh_shape(cfg, info.world_size, info.local_world_size)
-    return init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    if cfg.collective_timeout_minutes is not None:
+        for dim in range(mesh.ndim):
+            _set_pg_timeout(timedelta(minutes=cfg.collective_timeout_minutes), mesh.get_group(dim))
+    return mesh
 
 
 def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:

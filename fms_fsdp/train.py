@@ -154,7 +154,6 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
     failed = True
     try:
         records = _train(cfg, info, stop, trackers)
-        dist.barrier()  # every rank is done: rank 0's tracker uploads keep no one waiting in a collective
         failed = False
         return records
     finally:
@@ -224,6 +223,9 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
         log(info, f"stopping after step {step} on {stopped}: {outcome}")
     elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
         export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
+    # every rank is done (and waits for rank 0's file work on a group without the training timeout);
+    # rank 0's tracker uploads then keep no one waiting in a collective
+    dist.barrier(group=checkpointer.group)
     return records
 
 
@@ -232,7 +234,7 @@ def run(cfg: train_config) -> list[dict[str, Any]]:
     stop = StopRequest()  # first: a stop signal during start-up stops the run after its first step
     try:
         check_config(cfg)
-        info = init_distributed(cfg.device)
+        info = init_distributed(cfg.device, cfg.collective_timeout_minutes)
         try:
             return train(cfg, info, stop)
         finally:

@@ -18,6 +18,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -114,7 +115,9 @@ class StepTriggers:
     def __init__(self, cfg: train_config, info: DistInfo, stop: StopRequest, start_step: int = 0):
         self.cfg, self.info, self.stop = cfg, info, stop
         self.clock = SaveClock(cfg, info)
-        self.group = dist.new_group(backend="gloo")
+        # the agreement is a training collective: it fails after --collective_timeout_minutes, as FSDP's do
+        minutes = cfg.collective_timeout_minutes
+        self.group = dist.new_group(backend="gloo", timeout=None if minutes is None else timedelta(minutes=minutes))
         self.last_save = time.monotonic()
         self.last_agreement = (start_step, time.monotonic())
         self.next_agreement = start_step + 1  # the first step agrees, and measures the step time

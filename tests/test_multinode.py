@@ -1,7 +1,8 @@
 """Two "nodes" of two ranks each, in network namespaces of their own joined by a veth pair: torchrun's
 c10d rendezvous and gloo go over those addresses, as between machines. HSDP shards inside a node and
-replicates across the two; a node that dies ends the other's ranks in one line, and the same command
-on both resumes exactly."""
+replicates across the two; a node that drops off the network ends the other's ranks in one line after
+--collective_timeout_minutes, a dead launcher makes every rank save and fail, and the same command on
+both resumes exactly."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from test_checkpoint import alive, descendants
 
 NODES = {"a": "10.77.0.1", "b": "10.77.0.2"}
 PORT = 29477
+TIMEOUT_S = 12  # --collective_timeout_minutes of these runs
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
@@ -93,19 +95,28 @@ def ended_within(nodes: dict, pids: list[int], seconds: float) -> dict[str, str]
     return {n: p.communicate(timeout=30)[0] for n, p in nodes.items()}
 
 
-def test_hsdp_across_two_nodes_survives_a_dead_node_or_launcher_and_resumes_exactly(two_nodes, tmp_path):
+def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exactly(two_nodes, tmp_path):
     out = tmp_path / "run"
     args = [*TINY, f"--ckpt_save_path={out}", "--num_steps=300", "--checkpoint_interval=3", "--batch_size=2",
-            "--sharding_strategy=hsdp", "--num_workers=1"]
+            "--sharding_strategy=hsdp", "--num_workers=1", f"--collective_timeout_minutes={TIMEOUT_S / 60}"]
     nodes = {n: start_node(n, two_nodes, args) for n in NODES}
     wait_for_step(out, 4, nodes)  # a checkpoint at step 3, a step trained after it
-    # node b dies: its launcher, ranks and loader workers at once; node a's ranks lose their peers
+    # node b drops off the network (no connection is closed, as when a machine dies): node a's ranks
+    # give up after --collective_timeout_minutes, in one line
+    ns_b, device_b = two_nodes["b"]
+    sh("ip", "-n", ns_b, "link", "set", device_b, "down")
+    node_a = [nodes["a"].pid, *descendants(nodes["a"].pid)]
     for pid in [nodes["b"].pid, *descendants(nodes["b"].pid)]:
-        os.kill(pid, signal.SIGKILL)
-    outputs = ended_within(nodes, [nodes["a"].pid, *descendants(nodes["a"].pid)], 20)
-    assert nodes["a"].returncode != 0
+        os.kill(pid, signal.SIGSTOP)  # node b is gone: it neither trains nor notices
+    started = time.time()
+    outputs = {"a": ended_within({"a": nodes["a"]}, node_a, TIMEOUT_S + 20)["a"]}
+    assert time.time() - started >= TIMEOUT_S * 0.8 and nodes["a"].returncode != 0
     assert "mesh (replicate, shard) = (2, 2)" in outputs["a"]
     assert "error: lost contact with another rank (" in outputs["a"], outputs["a"][-3000:]
+    for pid in [nodes["b"].pid, *descendants(nodes["b"].pid)]:
+        os.kill(pid, signal.SIGKILL)
+    nodes["b"].wait()
+    sh("ip", "-n", ns_b, "link", "set", device_b, "up")
     first = {r["step"]: r["loss"] for r in records(out)}
     saved = complete_checkpoints(out / "checkpoints")[-1][0]
     # the same command on both nodes resumes; then only node b's launcher dies: every rank saves and fails

@@ -39,12 +39,12 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
 
 
 def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_main: bool) -> Path:
-    """Gather the sharded model to rank 0's CPU one tensor at a time and write it there. Every rank calls it."""
+    """Gather the sharded model to rank 0's CPU one tensor at a time and write it there. Every rank
+    calls it; the others do not wait for the write."""
     full = gather_model(model)
     if is_main:
         write_safetensors(full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
-    dist.barrier()
     return target
 
 
