@@ -245,15 +245,20 @@ def test_a_wrong_or_missing_checkpoint_is_a_clear_error(data, uninterrupted, tmp
     assert len(errors) == 1 and errors[0].startswith(f"error: --ckpt_load_path: {tmp_path / 'nothing'} does not exist")
 
 
-def test_async_checkpoints_hold_the_state_of_their_step(data, uninterrupted, tmp_path):
-    """Training goes on while the files are written; what is written is the state at the save."""
+def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninterrupted, tmp_path):
+    """Training goes on while the files are written; what is written is the state at the save. So
+    for periodic exports, written the same way (2 ranks' shards, then rank 0's file)."""
     out = tmp_path / "run"
-    proc = run(flags(data, out, "--checkpoint_interval=6", "--async_checkpoint=True"))
+    proc = run(flags(data, out, "--checkpoint_interval=6", "--async_checkpoint=True", "--export_interval=4",
+                     "--export_keep=1"))
     assert proc.stdout.count("checkpoint: saved") == 2
     for step in (6, 12):
         a = weights(uninterrupted / "checkpoints" / f"step_{step}_ckp")
         b = weights(out / "checkpoints" / f"step_{step}_ckp")
         assert all(torch.equal(a[k], b[k]) for k in a), step
+    assert [p.name for p in (out / "exports").iterdir()] == ["step_12"]
+    exported = load_file(str(out / "exports" / "step_12" / "model.safetensors"))
+    assert exported.keys() == a.keys() and all(torch.equal(a[k], exported[k]) for k in a)
     assert all("checkpoint_stall_s" in r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                if r["step"] in (6, 12))
 

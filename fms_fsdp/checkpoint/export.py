@@ -1,7 +1,8 @@
 """The whole model outside checkpoints: one safetensors file at the end of a run (--export_model_at_end,
 gathered from every rank's shards) or from a checkpoint folder (scripts/export_model.py,
-`fms-export-model`); and every --export_interval steps (`PeriodicExporter`), as that file or as a
-Hugging Face folder, under <ckpt_save_path>/exports/step_<N>. Everything is written under a temporary
+`fms-export-model`); and every --export_interval steps (`PeriodicExporter`, staged and written in
+the background like an async checkpoint), as that file or as a Hugging Face folder, under
+<ckpt_save_path>/exports/step_<N>. Everything is written under a temporary
 name and renamed, so a file or folder of that name is always whole."""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from fms_fsdp.checkpoint.io import staging_buffers
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
@@ -54,51 +57,73 @@ def gather_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class PeriodicExporter:
-    """--export_interval: every N steps the model is gathered to rank 0 (the only time training waits)
-    and written there in the background to <ckpt_save_path>/exports/step_<N>, as --export_format; the
-    latest --export_keep are kept. A failed write is raised on every rank at the next export or at
-    `finish`."""
+    """--export_interval: every N steps each rank copies its shards of the model to CPU buffers (the
+    only time training waits, as for an async checkpoint) and writes them in the background as a DCP
+    folder; rank 0 then reads it whole, writes <ckpt_save_path>/exports/step_<N> as --export_format
+    and deletes the DCP folder. The latest --export_keep are kept. A failure is raised on every rank
+    at the next export or at `close`."""
 
     def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module):
         self.cfg, self.info, self.model = cfg, info, model
         self.root = Path(cfg.ckpt_save_path) / "exports"
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="export") if info.is_main else None
         self.pending: Optional[Future] = None
-        # made now: a group made later needs the launcher's store, which is gone if the launcher died
-        self.group = dist.new_group(backend="gloo") if cfg.export_interval > 0 else None
+        enabled = cfg.export_interval > 0
+        # made now: a group made later needs the launcher's store, which is gone if the launcher died;
+        # the background writes take their own group, so they never pair with the agreement's collectives
+        self.group = dist.new_group(backend="gloo") if enabled else None
+        self.write_group = dist.new_group(backend="gloo") if enabled else None
+        self.stager = staging_buffers(info.device) if enabled else None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled and info.is_main else None
+        if enabled and info.is_main:  # what an interrupted export left
+            for stale in self.root.glob(".step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def due(self, step: int) -> bool:
         return self.cfg.export_interval > 0 and step % self.cfg.export_interval == 0
 
     def export(self, step: int) -> None:
-        """Gather the model and start writing it. Every rank calls it."""
+        """Stage this rank's shards and start writing the export of `step`. Every rank calls it."""
         self.finish()
-        state = gather_model(self.model)
-        if self.writer is not None:
-            self.pending = self.writer.submit(self._write, state, step)
+        shards = self.root / f".step_{step}.shards"
+        if self.info.is_main:
+            shutil.rmtree(shards, ignore_errors=True)
+        dist.barrier(group=self.group)
+        written = dcp.async_save({"model_state": get_model_state_dict(self.model)}, checkpoint_id=str(shards),
+                                 process_group=self.write_group, async_stager=self.stager)
+        self.pending = written if self.writer is None else self.writer.submit(self._convert, written, shards, step)
 
     def finish(self) -> None:
-        """Wait for the export being written; CheckpointError on every rank if it failed."""
+        """Wait for the export being written; CheckpointError on every rank if it failed anywhere."""
         if self.group is None:
             return
-        failure: list[Optional[str]] = [None]
+        failure: Optional[str] = None
         if self.pending is not None:
             pending, self.pending = self.pending, None
             try:
                 pending.result()
-            except Exception as e:
-                failure[0] = first_line(e)
-        dist.broadcast_object_list(failure, src=0, group=self.group)
-        if failure[0] is not None:
-            raise CheckpointError(f"export to {self.root} failed: {failure[0]}")
+            except (Exception, dcp.CheckpointException) as e:
+                failure = first_line(e)
+        failures: list[Optional[str]] = [None] * self.info.world_size
+        dist.all_gather_object(failures, failure, group=self.group)
+        first = next((f for f in failures if f is not None), None)
+        if first is not None:
+            raise CheckpointError(f"export to {self.root} failed: {first}")
 
     def close(self) -> None:
-        """Wait for the last export (see finish) and stop the writer thread."""
+        """Wait for the last export (see finish), stop the writer thread, free the staging buffers."""
         try:
             self.finish()
         finally:
             if self.writer is not None:
                 self.writer.shutdown(wait=True)
+            if self.stager is not None:
+                self.stager.close()
+
+    def _convert(self, written: Future, shards: Path, step: int) -> None:
+        """Rank 0, in the background: once every rank's shards are on disk, the export of `step`."""
+        written.result()
+        self._write(read_model(shards), step)
+        shutil.rmtree(shards, ignore_errors=True)
 
     def _write(self, state: dict[str, torch.Tensor], step: int) -> None:
         target = self.root / f"step_{step}"

@@ -69,7 +69,7 @@ class Checkpointer:
         # from pairing up with this thread's collectives
         self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.pending: Optional[tuple[int, Path, Future]] = None
-        self.stager = _stager(info.device) if cfg.async_checkpoint else None
+        self.stager = staging_buffers(info.device) if cfg.async_checkpoint else None
 
     # ---------------------------------------------------------------- save
 
@@ -280,8 +280,8 @@ class Checkpointer:
         return float(result[0])
 
 
-def _stager(device: torch.device) -> DefaultStager:
-    """Where --async_checkpoint copies the state before writing it in the background: CPU buffers
+def staging_buffers(device: torch.device) -> DefaultStager:
+    """Where a background save copies the state before writing it: CPU buffers
     allocated at the first save and reused by every later one (cached by tensor storage), pinned and
     filled by non-blocking copies on CUDA, so a save stalls training for one device-to-host copy."""
     cuda = device.type == "cuda"
