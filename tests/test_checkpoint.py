@@ -303,23 +303,24 @@ def auto_intervals(output: str) -> list[float]:
 
 def test_auto_checkpoint_interval_follows_the_measured_save_stall(tmp_path, monkeypatch):
     """Young's interval sqrt(2 x stall x MTBF): it starts from an assumed 30 s stall, moves to the
-    measured one, and a slower save (an artificial 1 s stall) gives a longer interval."""
-    args = ["--num_steps=20", "--checkpoint_interval=auto", "--expected_hours_between_failures=2e-6",
-            "--checkpoint_keep=1", "--report_interval=10"]
+    measured one, and a slower save (an artificial 0.5 s stall) gives a longer interval."""
+    mtbf_h, sleep = 1e-7, 0.5
+    args = ["--num_steps=8", "--checkpoint_interval=auto", f"--expected_hours_between_failures={mtbf_h}",
+            "--checkpoint_keep=1", "--report_interval=8"]
     fast = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'fast'}"]))
     write_run_state = Checkpointer._write_run_state
 
     def slow_write(self, *args):
-        time.sleep(1.0)
+        time.sleep(sleep)
         write_run_state(self, *args)
 
     monkeypatch.setattr(Checkpointer, "_write_run_state", slow_write)
     slow = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'slow'}"]))
-    first = math.sqrt(2 * 30 * 2e-6 * 3600)
+    first = math.sqrt(2 * 30 * mtbf_h * 3600)
     assert fast[0] == slow[0] == pytest.approx(first, rel=1e-2)
     assert len(fast) >= 2 and len(slow) >= 2, (fast, slow)
     assert fast[-1] < 0.5 * first and slow[-1] > 1.5 * fast[-1]
-    assert slow[-1] >= math.sqrt(2 * 1.0 * 2e-6 * 3600) * 0.95  # the stall is at least the 1 s sleep
+    assert slow[-1] >= math.sqrt(2 * sleep * mtbf_h * 3600) * 0.95  # the stall is at least the sleep
 
 
 def descendants(pid: int) -> list[int]:

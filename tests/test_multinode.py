@@ -25,7 +25,7 @@ from test_checkpoint import alive, descendants
 
 NODES = {"a": "10.77.0.1", "b": "10.77.0.2"}
 PORT = 29477
-TIMEOUT_S = 12  # --collective_timeout_minutes of these runs
+TIMEOUT_S = 8  # --collective_timeout_minutes of these runs
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
