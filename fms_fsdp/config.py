@@ -70,6 +70,7 @@ class train_config:
     sharding_group_size: Optional[int] = _f(None, "Ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE).", min=1)
     fsdp_activation_checkpointing: bool = _f(False, "Checkpoint activations of the blocks chosen by selective_checkpointing.")
     selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.")
+    ac_mode: str = _f("block", "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).", choices=("block", "op"))
     mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights, gradient reduction and optimizer state.")
     collective_timeout_minutes: Optional[float] = _f(None, "A training collective (FSDP's, the loss report, the finite check) that waits longer fails the run with one line naming the lost peer, e.g. when a node dies without closing its connections (default: torch's, 10 min for NCCL, 30 for gloo; checkpoint and rank-0 work keep 30 min).", min=0.05)
     low_cpu_fsdp: bool = _f(False, "Build the model on the meta device; each rank materialises only its shard.")

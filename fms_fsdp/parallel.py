@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from datetime import timedelta
 from fractions import Fraction
-from typing import Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 from fms.models.llama import LLaMA
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import DistInfo
@@ -60,15 +62,44 @@ def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
     return chosen
 
 
-def apply_activation_checkpointing(model: LLaMA, fraction: Fraction) -> int:
-    """Recompute the chosen blocks' activations in backward (non-reentrant torch.utils.checkpoint).
-    The block's parameters keep their names, so checkpoints don't depend on this setting."""
+# kept by --ac_mode=op: the outputs of matmuls and attention; everything else is recomputed
+_OP_MODE_SAVED = [getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)]
+_CONTEXTS: dict[str, Callable[[], Any]] = {"block": noop_context_fn,
+                                           "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED)}
+
+
+class Checkpointed(nn.Module):
+    """Mixed into a block's class (as fully_shard mixes in FSDPModule): its forward runs under
+    non-reentrant torch.utils.checkpoint. The block keeps its parameters, their names and its other
+    methods; it can be deep-copied and compiled (dynamo traces the checkpoint as one region)."""
+
+    ac_context: Callable[[], Any] = noop_context_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=type(self).ac_context, **kwargs)
+
+
+_CHECKPOINTED_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def checkpointed_class(cls: type, mode: str) -> type:
+    """The subclass of `cls` whose forward is checkpointed under --ac_mode `mode` (made once)."""
+    if (cls, mode) not in _CHECKPOINTED_CLASSES:
+        _CHECKPOINTED_CLASSES[cls, mode] = type(f"Checkpointed{cls.__name__}", (Checkpointed, cls),
+                                                {"ac_context": staticmethod(_CONTEXTS[mode])})
+    return _CHECKPOINTED_CLASSES[cls, mode]
+
+
+def apply_activation_checkpointing(model: LLaMA, fraction: Fraction, mode: str = "block") -> int:
+    """Recompute the chosen blocks' activations in backward: whole blocks, or (mode op) all but the
+    matmul and attention outputs. Parameter names and checkpoint keys do not depend on the setting."""
     blocks = list(model.base_model.layers)
     chosen = checkpointed_blocks(len(blocks), fraction)
     for block, take in zip(blocks, chosen):
         if take:
-            forward = block.forward
-            block.forward = lambda *a, _f=forward, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
+            block.__class__ = checkpointed_class(type(block), mode)
     return sum(chosen)
 
 
@@ -102,7 +133,8 @@ def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Optional[i
     blocks are checkpointed (None when activation checkpointing is off)."""
     n_ckpt = None
     if cfg.fsdp_activation_checkpointing:
-        n_ckpt = apply_activation_checkpointing(model, parse_fraction("selective_checkpointing", cfg.selective_checkpointing))
+        n_ckpt = apply_activation_checkpointing(model, parse_fraction("selective_checkpointing", cfg.selective_checkpointing),
+                                                cfg.ac_mode)
     if cfg.use_torch_compile:
         apply_compile(model)
     apply_fsdp(model, mesh, cfg.mixed_precision)

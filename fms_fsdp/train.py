@@ -126,7 +126,7 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     log(info, f"model {cfg.model_variant}: {count_params(model_config):,} parameters ({held:,} held by rank 0), "
               f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
-              f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks'}, "
+              f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks, {cfg.ac_mode}'}, "
               f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
     optimizer = build_optimizer(model, cfg, info.device)
     return model, optimizer, build_scheduler(optimizer, cfg)

@@ -26,7 +26,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
-from conftest import ROOT, TINY, launch, run_here
+from conftest import ROOT, TINY, launch, run_here, train_here
 from test_data import make_docs, write_dataset
 
 STEPS = 12
@@ -287,6 +287,20 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
         read_model(evil)
     assert not marker.exists()
     assert weights(uninterrupted / "checkpoints" / "step_6_ckp")  # real metadata still reads
+
+
+def test_a_checkpoint_resumes_under_any_activation_checkpointing(tmp_path):
+    """Saved with per-op checkpointing of every block, resumed with whole-block checkpointing of half of
+    them, then with none: the steps equal those of a run that never checkpointed activations."""
+    base = ["--checkpoint_interval=2", "--batch_size=2", "--lr_schedule=constant"]  # the same LR at any --num_steps
+    reference = train_here(tmp_path / "ref", [*base, "--num_steps=6"])
+    out = tmp_path / "run"
+    for step, flags in ((2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
+                        (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]), (6, [])):
+        run_here([*base, f"--num_steps={step}", f"--ckpt_save_path={out}", *flags])
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, 7))
+    assert all(resumed[r["step"]] == pytest.approx(r["loss"], rel=1e-5) for r in reference)
 
 
 def test_time_based_saves(tmp_path):

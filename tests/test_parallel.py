@@ -1,12 +1,16 @@
-"""Selective activation checkpointing pattern and mesh shapes."""
+"""Selective activation checkpointing (pattern, modes) and mesh shapes."""
 
+import copy
 from fractions import Fraction
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from fms_fsdp.config import parse_args
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.parallel import checkpointed_blocks, mesh_shape
+from fms_fsdp.models import build_model, get_model_config, init_weights
+from fms_fsdp.parallel import apply_activation_checkpointing, checkpointed_blocks, mesh_shape
 
 T, F = True, False
 
@@ -45,3 +49,37 @@ def test_mesh_shapes():
 def test_shard_group_that_does_not_divide_is_an_error():
     with pytest.raises(ConfigError, match="--sharding_group_size=3 does not divide the world size 4"):
         mesh_shape(cfg("--sharding_strategy=hsdp", "--sharding_group_size=3"), 4, 4)
+
+
+def backward_flops(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Matmul FLOPs of one backward (recomputed forward matmuls included)."""
+    loss = model(tokens, labels=tokens)
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def test_checkpointed_blocks_keep_names_gradients_and_deep_copies():
+    """The chosen blocks change class (as under fully_shard), not structure: same parameter names and
+    checkpoint keys, same gradients; a deep copy runs its own weights (a patched forward would run the
+    original's). Whole blocks recompute their matmuls in backward; per-op checkpointing keeps them."""
+    plain = build_model(get_model_config("tiny", 256), torch.device("cpu"))
+    init_weights(plain, 0)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    flops = {"none": backward_flops(plain, tokens)}
+    for mode in ("block", "op"):
+        ac = copy.deepcopy(plain)
+        ac.zero_grad(set_to_none=True)
+        assert apply_activation_checkpointing(ac, Fraction(1), mode) == plain.config.nlayers
+        assert type(ac.base_model.layers[0]).__name__ == "CheckpointedLLaMABlock"
+        assert [n for n, _ in ac.named_parameters()] == [n for n, _ in plain.named_parameters()]
+        assert ac.state_dict().keys() == plain.state_dict().keys()
+        flops[mode] = backward_flops(ac, tokens)
+        for (name, a), b in zip(plain.named_parameters(), ac.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), (mode, name)
+        twin = copy.deepcopy(ac)
+        with torch.no_grad():
+            for p in twin.base_model.layers.parameters():
+                p.zero_()
+            assert not torch.equal(twin(tokens), ac(tokens)), mode
+    assert flops["op"] == flops["none"] < flops["block"], flops

@@ -64,9 +64,10 @@ def test_gradient_accumulation_equals_the_bigger_batch(tmp, one_rank):
         assert a == pytest.approx(b, rel=1e-4)
 
 
-def test_activation_checkpointing_keeps_the_losses(tmp, one_rank):
+@pytest.mark.parametrize("mode", ["block", "op"])
+def test_activation_checkpointing_keeps_the_losses(tmp, one_rank, mode):
     ac = train_here(tmp, [f"--num_steps={STEPS}", "--batch_size=4", "--fsdp_activation_checkpointing=True",
-                          "--selective_checkpointing=1/2"])
+                          "--selective_checkpointing=1/2", f"--ac_mode={mode}"])
     for a, b in zip(losses(ac), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-5)
 
@@ -107,12 +108,14 @@ def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
     assert not any(r["reduced_per_micro_batch"] for r in ddp)
 
 
-def test_bf16_mixed_precision_and_compile(tmp, one_rank):
-    """bf16 trains; the blocks compile whole (fullgraph: a graph break would fail the run) into one graph
-    shared by all four, the loss into one more, and no step after the first compiles again."""
+def test_bf16_mixed_precision_and_compile_with_per_op_checkpointing(tmp, one_rank):
+    """bf16 trains; the blocks, checkpointed per op, compile whole (fullgraph: a graph break would fail
+    the run) into one graph shared by all four, the loss into one more, and no step after the first
+    compiles again."""
     torch._dynamo.reset()
     counters.clear()
-    records = train_here(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True"])
+    records = train_here(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True",
+                               "--fsdp_activation_checkpointing=True", "--ac_mode=op"])
     assert losses(records)[0] == pytest.approx(losses(one_rank)[0], abs=0.02)  # same weights, bf16 forward
     assert losses(records)[-1] < losses(records)[0] - 1.0
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

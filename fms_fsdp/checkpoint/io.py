@@ -281,9 +281,9 @@ class Checkpointer:
 
 
 def staging_buffers(device: torch.device) -> DefaultStager:
-    """Where a background save copies the state before writing it: CPU buffers
-    allocated at the first save and reused by every later one (cached by tensor storage), pinned and
-    filled by non-blocking copies on CUDA, so a save stalls training for one device-to-host copy."""
+    """Where a background save copies the state before writing it: CPU buffers allocated at the first
+    save and reused by every later one (cached by tensor storage), pinned and filled by non-blocking
+    copies on CUDA, so a save stalls training for one device-to-host copy."""
     cuda = device.type == "cuda"
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=cuda))
