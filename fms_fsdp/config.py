@@ -218,23 +218,59 @@ def _unknown(name: str, source: str) -> ConfigError:
     return ConfigError(f"unknown flag --{name}{source}{hint}")
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict of raw values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
+def _read_yaml(path: Path, includers: tuple[Path, ...]) -> Any:
+    """A YAML file whose `!include other.yaml` values are the other files' contents (paths relative to
+    the including file, nested, cycles refused)."""
+    where = f" (included from {includers[-1]})" if includers else ""
+    if path in includers:
+        raise ConfigError(f"--config: {path} includes itself: {' -> '.join(map(str, (*includers, path)))}")
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}{where}")
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def include(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+        return _read_yaml((path.parent / str(loader.construct_scalar(node))).resolve(), (*includers, path))
+
+    Loader.add_constructor("!include", include)
     try:
-        text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config: cannot parse {path}: {first_line(e)}") from None
+        return yaml.load(path.read_text(), Loader=Loader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: cannot parse {path}{where}: {first_line(e)}") from None
+
+
+def _flatten(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a config mapping whose sections (mappings) hold fields or further sections."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(_flatten(value) if isinstance(value, dict) else {key: value})
+    return flat
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict of raw values. A YAML file may include others
+    (`data: !include data.yaml`) and group its fields in sections (a mapping under any name, nested
+    or not, as Levanter's files do): sections are flattened in the order they appear, later values
+    winning."""
+    p = Path(path).resolve()
+    if p.suffix == ".json":
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--config: cannot parse {path}: {first_line(e)}") from None
+    else:
+        data = _read_yaml(p, ())
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of field: value")
-    for key in data:
+    flat = _flatten(data)
+    for key in flat:
         if key not in FIELDS:
             raise _unknown(str(key), f" in {path}")
-    return data
+    return flat
 
 
 def _split_argv(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:

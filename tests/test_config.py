@@ -128,6 +128,31 @@ def test_bad_config_files(tmp_path):
         parse(f"--config={tmp_path / 'none.yaml'}")
 
 
+def test_config_files_include_others(tmp_path):
+    """Levanter-style: sections and `!include` (relative to the including file, nested); a cycle or a
+    missing file is one line naming it; flags still override; what is saved is the resolved config."""
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "mix.yaml").write_text("datasets: web,code\nweights: 3,1\n")
+    (tmp_path / "conf" / "data.yaml").write_text("data_path: /data\nmix: !include data/mix.yaml\n")
+    (tmp_path / "conf" / "run.yaml").write_text(
+        "model: {model_variant: tiny, seq_length: 128}\ndata: !include data.yaml\nbatch_size: 3\n")
+    cfg = parse(f"--config={tmp_path / 'conf' / 'run.yaml'}", "--batch_size=4")
+    assert (cfg.model_variant, cfg.seq_length, cfg.data_path, cfg.datasets, cfg.weights, cfg.batch_size) == \
+        ("tiny", 128, "/data", ["web", "code"], [3.0, 1.0], 4)
+    saved = yaml.safe_load(to_yaml(cfg))
+    assert saved["data_path"] == "/data" and saved["weights"] == [3.0, 1.0] and "!include" not in to_yaml(cfg)
+    (tmp_path / "a.yaml").write_text("x: !include b.yaml\n")
+    (tmp_path / "b.yaml").write_text("y: !include a.yaml\n")
+    with pytest.raises(ConfigError, match=r"a.yaml includes itself: .*a.yaml -> .*b.yaml -> .*a.yaml$"):
+        parse(f"--config={tmp_path / 'a.yaml'}")
+    (tmp_path / "c.yaml").write_text("data: !include missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"file not found: .*missing.yaml \(included from .*c.yaml\)"):
+        parse(f"--config={tmp_path / 'c.yaml'}")
+    (tmp_path / "d.yaml").write_text("data: {batch_sise: 3}\n")
+    with pytest.raises(ConfigError, match=r"unknown flag --batch_sise in .*d.yaml"):
+        parse(f"--config={tmp_path / 'd.yaml'}")
+
+
 def test_a_saved_config_never_overwrites_a_different_one(tmp_path):
     for batch_size in (3, 4, 4):
         write_text_keeping_old(tmp_path / "config.yaml", to_yaml(parse(f"--batch_size={batch_size}")))
