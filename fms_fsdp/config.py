@@ -96,10 +96,11 @@ class train_config:
 
     # learning-rate schedule
     training_stage: str = _f("initial", "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.", choices=("initial", "annealing"))
-    lr_schedule: str = _f("cosine", "cosine: warmup then cosine to min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat.", choices=("cosine", "wsd", "constant"))
-    warmup_steps: Optional[int] = _f(None, "Quadratic warmup steps (default: min(2000, num_steps // 20), as fms-fsdp).", min=0)
-    decay_steps: Optional[int] = _f(None, "wsd only: steps of the final decay (default: num_steps // 5).", min=0)
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, wsd).", min=0.0)
+    lr_schedule: str = _f("cosine", "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).", choices=("cosine", "linear", "inv_sqrt", "wsd", "constant"))
+    lr_cycles: int = _f(1, "Run the schedule this many times over num_steps, each cycle warming up again (Levanter's cycles); warmup_steps and decay_steps then count per cycle.", min=1)
+    warmup_steps: Optional[int] = _f(None, "Quadratic warmup steps (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).", min=0)
+    decay_steps: Optional[int] = _f(None, "wsd only: steps of the final decay (default: a fifth of the run or cycle).", min=0)
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0)
 
     # checkpoints
     ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
@@ -351,8 +352,11 @@ def validate(cfg: train_config) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
-    if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps:
-        raise ConfigError(f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}")
+    if cfg.lr_cycles > cfg.num_steps:
+        raise ConfigError(f"--lr_cycles={cfg.lr_cycles} is more than --num_steps={cfg.num_steps}")
+    if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps // cfg.lr_cycles:
+        raise ConfigError(f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}" + (
+            "" if cfg.lr_cycles == 1 else f" / --lr_cycles={cfg.lr_cycles}, the steps of a cycle"))
     if cfg.min_lr_ratio > 1:
         raise ConfigError(f"--min_lr_ratio: must be <= 1, got {cfg.min_lr_ratio}")
     parse_fraction("selective_checkpointing", cfg.selective_checkpointing)

@@ -2,14 +2,18 @@
 
 - initial + cosine: fms-fsdp's default, quadratic warmup then cosine to min_lr_ratio
   (0.1 gives exactly fms-fsdp's min(1 - (1 - x/w)^2, 0.1 + 0.45 (1 + cos(pi x / N)))).
+- initial + linear: warmup, then a straight line from 1 to min_lr_ratio at the last step.
+- initial + inv_sqrt: warmup, then sqrt(warmup / x), not below min_lr_ratio (Levanter's inv_sqrt).
 - initial + wsd: warmup, stable at 1, linear decay to min_lr_ratio over the last decay_steps.
 - initial + constant: warmup, then 1.
 - annealing: fms-fsdp's annealing stage, 1 - x/N.
-Any num_steps >= 1 works (fms-fsdp divided by zero below 20 steps).
+With --lr_cycles=K the initial stage's schedule runs K times over num_steps, each cycle warming up
+again (Levanter's cycles). Any num_steps >= 1 works (fms-fsdp divided by zero below 20 steps).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable
 
@@ -29,20 +33,32 @@ def lr_multiplier(cfg: train_config) -> Callable[[int], float]:
     n = cfg.num_steps
     if cfg.training_stage == "annealing":
         return lambda x: 1 - min(x, n) / n
+    starts = [i * n // cfg.lr_cycles for i in range(cfg.lr_cycles)] + [n]
+
+    def multiplier(x: int) -> float:
+        i = bisect.bisect_right(starts, x, hi=cfg.lr_cycles) - 1
+        return _one_cycle(cfg, starts[i + 1] - starts[i])(x - starts[i])
+
+    return multiplier
+
+
+def _one_cycle(cfg: train_config, n: int) -> Callable[[int], float]:
+    """The initial stage's schedule over one cycle of n steps."""
     warmup = default_warmup(n) if cfg.warmup_steps is None else cfg.warmup_steps
     r = cfg.min_lr_ratio
     decay = max(1, n // 5 if cfg.decay_steps is None else cfg.decay_steps)
+    timescale = max(1, warmup)
 
     def warm(x: int) -> float:
         return 1.0 if warmup == 0 else 1 - (1 - min(x, warmup) / warmup) ** 2
 
-    def cosine(x: int) -> float:
-        return r + (1 - r) / 2 * (1 + math.cos(math.pi * min(x, n) / n))
-
-    def wsd(x: int) -> float:
-        return 1 - (1 - r) * min(1.0, max(0, x - (n - decay)) / decay)
-
-    after_warmup = {"cosine": cosine, "wsd": wsd, "constant": lambda x: 1.0}[cfg.lr_schedule]
+    after_warmup = {
+        "cosine": lambda x: r + (1 - r) / 2 * (1 + math.cos(math.pi * min(x, n) / n)),
+        "linear": lambda x: 1 - (1 - r) * min(1.0, max(0, x - warmup) / max(1, n - warmup)),
+        "inv_sqrt": lambda x: max(r, math.sqrt(timescale / max(x, timescale))),
+        "wsd": lambda x: 1 - (1 - r) * min(1.0, max(0, x - (n - decay)) / decay),
+        "constant": lambda x: 1.0,
+    }[cfg.lr_schedule]
     return lambda x: min(warm(x), after_warmup(x))
 
 

@@ -1,6 +1,7 @@
-"""Regenerate the flag table in docs/configuration.md from the train_config dataclass.
+"""Regenerate the flag table in docs/configuration.md from the train_config dataclass, and (with
+matplotlib installed) docs/lr_schedules.png from fms_fsdp/schedule.py.
 
-    python scripts/gen_config_docs.py      (tests/test_docs.py fails when the file is out of date)
+    python scripts/gen_config_docs.py      (tests/test_docs.py fails when the tables are out of date)
 """
 
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fms_fsdp.config import markdown_reference  # noqa: E402
+from fms_fsdp.config import markdown_reference, parse_args  # noqa: E402
+from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.models import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
 
 
@@ -39,7 +41,41 @@ def render(text: str) -> str:
     return text
 
 
+# what docs/lr_schedules.png draws: a title and the flags of each panel's schedules
+SCHEDULE_PLOTS = {
+    "--lr_schedule (warmup 100 of 1000 steps, min_lr_ratio 0.1)": {
+        name: [f"--lr_schedule={name}"] for name in ("cosine", "linear", "inv_sqrt", "wsd", "constant")},
+    "--lr_cycles=3 (each cycle warms up again)": {
+        name: [f"--lr_schedule={name}", "--lr_cycles=3"] for name in ("cosine", "linear", "wsd")},
+}
+
+
+def plot_lr_schedules(path: Path) -> None:
+    """Every schedule's multiplier of --learning_rate over 1000 steps, computed by schedule.py."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SCHEDULE_PLOTS), figsize=(11, 3.6), sharey=True)
+    for ax, (title, schedules) in zip(axes, SCHEDULE_PLOTS.items()):
+        for name, flags in schedules.items():
+            f = lr_multiplier(parse_args(["--num_steps=1000", "--warmup_steps=100", *flags]))
+            ax.plot(range(1000), [f(x) for x in range(1000)], label=name)
+        ax.set(title=title, xlabel="step")
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("learning rate / --learning_rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 if __name__ == "__main__":
     doc = ROOT / "docs" / "configuration.md"
     doc.write_text(render(doc.read_text()))
     print(f"wrote {doc}")
+    try:
+        plot_lr_schedules(ROOT / "docs" / "lr_schedules.png")
+        print(f"wrote {ROOT / 'docs' / 'lr_schedules.png'}")
+    except ImportError:
+        print("docs/lr_schedules.png not drawn: pip install matplotlib")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fms_fsdp.config import parse_args
+from fms_fsdp.errors import ConfigError
 from fms_fsdp.schedule import build_scheduler, lr_multiplier
 
 
@@ -44,8 +45,11 @@ def test_wsd():
     assert c(0) == c(99) == 1.0
 
 
-@pytest.mark.parametrize("n", [1, 5, 19])
-@pytest.mark.parametrize("flags", [(), ("--lr_schedule=wsd",), ("--training_stage=annealing",), ("--lr_schedule=constant",)])
+SCHEDULES = [(), ("--lr_schedule=wsd",), ("--training_stage=annealing",), ("--lr_schedule=constant",),
+             ("--lr_schedule=linear",), ("--lr_schedule=inv_sqrt",), ("--lr_cycles=2",)]
+
+
+@pytest.mark.parametrize("n, flags", [(n, f) for n in (1, 5, 19) for f in SCHEDULES if n >= 2 or "--lr_cycles=2" not in f])
 def test_short_runs_work(n, flags):
     cfg = parse_args(["--use_dummy_dataset", f"--num_steps={n}", *flags])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -57,3 +61,24 @@ def test_short_runs_work(n, flags):
         sched.step()
     assert all(math.isfinite(v) and 0 <= v <= 1 for v in lrs)
     assert lrs[0] > 0  # no warmup below 20 steps: the first step learns
+
+
+def test_linear_inverse_square_root_and_cycles():
+    lin = schedule("--num_steps=100", "--lr_schedule=linear", "--warmup_steps=0", "--min_lr_ratio=0.2")
+    assert [lin(0), lin(50), lin(100)] == [1.0, pytest.approx(0.6), pytest.approx(0.2)]
+    warm = schedule("--num_steps=100", "--lr_schedule=linear", "--warmup_steps=20", "--min_lr_ratio=0")
+    assert [warm(10), warm(20), warm(60), warm(100)] == [0.75, 1.0, pytest.approx(0.5), 0.0]  # decays after warmup
+    inv = schedule("--num_steps=1000", "--lr_schedule=inv_sqrt", "--warmup_steps=100", "--min_lr_ratio=0.1")
+    assert inv(50) == pytest.approx(0.75) and inv(100) == 1.0
+    assert inv(400) == pytest.approx(0.5) and inv(999) == pytest.approx(math.sqrt(100 / 999))
+    assert schedule("--num_steps=100000", "--lr_schedule=inv_sqrt", "--warmup_steps=100")(99999) == 0.1  # the floor
+    one = schedule("--num_steps=100", "--warmup_steps=10")
+    three = schedule("--num_steps=300", "--lr_cycles=3", "--warmup_steps=10")
+    assert all(three(c * 100 + x) == pytest.approx(one(x)) for c in range(3) for x in range(100))  # re-warmup
+    assert three(100) == 0.0 and three(299) == pytest.approx(one(99))
+    uneven = schedule("--num_steps=10", "--lr_cycles=3", "--lr_schedule=linear", "--warmup_steps=0")
+    assert [uneven(x) for x in (0, 3, 6)] == [1.0, 1.0, 1.0]  # cycles start at 0, 3 and 6
+    with pytest.raises(ConfigError, match="--lr_cycles=20 is more than --num_steps=10"):
+        schedule("--num_steps=10", "--lr_cycles=20")
+    with pytest.raises(ConfigError, match="--decay_steps=40 is more than --num_steps=100 / --lr_cycles=3"):
+        schedule("--num_steps=100", "--lr_cycles=3", "--decay_steps=40")
