@@ -94,6 +94,13 @@ class train_config:
     spike_sigma: Optional[float] = _f(6.0, "With skip_bad_steps: a gradient norm more than this many standard deviations above the mean of the last 128 kept steps is a spike (none: skip non-finite steps only).", min=0.0)
     weight_decay_norms_and_embeddings: bool = _f(True, "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).")
 
+    # evaluation
+    eval_data_path: Optional[str] = _f(None, "Held-out data, laid out as --data_path (every sub-folder is an eval dataset unless --eval_datasets names them).")
+    eval_datasets: Optional[list[str]] = _f(None, "Eval dataset folders under eval_data_path (default: all).")
+    eval_interval: int = _f(0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0)
+    eval_batches: int = _f(0, "Lines evaluated per dataset: the first eval_batches x eval_batch_size, shared by the ranks (0: every line, one full pass).", min=0)
+    eval_batch_size: Optional[int] = _f(None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1)
+
     # learning-rate schedule
     training_stage: str = _f("initial", "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.", choices=("initial", "annealing"))
     lr_schedule: str = _f("cosine", "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).", choices=("cosine", "linear", "inv_sqrt", "wsd", "constant"))
@@ -367,6 +374,9 @@ def validate(cfg: train_config) -> None:
             f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
         )
     _check_trackers(cfg)
+    if (cfg.eval_interval > 0) != (cfg.eval_data_path is not None):
+        raise ConfigError("--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
+                          "on that data) or neither")
     if cfg.skip_bad_steps and cfg.optimizer_impl == "foreach":
         raise ConfigError("--skip_bad_steps leaves steps out inside the fused AdamW kernels: use --optimizer_impl=auto or fused")
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":

@@ -150,6 +150,21 @@ class MetricsReporter:
         else:
             print(line, flush=True)
 
+    def evaluated(self, record: dict[str, Any]) -> None:
+        """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers."""
+        if not self.info.is_main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.trackers.log(record)
+        per_dataset = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/"))
+        line = (f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
+                f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s")
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -16,8 +16,9 @@ PANELS = [("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("tokens/
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """A run's records, one per step (a step logged twice, before a kill and after the resume, keeps its
-    last record); unreadable lines are skipped, a file without records is an error."""
+    """A run's records merged per step (training and eval records of a step together; a step logged
+    twice, before a kill and after the resume, keeps its last values); unreadable lines are skipped, a
+    file without records is an error."""
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
@@ -26,7 +27,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+            by_step.setdefault(int(record["step"]), {}).update(record)
         except (ValueError, KeyError, TypeError):
             continue
     if not by_step:

@@ -33,6 +33,7 @@ from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import DistInfo, exit_with_parent, init_distributed, lost_peer, world_from_env
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
+from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
@@ -175,6 +176,7 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     triggers = StepTriggers(cfg, info, stop, start)
     guard = StepGuard(cfg, optimizer, info.device)
     exporter = PeriodicExporter(cfg, info, model)
+    evaluator = Evaluator(cfg, info, model, model.config.src_vocab_size)
     records: list[dict[str, Any]] = []
     model.train()
     step, stopped = start, None
@@ -194,8 +196,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
             boundary = triggers.poll(step, writing=checkpointer.writing())
             if boundary.written:
                 checkpointer.commit_pending()
-            export = exporter.due(step)
-            if boundary.save or report_step or boundary.stop or export:  # never save or report a diverged model
+            export, evaluate = exporter.due(step), evaluator.due(step)
+            if boundary.save or report_step or boundary.stop or export or evaluate:  # never save or report a diverged model
                 guard.check()
             if boundary.save:
                 stall = checkpointer.save(step, reporter.tokens_seen)
@@ -203,6 +205,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
                 triggers.saved(stall)
             if export:
                 exporter.export(step)
+            if evaluate:
+                reporter.evaluated(evaluator.evaluate(step))
             if report_step or boundary.stop:
                 global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
                 skipped = guard.skipped_since_report() if guard.skipping else None

@@ -119,3 +119,14 @@ def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[st
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory) -> Path:
+    """Two small datasets in two layouts: web (Arrow, 400 documents) and code (Parquet, 200)."""
+    from test_data import make_docs, write_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    write_dataset(root, "web", make_docs(10, 400, 1))
+    write_dataset(root, "code", make_docs(500, 200, 2), layout="parquet")
+    return root

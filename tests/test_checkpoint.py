@@ -27,17 +27,8 @@ from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, TINY, launch, run_here, train_here
-from test_data import make_docs, write_dataset
 
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    write_dataset(root, "web", make_docs(10, 400, 1))
-    write_dataset(root, "code", make_docs(500, 200, 2), layout="parquet")
-    return root
 
 
 def flags(data: Path, out: Path, *extra: str) -> list[str]:
@@ -55,7 +46,8 @@ def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
 
 def losses(out: Path) -> dict[int, float]:
     """step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}  # not the eval records
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -32,8 +32,12 @@ def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[Stat
                        lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
     datasets = [Dataset(n, Path(cfg.data_path), entries[n], cfg.col_name) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
-    strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
-    packing = Packing(cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token,
-                      frozenset(strip), vocab)
-    return StatefulLoader(datasets, weights, packing, cfg.batch_size, cfg.logical_shards, cfg.seed,
+    return StatefulLoader(datasets, weights, packing_of(cfg, vocab), cfg.batch_size, cfg.logical_shards, cfg.seed,
                           rank, world_size, cfg.num_workers)
+
+
+def packing_of(cfg: train_config, vocab_size: int) -> Packing:
+    """How documents become lines under cfg's separator, bos/bol/eol and strip tokens."""
+    strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
+    return Packing(cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip),
+                   vocab_size)

@@ -1,0 +1,122 @@
+"""Evaluation on held-out data (--eval_data_path, every --eval_interval steps and at the end).
+
+Each eval dataset's documents are read in file order, framed as in training ([bos] document eos,
+[bol] ... [eol] per line) and cut into lines of seq_length + 1 tokens, the last one padded and masked;
+--eval_batches limits them to the first eval_batches x eval_batch_size lines. Rank r takes lines r,
+r + W, ...; every rank runs as many forward passes as the busiest (an idle rank's are masked), the
+summed token losses and token counts are all-reduced, so the result depends on neither the world size
+nor the batch size. Evaluation reads nothing from the training loader and draws no random numbers: a
+run trains the same with or without it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fms_fsdp.config import train_config
+from fms_fsdp.data.build import packing_of
+from fms_fsdp.data.shards import Dataset, list_datasets, scan
+from fms_fsdp.data.stream import Packing
+from fms_fsdp.distributed import DistInfo, on_rank0
+from fms_fsdp.errors import DataError
+from fms_fsdp.loss import IGNORE_INDEX
+
+_PAD = -1  # marks the padding of the last line
+
+
+def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarray:
+    """[n, seq_length + 1] int64 lines of the dataset, in order (at most `limit`); padding is _PAD."""
+    width = packing.seq_length + 1
+    body = width - int(packing.bol is not None) - int(packing.eol is not None)
+    pieces, tokens = [], 0
+    for file, entry in enumerate(ds.entries):
+        for j in range(entry.documents):
+            doc = ds.read(file, j)
+            lo, hi = 0, len(doc)
+            while lo < hi and int(doc[lo]) in packing.strip:
+                lo += 1
+            while hi > lo and int(doc[hi - 1]) in packing.strip:
+                hi -= 1
+            if lo == hi:
+                continue
+            framed = [doc[lo:hi].astype(np.int64), np.array([packing.eos], np.int64)]
+            if packing.bos is not None:
+                framed.insert(0, np.array([packing.bos], np.int64))
+            pieces += framed
+            tokens += sum(len(p) for p in framed)
+            if limit is not None and tokens >= limit * body:
+                break
+        if limit is not None and tokens >= limit * body:
+            break
+    if not pieces:
+        raise DataError(f"--eval_data_path: {ds.root / ds.name} has no document to evaluate", every_rank=True)
+    stream = np.concatenate(pieces)
+    if int(stream.max()) >= packing.vocab_size:
+        raise DataError(f"--eval_data_path: {ds.root / ds.name} holds token id {int(stream.max())}, not below the "
+                        f"vocabulary size {packing.vocab_size}", every_rank=True)
+    n = -(-len(stream) // body)
+    lines = np.full((n, body), _PAD, np.int64)
+    lines.reshape(-1)[: len(stream)] = stream
+    if packing.bol is not None:
+        lines = np.concatenate([np.full((n, 1), packing.bol, np.int64), lines], axis=1)
+    if packing.eol is not None:
+        lines = np.concatenate([lines, np.full((n, 1), packing.eol, np.int64)], axis=1)
+    return lines[:limit]
+
+
+class Evaluator:
+    """The eval datasets of --eval_data_path, held as this rank's share of their lines."""
+
+    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module, vocab_size: int):
+        self.cfg, self.info, self.model = cfg, info, model
+        self.batch = cfg.eval_batch_size or cfg.batch_size
+        self.eos = cfg.eos_token
+        self.lines: dict[str, np.ndarray] = {}
+        self.forwards: dict[str, int] = {}
+        if cfg.eval_interval == 0:
+            return
+        names = list_datasets(cfg.eval_data_path, cfg.eval_datasets)
+        entries = on_rank0(lambda: scan(cfg.eval_data_path, names, cfg.file_type, cfg.col_name), DataError,
+                           lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=1))
+        packing = packing_of(cfg, vocab_size)
+        limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
+        for name in names:
+            lines = eval_lines(Dataset(name, Path(cfg.eval_data_path), entries[name], cfg.col_name), packing, limit)
+            self.lines[name] = lines[info.rank :: info.world_size]
+            self.forwards[name] = -(-len(lines) // (info.world_size * self.batch))
+
+    def due(self, step: int) -> bool:
+        return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Loss per dataset and over all of them (token-weighted). Every rank calls it."""
+        start = time.perf_counter()
+        self.model.eval()
+        sums = torch.zeros(len(self.lines), 2, dtype=torch.float64, device=self.info.device)
+        for k, (name, lines) in enumerate(self.lines.items()):
+            for b in range(self.forwards[name]):
+                chunk = lines[b * self.batch : (b + 1) * self.batch]
+                if len(chunk) == 0:  # this rank's share is done: a masked line keeps FSDP's collectives paired
+                    chunk = np.full((1, self.cfg.seq_length + 1), _PAD, np.int64)
+                batch = torch.from_numpy(chunk).to(self.info.device)
+                inputs = torch.where(batch[:, :-1] == _PAD, self.eos, batch[:, :-1])
+                labels = torch.where(batch[:, 1:] == _PAD, IGNORE_INDEX, batch[:, 1:])
+                count = (labels != IGNORE_INDEX).sum()
+                sums[k] += torch.stack([self.model(inputs, labels=labels).double() * count, count.double()])
+        self.model.train()
+        dist.all_reduce(sums)
+        losses = {name: float(s / n) for name, (s, n) in zip(self.lines, sums.tolist())}
+        total, tokens = sums.sum(0).tolist()
+        record: dict[str, Any] = {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(total / tokens)}
+        record.update({f"eval_loss/{name}": loss for name, loss in losses.items()})
+        record.update(eval_tokens=int(tokens), eval_seconds=time.perf_counter() - start)
+        return record

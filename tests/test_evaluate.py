@@ -1,0 +1,53 @@
+"""Evaluation on held-out data: independent of world size and batch size, invisible to training."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fms_fsdp.config import parse_args
+from fms_fsdp.data.build import packing_of
+from fms_fsdp.data.shards import Dataset, scan
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.evaluate import eval_lines
+
+from conftest import TINY, run_here
+from test_checkpoint import flags, losses, run
+
+
+def evals(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+
+
+def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_training_alone(data, tmp_path):
+    plain, evaluated, loaded = tmp_path / "plain", tmp_path / "evaluated", tmp_path / "loaded"
+    run_here(flags(data, plain, "--num_steps=6"))
+    output = run_here(flags(data, evaluated, "--num_steps=6", f"--eval_data_path={data}", "--eval_interval=4"))
+    assert losses(evaluated) == losses(plain)  # the training loader, RNG and steps are untouched
+    four, six = evals(evaluated)
+    assert (four["step"], six["step"]) == (4, 6) and "eval step 6 | loss" in output
+    assert six["eval_loss/web"] != six["eval_loss/code"] and six["eval_ppl"] == pytest.approx(math.exp(six["eval_loss"]))
+    # the same weights (step 6, learning rate 0) evaluated by 2 ranks, 3 lines a forward pass instead of 4
+    run(flags(data, loaded, f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}", "--learning_rate=0",
+              "--num_steps=1", f"--eval_data_path={data}", "--eval_interval=1", "--eval_batch_size=3"))
+    (again,) = evals(loaded)
+    assert again["eval_tokens"] == six["eval_tokens"]
+    for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
+        assert again[key] == pytest.approx(six[key], rel=1e-5), key
+
+
+def test_eval_lines_and_flags(data):
+    cfg = parse_args([*TINY, "--vocab_size=1024", "--seq_length=16"])
+    entries = scan(str(data), ["web"], "auto", cfg.col_name)
+    web = Dataset("web", data, entries["web"], cfg.col_name)
+    lines = eval_lines(web, packing_of(cfg, 1024), None)
+    assert lines.shape[1] == 17 and (lines[:-1] >= 0).all()  # only the last line is padded
+    stream = lines.reshape(-1)
+    first = int((stream != 10).argmax())
+    assert first > 0 and stream[first] == 0 and stream[first + 1] == 11  # document 10, its eos, document 11
+    assert eval_lines(web, packing_of(cfg, 1024), 3).shape == (3, 17)
+    with pytest.raises(ConfigError, match="--eval_interval and --eval_data_path go together"):
+        parse_args([*TINY, "--eval_interval=5"])
