@@ -1,4 +1,5 @@
-"""Evaluation on held-out data (--eval_data_path, every --eval_interval steps and at the end).
+"""Evaluation on held-out data (--eval_data_path): every --eval_interval steps and at the end of a
+training run, or of any model file or folder (train.evaluate_model: scripts/evaluate.py, `fms-evaluate`).
 
 Each eval dataset's documents are read in file order, framed as in training ([bos] document eos,
 [bol] ... [eol] per line) and cut into lines of seq_length + 1 tokens, the last one padded and masked;
@@ -118,5 +119,7 @@ class Evaluator:
         total, tokens = sums.sum(0).tolist()
         record: dict[str, Any] = {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(total / tokens)}
         record.update({f"eval_loss/{name}": loss for name, loss in losses.items()})
+        record.update({f"eval_tokens/{name}": int(n) for name, (_, n) in zip(self.lines, sums.tolist())})
         record.update(eval_tokens=int(tokens), eval_seconds=time.perf_counter() - start)
         return record
+

@@ -13,6 +13,7 @@ before the run checkpoints and reports (metrics.py, trackers.py).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -278,3 +279,37 @@ def main(argv: Optional[list[str]] = None) -> None:
         exit_on(TrainingError(f"lost contact with another rank ({cause}): a process or node of this run "
                               "died or hung, its log has the cause; run the same command again to resume from "
                               "the last checkpoint", every_rank=False))
+
+
+def evaluate_model(cfg: train_config) -> dict[str, Any]:
+    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
+    folder), built as training builds it, evaluated on --eval_data_path by every rank of the launch;
+    rank 0 prints one `EVAL dataset=<name> loss=.. ppl=.. tokens=..` line per dataset and one for all."""
+    if not cfg.ckpt_load_path or not cfg.eval_data_path:
+        raise ConfigError("--ckpt_load_path and --eval_data_path are needed: the weights to evaluate and the data")
+    check_config(cfg)
+    info = init_distributed(cfg.device, cfg.collective_timeout_minutes)
+    try:
+        model, optimizer, scheduler = build(cfg, info)
+        Checkpointer(cfg, info, model, optimizer, scheduler, loader=None).load_model(cfg.ckpt_load_path)
+        record = Evaluator(cfg, info, model, model.config.src_vocab_size).evaluate(0)
+    finally:
+        dist.destroy_process_group()
+    names = [k.split("/", 1)[1] for k in record if k.startswith("eval_loss/")]
+    rows = [(name, record[f"eval_loss/{name}"], record[f"eval_tokens/{name}"]) for name in names]
+    for name, loss, tokens in [*rows, ("all", record["eval_loss"], record["eval_tokens"])]:
+        log(info, f"EVAL dataset={name} loss={loss:.6f} ppl={math.exp(loss):.4f} tokens={tokens}")
+    return record
+
+
+def evaluate_main(argv: Optional[list[str]] = None) -> None:
+    """`fms-evaluate` / scripts/evaluate.py: training's flags (--eval_interval not needed); known errors
+    end in one line and status 1 or 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--eval_data_path") for a in argv):
+        argv = ["--eval_interval=1", *argv]  # evaluating is the point; a given --eval_interval still wins
+    cfg = cli_config(argv)
+    try:
+        evaluate_model(cfg)
+    except KNOWN_ERRORS as e:
+        exit_on(e)

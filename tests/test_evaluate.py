@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from fms_fsdp.data.shards import Dataset, scan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
 
-from conftest import TINY, run_here
+from conftest import TINY, launch, run_here
 from test_checkpoint import flags, losses, run
 
 
@@ -37,6 +38,16 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     assert again["eval_tokens"] == six["eval_tokens"]
     for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
         assert again[key] == pytest.approx(six[key], rel=1e-5), key
+    # standalone, on plain python: the checkpoint's model, one line per dataset and one for all
+    proc = launch("scripts/evaluate.py", flags(data, tmp_path / "standalone", f"--eval_data_path={data}",
+                                               f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}"), None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = dict(re.findall(r"^EVAL dataset=(\w+) loss=([\d.]+) ppl=[\d.]+ tokens=\d+$", proc.stdout, re.M))
+    assert found.keys() == {"web", "code", "all"}
+    for name, key in (("web", "eval_loss/web"), ("code", "eval_loss/code"), ("all", "eval_loss")):
+        assert float(found[name]) == pytest.approx(six[key], rel=1e-5), name
+    proc = launch("scripts/evaluate.py", flags(data, tmp_path / "none", f"--eval_data_path={data}"), None)
+    assert proc.returncode == 2 and "error: --ckpt_load_path and --eval_data_path are needed" in proc.stderr
 
 
 def test_eval_lines_and_flags(data):

@@ -1,0 +1,14 @@
+"""Evaluate a model (checkpoint folder, safetensors/.pth file or Hugging Face folder) on held-out data,
+under torchrun or plain python (the logic: fms_fsdp/train.py's evaluate_model and fms_fsdp/evaluate.py;
+installed as `fms-evaluate`):
+python scripts/evaluate.py --ckpt_load_path=... --eval_data_path=... [model and data flags]"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from fms_fsdp.train import evaluate_main  # noqa: E402
+
+if __name__ == "__main__":
+    evaluate_main()
