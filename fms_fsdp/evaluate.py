@@ -76,8 +76,8 @@ def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarra
 class Evaluator:
     """The eval datasets of --eval_data_path, held as this rank's share of their lines."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module, vocab_size: int):
-        self.cfg, self.info, self.model = cfg, info, model
+    def __init__(self, cfg: train_config, info: DistInfo, vocab_size: int):
+        self.cfg, self.info = cfg, info
         self.batch = cfg.eval_batch_size or cfg.batch_size
         self.eos = cfg.eos_token
         self.lines: dict[str, np.ndarray] = {}
@@ -98,10 +98,10 @@ class Evaluator:
         return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> dict[str, Any]:
-        """Loss per dataset and over all of them (token-weighted). Every rank calls it."""
+    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
+        """The model's loss per dataset and over all of them (token-weighted). Every rank calls it."""
         start = time.perf_counter()
-        self.model.eval()
+        model.eval()
         sums = torch.zeros(len(self.lines), 2, dtype=torch.float64, device=self.info.device)
         for k, (name, lines) in enumerate(self.lines.items()):
             for b in range(self.forwards[name]):
@@ -112,8 +112,8 @@ class Evaluator:
                 inputs = torch.where(batch[:, :-1] == _PAD, self.eos, batch[:, :-1])
                 labels = torch.where(batch[:, 1:] == _PAD, IGNORE_INDEX, batch[:, 1:])
                 count = (labels != IGNORE_INDEX).sum()
-                sums[k] += torch.stack([self.model(inputs, labels=labels).double() * count, count.double()])
-        self.model.train()
+                sums[k] += torch.stack([model(inputs, labels=labels).double() * count, count.double()])
+        model.train()
         dist.all_reduce(sums)
         losses = {name: float(s / n) for name, (s, n) in zip(self.lines, sums.tolist())}
         total, tokens = sums.sum(0).tolist()

@@ -164,6 +164,7 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
 
 def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
     loader = get_data_loader(cfg, info.rank, info.world_size)  # bad data fails here, before the model
+    evaluator = Evaluator(cfg, info, get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size)
     model, optimizer, scheduler = build(cfg, info)
     checkpointer = Checkpointer(cfg, info, model, optimizer, scheduler, loader)
     start, tokens_seen = checkpointer.resume() or (0, 0)
@@ -177,7 +178,6 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     triggers = StepTriggers(cfg, info, stop, start)
     guard = StepGuard(cfg, optimizer, info.device)
     exporter = PeriodicExporter(cfg, info, model)
-    evaluator = Evaluator(cfg, info, model, model.config.src_vocab_size)
     records: list[dict[str, Any]] = []
     model.train()
     step, stopped = start, None
@@ -198,8 +198,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
             if boundary.written:
                 checkpointer.commit_pending()
             export, evaluate = exporter.due(step), evaluator.due(step)
-            if boundary.save or report_step or boundary.stop or export or evaluate:  # never save or report a diverged model
-                guard.check()
+            if boundary.save or report_step or boundary.stop or export or evaluate:
+                guard.check()  # never save, export, evaluate or report a diverged model
             if boundary.save:
                 stall = checkpointer.save(step, reporter.tokens_seen)
                 reporter.checkpoint_saved(stall)
@@ -207,7 +207,7 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
             if export:
                 exporter.export(step)
             if evaluate:
-                reporter.evaluated(evaluator.evaluate(step))
+                reporter.evaluated(evaluator.evaluate(model, step))
             if report_step or boundary.stop:
                 global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
                 skipped = guard.skipped_since_report() if guard.skipping else None
@@ -290,9 +290,10 @@ def evaluate_model(cfg: train_config) -> dict[str, Any]:
     check_config(cfg)
     info = init_distributed(cfg.device, cfg.collective_timeout_minutes)
     try:
+        evaluator = Evaluator(cfg, info, get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size)
         model, optimizer, scheduler = build(cfg, info)
         Checkpointer(cfg, info, model, optimizer, scheduler, loader=None).load_model(cfg.ckpt_load_path)
-        record = Evaluator(cfg, info, model, model.config.src_vocab_size).evaluate(0)
+        record = evaluator.evaluate(model, 0)
     finally:
         dist.destroy_process_group()
     names = [k.split("/", 1)[1] for k in record if k.startswith("eval_loss/")]

@@ -2,14 +2,14 @@
 
 SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
 stop after the current step; so does LAUNCHER_DIED, which Linux sends a rank when its torchrun dies,
-after which the run ends in an error (on every node, so no launcher waits for the dead one); --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto
-after the time between saves that it chooses (`SaveClock`). Every rank must decide alike, so
-the ranks agree on these flags in one small all-reduce, together with the checkpointer's "still
-writing a background save" so that a finished async save is committed soon. A host-blocking
-collective every step would cost the GPU its queue of work, so they agree only every AGREE_SECONDS
-of training, sooner when a time-based save falls due (a number of steps every rank derives
-from the same reduced figures), and on the last step; a signal is therefore acted on within about
-AGREE_SECONDS plus a step.
+after which the run ends in an error (on every node, so no launcher waits for the dead one).
+--checkpoint_minutes asks for a save, as does --checkpoint_interval=auto after the time between
+saves that it chooses (`SaveClock`). Every rank must decide alike, so the ranks agree on these flags
+in one small all-reduce, together with the checkpointer's "still writing a background save" so that
+a finished async save is committed soon. A host-blocking collective every step would cost the GPU
+its queue of work, so they agree only every AGREE_SECONDS of training, sooner when a time-based save
+falls due (a number of steps every rank derives from the same reduced figures), and on the last
+step; a signal is therefore acted on within about AGREE_SECONDS plus a step.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.shards import Dataset, scan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
+from fms_fsdp.train import evaluate_main
 
 from conftest import TINY, launch, run_here
 from test_checkpoint import flags, losses, run
@@ -23,7 +24,7 @@ def evals(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
 
 
-def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_training_alone(data, tmp_path):
+def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_training_alone(data, tmp_path, capsys):
     plain, evaluated, loaded = tmp_path / "plain", tmp_path / "evaluated", tmp_path / "loaded"
     run_here(flags(data, plain, "--num_steps=6"))
     output = run_here(flags(data, evaluated, "--num_steps=6", f"--eval_data_path={data}", "--eval_interval=4"))
@@ -46,8 +47,10 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     assert found.keys() == {"web", "code", "all"}
     for name, key in (("web", "eval_loss/web"), ("code", "eval_loss/code"), ("all", "eval_loss")):
         assert float(found[name]) == pytest.approx(six[key], rel=1e-5), name
-    proc = launch("scripts/evaluate.py", flags(data, tmp_path / "none", f"--eval_data_path={data}"), None)
-    assert proc.returncode == 2 and "error: --ckpt_load_path and --eval_data_path are needed" in proc.stderr
+    with pytest.raises(SystemExit) as stopped:
+        evaluate_main(flags(data, tmp_path / "none", f"--eval_data_path={data}"))
+    assert stopped.value.code == 2
+    assert "error: --ckpt_load_path and --eval_data_path are needed" in capsys.readouterr().err
 
 
 def test_eval_lines_and_flags(data):
