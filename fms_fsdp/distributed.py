@@ -24,6 +24,9 @@ from fms_fsdp.errors import ConfigError, first_line
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
+LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (train.main)
+# what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
 
 
 def exit_with_parent(sig: signal.Signals) -> None:
@@ -87,6 +90,11 @@ def world_from_env() -> tuple[int, int, int, int]:
             int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
+def collective_timeout(minutes: Optional[float]) -> Optional[timedelta]:
+    """--collective_timeout_minutes as process groups take it (None: the backend's default)."""
+    return None if minutes is None else timedelta(minutes=minutes)
+
+
 def init_distributed(device_flag: str, timeout_minutes: Optional[float] = None) -> DistInfo:
     """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
     `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
@@ -96,7 +104,7 @@ def init_distributed(device_flag: str, timeout_minutes: Optional[float] = None) 
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world, local_rank, local_world = world_from_env()
     device = resolve_device(device_flag, local_rank)
-    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+    timeout = collective_timeout(timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)

@@ -16,7 +16,7 @@ import math
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.shards import Dataset, list_datasets, scan
-from fms_fsdp.data.stream import Packing
+from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.distributed import DistInfo, on_rank0
 from fms_fsdp.errors import DataError
 from fms_fsdp.loss import IGNORE_INDEX
@@ -33,28 +33,25 @@ from fms_fsdp.loss import IGNORE_INDEX
 _PAD = -1  # marks the padding of the last line
 
 
-def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarray:
-    """[n, seq_length + 1] int64 lines of the dataset, in order (at most `limit`); padding is _PAD."""
-    width = packing.seq_length + 1
-    body = width - int(packing.bol is not None) - int(packing.eol is not None)
-    pieces, tokens = [], 0
+def _documents(ds: Dataset, strip: frozenset[int]) -> Iterator[np.ndarray]:
+    """The dataset's non-empty documents in file order, stripped as training strips them."""
     for file, entry in enumerate(ds.entries):
         for j in range(entry.documents):
-            doc = ds.read(file, j)
-            lo, hi = 0, len(doc)
-            while lo < hi and int(doc[lo]) in packing.strip:
-                lo += 1
-            while hi > lo and int(doc[hi - 1]) in packing.strip:
-                hi -= 1
-            if lo == hi:
-                continue
-            framed = [doc[lo:hi].astype(np.int64), np.array([packing.eos], np.int64)]
-            if packing.bos is not None:
-                framed.insert(0, np.array([packing.bos], np.int64))
-            pieces += framed
-            tokens += sum(len(p) for p in framed)
-            if limit is not None and tokens >= limit * body:
-                break
+            doc = strip_ends(ds.read(file, j), strip)
+            if len(doc):
+                yield doc
+
+
+def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarray:
+    """[n, seq_length + 1] int64 lines of the dataset, in order (at most `limit`); padding is _PAD."""
+    body = packing.seq_length + 1 - int(packing.bol is not None) - int(packing.eol is not None)
+    pieces, tokens = [], 0
+    for doc in _documents(ds, packing.strip):
+        framed = [doc.astype(np.int64), np.array([packing.eos], np.int64)]
+        if packing.bos is not None:
+            framed.insert(0, np.array([packing.bos], np.int64))
+        pieces += framed
+        tokens += sum(len(p) for p in framed)
         if limit is not None and tokens >= limit * body:
             break
     if not pieces:

@@ -70,7 +70,8 @@ class MetricsReporter:
     def _reset(self, now: float) -> None:
         self.interval_start = now
         # every step's loss, and the kept steps' (--skip_bad_steps: a skipped step is not averaged in)
-        self.loss_sums = torch.zeros(2, device=self.device)
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.kept_loss_sum = torch.zeros((), device=self.device)
         self.kept_steps = torch.zeros((), device=self.device)
         self.steps = 0
         self.data_wait = 0.0
@@ -81,10 +82,9 @@ class MetricsReporter:
     def step_done(self, loss: torch.Tensor, data_wait_s: float, kept: Optional[torch.Tensor] = None) -> None:
         """Record one optimizer step's loss (a detached scalar; no device sync) and data wait; a step
         `kept` false (skipped by --skip_bad_steps) is left out of the reported loss."""
-        if kept is None:
-            kept = torch.ones((), dtype=torch.bool, device=loss.device)
-        self.loss_sums += torch.stack([loss, torch.where(kept, loss, 0.0)])
-        self.kept_steps += kept
+        self.loss_sum += loss
+        self.kept_loss_sum += loss if kept is None else torch.where(kept, loss, 0.0)
+        self.kept_steps += 1 if kept is None else kept
         self.steps += 1
         self.tokens_seen += self.tokens_per_step * self.info.world_size
         self.data_wait += data_wait_s
@@ -100,7 +100,7 @@ class MetricsReporter:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
         metrics.jsonl. `grad_norm`: the global norm of this step, if known; `skipped_steps`: steps of
         the interval left out by --skip_bad_steps. Every rank must call it (it all-reduces)."""
-        sums = self.loss_sums.clone()
+        sums = torch.stack([self.loss_sum, self.kept_loss_sum])
         dist.all_reduce(sums)  # gloo has no AVG; every rank kept the same steps
         kept = int(self.kept_steps)
         loss_value = float(sums[1]) / kept if kept else float(sums[0]) / max(1, self.steps)
@@ -140,26 +140,23 @@ class MetricsReporter:
         return record
 
     def _emit(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.trackers.log(record)
-        line = format_record(record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        self._write(record, format_record(record))
 
     def evaluated(self, record: dict[str, Any]) -> None:
         """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers."""
         if not self.info.is_main:
             return
+        per_dataset = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/"))
+        self._write(record, f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
+                            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s")
+
+    def _write(self, record: dict[str, Any], line: str) -> None:
+        """Append `record` to metrics.jsonl, send it to the trackers, print `line` (above the bar)."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.trackers.log(record)
-        per_dataset = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/"))
-        line = (f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
-                f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s")
         if self.bar is not None:
             self.bar.write(line)
         else:

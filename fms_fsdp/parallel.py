@@ -6,7 +6,6 @@ precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP
 
 from __future__ import annotations
 
-from datetime import timedelta
 from fractions import Fraction
 from functools import partial
 from typing import Any, Callable, Optional
@@ -20,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.config import parse_fraction, train_config
-from fms_fsdp.distributed import DistInfo
+from fms_fsdp.distributed import DistInfo, collective_timeout
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.loss import chunk_loss
 
@@ -45,9 +44,10 @@ def build_mesh(cfg: train_config, info: DistInfo) -> DeviceMesh:
     --collective_timeout_minutes, as the default group does (torchtitan sets its groups' timeouts alike)."""
     shape = mesh_shape(cfg, info.world_size, info.local_world_size)
     mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
-    if cfg.collective_timeout_minutes is not None:
+    timeout = collective_timeout(cfg.collective_timeout_minutes)
+    if timeout is not None:
         for dim in range(mesh.ndim):
-            _set_pg_timeout(timedelta(minutes=cfg.collective_timeout_minutes), mesh.get_group(dim))
+            _set_pg_timeout(timeout, mesh.get_group(dim))
     return mesh
 
 

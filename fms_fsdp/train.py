@@ -32,7 +32,8 @@ from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import DistInfo, exit_with_parent, init_distributed, lost_peer, world_from_env
+from fms_fsdp.distributed import (LAUNCHER_DIED, DistInfo, exit_with_parent, init_distributed, lost_peer,
+                                  world_from_env)
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
@@ -44,7 +45,7 @@ from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.trackers import Trackers, start_trackers
-from fms_fsdp.triggers import LAUNCHER_DIED, StepTriggers, StopRequest
+from fms_fsdp.triggers import StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 

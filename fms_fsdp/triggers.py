@@ -1,8 +1,9 @@
 """What else happens at a step boundary: stop requests and time-based saves, owned by the loop.
 
 SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
-stop after the current step; so does LAUNCHER_DIED, which Linux sends a rank when its torchrun dies,
-after which the run ends in an error (on every node, so no launcher waits for the dead one).
+stop after the current step; so does LAUNCHER_DIED (distributed.py), which Linux sends a rank when
+its torchrun dies, after which the run ends in an error (on every node, so no launcher waits for the
+dead one).
 --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto after the time between
 saves that it chooses (`SaveClock`). Every rank must decide alike, so the ranks agree on these flags
 in one small all-reduce, together with the checkpointer's "still writing a background save" so that
@@ -18,17 +19,14 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from fms_fsdp.config import train_config
-from fms_fsdp.distributed import DistInfo
+from fms_fsdp.distributed import STOP_SIGNALS, DistInfo, collective_timeout
 
-LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
 AGREE_SECONDS = 2.0
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000
 AUTO_FIRST_STALL_S = 30.0
@@ -116,8 +114,7 @@ class StepTriggers:
         self.cfg, self.info, self.stop = cfg, info, stop
         self.clock = SaveClock(cfg, info)
         # the agreement is a training collective: it fails after --collective_timeout_minutes, as FSDP's do
-        minutes = cfg.collective_timeout_minutes
-        self.group = dist.new_group(backend="gloo", timeout=None if minutes is None else timedelta(minutes=minutes))
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout(cfg.collective_timeout_minutes))
         self.last_save = time.monotonic()
         self.last_agreement = (start_step, time.monotonic())
         self.next_agreement = start_step + 1  # the first step agrees, and measures the step time

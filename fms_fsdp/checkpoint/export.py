@@ -20,10 +20,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fms_fsdp.checkpoint.io import staging_buffers
+from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.models import CausalLM
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -44,16 +46,11 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
 def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_main: bool) -> Path:
     """Gather the sharded model to rank 0's CPU one tensor at a time and write it there. Every rank
     calls it; the others do not wait for the write."""
-    full = gather_model(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
         write_safetensors(full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
     return target
-
-
-def gather_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU, gathered one tensor at a time (empty elsewhere). Every rank calls it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 class PeriodicExporter:
@@ -63,7 +60,7 @@ class PeriodicExporter:
     and deletes the DCP folder. The latest --export_keep are kept. A failure is raised on every rank
     at the next export or at `close`."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module):
+    def __init__(self, cfg: train_config, info: DistInfo, model: CausalLM):
         self.cfg, self.info, self.model = cfg, info, model
         self.root = Path(cfg.ckpt_save_path) / "exports"
         self.pending: Optional[Future] = None
@@ -136,15 +133,14 @@ class PeriodicExporter:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
         print(f"checkpoint: exported the model of step {step} to {target}", flush=True)
-        done = sorted((int(p.name.removeprefix("step_")), p) for p in self.root.glob("step_*") if p.is_dir())
-        for _, old in done[:-self.cfg.export_keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        steps = [int(p.name.removeprefix("step_")) for p in self.root.glob("step_*") if p.is_dir()]
+        for old in KeepPolicy(self.cfg.export_keep).to_delete(steps):
+            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
 
     def _write_hf(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
         from fms_fsdp.hf import write_hf_folder
 
-        config = getattr(self.model, "config")
-        write_hf_folder(config, lambda keys: {k: state[k] for k in keys}, list(state), str(tmp), torch.bfloat16,
+        write_hf_folder(self.model.config, lambda keys: {k: state[k] for k in keys}, list(state), str(tmp), torch.bfloat16,
                         self.cfg.bos_token, self.cfg.eos_token)
         tokenizer = Path(self.cfg.tokenizer_path) if self.cfg.tokenizer_path else None
         if tokenizer is not None and tokenizer.is_file():

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, Packing, Reader, n_logical_shards, shard_table
-from fms_fsdp.distributed import exit_with_parent
+from fms_fsdp.distributed import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.errors import DataError
 
 STATE_VERSION = 1
@@ -35,7 +35,7 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
 def _init_worker(worker_id: int) -> None:
     """Workers leave the stop signals to the main process, which checkpoints and then ends them, and
     die with it: killed when their rank dies, whatever killed it."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     exit_with_parent(signal.SIGKILL)
 

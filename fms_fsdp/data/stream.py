@@ -55,6 +55,16 @@ def shard_table(dataset_state: dict[str, Any], consumer: int, consumers: int, n_
     return {s: tuple(int(c[k]) for c in columns) for k, s in enumerate(range(consumer, n_shards, consumers))}
 
 
+def strip_ends(tokens: np.ndarray, strip: frozenset[int]) -> np.ndarray:
+    """A document without the bos/eos/strip_tokens at either end (a view)."""
+    lo, hi = 0, len(tokens)
+    while lo < hi and int(tokens[lo]) in strip:
+        lo += 1
+    while hi > lo and int(tokens[hi - 1]) in strip:
+        hi -= 1
+    return tokens[lo:hi]
+
+
 class ShardPlan:
     """The blocks of one logical shard and their order in each epoch."""
 
@@ -171,13 +181,7 @@ class DatasetReader:
         key = (i, self.epoch[i], self.cursor[i], self.inner[i])
         if self._current[0] != key:
             file, j, size = self._locate(i)
-            tokens = self.ds.read(file, j)
-            lo, hi, strip = 0, len(tokens), self.packing.strip
-            while lo < hi and int(tokens[lo]) in strip:
-                lo += 1
-            while hi > lo and int(tokens[hi - 1]) in strip:
-                hi -= 1
-            self._current = (key, tokens[lo:hi], size)
+            self._current = (key, strip_ends(self.ds.read(file, j), self.packing.strip), size)
             self.read_docs.append((file, j))
         return self._current[1]
 
