@@ -1,13 +1,18 @@
 """Data loader benchmark: throughput, private memory, state size and time to the first batch.
 
     python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
-        [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0] [--layout=arrow|parquet]
+        [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
+        [--layout=arrow|parquet|jsonl|jsonl.gz]
 
 Writes a synthetic dataset once (fms-fsdp's Arrow layout, document lengths log-normal around 1,000
 tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
 1024 logical shards, tokens/s after a warm-up, the peak of RssAnon (private memory; pages of the
-memory-mapped shards are the kernel's file cache and not counted) sampled every 50 ms, and the
-pickled loader state size. Prints one line of key=value figures.
+memory-mapped shards are the kernel's file cache and not counted) of this process and of its loader
+workers, sampled every 50 ms, and the pickled loader state size. Prints one line of key=value figures.
+
+Raw text (jsonl, jsonl.gz): documents of pseudo-words, tokenized on the fly by a byte-level BPE of 4096
+tokens trained on them (written once to <data_path>/tokenizer.json); the line also gives the
+tokenizer's own single-thread speed on the same documents and the loader's share of it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,71 @@ def rss_anon_mb() -> float:
     return float("nan")
 
 
+def rss_anon_children_mb() -> float:
+    """RssAnon of this process's children (the loader workers), the largest."""
+    pids = [p for task in Path("/proc/self/task").iterdir() for p in (task / "children").read_text().split()]
+    sizes = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        sizes += [int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:")]
+    return max(sizes, default=0.0)
+
+
+def pseudo_text(rng: np.random.Generator, words: list[str], n_words: int) -> str:
+    """Zipf-distributed pseudo-words with punctuation: text a BPE tokenizer finds structure in."""
+    picks = np.minimum(rng.zipf(1.2, n_words), len(words)) - 1
+    return " ".join(words[k] + ("." if k % 17 == 0 else "") for k in picks)
+
+
+def write_text_data(root: Path, files: int, docs_per_file: int, layout: str) -> None:
+    """A dataset `bench` of JSON-lines files (gzipped for jsonl.gz) and a 4096-token byte-level BPE
+    trained on them."""
+    import gzip
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    words = ["".join(rng.choice(letters, int(rng.integers(1, 10)))) for _ in range(20000)]
+    sample = []
+    for f in range(files):
+        lengths = np.clip(rng.lognormal(np.log(800), 0.8, docs_per_file), 1, 20000).astype(int)
+        docs = [pseudo_text(rng, words, int(n)) for n in lengths]
+        data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+        path = root / "bench" / f"shard_{f:05d}.{layout}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress(data, 6) if layout.endswith(".gz") else data)
+        if len(sample) < 2000:
+            sample += docs
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(sample, trainers.BpeTrainer(
+        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(root / "tokenizer.json"))
+
+
+def tokenizer_speed(root: Path, seconds: float) -> float:
+    """Tokens/s of the tokenizer alone, one thread, one document at a time, on the first file's texts."""
+    import json
+
+    from fms_fsdp.data.text import encode, load_tokenizer, open_binary
+
+    tok = load_tokenizer(str(root / "tokenizer.json"))
+    first = sorted((root / "bench").iterdir())[0]
+    with open_binary(first) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tokens, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for text in texts:
+            tokens += len(encode(tok, text))
+    return tokens / (time.perf_counter() - start)
+
+
 def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: str) -> None:
     """A dataset `bench` of `files` shards: fms-fsdp's Arrow layout, or Parquet with one row per
     document in row groups of 500."""
@@ -58,16 +128,22 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
          seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024,
          layout: str = "arrow") -> None:
     root = Path(data_path)
+    text = layout.startswith("jsonl")
     if not (root / "bench").is_dir():
         print(f"writing {files} shards to {root} ...", flush=True)
-        write_data(root, files, docs_per_file, 32000, layout)
+        if text:
+            write_text_data(root, files, docs_per_file, layout)
+        else:
+            write_data(root, files, docs_per_file, 32000, layout)
+    raw = dict(tokenizer_path=str(root / "tokenizer.json")) if text else {}
     cfg = make_config(data_path=data_path, model_variant="llama2_7b", seq_length=seq_length, batch_size=batch_size,
-                      num_workers=num_workers, logical_shards=logical_shards, file_type="auto")
-    peak, stop = [rss_anon_mb()], threading.Event()
+                      num_workers=num_workers, logical_shards=logical_shards, file_type="auto", **raw)
+    peak, worker_peak, stop = [rss_anon_mb()], [0.0], threading.Event()
 
     def sample() -> None:
         while not stop.wait(0.05):
             peak.append(rss_anon_mb())
+            worker_peak.append(rss_anon_children_mb())
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
@@ -86,9 +162,15 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
     stop.set()
     tokens_per_s = batches * batch_size * seq_length / elapsed
     state_kb = len(pickle.dumps(loader.state_dict())) / 1024
+    figures = ""
+    if text:
+        del it  # the workers stop before the tokenizer is timed alone
+        alone = tokenizer_speed(root, min(seconds, 10.0))
+        figures = f" tokenizer_alone_tokens_per_s={alone / 1e3:.0f}k share={tokens_per_s / alone:.2f}"
     print(f"BENCH layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
-          f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.2f}M "
-          f"peak_rss_anon_mb={max(peak):.0f} state_kb={state_kb:.1f}", flush=True)
+          f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.3f}M "
+          f"peak_rss_anon_mb={max(peak):.0f} worker_peak_rss_anon_mb={max(worker_peak):.0f} "
+          f"state_kb={state_kb:.1f}{figures}", flush=True)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class train_config:
     data_path: str = _f("/fsx/data", "Folder holding one sub-folder of Arrow/Parquet shards per dataset.")
     file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
     col_name: str = _f("tokens", "Column holding the token ids.")
+    text_field: str = _f("text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).")
     datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
     weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens).")
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
@@ -123,7 +124,7 @@ class train_config:
     export_interval: int = _f(0, "Also export the whole model every this many steps (0: never) to <ckpt_save_path>/exports/step_<N> (fms: model.safetensors; hf: a Hugging Face folder).", min=0)
     export_format: str = _f("fms", "Periodic exports as fms (one safetensors file of this package's weights) or hf (config.json, model.safetensors and, with --tokenizer_path, the tokenizer: a folder transformers loads).", choices=("fms", "hf"))
     export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
-    tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json) copied into --export_format=hf exports; training itself reads pre-tokenized shards.")
+    tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.")
 
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fms_fsdp.config import train_config
-from fms_fsdp.data.build import packing_of
+from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.data.shards import Dataset, list_datasets, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.distributed import DistInfo, on_rank0
@@ -82,12 +82,13 @@ class Evaluator:
         if cfg.eval_interval == 0:
             return
         names = list_datasets(cfg.eval_data_path, cfg.eval_datasets)
-        entries = on_rank0(lambda: scan(cfg.eval_data_path, names, cfg.file_type, cfg.col_name), DataError,
+        layout = layout_of(cfg)
+        entries = on_rank0(lambda: scan(cfg.eval_data_path, names, layout), DataError,
                            lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=1))
         packing = packing_of(cfg, vocab_size)
         limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
         for name in names:
-            lines = eval_lines(Dataset(name, Path(cfg.eval_data_path), entries[name], cfg.col_name), packing, limit)
+            lines = eval_lines(Dataset(name, Path(cfg.eval_data_path), entries[name], layout), packing, limit)
             self.lines[name] = lines[info.rank :: info.world_size]
             self.forwards[name] = -(-len(lines) // (info.world_size * self.batch))
 

@@ -32,6 +32,7 @@ from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
+from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.distributed import (LAUNCHER_DIED, DistInfo, exit_with_parent, init_distributed, lost_peer,
                                   world_from_env)
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
@@ -57,6 +58,8 @@ def check_config(cfg: train_config) -> None:
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
     _, world_size, _, local_world_size = world_from_env()
     mesh_shape(cfg, world_size, local_world_size)
+    if cfg.tokenizer_path is not None:
+        check_tokenizer(cfg)
 
 
 def log(info: DistInfo, message: str) -> None:

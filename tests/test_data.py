@@ -1,5 +1,9 @@
-"""The Arrow/Parquet loader: coverage, mixing, packing, stripping, exact resume, rescaling, errors."""
+"""The Arrow/Parquet loader: coverage, mixing, packing, stripping, exact resume, rescaling, errors; raw
+text datasets (JSON lines, Parquet text) pass the same tests, spelled so that they tokenize to the same
+documents."""
 
+import gzip
+import json
 import pickle
 import re
 from collections import Counter
@@ -39,6 +43,39 @@ def write_rows(path: Path, docs: list[list[int]], rows_per_batch: int = 7) -> No
                 w.write_batch(batch)
 
 
+TEXT_LAYOUTS = ("jsonl", "jsonl.gz", "text_parquet")
+
+
+def write_tokenizer(path: Path, vocab: int = 4000, appends: list[int] = ()) -> Path:
+    """A word-level tokenizer.json in which word t<i> is token i (raw text spells its token ids); it
+    appends the tokens `appends` to a text when asked for its special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({**{f"t{i}": i for i in range(vocab)}, "[UNK]": vocab}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if appends:
+        tail = " ".join(f"t{i}" for i in appends)
+        tok.post_processor = processors.TemplateProcessing(single=f"$A {tail}",
+                                                           special_tokens=[(f"t{i}", i) for i in appends])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def spell(doc: list[int]) -> str:
+    return " ".join(f"t{t}" for t in doc)
+
+
+def write_text(path: Path, docs: list[list[int]], rows_per_group: int = 7) -> None:
+    """Documents as raw text: JSON lines (gzipped when the name ends in .gz) or a Parquet text column."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.table({"text": [spell(d) for d in docs]}), path, row_group_size=rows_per_group)
+        return
+    data = "".join(json.dumps({"id": k, "text": spell(d)}) + "\n" for k, d in enumerate(docs)).encode()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+
+
 def make_docs(first_id: int, n: int, seed: int) -> list[list[int]]:
     """Document k is the token k repeated 1..40 times: every token names its document."""
     rng = np.random.default_rng(seed)
@@ -46,10 +83,15 @@ def make_docs(first_id: int, n: int, seed: int) -> list[list[int]]:
 
 
 def write_dataset(root: Path, name: str, docs: list[list[int]], layout: str = "arrow", files: int = 3) -> None:
-    """layout: arrow (fms-fsdp's), rows_arrow or parquet (one row per document)."""
+    """layout: arrow (fms-fsdp's), rows_arrow or parquet (one row per document), or raw text: jsonl,
+    jsonl.gz or text_parquet (with root/tokenizer.json, which cfg() then passes as --tokenizer_path)."""
+    if layout in TEXT_LAYOUTS:
+        write_tokenizer(root / "tokenizer.json")
     for f, part in enumerate(np.array_split(np.arange(len(docs)), files)):
         chunk = [docs[i] for i in part]
-        if layout == "arrow":
+        if layout in TEXT_LAYOUTS:
+            write_text(root / name / f"part{f}.{'parquet' if layout == 'text_parquet' else layout}", chunk)
+        elif layout == "arrow":
             write_arrow_docs(root / name / f"sub{f % 2}" / f"part{f}.arrow", chunk)
         else:
             write_rows(root / name / f"part{f}.{'parquet' if layout == 'parquet' else 'arrow'}", chunk)
@@ -58,6 +100,8 @@ def write_dataset(root: Path, name: str, docs: list[list[int]], layout: str = "a
 def cfg(root: Path, **kw):
     base = dict(data_path=str(root), model_variant="tiny", seq_length=16, batch_size=2, logical_shards=8,
                 num_workers=0, seed=7, file_type="auto")
+    if (root / "tokenizer.json").is_file():
+        base["tokenizer_path"] = str(root / "tokenizer.json")
     return make_config(**{**base, **kw})
 
 
@@ -75,7 +119,7 @@ def doc_starts(stream: np.ndarray) -> list[int]:
     return [int(t) for i, t in enumerate(stream) if t != EOS and (i == 0 or stream[i - 1] == EOS)]
 
 
-@pytest.mark.parametrize("layout", ["arrow", "rows_arrow", "parquet"])
+@pytest.mark.parametrize("layout", ["arrow", "rows_arrow", "parquet", *TEXT_LAYOUTS])
 def test_every_document_once_per_epoch_and_epochs_reshuffle(tmp_path, layout):
     docs = make_docs(10, 48, seed=1)  # 48 documents: 8 logical shards of 6
     write_dataset(tmp_path, "web", docs, layout)
@@ -122,9 +166,10 @@ def test_packing_format_and_shift(tmp_path):
         assert len(doc) - 2 == len(docs[doc[1] - 10])
 
 
-def test_separators_already_in_documents_are_stripped(tmp_path):
+@pytest.mark.parametrize("layout", ["arrow", "jsonl"])
+def test_separators_already_in_documents_are_stripped(tmp_path, layout):
     docs = [[EOS, EOS, 50, 51, 50, EOS], [BOS, 60, 7, 60, 7, EOS, EOS, EOS], [7, 70, EOS, 70]] * 4
-    write_dataset(tmp_path, "web", docs, files=1)
+    write_dataset(tmp_path, "web", docs, layout, files=1)
     loader = get_data_loader(cfg(tmp_path, bos_token=BOS, strip_tokens=[7], logical_shards=1, seq_length=7), 0, 1)
     stream = lines_of(take(loader, 10)).reshape(-1).tolist()
     pairs = set(zip(stream, stream[1:]))
@@ -144,10 +189,10 @@ def test_empty_documents_are_skipped_and_nothing_else(tmp_path):
     assert Counter(stream.tolist()) == Counter([t for d in docs for t in d] + [EOS] * len(docs))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_exact_resume(tmp_path, workers):
+@pytest.mark.parametrize("workers, text", [(0, None), (2, None), (2, "jsonl.gz"), (0, "text_parquet")])
+def test_exact_resume(tmp_path, workers, text):
     write_dataset(tmp_path, "a", make_docs(10, 60, 5))
-    write_dataset(tmp_path, "b", make_docs(100, 40, 6), layout="parquet")
+    write_dataset(tmp_path, "b", make_docs(100, 40, 6), layout=text or "parquet")
     c = cfg(tmp_path, num_workers=workers, weights=[2, 1])
     for rank in (0, 1):
         full = take(get_data_loader(c, rank, 2), 13)
@@ -192,6 +237,7 @@ def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
     write_dataset(tmp_path, "a", make_docs(10, 400, 7))
     write_dataset(tmp_path, "b", make_docs(1000, 300, 8), layout="rows_arrow")
     write_dataset(tmp_path, "c", make_docs(2000, 300, 9), layout="parquet")
+    write_dataset(tmp_path, "d", make_docs(3000, 800, 10), layout="jsonl", files=1)  # blocks of 256 lines
     seen: Counter = Counter()
     (w1, n1), (w2, n2) = before, after
     old = []
@@ -208,7 +254,7 @@ def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
     assert sum(seen.values()) > 1500
-    assert {t // 1000 for t in seen} == {0, 1, 2}  # all three datasets and layouts were read
+    assert {t // 1000 for t in seen} == {0, 1, 2, 3}  # all four datasets and layouts were read
 
 
 def test_loader_state_is_small(tmp_path):

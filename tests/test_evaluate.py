@@ -11,7 +11,7 @@ import pytest
 
 from fms_fsdp.config import parse_args
 from fms_fsdp.data.build import packing_of
-from fms_fsdp.data.shards import Dataset, scan
+from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
 from fms_fsdp.train import evaluate_main
@@ -55,8 +55,9 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
 
 def test_eval_lines_and_flags(data):
     cfg = parse_args([*TINY, "--vocab_size=1024", "--seq_length=16"])
-    entries = scan(str(data), ["web"], "auto", cfg.col_name)
-    web = Dataset("web", data, entries["web"], cfg.col_name)
+    layout = Layout("auto", cfg.col_name)
+    entries = scan(str(data), ["web"], layout)
+    web = Dataset("web", data, entries["web"], layout)
     lines = eval_lines(web, packing_of(cfg, 1024), None)
     assert lines.shape[1] == 17 and (lines[:-1] >= 0).all()  # only the last line is padded
     stream = lines.reshape(-1)

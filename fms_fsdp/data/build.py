@@ -10,10 +10,11 @@ from typing import Union
 from fms_fsdp.config import train_config
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
-from fms_fsdp.data.shards import Dataset, list_datasets, scan
+from fms_fsdp.data.shards import Dataset, Layout, list_datasets, scan
 from fms_fsdp.data.stream import Packing
+from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
 from fms_fsdp.distributed import on_rank0
-from fms_fsdp.errors import DataError
+from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.models import get_model_config
 
 
@@ -28,9 +29,13 @@ def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[Stat
         raise DataError(f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
                         f"{', '.join(names)}; give one weight per dataset or set --datasets", every_rank=True)
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
-    entries = on_rank0(lambda: scan(cfg.data_path, names, cfg.file_type, cfg.col_name), DataError,
+    layout = layout_of(cfg)
+    if layout.text is not None and rank == 0:
+        for note in check_tokenizer(cfg):
+            print(note, flush=True)
+    entries = on_rank0(lambda: scan(cfg.data_path, names, layout), DataError,
                        lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
-    datasets = [Dataset(n, Path(cfg.data_path), entries[n], cfg.col_name) for n in names]
+    datasets = [Dataset(n, Path(cfg.data_path), entries[n], layout) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(datasets, weights, packing_of(cfg, vocab), cfg.batch_size, cfg.logical_shards, cfg.seed,
                           rank, world_size, cfg.num_workers)
@@ -41,3 +46,29 @@ def packing_of(cfg: train_config, vocab_size: int) -> Packing:
     strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
     return Packing(cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip),
                    vocab_size)
+
+
+def layout_of(cfg: train_config) -> Layout:
+    """Which files the datasets hold and how they are read, from cfg."""
+    text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
+    return Layout(cfg.file_type, cfg.col_name, text)
+
+
+def check_tokenizer(cfg: train_config) -> list[str]:
+    """--tokenizer_path loads and fits the model's vocabulary (ConfigError otherwise); returns notes on
+    how raw text will be framed, for the log."""
+    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    vocab = get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab:
+        raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} has {size} tokens but {cfg.model_variant}'s "
+                          f"vocabulary is {vocab}; set --vocab_size={size} (or larger)")
+    before, after = added_tokens(tokenizer)
+    notes = []
+    if after and cfg.eos_token not in after:
+        notes.append(f"warning: the tokenizer ends a text with token(s) {after}, but --eos_token={cfg.eos_token} "
+                     f"separates raw text documents; set --eos_token={after[-1]} if that is its end-of-text token")
+    if before and cfg.bos_token is None:
+        notes.append(f"note: the tokenizer starts a text with token(s) {before}; raw text documents get no bos "
+                     f"token unless --bos_token is set (e.g. --bos_token={before[0]})")
+    return notes

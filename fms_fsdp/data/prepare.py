@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import codecs
 import glob
-import gzip
 import hashlib
 import json
 import os
@@ -34,6 +33,8 @@ from tqdm import tqdm
 
 from fms_fsdp.atomic import fsync_path, write_text_atomic
 from fms_fsdp.data.shards import FileEntry, write_counts
+from fms_fsdp.data.text import check_text, encode, open_binary, parse_line, text_column, tokenizer_json
+from fms_fsdp.data.text import load_tokenizer as text_tokenizer
 from fms_fsdp.errors import ConfigError, DataError, first_line
 
 EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
@@ -87,59 +88,20 @@ def find_inputs(spec: str) -> list[Path]:
 
 def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
     """Records of a JSON-lines file (gzipped or not); blank lines are ignored."""
-    with (gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")) as f:
+    with open_binary(path) as f:
         for n, line in enumerate(f, 1):
-            if n == 1:
-                line = line.removeprefix(codecs.BOM_UTF8)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                yield n, None, "invalid UTF-8"
-                continue
-            except json.JSONDecodeError:
-                yield n, None, "invalid JSON"
-                continue
-            if not isinstance(record, dict):
-                yield n, None, "not a JSON object"
-                continue
-            yield n, *check_text(record.get(text_field), text_field)
-
-
-def check_text(text: object, text_field: str) -> tuple[Optional[str], Optional[str]]:
-    """(text, None) for a usable string, else (None, why not)."""
-    if text is None:
-        return None, f"missing {text_field!r}"
-    if not isinstance(text, str):
-        return None, f"{text_field!r} is not a string"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate from a \ud800-style escape
-        return None, "invalid UTF-8"
-    return (text, None) if text else (None, "empty text")
+            if line.strip():
+                yield n, *parse_line(line, text_field)
 
 
 def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
     """Records of the text_field column of a Parquet file, read batch by batch."""
     pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                       "set --text_field")
-    ctype = pf.schema_arrow.field(text_field).type
-    binary = pa.types.is_binary(ctype) or pa.types.is_large_binary(ctype)
-    if not (binary or pa.types.is_string(ctype) or pa.types.is_large_string(ctype)):
-        raise DataError(f"{path}: column {text_field!r} has type {ctype}, not text; set --text_field")
+    text_column(pf, path, text_field)
     n = 0
     for batch in pf.iter_batches(columns=[text_field]):
         for value in batch.column(0).to_pylist():
             n += 1
-            if binary and value is not None:
-                try:
-                    value = value.decode("utf-8")
-                except UnicodeDecodeError:
-                    yield n, None, "invalid UTF-8"
-                    continue
             yield n, *check_text(value, text_field)
 
 
@@ -172,26 +134,15 @@ def tokenizer_file(spec: str) -> Optional[Path]:
     """tokenizer.json of --tokenizer (None for the byte tokenizer)."""
     if not spec:
         raise ConfigError("--tokenizer is required: a folder holding tokenizer.json, or byte")
-    if spec == "byte":
-        return None
-    path = Path(spec)
-    path = path if path.is_file() else path / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(f"--tokenizer={spec}: no tokenizer.json there (give a folder holding one, or byte)")
-    return path
+    return None if spec == "byte" else tokenizer_json(spec, "tokenizer")
 
 
 def load_tokenizer(path: Optional[Path]) -> Callable[[str], pa.Array]:
     """text -> uint32 token ids, without special tokens (the loader adds the separators)."""
     if path is None:
         return lambda text: pa.array(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32))
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for a bad file
-        raise ConfigError(f"--tokenizer: cannot load {path} ({first_line(e)})") from None
-    return lambda text: pa.array(tok.encode(text, add_special_tokens=False).ids, type=pa.uint32())
+    tok = text_tokenizer(str(path), "tokenizer")
+    return lambda text: pa.array(encode(tok, text), type=pa.uint32())
 
 
 _encode: Callable[[str], pa.Array]

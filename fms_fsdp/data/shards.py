@@ -4,7 +4,8 @@ once when absent) and zero-copy random access to documents.
 Two layouts are read, in Arrow IPC files and Parquet:
 - fms-fsdp's: one record batch per document, one token per row in an integer column (Arrow only);
 - one row per document, a list-of-integers column (what Hugging Face datasets and pyarrow write).
-Arrow files are memory-mapped: a document is a view of the file's pages, never a copy.
+Arrow files are memory-mapped: a document is a view of the file's pages, never a copy. With
+--tokenizer_path, raw text files (JSON lines, Parquet text columns) are read too: data/text.py.
 """
 
 from __future__ import annotations
@@ -14,32 +15,51 @@ import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
 from fms_fsdp.errors import DataError, first_line
 
 EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
 CACHED_COUNTS = "counts_fms_fsdp_cache.csv"
+TEXT_INDEX = "text_index_fms_fsdp_cache.json"
 _OPEN_FILES = 128
 # record batches / row groups kept at once: a reader reads one block per active shard at a time
 DECODED_BLOCKS = 12
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which files a dataset folder holds and how they are read: --file_type, --col_name and, for raw
+    text, --tokenizer_path with --text_field (JSON-lines files, and Parquet files without --col_name)."""
+
+    file_type: str
+    col_name: str
+    text: Optional[TextSpec] = None
+
+    @property
+    def extensions(self) -> tuple[str, ...]:
+        return EXTENSIONS[self.file_type] + (JSONL if self.text is not None else ())
 
 
 @dataclass
 class FileEntry:
     path: str  # relative to data_path, with a leading slash: /dataset/sub/f.arrow
     documents: int
-    tokens: int
+    tokens: int  # estimated for raw text
+    text: Optional[TextIndex] = None  # raw text files: how they are read
 
 
 class ShardFile:
     """Random access to the documents of one shard file."""
+
+    sequential = False  # blocks can be read in any order
 
     def __init__(self, path: Path, col_name: str):
         self.path, self.col = path, col_name
@@ -97,6 +117,12 @@ class ShardFile:
             column = self._ipc.get_batch(b).column(self._col_index)
         return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
 
+    @staticmethod
+    def row(block: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
+        """Tokens of row r of a block (rows layout)."""
+        values, offsets = block
+        return values[offsets[r]: offsets[r + 1]]
+
     def document(self, j: int) -> np.ndarray:
         """Tokens of document j, fms-fsdp's layout (a read-only view of the mapped file)."""
         return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
@@ -114,26 +140,46 @@ class ShardFile:
             yield np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
 
 
+def is_text(path: Path, layout: Layout) -> bool:
+    """Whether a file holds raw text: JSON lines, or Parquet without the token column when reading text."""
+    if is_jsonl(path):
+        return True
+    if layout.text is None or path.suffix != ".parquet":
+        return False
+    try:
+        return layout.col_name not in pq.read_schema(path, memory_map=True).names
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
+
+
+def open_shard(path: Path, entry: FileEntry, layout: Layout) -> Union[ShardFile, TextFile]:
+    """A file of a dataset, opened for reading its documents."""
+    if entry.text is not None:
+        assert layout.text is not None
+        return TextFile(path, entry.text, layout.text)
+    return ShardFile(path, layout.col_name)
+
+
 class Dataset:
     """The documents of one dataset folder, addressed by a global index [0, documents)."""
 
-    def __init__(self, name: str, root: Path, entries: list[FileEntry], col_name: str):
-        self.name, self.root, self.entries, self.col = name, root, entries, col_name
+    def __init__(self, name: str, root: Path, entries: list[FileEntry], layout: Layout):
+        self.name, self.root, self.entries, self.layout = name, root, entries, layout
         self.starts = np.concatenate([[0], np.cumsum([e.documents for e in entries], dtype=np.int64)])
         self.documents = int(self.starts[-1])
         self.tokens = sum(e.tokens for e in entries)
-        self._open: OrderedDict[int, ShardFile] = OrderedDict()
-        self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, Union[ShardFile, TextFile]] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
     def path(self, i: int) -> Path:
         """Where shard file number i is on disk."""
         return self.root / self.entries[i].path.lstrip("/")
 
-    def file(self, i: int) -> ShardFile:
+    def file(self, i: int) -> Union[ShardFile, TextFile]:
         """Shard file number i, opened on first use (the most recently used stay open)."""
         f = self._open.get(i)
         if f is None:
-            f = ShardFile(self.path(i), self.col)
+            f = open_shard(self.path(i), self.entries[i], self.layout)
             if len(self._open) >= _OPEN_FILES:
                 self._open.popitem(last=False)
             self._open[i] = f
@@ -142,7 +188,8 @@ class Dataset:
         return f
 
     def read(self, file: int, j: int) -> np.ndarray:
-        """Tokens of document j of file number `file` (a read-only view for Arrow files)."""
+        """Tokens of document j of file number `file` (a read-only view for Arrow files; tokenized now
+        for raw text)."""
         f = self.file(file)
         if not f.rows_layout:
             return f.document(j)
@@ -156,8 +203,7 @@ class Dataset:
             self._blocks[key] = block
         else:
             self._blocks.move_to_end(key)
-        values, offsets = block
-        return values[offsets[row]: offsets[row + 1]]
+        return f.row(block, row)
 
     def __getstate__(self) -> dict:  # open files stay behind when sent to a worker process
         return {**self.__dict__, "_open": OrderedDict(), "_blocks": OrderedDict()}
@@ -208,29 +254,42 @@ def write_counts(path: Path, entries: list[FileEntry]) -> None:
     write_text_atomic(path, text.getvalue())
 
 
-def shard_paths(folder: Path, file_type: str) -> list[Path]:
+def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ...]] = None) -> list[Path]:
     """The shard files under a dataset folder, sorted; hidden files and folders (temporary files of a
     preparation in progress) are not shards."""
-    files = sorted(p for ext in EXTENSIONS[file_type] for p in folder.rglob(f"*{ext}")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    extensions = extensions or EXTENSIONS[file_type]
+    files = sorted({p for ext in extensions for p in folder.rglob(f"*{ext}")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)})
     if not files:
-        raise DataError(f"{folder}: no {' or '.join(EXTENSIONS[file_type])} files (--file_type={file_type})",
+        hint = "" if JSONL[0] in extensions else "; raw text (.jsonl, .jsonl.gz, .json.gz) needs --tokenizer_path"
+        raise DataError(f"{folder}: no {' or '.join(extensions)} files (--file_type={file_type}){hint}",
                         every_rank=True)
     return files
 
 
-def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dict[str, list[FileEntry]]:
+def scan(data_path: str, names: list[str], layout: Layout) -> dict[str, list[FileEntry]]:
     """Every shard of every dataset with its counts: validated by opening each file; counts from
-    meta/*counts*.csv where listed and right, computed otherwise and cached in meta/."""
+    meta/*counts*.csv where listed and right, computed otherwise and cached in meta/. Raw text files
+    are indexed (cached in meta/ too); their bad records are reported, by file."""
     root = Path(data_path)
     known = read_counts(data_path)
+    texts = None if layout.text is None else IndexCache(root / "meta" / TEXT_INDEX, layout.text)
     result: dict[str, list[FileEntry]] = {}
     computed = False
     for name in names:
         entries = []
-        for path in shard_paths(root / name, file_type):
+        for path in shard_paths(root / name, layout.file_type, layout.extensions):
             rel = "/" + path.relative_to(root).as_posix()
-            shard = ShardFile(path, col_name)
+            if is_text(path, layout):
+                if texts is None:
+                    raise DataError(f"{path}: raw text needs --tokenizer_path (a Hugging Face tokenizer)")
+                index = texts.get(rel, path)
+                entries.append(FileEntry(rel, index.documents, index.tokens, index))
+                if index.bad:
+                    reasons = ", ".join(f"{why} {n}" for why, n in sorted(index.bad.items()))
+                    print(f"note: {path}: {sum(index.bad.values())} bad records skipped ({reasons})", flush=True)
+                continue
+            shard = ShardFile(path, layout.col_name)
             entry = known.get(rel)
             if entry is None or entry.documents != shard.documents:
                 entry, computed = FileEntry(rel, shard.documents, shard.count_tokens()), True
@@ -238,9 +297,11 @@ def scan(data_path: str, names: list[str], file_type: str, col_name: str) -> dic
         if sum(e.documents for e in entries) == 0:
             raise DataError(f"{root / name}: the dataset has no documents")
         result[name] = entries
+    if texts is not None:
+        texts.save()
     if computed:
         try:
-            write_counts(root / "meta" / CACHED_COUNTS, [e for es in result.values() for e in es])
+            write_counts(root / "meta" / CACHED_COUNTS, [e for es in result.values() for e in es if e.text is None])
         except OSError:
             pass  # a read-only data folder: counts are recomputed next time
     return result

@@ -70,12 +70,15 @@ class ShardPlan:
 
     def __init__(self, ds: Dataset, n_shards: int, shard: int, seed: int, ds_index: int):
         self.shard, self.seed, self.ds_index = shard, seed, ds_index
+        self.sequential = False  # a gzipped text file: blocks in file order
         lo, hi = shard_bounds(ds.documents, n_shards, shard)
         first, last = (int(np.searchsorted(ds.starts, d, side="right") - 1) for d in (lo, hi - 1))
         files, starts, seg_blocks = [], [], []  # per file segment: file, block starts (file-local docs)
         for f in range(first, last + 1):
             a, b = max(lo, int(ds.starts[f])) - int(ds.starts[f]), min(hi, int(ds.starts[f + 1])) - int(ds.starts[f])
-            groups = ds.file(f).row_groups if ds.entries[f].path.endswith(".parquet") else None
+            shard_file = ds.file(f)
+            groups = shard_file.row_groups
+            self.sequential = self.sequential or shard_file.sequential
             if groups is None:
                 cuts = np.arange(a, b + 1)
             else:
@@ -88,7 +91,10 @@ class ShardPlan:
         self.n_blocks = int(self.first_block[-1])
 
     def order(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """The blocks read at `positions` of the shard's epoch."""
+        """The blocks read at `positions` of the shard's epoch (in file order where a file cannot seek;
+        the documents inside each block are shuffled all the same)."""
+        if self.sequential:
+            return positions.astype(np.int64)
         return permute(positions, self.n_blocks, round_keys(self.seed, self.ds_index, self.shard, epoch))
 
     def blocks(self, ids: np.ndarray) -> list[tuple[int, int, int, int]]:

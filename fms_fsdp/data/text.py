@@ -1,0 +1,337 @@
+"""Raw text read on the fly: JSON-lines files (.jsonl, .jsonl.gz, .json.gz) and Parquet text columns,
+tokenized document by document in the loader workers with a Hugging Face tokenizer (`tokenizers`,
+loaded offline, special tokens never added: the loader frames documents with --bos_token/--eos_token).
+
+Rank 0 indexes each text file once at start-up (cached in <data_path>/meta/, keyed by the file's size
+and mtime, --text_field and the tokenizer): its documents (one per line or row), the byte offset of
+every BLOCK_DOCS-th line of a plain .jsonl file, its bad records by reason, and its tokens, estimated
+from its first documents. A block of a plain .jsonl file is read by seeking to its offset; a gzipped
+file cannot seek, so its blocks are read in file order from streams that only move forward (a shard
+holding one reads its blocks in order and shuffles the documents inside each block); a Parquet file's
+blocks are its row groups. A bad record (not JSON, no text field, not UTF-8, empty) is an empty
+document, which the loader skips.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import json
+import os
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fms_fsdp.errors import ConfigError, DataError, first_line
+
+JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
+BLOCK_DOCS = 256  # documents per block of a JSON-lines file
+_SAMPLE_BYTES = 32768  # text tokenized per file (its first documents) to estimate its tokens
+_STREAMS = 8  # open forward-only streams per gzipped file
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """How raw text becomes tokens: --tokenizer_path and --text_field."""
+
+    tokenizer_path: str
+    text_field: str
+
+
+@dataclass
+class TextIndex:
+    """What rank 0 learned of a text file at start-up."""
+
+    documents: int
+    tokens: int  # estimated from the first documents
+    offsets: list[int] = field(default_factory=list)  # byte offset of each block (plain .jsonl only)
+    bad: dict[str, int] = field(default_factory=dict)  # skipped records by reason
+
+
+# ---------------------------------------------------------------- records
+
+
+def check_text(text: object, text_field: str) -> tuple[Optional[str], Optional[str]]:
+    """(text, None) for a usable string, else (None, why not)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "invalid UTF-8"
+    if text is None:
+        return None, f"missing {text_field!r}"
+    if not isinstance(text, str):
+        return None, f"{text_field!r} is not a string"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a \ud800-style escape
+        return None, "invalid UTF-8"
+    return (text, None) if text else (None, "empty text")
+
+
+def parse_line(line: bytes, text_field: str) -> tuple[Optional[str], Optional[str]]:
+    """The text of one JSON line as (text, None), or (None, why it is skipped)."""
+    try:
+        record = json.loads(line.removeprefix(codecs.BOM_UTF8).decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "invalid UTF-8"
+    except json.JSONDecodeError:
+        return None, "invalid JSON"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    return check_text(record.get(text_field), text_field)
+
+
+def open_binary(path: Path) -> Any:
+    """A JSON-lines file opened for reading bytes, gunzipped on the fly when its name ends in .gz."""
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def is_jsonl(path: Union[Path, str]) -> bool:
+    return str(path).lower().endswith(JSONL)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def tokenizer_json(spec: str, flag: str) -> Path:
+    """The tokenizer.json named by a flag: the file itself or a folder holding one."""
+    path = Path(spec)
+    path = path if path.is_file() else path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"--{flag}={spec}: no tokenizer.json there (give a Hugging Face tokenizer folder or file)")
+    return path
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(spec: str, flag: str = "tokenizer_path") -> Any:
+    """A `tokenizers.Tokenizer` (one per process and path). In the loader workers each tokenizes on one
+    thread: parallelism comes from the workers (TOKENIZERS_PARALLELISM, when set, wins)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(f"--{flag} needs the tokenizers package: pip install tokenizers") from None
+    path = tokenizer_json(spec, flag)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a bad file
+        raise ConfigError(f"--{flag}: cannot load {path} ({first_line(e)})") from None
+
+
+def tokenizer_fingerprint(spec: str) -> str:
+    return hashlib.sha256(tokenizer_json(spec, "tokenizer_path").read_bytes()).hexdigest()[:16]
+
+
+def encode(tokenizer: Any, text: str) -> np.ndarray:
+    """Token ids of a text, without the tokenizer's special tokens."""
+    return np.array(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def added_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(ids the tokenizer puts before a text, ids it appends) when asked for its special tokens, which
+    the loader never asks for: it frames documents itself, with exactly one --eos_token each."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start: start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
+
+
+# ---------------------------------------------------------------- index
+
+
+def index_file(path: Path, spec: TextSpec) -> TextIndex:
+    """Read a text file once: documents, block offsets, bad records, estimated tokens. A file that cannot
+    be read at all is a DataError naming it."""
+    tokenizer = load_tokenizer(spec.tokenizer_path)
+    try:
+        return _index_jsonl(path, spec, tokenizer) if is_jsonl(path) else _index_parquet(path, spec, tokenizer)
+    except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
+        raise DataError(f"{path}: cannot read it ({first_line(e)}); fix or remove this file") from None
+
+
+def _refuse_if_all_bad(path: Path, records: int, bad: Counter, text_field: str) -> None:
+    """A file of records none of which has text is a mistake (often --text_field), not bad records."""
+    if bad and sum(bad.values()) == records:
+        reasons = ", ".join(f"{why} {n}" for why, n in bad.most_common())
+        raise DataError(f"{path}: none of its {records} records has text ({reasons}); check --text_field "
+                        f"(now {text_field!r}) and the file")
+
+
+def _estimate(sample: list[str], sample_bytes: int, total_bytes: int, tokenizer: Any) -> int:
+    tokens = sum(len(t) for t in tokenizer.encode_batch(sample, add_special_tokens=False))
+    return round(tokens * total_bytes / sample_bytes) if sample_bytes else 0
+
+
+def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
+    offsets, bad, sample = [], Counter(), []
+    offset, documents, good_bytes, sample_bytes = 0, 0, 0, 0
+    with open_binary(path) as f:
+        for line in f:
+            if documents % BLOCK_DOCS == 0:
+                offsets.append(offset)
+            documents, offset = documents + 1, offset + len(line)
+            if not line.strip():
+                continue
+            text, reason = parse_line(line, spec.text_field)
+            if text is None:
+                bad[reason] += 1
+                continue
+            good_bytes += len(line)
+            if sample_bytes < _SAMPLE_BYTES:
+                sample.append(text)
+                sample_bytes += len(line)
+    _refuse_if_all_bad(path, documents, bad, spec.text_field)
+    tokens = _estimate(sample, sample_bytes, good_bytes, tokenizer)
+    return TextIndex(documents, tokens, [] if path.name.lower().endswith(".gz") else offsets, dict(bad))
+
+
+def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
+    """Refuse a Parquet file without a text column named --text_field."""
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); set --text_field "
+                        "(raw text) or --col_name (token ids)")
+    ctype = schema.field(text_field).type
+    if not any(check(ctype) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+                                          pa.types.is_large_binary)):
+        raise DataError(f"{path}: column {text_field!r} has type {ctype}, not text; set --text_field")
+
+
+def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
+    pf = pq.ParquetFile(path)
+    text_column(pf, path, spec.text_field)
+    bad, sample, good_bytes, sample_bytes = Counter(), [], 0, 0
+    for g in range(pf.num_row_groups):
+        for value in pf.read_row_group(g, columns=[spec.text_field]).column(0).to_pylist():
+            text, reason = check_text(value, spec.text_field)
+            if text is None:
+                bad[reason] += 1
+                continue
+            good_bytes += len(text)
+            if sample_bytes < _SAMPLE_BYTES:
+                sample.append(text)
+                sample_bytes += len(text)
+    _refuse_if_all_bad(path, pf.metadata.num_rows, bad, spec.text_field)
+    tokens = _estimate(sample, sample_bytes, good_bytes, tokenizer)
+    return TextIndex(pf.metadata.num_rows, tokens, [], dict(bad))
+
+
+class IndexCache:
+    """<data_path>/meta/text_index_fms_fsdp_cache.json: text indexes of earlier start-ups, valid while the
+    file's size and mtime, --text_field and the tokenizer are the same."""
+
+    def __init__(self, path: Path, spec: TextSpec):
+        self.path, self.spec = path, spec
+        self.key = {"text_field": spec.text_field, "tokenizer": tokenizer_fingerprint(spec.tokenizer_path)}
+        try:
+            data = json.loads(path.read_text())
+            self.files: dict[str, dict] = data["files"] if data.get("version") == INDEX_VERSION else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.files = {}
+        self.changed = False
+
+    def get(self, rel: str, path: Path) -> TextIndex:
+        """The index of file `path` (rel: its name under data_path), from the cache or read now."""
+        stat = path.stat()
+        key = {**self.key, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        known = self.files.get(rel)
+        if known is not None and all(known.get(k) == v for k, v in key.items()):
+            return TextIndex(known["documents"], known["tokens"], known["offsets"], known["bad"])
+        if not self.changed:
+            print(f"note: indexing raw text files (once: cached in {self.path})", flush=True)
+        index = index_file(path, self.spec)
+        self.files[rel] = {**key, "documents": index.documents, "tokens": index.tokens, "offsets": index.offsets,
+                           "bad": index.bad}
+        self.changed = True
+        return index
+
+    def save(self) -> None:
+        """Write the cache atomically; a read-only data folder is left alone (indexed again next time)."""
+        from fms_fsdp.atomic import write_text_atomic
+
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.path, json.dumps({"version": INDEX_VERSION, "files": self.files}))
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- reading
+
+
+class TextFile:
+    """Random access, by blocks, to the documents of one text file, as token ids."""
+
+    rows_layout = True
+
+    def __init__(self, path: Path, index: TextIndex, spec: TextSpec):
+        self.path, self.spec, self.documents = path, spec, index.documents
+        self.offsets = index.offsets
+        self.jsonl = is_jsonl(path)
+        self.sequential = self.jsonl and not index.offsets and index.documents > 0
+        if self.jsonl:
+            self.row_groups = np.append(np.arange(0, index.documents, BLOCK_DOCS), index.documents).astype(np.int64)
+        else:
+            self._pq = pq.ParquetFile(path, memory_map=True)
+            rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
+            self.row_groups = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+        self._streams: list[tuple[int, Any]] = []  # (next line, gzip stream), most recently used last
+        self._tokenizer = load_tokenizer(spec.tokenizer_path)
+
+    def block_of(self, j: int) -> tuple[int, int]:
+        """(block, row in it) of document j."""
+        block = int(np.searchsorted(self.row_groups, j, side="right") - 1)
+        return block, j - int(self.row_groups[block])
+
+    def block(self, b: int) -> Union[list[bytes], pa.Array]:
+        """The raw records of block b: lines of a JSON-lines file, or a Parquet row group's text column."""
+        if not self.jsonl:
+            return self._pq.read_row_group(b, columns=[self.spec.text_field]).column(0).combine_chunks()
+        first, n = int(self.row_groups[b]), int(self.row_groups[b + 1] - self.row_groups[b])
+        try:
+            if self.sequential:
+                return self._read_forward(first, n)
+            with open(self.path, "rb") as f:
+                f.seek(self.offsets[b])
+                return [f.readline() for _ in range(n)]
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{self.path}: cannot read it ({first_line(e)})") from None
+
+    def _read_forward(self, first: int, n: int) -> list[bytes]:
+        """n lines from line `first` of a gzipped file: from the open stream furthest along that has not
+        passed it, or a new one."""
+        behind = [k for k, (line, _) in enumerate(self._streams) if line <= first]
+        if behind:
+            line, stream = self._streams.pop(max(behind, key=lambda k: self._streams[k][0]))
+        else:
+            if len(self._streams) >= _STREAMS:
+                self._streams.pop(0)[1].close()
+            line, stream = 0, open_binary(self.path)
+        for _ in range(first - line):
+            stream.readline()
+        lines = [stream.readline() for _ in range(n)]
+        self._streams.append((first + n, stream))
+        return lines
+
+    def row(self, block: Union[list[bytes], pa.Array], r: int) -> np.ndarray:
+        """Token ids of record r of a block; none for a bad record or a blank line."""
+        if self.jsonl:
+            line = block[r]
+            text = parse_line(line, self.spec.text_field)[0] if line.strip() else None
+        else:
+            text = check_text(block[r].as_py(), self.spec.text_field)[0]
+        return encode(self._tokenizer, text) if text else np.empty(0, np.int64)
