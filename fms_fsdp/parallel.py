@@ -1,6 +1,6 @@
-"""How the model is parallelised: the data-parallel DeviceMesh, selective activation
-checkpointing, per-block torch.compile (and the compiled loss), FSDP2 (fully_shard) with bf16 mixed
-precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP2 over a 2-D
+"""How the model is parallelised: the data-parallel DeviceMesh, float8 Linear layers (float8.py),
+selective activation checkpointing, per-block torch.compile (and the compiled loss), FSDP2
+(fully_shard) with bf16 mixed precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP2 over a 2-D
 (replicate, shard) mesh of different shapes.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from fms.models.llama import LLaMA
@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import DistInfo, collective_timeout
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.float8 import convert_to_float8
 from fms_fsdp.loss import chunk_loss
 
 
@@ -128,9 +129,16 @@ def apply_compile(model: LLaMA) -> None:
     model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 
 
-def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Optional[int]:
-    """Activation checkpointing, then compile, then FSDP2, in torchtitan's order. Returns how many
-    blocks are checkpointed (None when activation checkpointing is off)."""
+class Parallelized(NamedTuple):
+    checkpointed: Optional[int]  # blocks whose activations are checkpointed; None when off
+    float8: int  # Linear layers converted to float8
+
+
+def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Parallelized:
+    """Float8 conversion, activation checkpointing, then compile, then FSDP2, in torchtitan's order."""
+    n_float8 = 0
+    if cfg.float8:
+        n_float8 = convert_to_float8(model, cfg, mesh.device_type, mesh["shard"].size() > 1)
     n_ckpt = None
     if cfg.fsdp_activation_checkpointing:
         n_ckpt = apply_activation_checkpointing(model, parse_fraction("selective_checkpointing", cfg.selective_checkpointing),
@@ -138,7 +146,7 @@ def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Optional[i
     if cfg.use_torch_compile:
         apply_compile(model)
     apply_fsdp(model, mesh, cfg.mixed_precision)
-    return n_ckpt
+    return Parallelized(n_ckpt, n_float8)
 
 
 def set_gradient_sync(model: FSDPModule, last_micro_batch: bool) -> None:

@@ -34,13 +34,14 @@ from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.distributed import (LAUNCHER_DIED, DistInfo, exit_with_parent, init_distributed, lost_peer,
-                                  world_from_env)
+                                  resolve_device, world_from_env)
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
                              resolve_variant)
+from fms_fsdp.float8 import check_float8, float8_all_gather, scale_hook
 from fms_fsdp.optim import build_optimizer, clip_gradients
 from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_sync
 from fms_fsdp.profiling import check_profiler, maybe_profiler
@@ -56,8 +57,9 @@ def check_config(cfg: train_config) -> None:
     uses them; ConfigError before any process group, model or data is touched."""
     resolve_variant(cfg.model_variant)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
-    _, world_size, _, local_world_size = world_from_env()
+    _, world_size, local_rank, local_world_size = world_from_env()
     mesh_shape(cfg, world_size, local_world_size)
+    check_float8(cfg, resolve_device(cfg.device, local_rank))
     if cfg.tokenizer_path is not None:
         check_tokenizer(cfg)
 
@@ -125,16 +127,23 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
     model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
-    n_ckpt = parallelize(model, cfg, mesh)
+    done = parallelize(model, cfg, mesh)
     if cfg.low_cpu_fsdp:
         model.to_empty(device=info.device)
         init_weights(model, cfg.seed)
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    n_ckpt = done.checkpointed
     log(info, f"model {cfg.model_variant}: {count_params(model_config):,} parameters ({held:,} held by rank 0), "
               f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
               f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks, {cfg.ac_mode}'}, "
-              f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
+              f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}"
+              + (f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers" if cfg.float8 else ""))
+    if cfg.float8 and done.float8 == 0:
+        log(info, f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
+                  "features in and out")
     optimizer = build_optimizer(model, cfg, info.device)
+    if float8_all_gather(cfg, mesh["shard"].size() > 1):
+        optimizer.register_step_post_hook(scale_hook(model))
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,6 +55,22 @@ _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
 _LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
 # a whole model from one file: read on rank 0 only, each rank receives its shards
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict tensor as checkpoints hold it: a wrapper subclass (the weights of float8 training
+    with float8 all-gather) becomes the plain tensor it wraps, sharing its storage, so a checkpoint is
+    the same with and without float8 and loads into either."""
+    if isinstance(value, DTensor):
+        local = plain_tensor(value._local_tensor)
+        if local is value._local_tensor:
+            return value
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return getattr(value, names[0])
+    return value
 
 
 class Checkpointer:
@@ -130,7 +148,7 @@ class Checkpointer:
 
     def _state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model_state": model_sd, "optimizer_state": optim_sd}
+        return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
         """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""

@@ -1,0 +1,64 @@
+"""Float8 training through torchao (--float8), emulated on CPU: which layers convert, a run trains
+close to the plain one, FSDP2's float8 all-gather works, and checkpoints and exports keep their format:
+a float8 run resumes without float8 and the reverse."""
+
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from fms_fsdp.config import make_config
+from fms_fsdp.float8 import convert_to_float8
+from fms_fsdp.models import build_model, get_model_config
+
+from conftest import TINY, train_here
+from test_checkpoint import losses, run, weights
+
+FLOAT8 = ["--float8=True", "--float8_min_size=16"]
+
+
+def converted(min_size: int) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = build_model(get_model_config("tiny", 256), torch.device("meta"))
+    convert_to_float8(model, make_config(model_variant="tiny", float8=True, float8_min_size=min_size), "cpu", False)
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def test_the_blocks_linear_layers_of_the_chosen_size_convert_and_never_the_head():
+    names = converted(16)
+    assert len(names) == 16 and all(n.startswith("base_model.layers.") for n in names)
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"qkv_fused", "dense", "wg1_fused", "w2"}
+    assert converted(512) == []  # tiny's layers have 256 features in or out
+    assert not any("head" in n for n in converted(16))
+
+
+def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
+    args = ["--num_steps=8", "--learning_rate=1e-3", "--batch_size=4"]
+    plain = [r["loss"] for r in train_here(tmp_path / "plain", args)]
+    float8 = [r["loss"] for r in train_here(tmp_path / "float8", [*args, *FLOAT8])]
+    rel = [abs(a - b) / b for a, b in zip(float8, plain)]
+    assert max(rel) < 0.02, rel  # within 2% at every step
+    assert max(rel) > 1e-4, rel  # and not the plain run: the matmuls really are in float8
+
+
+def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
+    """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors."""
+    base = [*TINY, "--num_steps=4", "--checkpoint_interval=2", "--sharding_strategy=fsdp", "--report_interval=1",
+            "--export_model_at_end=True", "--learning_rate=1e-3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run([*base, f"--ckpt_save_path={a}", *FLOAT8])
+    shutil.copytree(a, b)
+    exported = load_file(str(a / "model_step_4.safetensors"))
+    saved = weights(a / "checkpoints" / "step_4_ckp")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k].float(), saved[k].float()) for k in saved)
+    run([*base, f"--ckpt_save_path={a}", "--num_steps=6"])  # resumes without float8
+    run([*base, f"--ckpt_save_path={b}", "--num_steps=6", *FLOAT8])  # the same steps in float8
+    plain, float8 = losses(a), losses(b)
+    assert all(abs(plain[s] - float8[s]) / float8[s] < 0.02 for s in (5, 6)), (plain, float8)
+    assert plain[5] != float8[5]
+    run([*base, f"--ckpt_save_path={a}", "--num_steps=7", *FLOAT8])  # and back to float8
+    assert max(losses(a)) == 7
+    plain_export = load_file(str(a / "model_step_6.safetensors"))
+    assert {k: (v.dtype, v.shape) for k, v in plain_export.items()} == {k: (v.dtype, v.shape) for k, v in exported.items()}
