@@ -129,6 +129,11 @@ class train_config:
     export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
     tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.")
 
+    # memory plan
+    dry_run: bool = _f(False, "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.")
+    plan_world_size: Optional[int] = _f(None, "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).", min=1)
+    plan_device_memory_gib: Optional[float] = _f(None, "Device memory per rank the plan is checked against, GiB (default: the visible GPU's, else this machine's memory over its ranks).", min=0.001)
+
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
     peak_tflops: Optional[float] = _f(None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0)

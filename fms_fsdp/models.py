@@ -79,14 +79,16 @@ def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Op
 
 class LMHead(LinearClassificationHead):
     """fms's output head; called with labels it returns the mean cross entropy (chunked, see loss.py)
-    instead of the logits. `chunk_fn` is replaced by a compiled copy when the run compiles."""
+    instead of the logits. `chunk_fn` is replaced by a compiled copy when the run compiles;
+    `max_chunk_bytes` (default: by device) is set by the memory plan to trace a GPU's chunks on the CPU."""
 
     chunk_fn: ChunkFn = staticmethod(chunk_loss)
+    max_chunk_bytes: Optional[int] = None
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
-        return chunked_cross_entropy(x, self.weight, labels, self.chunk_fn)
+        return chunked_cross_entropy(x, self.weight, labels, self.chunk_fn, self.max_chunk_bytes)
 
 
 class CausalLM(LLaMA):

@@ -42,6 +42,8 @@ from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
                              resolve_variant)
 from fms_fsdp.float8 import check_float8, float8_all_gather, scale_hook
+from fms_fsdp.memory import fits_or_warning
+from fms_fsdp.memory import report as memory_report
 from fms_fsdp.optim import build_optimizer, clip_gradients
 from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_sync
 from fms_fsdp.profiling import check_profiler, maybe_profiler
@@ -57,11 +59,28 @@ def check_config(cfg: train_config) -> None:
     uses them; ConfigError before any process group, model or data is touched."""
     resolve_variant(cfg.model_variant)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
-    _, world_size, local_rank, local_world_size = world_from_env()
-    mesh_shape(cfg, world_size, local_world_size)
+    _, _, local_rank, _ = world_from_env()
+    mesh_shape(cfg, *planned_world(cfg))
     check_float8(cfg, resolve_device(cfg.device, local_rank))
     if cfg.tokenizer_path is not None:
         check_tokenizer(cfg)
+
+
+def planned_world(cfg: train_config) -> tuple[int, int]:
+    """(world size, ranks per node) of this launch, or the --plan_world_size the plan is for (up to 8
+    ranks per node)."""
+    _, world_size, _, local_world_size = world_from_env()
+    if cfg.plan_world_size is None:
+        return world_size, local_world_size
+    return cfg.plan_world_size, min(cfg.plan_world_size, 8)
+
+
+def dry_run(cfg: train_config) -> None:
+    """--dry_run: rank 0 prints the memory plan; no process group starts, no GPU memory is touched."""
+    check_config(cfg)
+    text = memory_report(cfg, *planned_world(cfg))
+    if world_from_env()[0] == 0:
+        print(text, flush=True)
 
 
 def log(info: DistInfo, message: str) -> None:
@@ -123,6 +142,10 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
 def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Optimizer, Any]:
     """The sharded, initialised model, its AdamW optimizer and LR scheduler."""
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
+    if info.device.type == "cuda" and info.is_main:
+        warning = fits_or_warning(cfg, info.world_size, info.local_world_size)
+        if warning:
+            log(info, warning)
     mesh = build_mesh(cfg, info)
     model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
     if not cfg.low_cpu_fsdp:
@@ -282,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         exit_with_parent(LAUNCHER_DIED)
     cfg = cli_config(argv)
     try:
-        run(cfg)
+        dry_run(cfg) if cfg.dry_run else run(cfg)
     except KNOWN_ERRORS as e:
         exit_on(e)
     except (RuntimeError, dist.DistError) as e:

@@ -2,8 +2,6 @@
 close to the plain one, FSDP2's float8 all-gather works, and checkpoints and exports keep their format:
 a float8 run resumes without float8 and the reverse."""
 
-import shutil
-
 import torch
 from safetensors.torch import load_file
 
@@ -44,21 +42,20 @@ def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
 
 def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
     """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors."""
-    base = [*TINY, "--num_steps=4", "--checkpoint_interval=2", "--sharding_strategy=fsdp", "--report_interval=1",
-            "--export_model_at_end=True", "--learning_rate=1e-3"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    run([*base, f"--ckpt_save_path={a}", *FLOAT8])
-    shutil.copytree(a, b)
-    exported = load_file(str(a / "model_step_4.safetensors"))
-    saved = weights(a / "checkpoints" / "step_4_ckp")
+    out = tmp_path / "run"
+    base = [*TINY, "--checkpoint_interval=2", "--sharding_strategy=fsdp", "--report_interval=1",
+            "--export_model_at_end=True", "--learning_rate=1e-3", f"--ckpt_save_path={out}"]
+    run([*base, "--num_steps=4", *FLOAT8])
+    exported = load_file(str(out / "model_step_4.safetensors"))
+    saved = weights(out / "checkpoints" / "step_4_ckp")
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k].float(), saved[k].float()) for k in saved)
-    run([*base, f"--ckpt_save_path={a}", "--num_steps=6"])  # resumes without float8
-    run([*base, f"--ckpt_save_path={b}", "--num_steps=6", *FLOAT8])  # the same steps in float8
-    plain, float8 = losses(a), losses(b)
-    assert all(abs(plain[s] - float8[s]) / float8[s] < 0.02 for s in (5, 6)), (plain, float8)
-    assert plain[5] != float8[5]
-    run([*base, f"--ckpt_save_path={a}", "--num_steps=7", *FLOAT8])  # and back to float8
-    assert max(losses(a)) == 7
-    plain_export = load_file(str(a / "model_step_6.safetensors"))
+    first = losses(out)
+    assert "resumed from" in run([*base, "--num_steps=6"]).stdout  # without float8
+    assert "resumed from" in run([*base, "--num_steps=7", *FLOAT8]).stdout  # and back
+    after = losses(out)
+    assert after.keys() == set(range(1, 8))
+    # training went on from the saved weights, not from new ones (whose loss is the first step's, 6.1)
+    assert all(after[s] < first[1] - 1.0 for s in (5, 6, 7)), after
+    plain_export = load_file(str(out / "model_step_6.safetensors"))
     assert {k: (v.dtype, v.shape) for k, v in plain_export.items()} == {k: (v.dtype, v.shape) for k, v in exported.items()}

@@ -1,0 +1,292 @@
+"""The memory plan (--dry_run): what one rank will hold at its peak, predicted on the CPU before any
+GPU is touched, for any world size (--plan_world_size) and device (--plan_device_memory_gib).
+
+Parameters, gradients and optimizer state follow from the parameter shapes (built on the meta device)
+and FSDP2's sharding: fp32 master shards (each parameter's first dimension padded to the shard size),
+fp32 gradient shards, AdamW's two fp32 moments. FSDP2 holds whole, in the compute dtype: the block in
+use and the one prefetched, the last block and the final norm with the head (kept from forward to
+backward), and one block's unsharded gradients before their reduce-scatter. Activations are not
+counted from a formula: a 1- and a 2-block copy of the model, in the compute dtype, runs forward and
+backward on fake tensors (no memory, no compute) under torch's MemTracker, at micro-batches 1 and 2,
+for each activation-checkpointing mode; what stays alive after forward gives, per block and outside
+the blocks, what autograd saves, and the head's forward gives the loss's working set. Activations
+grow linearly in the micro-batch, so the plan extends to any batch size and checkpointing fraction.
+
+The predicted peak is params + optimizer + in-flight blocks + the larger of (activations + loss) at
+the end of forward and the gradient shards at the end of backward, plus one block's recomputation
+when blocks are checkpointed. A plan fits when the peak is at most 90% of the device's memory (the
+rest for the CUDA context, communication buffers and allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
+from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.parallel import apply_activation_checkpointing, checkpointed_blocks, mesh_shape
+
+HEADROOM = 0.9  # of the device's memory a plan may use
+GIB = 2**30
+FIELDS = ("params", "grads", "optimizer", "gathered", "activations", "loss", "peak", "device")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes alive after forward, linear in the micro-batch B: outside the blocks, per block (one per
+    checkpointing mode: none, block, op), and the loss's (saved and transient)."""
+
+    outside: tuple[float, float]  # (at B=0, per sample)
+    per_block: dict[str, tuple[float, float]]
+    loss_saved: tuple[float, float]  # the gradients the chunked loss computes in forward
+    loss_transient: tuple[float, float]  # one chunk's logits and their gradient
+
+    @staticmethod
+    def at(line: tuple[float, float], batch: int) -> int:
+        return int(line[0] + line[1] * batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes one rank holds, by kind, and whether its peak fits the device."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+    loss: int  # saved for backward and transient
+    peak: int
+    device: int
+    loss_saved: int
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= HEADROOM * self.device
+
+    def line(self) -> str:
+        """The one machine-readable line."""
+        values = " ".join(f"{name}_bytes={getattr(self, name)}" for name in FIELDS)
+        return f"PLAN {values} fits={str(self.fits).lower()}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What activations depend on: the model, the sequence length and the compute dtype."""
+
+    variant: str
+    vocab_size: Optional[int]
+    seq_length: int
+    mixed_precision: bool
+    gpu: bool  # the loss's chunks are sized for a GPU
+
+
+def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int, int]:
+    """(activation bytes alive after forward outside the loss, loss bytes saved, loss transient peak) of
+    a `blocks`-block copy of the model at micro-batch `batch`, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    config = get_model_config(shape.variant, shape.vocab_size, shape.seq_length).updated(nlayers=blocks)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if shape.mixed_precision else torch.float32)
+    try:
+        with FakeTensorMode():
+            model = build_model(config, torch.device("cpu"))
+            model.head.max_chunk_bytes = CUDA_CHUNK_BYTES if shape.gpu else CHUNK_BYTES
+            if mode != "none":
+                apply_activation_checkpointing(model, Fraction(1), mode)
+            tokens = torch.zeros(batch, shape.seq_length, dtype=torch.long)
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                before = tracker.get_tracker_snapshot("current")
+                loss = model(tokens, labels=tokens)
+                after = tracker.get_tracker_snapshot("current")
+                loss.backward()
+            head = tracker.memory_tracking[model.head].snapshots
+    finally:
+        torch.set_default_dtype(dtype)
+    (device,) = after
+
+    def total(snapshot: list) -> int:
+        return snapshot[-1][device]["Total"]
+
+    saved = total(head[_ModState.POST_FW]) - total(head[_ModState.PRE_FW])
+    transient = total(head[_ModState.PEAK_FW]) - total(head[_ModState.POST_FW])
+    alive = after[device].get("Activation", 0) - before[device].get("Activation", 0)
+    return alive - saved, saved, transient
+
+
+def _line(at1: float, at2: float) -> tuple[float, float]:
+    """(value at B=0, per sample) through the values at B=1 and B=2."""
+    return 2 * at1 - at2, at2 - at1
+
+
+@lru_cache(maxsize=8)
+def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
+    """Activations of the model for the given checkpointing modes ('none' always)."""
+    runs = {(mode, blocks, batch): _traced(shape, mode, blocks, batch)
+            for mode in dict.fromkeys(("none", *modes)) for blocks in (1, 2) for batch in (1, 2)}
+    one, two = ([runs["none", 1, b][0] for b in (1, 2)], [runs["none", 2, b][0] for b in (1, 2)])
+    per_block = {}
+    for mode in dict.fromkeys(("none", *modes)):
+        deltas = [runs[mode, 2, b][0] - runs[mode, 1, b][0] for b in (1, 2)]
+        per_block[mode] = _line(*deltas)
+    outside = _line(*(o - (t - o) for o, t in zip(one, two)))
+    saved = _line(*(runs["none", 1, b][1] for b in (1, 2)))
+    transient = _line(*(runs["none", 1, b][2] for b in (1, 2)))
+    return Activations(outside, per_block, saved, transient)
+
+
+def _numel_sharded(shape: torch.Size, shards: int) -> int:
+    """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count."""
+    return math.ceil(shape[0] / shards) * math.prod(shape[1:]) if len(shape) else 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the plan varies: the micro-batch and the activation checkpointing."""
+
+    batch: int
+    checkpointing: bool
+    fraction: Fraction
+    mode: str
+
+    def flags(self) -> str:
+        if not self.checkpointing or self.fraction == 0:
+            return f"--batch_size={self.batch} --fsdp_activation_checkpointing=False"
+        return (f"--batch_size={self.batch} --fsdp_activation_checkpointing=True "
+                f"--selective_checkpointing={self.fraction} --ac_mode={self.mode}")
+
+
+def setting_of(cfg: train_config) -> Setting:
+    return Setting(cfg.batch_size, cfg.fsdp_activation_checkpointing,
+                   parse_fraction("selective_checkpointing", cfg.selective_checkpointing), cfg.ac_mode)
+
+
+class Planner:
+    """Plans of one model and mesh for any micro-batch and checkpointing setting."""
+
+    def __init__(self, cfg: train_config, world_size: int, local_world_size: int, device_bytes: int):
+        self.cfg, self.world_size, self.device_bytes = cfg, world_size, device_bytes
+        self.replicate, self.shards = mesh_shape(cfg, world_size, local_world_size)
+        config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
+        model = build_model(config, torch.device("meta"))
+        self.n_blocks = config.nlayers
+        held = sum(_numel_sharded(p.shape, self.shards) for p in model.parameters())
+        block = sum(p.numel() for p in model.base_model.layers[0].parameters())
+        head = sum(p.numel() for p in [*model.base_model.dec_norm.parameters(), *model.head.parameters()])
+        compute = 2 if cfg.mixed_precision else 4
+        self.params = self.grads = 4 * held
+        self.optimizer = 2 * 4 * held
+        # the block in use, the one prefetched, the last block and the head kept gathered, and one
+        # block's unsharded gradients
+        self.gathered = compute * (4 * block + head)
+
+    def plan(self, setting: Setting) -> Plan:
+        cfg = self.cfg
+        shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu")
+        acts = trace_activations(shape, ("block", "op"))
+        chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
+        per_block = {mode: Activations.at(line, setting.batch) for mode, line in acts.per_block.items()}
+        activations = (Activations.at(acts.outside, setting.batch) + chosen * per_block[setting.mode]
+                       + (self.n_blocks - chosen) * per_block["none"])
+        saved = Activations.at(acts.loss_saved, setting.batch)
+        loss = saved + Activations.at(acts.loss_transient, setting.batch)
+        recompute = per_block["none"] if chosen else 0
+        peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
+        return Plan(self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak,
+                    self.device_bytes, saved)
+
+    def largest_batch(self, setting: Setting) -> int:
+        """The largest micro-batch that fits with this checkpointing (0: not even one)."""
+        lo, hi = 0, 1
+        while hi <= 1 << 16 and self.plan(Setting(hi, setting.checkpointing, setting.fraction, setting.mode)).fits:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            fits = self.plan(Setting(mid, setting.checkpointing, setting.fraction, setting.mode)).fits
+            lo, hi = (mid, hi) if fits else (lo, mid)
+        return lo
+
+    def least_checkpointing(self, batch: int) -> Optional[Setting]:
+        """The cheapest checkpointing, in recomputation, that fits this micro-batch (None: none does)."""
+        candidates = [Setting(batch, False, Fraction(0), "block")]
+        candidates += [Setting(batch, True, f, "op") for f in (Fraction(1, 2), Fraction(1))]
+        candidates += [Setting(batch, True, Fraction(k, 4), "block") for k in range(1, 5)]
+        return next((s for s in candidates if self.plan(s).fits), None)
+
+
+def device_memory(cfg: train_config, local_world_size: int) -> tuple[int, str]:
+    """(bytes, what they are) of one rank's device: --plan_device_memory_gib, else the visible GPU,
+    else this machine's memory shared by its ranks."""
+    if cfg.plan_device_memory_gib is not None:
+        return int(cfg.plan_device_memory_gib * GIB), "--plan_device_memory_gib"
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, props.name
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // local_world_size, f"this machine's memory / {local_world_size} ranks"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f} GiB"
+
+
+def report(cfg: train_config, world_size: int, local_world_size: int) -> str:
+    """The plan of the run cfg describes, as printed by --dry_run: a table, suggestions, the PLAN line."""
+    device_bytes, device_name = device_memory(cfg, local_world_size)
+    planner = Planner(cfg, world_size, local_world_size, device_bytes)
+    setting = setting_of(cfg)
+    plan = planner.plan(setting)
+    compute = "bf16" if cfg.mixed_precision else "fp32"
+    chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
+    rows = [
+        ("parameters (fp32 master shards)", plan.params),
+        ("gradients (fp32 shards)", plan.grads),
+        ("optimizer state (AdamW, 2 x fp32)", plan.optimizer),
+        (f"blocks gathered in flight ({compute}, prefetch included)", plan.gathered),
+        ("activations saved for backward", plan.activations),
+        ("loss working set", plan.loss),
+        ("predicted peak", plan.peak),
+        (f"device ({device_name})", plan.device),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh (replicate, shard) = "
+             f"({planner.replicate}, {planner.shards}), micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
+             f"{compute}, activation checkpointing: "
+             + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")]
+    lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within "
+                 f"{HEADROOM:.0%})")
+    largest = planner.largest_batch(setting)
+    more_ranks = "none: shard over more ranks (--sharding_strategy=fsdp, a larger --sharding_group_size)"
+    lines.append("largest micro-batch that fits with this checkpointing: "
+                 + (f"--batch_size={largest}" if largest else "none"))
+    least = planner.least_checkpointing(cfg.batch_size)
+    lines.append(f"least checkpointing that fits --batch_size={cfg.batch_size}: "
+                 + (least.flags().split(" ", 1)[1] if least else
+                    "none does: lower --batch_size" if cfg.batch_size > 1 else more_ranks))
+    lines.append(plan.line())
+    return "\n".join(lines)
+
+
+def fits_or_warning(cfg: train_config, world_size: int, local_world_size: int) -> Optional[str]:
+    """None when the run's plan fits its device, else the start-up warning."""
+    device_bytes, device_name = device_memory(cfg, local_world_size)
+    plan = Planner(cfg, world_size, local_world_size, device_bytes).plan(setting_of(cfg))
+    if plan.fits:
+        return None
+    return (f"warning: the memory plan predicts a peak of {plan.peak / GIB:.1f} GiB per rank, more than "
+            f"{HEADROOM:.0%} of {device_name}'s {device_bytes / GIB:.1f} GiB: this run will likely run out of "
+            "memory; `python main_training.py --dry_run=True <these flags>` shows the plan and what fits")

@@ -1,0 +1,101 @@
+"""The memory plan (--dry_run): its activations against what autograd really saves in whole models
+(tiny and small, every checkpointing mode, a micro-batch it did not trace), the dry run's output, its
+suggestions and the start-up warning."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+from fms_fsdp.config import make_config
+from fms_fsdp.memory import Planner, Setting, fits_or_warning
+from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.parallel import apply_activation_checkpointing
+from fms_fsdp.train import main
+
+BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
+
+
+def measured(variant: str, setting: Setting) -> tuple[int, int]:
+    """Whole real model on the CPU, fp32: (activation bytes alive after forward outside the loss, bytes
+    autograd's saved-tensor hooks see, loss included, without checkpointing)."""
+    model = build_model(get_model_config(variant, None, SEQ), torch.device("cpu"))
+    if setting.checkpointing:
+        apply_activation_checkpointing(model, setting.fraction, setting.mode)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.zeros(setting.batch, SEQ, dtype=torch.long)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        before = tracker.get_tracker_snapshot("current")
+        loss = model(tokens, labels=tokens)
+        after = tracker.get_tracker_snapshot("current")
+    head = tracker.memory_tracking[model.head].snapshots
+    (device,) = after
+    loss_saved = head[_ModState.POST_FW][-1][device]["Total"] - head[_ModState.PRE_FW][-1][device]["Total"]
+    del loss
+    return after[device]["Activation"] - before[device]["Activation"] - loss_saved, sum(saved.values())
+
+
+NONE, HALF_BLOCKS, ALL_OPS = (Setting(BATCH, False, Fraction(0), "block"), Setting(BATCH, True, Fraction(1, 2), "block"),
+                              Setting(BATCH, True, Fraction(1), "op"))
+
+
+@pytest.mark.parametrize("variant, settings", [("tiny", [NONE, HALF_BLOCKS, ALL_OPS]), ("small", [NONE])])
+def test_planned_activations_are_within_10_percent_of_what_autograd_saves(variant, settings):
+    cfg = make_config(model_variant=variant, seq_length=SEQ, batch_size=BATCH, mixed_precision=False, device="cpu")
+    planner = Planner(cfg, 1, 1, 1 << 40)
+    for setting in settings:
+        plan = planner.plan(setting)
+        activations, hooked = measured(variant, setting)
+        assert abs(plan.activations - activations) <= 0.1 * activations, (setting, plan.activations, activations)
+        if not setting.checkpointing:  # the hooks see inside no checkpointed block
+            assert abs(plan.activations + plan.loss_saved - hooked) <= 0.1 * hooked, (plan, hooked)
+
+
+def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsys):
+    flags = ["--dry_run=True", "--model_variant=llama3_70b", "--plan_world_size=512", "--seq_length=8192",
+             "--batch_size=1", "--fsdp_activation_checkpointing=True", "--plan_device_memory_gib=80"]
+    main([*flags, "--sharding_strategy=fsdp"])
+    out = capsys.readouterr().out.splitlines()
+    plan_lines = [line for line in out if line.startswith("PLAN ")]
+    assert len(plan_lines) == 1 and out[-1] == plan_lines[0]
+    fields = dict(item.split("=") for item in plan_lines[0].split()[1:])
+    assert list(fields) == ["params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes", "activations_bytes",
+                            "loss_bytes", "peak_bytes", "device_bytes", "fits"]
+    assert fields["fits"] == "true" and int(fields["device_bytes"]) == 80 * 2**30
+    assert int(fields["params_bytes"]) == pytest.approx(70.6e9 * 4 / 512, rel=0.01)  # fp32 shards of 70.6B
+    assert int(fields["optimizer_bytes"]) == 2 * int(fields["params_bytes"])
+    assert any(line.strip().startswith("activations saved for backward") for line in out)
+    main([*flags, "--sharding_strategy=hsdp"])  # sharded over a node of 8 only: 16 bytes x 70B / 8 > 80 GiB
+    out = capsys.readouterr().out
+    assert "fits=false" in out and "does NOT fit" in out and "shard over more ranks" in out
+
+
+def test_suggestions_are_the_edge_of_what_fits():
+    cfg = make_config(model_variant="small", seq_length=512, batch_size=16, plan_device_memory_gib=4.0)
+    planner = Planner(cfg, 1, 1, 4 << 30)
+    plain = Setting(16, False, Fraction(0), "block")
+    assert not planner.plan(plain).fits
+    largest = planner.largest_batch(plain)
+    assert planner.plan(Setting(largest, False, Fraction(0), "block")).fits
+    assert not planner.plan(Setting(largest + 1, False, Fraction(0), "block")).fits
+    least = planner.least_checkpointing(16)
+    assert least is not None and planner.plan(least).fits and least.checkpointing
+    assert "--batch_size=16 --fsdp_activation_checkpointing=True" in least.flags()
+
+
+def test_a_run_that_will_not_fit_is_warned_about():
+    small = make_config(model_variant="tiny", seq_length=256, plan_device_memory_gib=0.01)
+    warning = fits_or_warning(small, 2, 2)
+    assert warning.startswith("warning: the memory plan predicts a peak of") and "--dry_run=True" in warning
+    assert fits_or_warning(make_config(model_variant="tiny", seq_length=256, plan_device_memory_gib=100), 2, 2) is None
