@@ -95,7 +95,7 @@ def test_suggestions_are_the_edge_of_what_fits():
 
 
 def test_a_run_that_will_not_fit_is_warned_about():
-    small = make_config(model_variant="tiny", seq_length=256, plan_device_memory_gib=0.01)
-    warning = fits_or_warning(small, 2, 2)
+    tight = make_config(model_variant="small", seq_length=512, plan_device_memory_gib=0.5)  # traced above
+    warning = fits_or_warning(tight, 2, 2)
     assert warning.startswith("warning: the memory plan predicts a peak of") and "--dry_run=True" in warning
-    assert fits_or_warning(make_config(model_variant="tiny", seq_length=256, plan_device_memory_gib=100), 2, 2) is None
+    assert fits_or_warning(make_config(model_variant="small", seq_length=512, plan_device_memory_gib=100), 2, 2) is None
