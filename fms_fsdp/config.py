@@ -129,6 +129,12 @@ class train_config:
     export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
     tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.")
 
+    # LoRA
+    lora_rank: int = _f(0, "LoRA: train rank-r adapters of --lora_targets, every other weight frozen, from --ckpt_load_path (0: train every weight).", min=0)
+    lora_alpha: float = _f(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank.", min=0.0)
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (< 1).", min=0.0)
+    lora_targets: list[str] = _f(["qkv_fused", "dense", "wg1_fused", "w2"], "LoRA: the block layers adapted (fms names: qkv_fused = q/k/v, dense = attention output, wg1_fused = gate/up, w2 = down).")
+
     # memory plan
     dry_run: bool = _f(False, "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.")
     plan_world_size: Optional[int] = _f(None, "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).", min=1)
@@ -365,7 +371,7 @@ def validate(cfg: train_config) -> None:
                 raise ConfigError(f"--{name}: {v!r} is not one of {', '.join(str(c) for c in choices)}")
             if low is not None and not isinstance(v, str) and v < low:
                 raise ConfigError(f"--{name}: must be >= {low}, got {v}")
-    for name in ("adam_beta1", "adam_beta2"):
+    for name in ("adam_beta1", "adam_beta2", "lora_dropout"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
     if cfg.lr_cycles > cfg.num_steps:

@@ -71,7 +71,13 @@ def hf_config(cfg: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int],
     }
 
 
-def _rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+# Hugging Face's projection modules, under model.layers.<i>.
+HF_PROJECTIONS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                  "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                  "down_proj": "mlp.down_proj"}
+
+
+def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Inverse of fms's _hf_to_fms_rope: fms rotates interleaved pairs, HF the two halves."""
     heads = t.size(0) // head_dim
     return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
@@ -85,8 +91,8 @@ def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[
     for kind in ("weight", "bias"):
         if f"attn.in_proj.qkv_fused.{kind}" in sd:
             q, k, v = torch.split(sd[f"attn.in_proj.qkv_fused.{kind}"], [cfg.emb_dim, kv, kv], dim=0)
-            out[h + f"self_attn.q_proj.{kind}"] = _rope_fms_to_hf(q, head_dim)
-            out[h + f"self_attn.k_proj.{kind}"] = _rope_fms_to_hf(k, head_dim)
+            out[h + f"self_attn.q_proj.{kind}"] = rope_fms_to_hf(q, head_dim)
+            out[h + f"self_attn.k_proj.{kind}"] = rope_fms_to_hf(k, head_dim)
             out[h + f"self_attn.v_proj.{kind}"] = v
         if f"ff_sub_layer.wg1_fused.{kind}" in sd:
             gate, up = torch.split(sd[f"ff_sub_layer.wg1_fused.{kind}"], hidden_dim(cfg), dim=0)  # fused as [wg, w1]

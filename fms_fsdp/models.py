@@ -135,7 +135,11 @@ def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generat
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if p_name == "bias" or isinstance(module, LayerNormParameterized):
+            if p_name in ("lora_A", "lora_B"):  # an adapter starts as nothing: B = 0 (A as PEFT draws it)
+                bound = 1 / math.sqrt(module.in_features)
+                rules[full] = ((lambda t, g: t.zero_()) if p_name == "lora_B" else
+                               (lambda t, g, b=bound: t.uniform_(-b, b, generator=g)))
+            elif p_name == "bias" or isinstance(module, LayerNormParameterized):
                 rules[full] = (lambda t, g: t.zero_()) if p_name == "bias" else (lambda t, g: t.fill_(1.0))
             elif module is model.head:
                 std = 1 / math.sqrt(math.sqrt(cfg.emb_dim * cfg.src_vocab_size))

@@ -21,10 +21,12 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
     """AdamW parameter groups: every weight decays when `decay_all`, else only the matrices of the
     linear layers (norms, biases and embeddings are exempt)."""
     if decay_all:
-        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     decay, exempt = [], []
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:  # frozen (LoRA's base weights): no optimizer state
+                continue
             linear = isinstance(module, nn.Linear) and name == "weight"
             (decay if linear else exempt).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]

@@ -42,6 +42,7 @@ from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
                              resolve_variant)
 from fms_fsdp.float8 import check_float8, float8_all_gather, scale_hook
+from fms_fsdp.lora import add_adapters, check_lora
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.optim import build_optimizer, clip_gradients
@@ -62,6 +63,7 @@ def check_config(cfg: train_config) -> None:
     _, _, local_rank, _ = world_from_env()
     mesh_shape(cfg, *planned_world(cfg))
     check_float8(cfg, resolve_device(cfg.device, local_rank))
+    check_lora(cfg)
     if cfg.tokenizer_path is not None:
         check_tokenizer(cfg)
 
@@ -148,6 +150,7 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
             log(info, warning)
     mesh = build_mesh(cfg, info)
     model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
+    n_lora = add_adapters(model, cfg) if cfg.lora_rank else 0
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
     done = parallelize(model, cfg, mesh)
@@ -160,7 +163,10 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
               f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
               f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks, {cfg.ac_mode}'}, "
               f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}"
-              + (f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers" if cfg.float8 else ""))
+              + (f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers" if cfg.float8 else "")
+              + (f", LoRA rank {cfg.lora_rank} on {n_lora} layers, "
+                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters held"
+                 if cfg.lora_rank else ""))
     if cfg.float8 and done.float8 == 0:
         log(info, f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
                   "features in and out")
@@ -203,8 +209,10 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
     evaluator = Evaluator(cfg, info, get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size)
     model, optimizer, scheduler = build(cfg, info)
     checkpointer = Checkpointer(cfg, info, model, optimizer, scheduler, loader)
+    if cfg.lora_rank:  # the frozen base is not in this run's checkpoints: it is loaded at every start
+        checkpointer.load_model(cfg.ckpt_load_path)
     start, tokens_seen = checkpointer.resume() or (0, 0)
-    if start == 0 and cfg.ckpt_load_path:
+    if start == 0 and cfg.ckpt_load_path and not cfg.lora_rank:
         checkpointer.load_model(cfg.ckpt_load_path)
     if start >= cfg.num_steps:
         log(info, f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
@@ -263,7 +271,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         log(info, f"stopping after step {step} on {stopped}: {outcome}")
     elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main)
+        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main,
+                             cfg)
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=checkpointer.group)

@@ -12,7 +12,7 @@ import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.lora import merged, write_peft_adapter
 from fms_fsdp.models import CausalLM
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
@@ -43,13 +44,27 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
     return target
 
 
-def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_main: bool) -> Path:
-    """Gather the sharded model to rank 0's CPU one tensor at a time and write it there. Every rank
-    calls it; the others do not wait for the write."""
+def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_main: bool, cfg: train_config) -> Path:
+    """Gather the sharded model to rank 0's CPU one tensor at a time and write it there (with LoRA: the
+    merged model, and the PEFT adapter folder adapter_step_<N> next to it). Every rank calls it; the
+    others do not wait for the write."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
-        write_safetensors(full, target, metadata={"step": str(step)})
+        write_safetensors(merged(full, cfg) if cfg.lora_rank else full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
+        if cfg.lora_rank:
+            adapter = write_adapter_folder(full, model.config, cfg, target.with_name(f"adapter_step_{step}"))
+            print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
+    return target
+
+
+def write_adapter_folder(state: dict[str, torch.Tensor], config: Any, cfg: train_config, target: Path) -> Path:
+    """The PEFT adapter folder of a LoRA model's full state, written under a temporary name and renamed."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_peft_adapter(state, config, cfg, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
     return target
 
 
@@ -126,10 +141,13 @@ class PeriodicExporter:
         target = self.root / f"step_{step}"
         tmp = self.root / f".step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        model = merged(state, self.cfg) if self.cfg.lora_rank else state
         if self.cfg.export_format == "hf":
-            self._write_hf(state, tmp)
+            self._write_hf(model, tmp)
         else:
-            write_safetensors(state, tmp / "model.safetensors", metadata={"step": str(step)})
+            write_safetensors(model, tmp / "model.safetensors", metadata={"step": str(step)})
+        if self.cfg.lora_rank:  # and the adapter, for PEFT
+            write_peft_adapter(state, self.model.config, self.cfg, tmp / "adapter")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
         print(f"checkpoint: exported the model of step {step} to {target}", flush=True)

@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import time
+from dataclasses import replace
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,6 +47,7 @@ from fms_fsdp.checkpoint.reader import SafeReader, read_model
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.lora import is_adapter
 from fms_fsdp.optim import keep_kernels
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
@@ -88,6 +90,9 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.stager = staging_buffers(info.device) if cfg.async_checkpoint else None
+        # with LoRA the frozen base is not saved: it comes from --ckpt_load_path at every start
+        # (the loaded state then lacks the frozen keys: DCP's load already refused a checkpoint lacking others)
+        self._options = StateDictOptions(ignore_frozen_params=bool(cfg.lora_rank), strict=not cfg.lora_rank)
 
     # ---------------------------------------------------------------- save
 
@@ -147,7 +152,8 @@ class Checkpointer:
             self._failed(tmp, e)
 
     def _state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """What a checkpoint holds of the model and optimizer: what trains (with LoRA, the adapters)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
         return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
@@ -221,7 +227,7 @@ class Checkpointer:
         dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.group)
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
-                       optim_state_dict=state["optimizer_state"])
+                       optim_state_dict=state["optimizer_state"], options=self._options)
         keep_kernels(self.optimizer, *kernels)
         meta = torch.load(path / "metadata.pth", weights_only=True)
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -250,14 +256,14 @@ class Checkpointer:
             if p.is_dir() and (p / "config.json").is_file():
                 check_hf_config(read_hf_config(str(p)), self.model.config, str(p))  # on every rank: same verdict
                 full = read_hf_model(str(p), self.model.config) if self.info.is_main else {}
-                set_model_state_dict(self.model, full, options=_FROM_RANK0)
+                self._set_base(full, _FROM_RANK0)
             elif p.is_dir():
-                state = {"model_state": get_model_state_dict(self.model)}
+                state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
                 dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
-                set_model_state_dict(self.model, state["model_state"])
+                self._set_base(state["model_state"], StateDictOptions())
             else:
                 full = read_model(p) if self.info.is_main else {}
-                set_model_state_dict(self.model, full, options=_FROM_RANK0)
+                self._set_base(full, _FROM_RANK0)
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, dcp.CheckpointException) as e:
@@ -265,6 +271,13 @@ class Checkpointer:
                                   f" (vocab {self.model.config.src_vocab_size}): {first_line(e)}") from None
         if self.info.is_main:
             print(f"checkpoint: model initialised from {path}", flush=True)
+
+    def _set_base(self, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
+        """Load the model's weights; only LoRA's adapters may be missing (they start from their init)."""
+        result = set_model_state_dict(self.model, state, options=replace(options, strict=False))
+        missing = [k for k in result.missing_keys if not is_adapter(k)]
+        if missing or result.unexpected_keys:
+            raise KeyError(f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
 
     # ---------------------------------------------------------------- agreement
 

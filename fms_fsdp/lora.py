@@ -1,0 +1,134 @@
+"""LoRA fine-tuning (--lora_rank > 0): the chosen Linear layers of every block gain two small trainable
+matrices, lora_A [r, in] and lora_B [out, r], and compute W x + (alpha / r) B A dropout(x); every other
+weight is frozen, so it holds no gradient and no optimizer state, and checkpoints hold only the
+adapters (and their optimizer state). The base weights come from --ckpt_load_path at every start.
+
+A layer keeps its class's name and its parameters' names (its class becomes a subclass that adds the
+adapter, as activation checkpointing does), so the base weights load and export under their usual
+keys. Exports are the merged model (W + (alpha / r) B A), in every format the run exports, and a PEFT
+adapter folder (adapter_config.json, adapter_model.safetensors) for the Hugging Face base model: the
+fused q/k/v and gate/up adapters are split as the weights are, lora_A shared by the parts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from fms.models.llama import LLaMAConfig
+from torch import nn
+
+from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError
+
+# --lora_targets: fms's names of the blocks' projections, and the Hugging Face modules each becomes
+TARGETS = {"qkv_fused": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",), "wg1_fused": ("gate_proj", "up_proj"),
+           "w2": ("down_proj",)}
+ADAPTER = ("lora_A", "lora_B")
+
+
+class LoRAMixin:
+    """What a Linear layer gains; mixed into its class by add_adapters."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_scale: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)  # type: ignore[attr-defined]
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return out + (h @ self.lora_A.t() @ self.lora_B.t()) * self.lora_scale
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def check_lora(cfg: train_config) -> None:
+    """--lora_* flags that make sense together (ConfigError)."""
+    if not cfg.lora_rank:
+        return
+    if not cfg.ckpt_load_path:
+        raise ConfigError("--lora_rank needs the model to adapt: set --ckpt_load_path (a Hugging Face folder, a "
+                          "checkpoint of this package or an export)")
+    unknown = [t for t in cfg.lora_targets if t not in TARGETS]
+    if unknown or not cfg.lora_targets:
+        raise ConfigError(f"--lora_targets: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                          f"{', '.join(TARGETS)} (q/k/v, attention output, gate/up, down projections)")
+
+
+def add_adapters(model: nn.Module, cfg: train_config) -> int:
+    """Give the --lora_targets layers of every block their adapters (uninitialised: init_weights fills
+    lora_A, and lora_B with zeros) and freeze every other parameter. Returns the adapted layers."""
+    count = 0
+    for name, module in model.named_modules():
+        if not (".layers." in f".{name}" and name.rsplit(".", 1)[-1] in cfg.lora_targets):
+            continue
+        assert isinstance(module, nn.Linear), name
+        cls = type(module)
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(cls.__name__, (LoRAMixin, cls), {})
+        module.__class__ = _CLASSES[cls]
+        device = module.weight.device
+        module.lora_A = nn.Parameter(torch.empty(cfg.lora_rank, module.in_features, device=device))
+        module.lora_B = nn.Parameter(torch.empty(module.out_features, cfg.lora_rank, device=device))
+        module.lora_scale, module.lora_dropout = cfg.lora_alpha / cfg.lora_rank, cfg.lora_dropout
+        count += 1
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER)
+    return count
+
+
+def is_adapter(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in ADAPTER
+
+
+def merged(state: dict[str, torch.Tensor], cfg: train_config) -> dict[str, torch.Tensor]:
+    """A full model state without adapters: each adapted weight becomes W + (alpha / r) B A."""
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for key in state:
+        if key.endswith(".lora_A"):
+            layer = key.removesuffix(".lora_A")
+            a, b = state[key].float(), state[f"{layer}.lora_B"].float()
+            weight = out[f"{layer}.weight"]
+            out[f"{layer}.weight"] = (weight.float() + (cfg.lora_alpha / cfg.lora_rank) * b @ a).to(weight.dtype)
+    return out
+
+
+def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, cfg: train_config, out: Path) -> Path:
+    """A PEFT LoRA adapter folder for the Hugging Face form of the model, from a full state with adapters."""
+    from safetensors.torch import save_file
+
+    from fms_fsdp.hf import HF_PROJECTIONS, hidden_dim, rope_fms_to_hf
+
+    head_dim = config.emb_dim // config.nheads
+    kv = (config.kvheads or config.nheads) * head_dim
+    splits = {"qkv_fused": [config.emb_dim, kv, kv], "wg1_fused": [hidden_dim(config)] * 2}
+    tensors: dict[str, torch.Tensor] = {}
+    for key in state:
+        if not key.endswith(".lora_A"):
+            continue
+        layer = key.removesuffix(".lora_A")  # base_model.layers.<i>.<path>.<name>
+        i, name = int(layer.split(".")[2]), layer.rsplit(".", 1)[-1]
+        a, b = state[key], state[f"{layer}.lora_B"]
+        parts = torch.split(b, splits[name], dim=0) if name in splits else (b,)
+        for hf_name, part in zip(TARGETS[name], parts):
+            if hf_name in ("q_proj", "k_proj"):
+                part = rope_fms_to_hf(part, head_dim)  # rows follow the weights' rotary layout
+            prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
+            tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
+            tensors[f"{prefix}.lora_B.weight"] = part.contiguous()
+    targets = sorted({hf for name in cfg.lora_targets for hf in TARGETS[name]})
+    adapter_config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": str(cfg.ckpt_load_path), "inference_mode": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return out
