@@ -43,7 +43,12 @@ def rss_anon_mb() -> float:
 
 def rss_anon_children_mb() -> float:
     """RssAnon of this process's children (the loader workers), the largest."""
-    pids = [p for task in Path("/proc/self/task").iterdir() for p in (task / "children").read_text().split()]
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids += (task / "children").read_text().split()
+        except OSError:  # a thread that just ended
+            continue
     sizes = []
     for pid in pids:
         try:

@@ -83,22 +83,31 @@ def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors of fms block i, from its fms tensors (keys without the 'base_model.layers.i.' prefix)."""
+# fms's projections in a block -> Hugging Face's, in the order of their rows in the fms tensor
+FMS_PROJECTIONS = {"attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"), "attn.dense": ("o_proj",),
+                   "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"), "ff_sub_layer.w2": ("down_proj",)}
+
+
+def projection_to_hf(cfg: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF projection name -> its part of a tensor whose rows are fms projection `fms_name`'s outputs (a
+    weight, a bias, or LoRA's B): fused ones split, q and k rows put in HF's rotary order."""
     head_dim = cfg.emb_dim // cfg.nheads
     kv = (cfg.kvheads or cfg.nheads) * head_dim
+    sizes = {"attn.in_proj.qkv_fused": [cfg.emb_dim, kv, kv], "ff_sub_layer.wg1_fused": [hidden_dim(cfg)] * 2}
+    parts = torch.split(rows, sizes[fms_name], dim=0) if fms_name in sizes else (rows,)
+    return {name: rope_fms_to_hf(part, head_dim) if name in ("q_proj", "k_proj") else part
+            for name, part in zip(FMS_PROJECTIONS[fms_name], parts)}
+
+
+def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensors of fms block i, from its fms tensors (keys without the 'base_model.layers.i.' prefix)."""
     out, h = {}, f"model.layers.{i}."
     for kind in ("weight", "bias"):
-        if f"attn.in_proj.qkv_fused.{kind}" in sd:
-            q, k, v = torch.split(sd[f"attn.in_proj.qkv_fused.{kind}"], [cfg.emb_dim, kv, kv], dim=0)
-            out[h + f"self_attn.q_proj.{kind}"] = rope_fms_to_hf(q, head_dim)
-            out[h + f"self_attn.k_proj.{kind}"] = rope_fms_to_hf(k, head_dim)
-            out[h + f"self_attn.v_proj.{kind}"] = v
-        if f"ff_sub_layer.wg1_fused.{kind}" in sd:
-            gate, up = torch.split(sd[f"ff_sub_layer.wg1_fused.{kind}"], hidden_dim(cfg), dim=0)  # fused as [wg, w1]
-            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
-        for fms_name, hf_name in (("attn.dense", "self_attn.o_proj"), ("ff_sub_layer.w2", "mlp.down_proj"),
-                                  ("ln", "input_layernorm"), ("ff_ln", "post_attention_layernorm")):
+        for fms_name in FMS_PROJECTIONS:
+            if f"{fms_name}.{kind}" in sd:
+                for name, part in projection_to_hf(cfg, fms_name, sd[f"{fms_name}.{kind}"]).items():
+                    out[h + f"{HF_PROJECTIONS[name]}.{kind}"] = part
+        for fms_name, hf_name in (("ln", "input_layernorm"), ("ff_ln", "post_attention_layernorm")):
             if f"{fms_name}.{kind}" in sd:
                 out[h + f"{hf_name}.{kind}"] = sd[f"{fms_name}.{kind}"]
     return out

@@ -13,6 +13,7 @@ fused q/k/v and gate/up adapters are split as the weights are, lora_A shared by 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,20 @@ class LoRAMixin:
 _CLASSES: dict[type, type] = {}
 
 
+@dataclass(frozen=True)
+class LoRASpec:
+    """--lora_rank, --lora_alpha, --lora_dropout and --lora_targets."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+    @staticmethod
+    def of(cfg: train_config) -> "LoRASpec":
+        return LoRASpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets))
+
+
 def check_lora(cfg: train_config) -> None:
     """--lora_* flags that make sense together (ConfigError)."""
     if not cfg.lora_rank:
@@ -54,18 +69,21 @@ def check_lora(cfg: train_config) -> None:
     if not cfg.ckpt_load_path:
         raise ConfigError("--lora_rank needs the model to adapt: set --ckpt_load_path (a Hugging Face folder, a "
                           "checkpoint of this package or an export)")
+    if cfg.float8:
+        raise ConfigError("--lora_rank with --float8 is not supported: torchao's float8 layers drop the adapters; "
+                          "use one or the other")
     unknown = [t for t in cfg.lora_targets if t not in TARGETS]
     if unknown or not cfg.lora_targets:
         raise ConfigError(f"--lora_targets: unknown {', '.join(unknown) or '(none given)'}; choose from "
                           f"{', '.join(TARGETS)} (q/k/v, attention output, gate/up, down projections)")
 
 
-def add_adapters(model: nn.Module, cfg: train_config) -> int:
+def add_adapters(model: nn.Module, spec: LoRASpec) -> int:
     """Give the --lora_targets layers of every block their adapters (uninitialised: init_weights fills
     lora_A, and lora_B with zeros) and freeze every other parameter. Returns the adapted layers."""
     count = 0
     for name, module in model.named_modules():
-        if not (".layers." in f".{name}" and name.rsplit(".", 1)[-1] in cfg.lora_targets):
+        if not (".layers." in f".{name}" and name.rsplit(".", 1)[-1] in spec.targets):
             continue
         assert isinstance(module, nn.Linear), name
         cls = type(module)
@@ -73,9 +91,9 @@ def add_adapters(model: nn.Module, cfg: train_config) -> int:
             _CLASSES[cls] = type(cls.__name__, (LoRAMixin, cls), {})
         module.__class__ = _CLASSES[cls]
         device = module.weight.device
-        module.lora_A = nn.Parameter(torch.empty(cfg.lora_rank, module.in_features, device=device))
-        module.lora_B = nn.Parameter(torch.empty(module.out_features, cfg.lora_rank, device=device))
-        module.lora_scale, module.lora_dropout = cfg.lora_alpha / cfg.lora_rank, cfg.lora_dropout
+        module.lora_A = nn.Parameter(torch.empty(spec.rank, module.in_features, device=device))
+        module.lora_B = nn.Parameter(torch.empty(module.out_features, spec.rank, device=device))
+        module.lora_scale, module.lora_dropout = spec.alpha / spec.rank, spec.dropout
         count += 1
     for name, param in model.named_parameters():
         param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER)
@@ -102,22 +120,16 @@ def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, cfg:
     """A PEFT LoRA adapter folder for the Hugging Face form of the model, from a full state with adapters."""
     from safetensors.torch import save_file
 
-    from fms_fsdp.hf import HF_PROJECTIONS, hidden_dim, rope_fms_to_hf
+    from fms_fsdp.hf import HF_PROJECTIONS, projection_to_hf
 
-    head_dim = config.emb_dim // config.nheads
-    kv = (config.kvheads or config.nheads) * head_dim
-    splits = {"qkv_fused": [config.emb_dim, kv, kv], "wg1_fused": [hidden_dim(config)] * 2}
     tensors: dict[str, torch.Tensor] = {}
     for key in state:
         if not key.endswith(".lora_A"):
             continue
-        layer = key.removesuffix(".lora_A")  # base_model.layers.<i>.<path>.<name>
-        i, name = int(layer.split(".")[2]), layer.rsplit(".", 1)[-1]
-        a, b = state[key], state[f"{layer}.lora_B"]
-        parts = torch.split(b, splits[name], dim=0) if name in splits else (b,)
-        for hf_name, part in zip(TARGETS[name], parts):
-            if hf_name in ("q_proj", "k_proj"):
-                part = rope_fms_to_hf(part, head_dim)  # rows follow the weights' rotary layout
+        layer = key.removesuffix(".lora_A")  # base_model.layers.<i>.<fms projection>
+        i, fms_name = int(layer.split(".")[2]), layer.split(".", 3)[3]
+        a = state[key]
+        for hf_name, part in projection_to_hf(config, fms_name, state[f"{layer}.lora_B"]).items():
             prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
             tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
             tensors[f"{prefix}.lora_B.weight"] = part.contiguous()

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
 from fms_fsdp.models import build_model, get_model_config
 from fms_fsdp.parallel import apply_activation_checkpointing, checkpointed_blocks, mesh_shape
@@ -87,6 +88,7 @@ class Shape:
     seq_length: int
     mixed_precision: bool
     gpu: bool  # the loss's chunks are sized for a GPU
+    lora: Optional[LoRASpec]  # adapters, the base frozen
 
 
 def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int, int]:
@@ -102,6 +104,9 @@ def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int,
         with FakeTensorMode():
             model = build_model(config, torch.device("cpu"))
             model.head.max_chunk_bytes = CUDA_CHUNK_BYTES if shape.gpu else CHUNK_BYTES
+            if shape.lora is not None:  # left trainable, as MemTracker hooks every parameter: an adapted
+                add_adapters(model, shape.lora)  # layer's input is saved for lora_A's gradient either way
+                model.requires_grad_(True)
             if mode != "none":
                 apply_activation_checkpointing(model, Fraction(1), mode)
             tokens = torch.zeros(batch, shape.seq_length, dtype=torch.long)
@@ -181,20 +186,24 @@ class Planner:
         self.replicate, self.shards = mesh_shape(cfg, world_size, local_world_size)
         config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
         model = build_model(config, torch.device("meta"))
+        self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
+        if self.lora is not None:
+            add_adapters(model, self.lora)
         self.n_blocks = config.nlayers
         held = sum(_numel_sharded(p.shape, self.shards) for p in model.parameters())
+        trained = sum(_numel_sharded(p.shape, self.shards) for p in model.parameters() if p.requires_grad)
         block = sum(p.numel() for p in model.base_model.layers[0].parameters())
         head = sum(p.numel() for p in [*model.base_model.dec_norm.parameters(), *model.head.parameters()])
         compute = 2 if cfg.mixed_precision else 4
-        self.params = self.grads = 4 * held
-        self.optimizer = 2 * 4 * held
+        self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * trained
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients
         self.gathered = compute * (4 * block + head)
 
     def plan(self, setting: Setting) -> Plan:
         cfg = self.cfg
-        shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu")
+        shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu",
+                      self.lora)
         acts = trace_activations(shape, ("block", "op"))
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
         per_block = {mode: Activations.at(line, setting.batch) for mode, line in acts.per_block.items()}

@@ -27,7 +27,7 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad:  # frozen (LoRA's base weights): no optimizer state
                 continue
-            linear = isinstance(module, nn.Linear) and name == "weight"
+            linear = isinstance(module, nn.Linear) and name in ("weight", "lora_A", "lora_B")
             (decay if linear else exempt).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 

@@ -42,7 +42,7 @@ from fms_fsdp.metrics import MetricsReporter
 from fms_fsdp.models import (CausalLM, build_model, count_params, flops_per_token, get_model_config, init_weights,
                              resolve_variant)
 from fms_fsdp.float8 import check_float8, float8_all_gather, scale_hook
-from fms_fsdp.lora import add_adapters, check_lora
+from fms_fsdp.lora import LoRASpec, add_adapters, check_lora
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.optim import build_optimizer, clip_gradients
@@ -62,17 +62,18 @@ def check_config(cfg: train_config) -> None:
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
     _, _, local_rank, _ = world_from_env()
     mesh_shape(cfg, *planned_world(cfg))
-    check_float8(cfg, resolve_device(cfg.device, local_rank))
+    if cfg.float8 and not cfg.dry_run:
+        check_float8(cfg, resolve_device(cfg.device, local_rank))
     check_lora(cfg)
     if cfg.tokenizer_path is not None:
         check_tokenizer(cfg)
 
 
 def planned_world(cfg: train_config) -> tuple[int, int]:
-    """(world size, ranks per node) of this launch, or the --plan_world_size the plan is for (up to 8
-    ranks per node)."""
+    """(world size, ranks per node) of this launch, or in a dry run the --plan_world_size the plan is for
+    (up to 8 ranks per node)."""
     _, world_size, _, local_world_size = world_from_env()
-    if cfg.plan_world_size is None:
+    if cfg.plan_world_size is None or not cfg.dry_run:
         return world_size, local_world_size
     return cfg.plan_world_size, min(cfg.plan_world_size, 8)
 
@@ -150,7 +151,7 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
             log(info, warning)
     mesh = build_mesh(cfg, info)
     model = build_model(model_config, torch.device("meta") if cfg.low_cpu_fsdp else info.device)
-    n_lora = add_adapters(model, cfg) if cfg.lora_rank else 0
+    n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
     done = parallelize(model, cfg, mesh)
@@ -332,6 +333,9 @@ def evaluate_model(cfg: train_config) -> dict[str, Any]:
     rank 0 prints one `EVAL dataset=<name> loss=.. ppl=.. tokens=..` line per dataset and one for all."""
     if not cfg.ckpt_load_path or not cfg.eval_data_path:
         raise ConfigError("--ckpt_load_path and --eval_data_path are needed: the weights to evaluate and the data")
+    if cfg.lora_rank:
+        raise ConfigError("evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
+                          "merged export (model_step_<N>.safetensors or exports/step_<N>)")
     check_config(cfg)
     info = init_distributed(cfg.device, cfg.collective_timeout_minutes)
     try:

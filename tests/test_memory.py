@@ -94,6 +94,12 @@ def test_suggestions_are_the_edge_of_what_fits():
     assert "--batch_size=16 --fsdp_activation_checkpointing=True" in least.flags()
 
 
+def test_lora_plans_gradients_and_optimizer_state_of_the_adapters_only():
+    full = Planner(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
+    lora = Planner(make_config(model_variant="small", seq_length=512, lora_rank=8, ckpt_load_path="x"), 1, 1, 1 << 40)
+    assert lora.params >= full.params and lora.grads < 0.05 * full.grads and lora.optimizer == 2 * lora.grads
+
+
 def test_a_run_that_will_not_fit_is_warned_about():
     tight = make_config(model_variant="small", seq_length=512, plan_device_memory_gib=0.5)  # traced above
     warning = fits_or_warning(tight, 2, 2)

@@ -81,6 +81,8 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
         return str(e.value)
 
     write_text(data / "web" / "a.jsonl", make_docs(10, 20, 4))
+    with open(data / "web" / "a.jsonl", "a") as f:
+        f.write("\n")  # a blank line is no record: the file still has none with text
     assert "no .arrow or .parquet files (--file_type=auto); raw text (.jsonl, .jsonl.gz, .json.gz) needs " \
            "--tokenizer_path" in error(DataError)
     tok = write_tokenizer(tmp_path / "tok" / "tokenizer.json")

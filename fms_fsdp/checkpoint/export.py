@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils._pytree import tree_map_only
 
-from fms_fsdp.checkpoint.io import staging_buffers
+from fms_fsdp.checkpoint.io import plain_tensor, staging_buffers
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.config import train_config
@@ -100,7 +101,8 @@ class PeriodicExporter:
         if self.info.is_main:
             shutil.rmtree(shards, ignore_errors=True)
         dist.barrier(group=self.group)
-        written = dcp.async_save({"model_state": get_model_state_dict(self.model)}, checkpoint_id=str(shards),
+        state = tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))  # float8's wrappers
+        written = dcp.async_save({"model_state": state}, checkpoint_id=str(shards),
                                  process_group=self.write_group, async_stager=self.stager)
         self.pending = written if self.writer is None else self.writer.submit(self._convert, written, shards, step)
 

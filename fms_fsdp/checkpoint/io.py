@@ -43,7 +43,7 @@ from fms_fsdp.checkpoint.layout import (
     temp_folder,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import SafeReader, read_model
+from fms_fsdp.checkpoint.reader import SafeReader, model_reader, read_model
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
@@ -230,6 +230,10 @@ class Checkpointer:
                        optim_state_dict=state["optimizer_state"], options=self._options)
         keep_kernels(self.optimizer, *kernels)
         meta = torch.load(path / "metadata.pth", weights_only=True)
+        base = meta.get("config", {}).get("ckpt_load_path")
+        if self.cfg.lora_rank and base != self.cfg.ckpt_load_path:
+            raise CheckpointError(f"{path} holds LoRA adapters of the base {base}, but --ckpt_load_path is now "
+                                  f"{self.cfg.ckpt_load_path}; give the same base, or a new --ckpt_save_path")
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [torch.load(p, weights_only=True) for p in ranks]
@@ -258,6 +262,7 @@ class Checkpointer:
                 full = read_hf_model(str(p), self.model.config) if self.info.is_main else {}
                 self._set_base(full, _FROM_RANK0)
             elif p.is_dir():
+                model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
                 state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
                 dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
                 self._set_base(state["model_state"], StateDictOptions())

@@ -69,6 +69,9 @@ def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
               if key.startswith("model_state.") and hasattr(meta, "size")}
     if not shapes:
         raise CheckpointError(f"{folder}: no model_state in this checkpoint")
+    if all(key.endswith((".lora_A", ".lora_B")) for key in shapes):
+        raise CheckpointError(f"{folder} is a LoRA checkpoint: it holds the adapters only, not a model; use the "
+                              "run's exports (model_step_<N>.safetensors, exports/step_<N>)")
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(shapes[k], dtype=metadata[f"model_state.{k}"].properties.dtype) for k in keys}

@@ -181,7 +181,9 @@ class Dataset:
         if f is None:
             f = open_shard(self.path(i), self.entries[i], self.layout)
             if len(self._open) >= _OPEN_FILES:
-                self._open.popitem(last=False)
+                _, oldest = self._open.popitem(last=False)
+                if isinstance(oldest, TextFile):
+                    oldest.close()
             self._open[i] = f
         else:
             self._open.move_to_end(i)

@@ -6,8 +6,8 @@ Rank 0 indexes each text file once at start-up (cached in <data_path>/meta/, key
 and mtime, --text_field and the tokenizer): its documents (one per line or row), the byte offset of
 every BLOCK_DOCS-th line of a plain .jsonl file, its bad records by reason, and its tokens, estimated
 from its first documents. A block of a plain .jsonl file is read by seeking to its offset; a gzipped
-file cannot seek, so its blocks are read in file order from streams that only move forward (a shard
-holding one reads its blocks in order and shuffles the documents inside each block); a Parquet file's
+file cannot seek, so its blocks are read in file order from streams that only move forward (a logical
+shard holding one reads all its blocks in file order, and shuffles the documents inside each); a Parquet file's
 blocks are its row groups. A bad record (not JSON, no text field, not UTF-8, empty) is an empty
 document, which the loader skips.
 """
@@ -161,40 +161,46 @@ def index_file(path: Path, spec: TextSpec) -> TextIndex:
         raise DataError(f"{path}: cannot read it ({first_line(e)}); fix or remove this file") from None
 
 
-def _refuse_if_all_bad(path: Path, records: int, bad: Counter, text_field: str) -> None:
-    """A file of records none of which has text is a mistake (often --text_field), not bad records."""
-    if bad and sum(bad.values()) == records:
-        reasons = ", ".join(f"{why} {n}" for why, n in bad.most_common())
-        raise DataError(f"{path}: none of its {records} records has text ({reasons}); check --text_field "
-                        f"(now {text_field!r}) and the file")
+class _Tally:
+    """While a file is indexed: its bad records by reason, and the text its tokens are estimated from."""
 
+    def __init__(self) -> None:
+        self.bad: Counter[str] = Counter()
+        self.sample: list[str] = []
+        self.sample_bytes = self.text_bytes = self.records = 0
 
-def _estimate(sample: list[str], sample_bytes: int, total_bytes: int, tokenizer: Any) -> int:
-    tokens = sum(len(t) for t in tokenizer.encode_batch(sample, add_special_tokens=False))
-    return round(tokens * total_bytes / sample_bytes) if sample_bytes else 0
+    def add(self, text: Optional[str], reason: Optional[str], size: int) -> None:
+        self.records += 1
+        if text is None:
+            self.bad[reason] += 1
+            return
+        self.text_bytes += size
+        if self.sample_bytes < _SAMPLE_BYTES:
+            self.sample.append(text)
+            self.sample_bytes += size
+
+    def index(self, path: Path, documents: int, offsets: list[int], spec: TextSpec, tokenizer: Any) -> TextIndex:
+        """The file's index (documents: its lines or rows, blank lines included); a DataError when no
+        record has text (often a wrong --text_field)."""
+        if self.bad and sum(self.bad.values()) == self.records:
+            reasons = ", ".join(f"{why} {n}" for why, n in self.bad.most_common())
+            raise DataError(f"{path}: none of its {self.records} records has text ({reasons}); check --text_field "
+                            f"(now {spec.text_field!r}) and the file")
+        tokens = sum(len(t) for t in tokenizer.encode_batch(self.sample, add_special_tokens=False))
+        estimate = round(tokens * self.text_bytes / self.sample_bytes) if self.sample_bytes else 0
+        return TextIndex(documents, estimate, offsets, dict(self.bad))
 
 
 def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
-    offsets, bad, sample = [], Counter(), []
-    offset, documents, good_bytes, sample_bytes = 0, 0, 0, 0
+    offsets, tally, offset, documents = [], _Tally(), 0, 0
     with open_binary(path) as f:
         for line in f:
             if documents % BLOCK_DOCS == 0:
                 offsets.append(offset)
             documents, offset = documents + 1, offset + len(line)
-            if not line.strip():
-                continue
-            text, reason = parse_line(line, spec.text_field)
-            if text is None:
-                bad[reason] += 1
-                continue
-            good_bytes += len(line)
-            if sample_bytes < _SAMPLE_BYTES:
-                sample.append(text)
-                sample_bytes += len(line)
-    _refuse_if_all_bad(path, documents, bad, spec.text_field)
-    tokens = _estimate(sample, sample_bytes, good_bytes, tokenizer)
-    return TextIndex(documents, tokens, [] if path.name.lower().endswith(".gz") else offsets, dict(bad))
+            if line.strip():  # blank lines are no records
+                tally.add(*parse_line(line, spec.text_field), len(line))
+    return tally.index(path, documents, [] if path.name.lower().endswith(".gz") else offsets, spec, tokenizer)
 
 
 def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
@@ -212,20 +218,12 @@ def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
 def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
     pf = pq.ParquetFile(path)
     text_column(pf, path, spec.text_field)
-    bad, sample, good_bytes, sample_bytes = Counter(), [], 0, 0
+    tally = _Tally()
     for g in range(pf.num_row_groups):
         for value in pf.read_row_group(g, columns=[spec.text_field]).column(0).to_pylist():
             text, reason = check_text(value, spec.text_field)
-            if text is None:
-                bad[reason] += 1
-                continue
-            good_bytes += len(text)
-            if sample_bytes < _SAMPLE_BYTES:
-                sample.append(text)
-                sample_bytes += len(text)
-    _refuse_if_all_bad(path, pf.metadata.num_rows, bad, spec.text_field)
-    tokens = _estimate(sample, sample_bytes, good_bytes, tokenizer)
-    return TextIndex(pf.metadata.num_rows, tokens, [], dict(bad))
+            tally.add(text, reason, len(text or ""))
+    return tally.index(path, pf.metadata.num_rows, [], spec, tokenizer)
 
 
 class IndexCache:
@@ -321,11 +319,21 @@ class TextFile:
             if len(self._streams) >= _STREAMS:
                 self._streams.pop(0)[1].close()
             line, stream = 0, open_binary(self.path)
-        for _ in range(first - line):
-            stream.readline()
-        lines = [stream.readline() for _ in range(n)]
+        try:
+            for _ in range(first - line):
+                stream.readline()
+            lines = [stream.readline() for _ in range(n)]
+        except BaseException:
+            stream.close()
+            raise
         self._streams.append((first + n, stream))
         return lines
+
+    def close(self) -> None:
+        """Close the gzip streams (when the file leaves the reader's open files)."""
+        for _, stream in self._streams:
+            stream.close()
+        self._streams.clear()
 
     def row(self, block: Union[list[bytes], pa.Array], r: int) -> np.ndarray:
         """Token ids of record r of a block; none for a bad record or a blank line."""
