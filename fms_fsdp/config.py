@@ -50,7 +50,7 @@ class train_config:
 
     # data
     use_dummy_dataset: bool = _f(False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests).")
-    data_path: str = _f("/fsx/data", "Folder holding one sub-folder of Arrow/Parquet shards per dataset.")
+    data_path: str = _f("/fsx/data", "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder of Arrow/Parquet shards (or raw text) per dataset.")
     file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
     col_name: str = _f("tokens", "Column holding the token ids.")
     text_field: str = _f("text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).")

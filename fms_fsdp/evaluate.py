@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -28,6 +27,7 @@ from fms_fsdp.data.shards import Dataset, list_datasets, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.distributed import DistInfo, on_rank0
 from fms_fsdp.errors import DataError
+from fms_fsdp.storage import location
 from fms_fsdp.loss import IGNORE_INDEX
 
 _PAD = -1  # marks the padding of the last line
@@ -88,7 +88,8 @@ class Evaluator:
         packing = packing_of(cfg, vocab_size)
         limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
         for name in names:
-            lines = eval_lines(Dataset(name, Path(cfg.eval_data_path), entries[name], layout), packing, limit)
+            lines = eval_lines(Dataset(name, location(cfg.eval_data_path, "eval_data_path"), entries[name], layout),
+                               packing, limit)
             self.lines[name] = lines[info.rank :: info.world_size]
             self.forwards[name] = -(-len(lines) // (info.world_size * self.batch))
 

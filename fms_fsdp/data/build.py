@@ -4,7 +4,6 @@ Arrow/Parquet shards under data_path."""
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Union
 
 from fms_fsdp.config import train_config
@@ -15,6 +14,7 @@ from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
 from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.storage import location
 from fms_fsdp.models import get_model_config
 
 
@@ -35,7 +35,7 @@ def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[Stat
             print(note, flush=True)
     entries = on_rank0(lambda: scan(cfg.data_path, names, layout), DataError,
                        lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
-    datasets = [Dataset(n, Path(cfg.data_path), entries[n], layout) for n in names]
+    datasets = [Dataset(n, location(cfg.data_path, "data_path"), entries[n], layout) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(datasets, weights, packing_of(cfg, vocab), cfg.batch_size, cfg.logical_shards, cfg.seed,
                           rank, world_size, cfg.num_workers)

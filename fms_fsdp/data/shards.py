@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
 from fms_fsdp.errors import DataError, first_line
+from fms_fsdp.storage import is_remote, location, open_random
 
 EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
@@ -65,12 +66,12 @@ class ShardFile:
         self.path, self.col = path, col_name
         try:
             if path.suffix == ".parquet":
-                self._pq = pq.ParquetFile(path, memory_map=True)
+                self._pq = pq.ParquetFile(open_random(path))
                 schema = self._pq.schema_arrow
                 rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
             else:
                 self._pq = None
-                self._ipc = pa.ipc.open_file(pa.memory_map(str(path)))
+                self._ipc = pa.ipc.open_file(open_random(path))
                 schema = self._ipc.schema
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({first_line(e)})") from None
@@ -147,7 +148,7 @@ def is_text(path: Path, layout: Layout) -> bool:
     if layout.text is None or path.suffix != ".parquet":
         return False
     try:
-        return layout.col_name not in pq.read_schema(path, memory_map=True).names
+        return layout.col_name not in pq.ParquetFile(open_random(path)).schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
 
@@ -213,10 +214,15 @@ class Dataset:
 
 def list_datasets(data_path: str, datasets: Optional[list[str]]) -> list[str]:
     """The dataset folders to read: --datasets, or every sub-folder of data_path but meta."""
-    root = Path(data_path)
-    if not root.is_dir():
-        raise DataError(f"--data_path: folder not found: {data_path}", every_rank=True)
-    names = datasets or sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
+    root = location(data_path, "data_path")
+    try:  # listed first: object storage says here whether the bucket, the endpoint and the access are right
+        found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        raise DataError(f"--data_path: folder not found: {data_path}", every_rank=True) from None
+    except Exception as e:  # no endpoint, no access, ...
+        raise DataError(f"--data_path: cannot read {data_path} ({type(e).__name__}: {first_line(e)})",
+                        every_rank=True) from None
+    names = datasets or found
     if not names:
         raise DataError(f"--data_path: {data_path} has no dataset sub-folders", every_rank=True)
     for name in names:
@@ -229,10 +235,10 @@ def read_counts(data_path: str) -> dict[str, FileEntry]:
     """Entries of every meta/*counts*.csv under data_path, by relative path; the users' files win over
     this loader's own cache."""
     entries: dict[str, FileEntry] = {}
-    found = sorted((Path(data_path) / "meta").glob("*counts*.csv"), key=lambda p: (p.name == CACHED_COUNTS, p.name))
+    meta = location(data_path, "data_path") / "meta"
+    found = sorted(meta.glob("*counts*.csv") if meta.is_dir() else [], key=lambda p: (p.name == CACHED_COUNTS, p.name))
     for csv_path in found:
-        with open(csv_path, newline="") as f:
-            rows = list(csv.reader(f))
+        rows = list(csv.reader(io.StringIO(csv_path.read_text())))
         if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
             raise DataError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
         for row in rows[1:]:
@@ -245,7 +251,10 @@ def read_counts(data_path: str) -> dict[str, FileEntry]:
 
 
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
-    """Write a counts CSV atomically; one that already says the same is left untouched."""
+    """Write a counts CSV atomically; one that already says the same is left untouched (and none to
+    object storage: caches are local only)."""
+    if is_remote(path):
+        return
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
     writer.writerow(COUNTS_HEADER)
@@ -273,7 +282,7 @@ def scan(data_path: str, names: list[str], layout: Layout) -> dict[str, list[Fil
     """Every shard of every dataset with its counts: validated by opening each file; counts from
     meta/*counts*.csv where listed and right, computed otherwise and cached in meta/. Raw text files
     are indexed (cached in meta/ too); their bad records are reported, by file."""
-    root = Path(data_path)
+    root = location(data_path, "data_path")
     known = read_counts(data_path)
     texts = None if layout.text is None else IndexCache(root / "meta" / TEXT_INDEX, layout.text)
     result: dict[str, list[FileEntry]] = {}

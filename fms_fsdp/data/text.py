@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.errors import ConfigError, DataError, first_line
+from fms_fsdp.storage import is_remote, mtime_ns, open_bytes, open_random
 
 JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
 BLOCK_DOCS = 256  # documents per block of a JSON-lines file
@@ -93,7 +94,12 @@ def parse_line(line: bytes, text_field: str) -> tuple[Optional[str], Optional[st
 
 def open_binary(path: Path) -> Any:
     """A JSON-lines file opened for reading bytes, gunzipped on the fly when its name ends in .gz."""
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    raw = open_bytes(path)
+    if not path.name.lower().endswith(".gz"):
+        return raw
+    stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    stream.myfileobj = raw  # closed with the stream, as when gzip.open opens the file itself
+    return stream
 
 
 def is_jsonl(path: Union[Path, str]) -> bool:
@@ -216,7 +222,7 @@ def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
 
 
 def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(open_random(path))
     text_column(pf, path, spec.text_field)
     tally = _Tally()
     for g in range(pf.num_row_groups):
@@ -242,8 +248,7 @@ class IndexCache:
 
     def get(self, rel: str, path: Path) -> TextIndex:
         """The index of file `path` (rel: its name under data_path), from the cache or read now."""
-        stat = path.stat()
-        key = {**self.key, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        key = {**self.key, "size": path.stat().st_size, "mtime_ns": mtime_ns(path)}
         known = self.files.get(rel)
         if known is not None and all(known.get(k) == v for k, v in key.items()):
             return TextIndex(known["documents"], known["tokens"], known["offsets"], known["bad"])
@@ -259,7 +264,7 @@ class IndexCache:
         """Write the cache atomically; a read-only data folder is left alone (indexed again next time)."""
         from fms_fsdp.atomic import write_text_atomic
 
-        if not self.changed:
+        if not self.changed or is_remote(self.path):  # caches are local only
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +289,7 @@ class TextFile:
         if self.jsonl:
             self.row_groups = np.append(np.arange(0, index.documents, BLOCK_DOCS), index.documents).astype(np.int64)
         else:
-            self._pq = pq.ParquetFile(path, memory_map=True)
+            self._pq = pq.ParquetFile(open_random(path))
             rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
             self.row_groups = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
         self._streams: list[tuple[int, Any]] = []  # (next line, gzip stream), most recently used last
@@ -303,7 +308,7 @@ class TextFile:
         try:
             if self.sequential:
                 return self._read_forward(first, n)
-            with open(self.path, "rb") as f:
+            with open_bytes(self.path) as f:
                 f.seek(self.offsets[b])
                 return [f.readline() for _ in range(n)]
         except (OSError, EOFError, zlib.error) as e:
