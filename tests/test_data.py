@@ -5,6 +5,8 @@ documents."""
 import gzip
 import json
 import pickle
+import subprocess
+import sys
 import re
 from collections import Counter
 from pathlib import Path
@@ -324,3 +326,23 @@ def test_deterministic_given_the_seed(tmp_path):
     runs = [lines_of(take(get_data_loader(cfg(tmp_path, seed=seed, num_workers=2), 1, 2), 6)) for seed in (3, 3, 4)]
     assert np.array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], runs[2])
+
+
+def test_a_failing_loader_stops_its_workers_even_while_its_error_is_held(tmp_path):
+    """A DataError from a worker, its traceback kept alive to the end (as a test runner or a REPL keeps
+    it): the workers stop with the loader, so the process exits; it used to wait for them forever."""
+    write_dataset(tmp_path, "big", [[5, 9000, 5]] * 10)
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_data import cfg, take
+from fms_fsdp.data import DataError, get_data_loader
+try:
+    take(get_data_loader(cfg(__import__("pathlib").Path({str(tmp_path)!r}), num_workers=2), 0, 1), 4)
+except DataError as e:
+    held = e
+    print("error:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0 and "has token id 9000 >= vocab_size" in proc.stdout, proc.stderr[-2000:]

@@ -94,14 +94,22 @@ class StatefulLoader:
         it = iter(source) if self.num_workers == 0 else iter(
             DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is,
                        worker_init_fn=_init_worker))
-        for lines, state in it:
-            if "error" in state:
-                raise DataError(state["error"])
-            logical = state["consumer"] - self.rank * self.workers
-            self.states[logical] = state
-            self.next_worker = (logical + 1) % self.workers
-            batch = torch.from_numpy(lines)
-            yield batch[:, :-1], batch[:, 1:]
+        try:
+            for lines, state in it:
+                if "error" in state:
+                    raise DataError(state["error"])
+                logical = state["consumer"] - self.rank * self.workers
+                self.states[logical] = state
+                self.next_worker = (logical + 1) % self.workers
+                batch = torch.from_numpy(lines)
+                yield batch[:, :-1], batch[:, 1:]
+        finally:
+            # the workers stop with this generator (closed, or ended by an error), not when a traceback that
+            # holds its frame is freed: at interpreter exit multiprocessing would wait for them forever, as
+            # they leave SIGTERM to the rank
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"seed": self.seed, "logical_shards": self.logical_shards,
