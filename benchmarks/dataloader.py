@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fms_fsdp.config import make_config  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
+from fms_fsdp.storage import location  # noqa: E402
 
 
 def rss_anon_mb() -> float:
@@ -131,7 +132,8 @@ def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: s
 
 def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: int = 50, seconds: float = 20.0,
          seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024,
-         layout: str = "arrow") -> None:
+         layout: str = "arrow", upload_to: str = "") -> None:
+    """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there."""
     root = Path(data_path)
     text = layout.startswith("jsonl")
     if not (root / "bench").is_dir():
@@ -141,6 +143,12 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
         else:
             write_data(root, files, docs_per_file, 32000, layout)
     raw = dict(tokenizer_path=str(root / "tokenizer.json")) if text else {}
+    if upload_to:
+        remote = location(upload_to, "upload_to")
+        if not (remote / "bench").is_dir():
+            print(f"uploading {root / 'bench'} to {upload_to} ...", flush=True)
+            remote.fs.put(str(root / "bench"), f"{remote.path}/", recursive=True)
+        data_path = upload_to
     cfg = make_config(data_path=data_path, model_variant="llama2_7b", seq_length=seq_length, batch_size=batch_size,
                       num_workers=num_workers, logical_shards=logical_shards, file_type="auto", **raw)
     peak, worker_peak, stop = [rss_anon_mb()], [0.0], threading.Event()
@@ -172,7 +180,7 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
         del it  # the workers stop before the tokenizer is timed alone
         alone = tokenizer_speed(root, min(seconds, 10.0))
         figures = f" tokenizer_alone_tokens_per_s={alone / 1e3:.0f}k share={tokens_per_s / alone:.2f}"
-    print(f"BENCH layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
+    print(f"BENCH data={data_path} layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
           f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.3f}M "
           f"peak_rss_anon_mb={max(peak):.0f} worker_peak_rss_anon_mb={max(worker_peak):.0f} "
           f"state_kb={state_kb:.1f}{figures}", flush=True)
