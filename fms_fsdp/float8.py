@@ -39,10 +39,8 @@ def _torchao_float8() -> Any:
     return float8
 
 
-def check_float8(cfg: train_config, device: torch.device) -> None:
+def check_float8(device: torch.device) -> None:
     """--float8 is usable here: torchao is installed and a GPU has float8 tensor cores (ConfigError)."""
-    if not cfg.float8:
-        return
     _torchao_float8()
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)

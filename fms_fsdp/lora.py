@@ -25,9 +25,8 @@ from torch import nn
 from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 
-# --lora_targets: fms's names of the blocks' projections, and the Hugging Face modules each becomes
-TARGETS = {"qkv_fused": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",), "wg1_fused": ("gate_proj", "up_proj"),
-           "w2": ("down_proj",)}
+# --lora_targets: fms's names of the blocks' projections (hf.FMS_PROJECTIONS says what each is in Hugging Face)
+TARGETS = ("qkv_fused", "dense", "wg1_fused", "w2")
 ADAPTER = ("lora_A", "lora_B")
 
 
@@ -120,7 +119,7 @@ def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, cfg:
     """A PEFT LoRA adapter folder for the Hugging Face form of the model, from a full state with adapters."""
     from safetensors.torch import save_file
 
-    from fms_fsdp.hf import HF_PROJECTIONS, projection_to_hf
+    from fms_fsdp.hf import FMS_PROJECTIONS, HF_PROJECTIONS, projection_to_hf
 
     tensors: dict[str, torch.Tensor] = {}
     for key in state:
@@ -133,7 +132,8 @@ def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, cfg:
             prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
             tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
             tensors[f"{prefix}.lora_B.weight"] = part.contiguous()
-    targets = sorted({hf for name in cfg.lora_targets for hf in TARGETS[name]})
+    targets = sorted({hf for path, names in FMS_PROJECTIONS.items() if path.rsplit(".", 1)[-1] in cfg.lora_targets
+                      for hf in names})
     adapter_config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,

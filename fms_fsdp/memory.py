@@ -91,6 +91,7 @@ class Shape:
     lora: Optional[LoRASpec]  # adapters, the base frozen
 
 
+@lru_cache(maxsize=64)
 def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int, int]:
     """(activation bytes alive after forward outside the loss, loss bytes saved, loss transient peak) of
     a `blocks`-block copy of the model at micro-batch `batch`, on fake tensors."""
@@ -136,9 +137,9 @@ def _line(at1: float, at2: float) -> tuple[float, float]:
     return 2 * at1 - at2, at2 - at1
 
 
-@lru_cache(maxsize=8)
 def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
-    """Activations of the model for the given checkpointing modes ('none' always)."""
+    """Activations of the model for the given checkpointing modes ('none' always); each trace is run
+    once per process."""
     runs = {(mode, blocks, batch): _traced(shape, mode, blocks, batch)
             for mode in dict.fromkeys(("none", *modes)) for blocks in (1, 2) for batch in (1, 2)}
     one, two = ([runs["none", 1, b][0] for b in (1, 2)], [runs["none", 2, b][0] for b in (1, 2)])
@@ -199,15 +200,14 @@ class Planner:
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients
         self.gathered = compute * (4 * block + head)
+        self.shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision,
+                           cfg.device != "cpu", self.lora)
 
     def plan(self, setting: Setting) -> Plan:
-        cfg = self.cfg
-        shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu",
-                      self.lora)
-        acts = trace_activations(shape, ("block", "op"))
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
+        acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
         per_block = {mode: Activations.at(line, setting.batch) for mode, line in acts.per_block.items()}
-        activations = (Activations.at(acts.outside, setting.batch) + chosen * per_block[setting.mode]
+        activations = (Activations.at(acts.outside, setting.batch) + chosen * per_block.get(setting.mode, 0)
                        + (self.n_blocks - chosen) * per_block["none"])
         saved = Activations.at(acts.loss_saved, setting.batch)
         loss = saved + Activations.at(acts.loss_transient, setting.batch)

@@ -8,7 +8,7 @@ AWS_ENDPOINT_URL for S3-compatible servers) and never from this package's config
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 
@@ -39,10 +39,6 @@ def open_random(path: Path) -> Any:
     """A file for random reads: memory-mapped when local (its pages stay the kernel's file cache),
     read by ranges when remote."""
     return path.open("rb") if is_remote(path) else pa.memory_map(str(path))
-
-
-def open_bytes(path: Path) -> BinaryIO:
-    return path.open("rb")
 
 
 def mtime_ns(path: Path) -> int:

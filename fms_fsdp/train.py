@@ -63,7 +63,7 @@ def check_config(cfg: train_config) -> None:
     _, _, local_rank, _ = world_from_env()
     mesh_shape(cfg, *planned_world(cfg))
     if cfg.float8 and not cfg.dry_run:
-        check_float8(cfg, resolve_device(cfg.device, local_rank))
+        check_float8(resolve_device(cfg.device, local_rank))
     check_lora(cfg)
     if cfg.tokenizer_path is not None:
         check_tokenizer(cfg)

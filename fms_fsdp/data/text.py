@@ -30,8 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.errors import ConfigError, DataError, first_line
-from fms_fsdp.storage import is_remote, mtime_ns, open_bytes, open_random
+from fms_fsdp.storage import is_remote, mtime_ns, open_random
 
 JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
 BLOCK_DOCS = 256  # documents per block of a JSON-lines file
@@ -94,12 +95,17 @@ def parse_line(line: bytes, text_field: str) -> tuple[Optional[str], Optional[st
 
 def open_binary(path: Path) -> Any:
     """A JSON-lines file opened for reading bytes, gunzipped on the fly when its name ends in .gz."""
-    raw = open_bytes(path)
-    if not path.name.lower().endswith(".gz"):
+    raw = path.open("rb")
+    if not is_gzip(path):
         return raw
     stream = gzip.GzipFile(fileobj=raw, mode="rb")
     stream.myfileobj = raw  # closed with the stream, as when gzip.open opens the file itself
     return stream
+
+
+def is_gzip(path: Path) -> bool:
+    """A gzipped file: read as a stream, it cannot seek."""
+    return path.name.lower().endswith(".gz")
 
 
 def is_jsonl(path: Union[Path, str]) -> bool:
@@ -206,7 +212,7 @@ def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
             documents, offset = documents + 1, offset + len(line)
             if line.strip():  # blank lines are no records
                 tally.add(*parse_line(line, spec.text_field), len(line))
-    return tally.index(path, documents, [] if path.name.lower().endswith(".gz") else offsets, spec, tokenizer)
+    return tally.index(path, documents, [] if is_gzip(path) else offsets, spec, tokenizer)
 
 
 def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
@@ -262,8 +268,6 @@ class IndexCache:
 
     def save(self) -> None:
         """Write the cache atomically; a read-only data folder is left alone (indexed again next time)."""
-        from fms_fsdp.atomic import write_text_atomic
-
         if not self.changed or is_remote(self.path):  # caches are local only
             return
         try:
@@ -285,7 +289,7 @@ class TextFile:
         self.path, self.spec, self.documents = path, spec, index.documents
         self.offsets = index.offsets
         self.jsonl = is_jsonl(path)
-        self.sequential = self.jsonl and not index.offsets and index.documents > 0
+        self.sequential = is_gzip(path)
         if self.jsonl:
             self.row_groups = np.append(np.arange(0, index.documents, BLOCK_DOCS), index.documents).astype(np.int64)
         else:
@@ -308,7 +312,7 @@ class TextFile:
         try:
             if self.sequential:
                 return self._read_forward(first, n)
-            with open_bytes(self.path) as f:
+            with self.path.open("rb") as f:
                 f.seek(self.offsets[b])
                 return [f.readline() for _ in range(n)]
         except (OSError, EOFError, zlib.error) as e:
