@@ -1,9 +1,12 @@
-"""Durable, atomic writes: a file is either complete under its final name or absent."""
+"""Durable, atomic writes: a file is either complete under its final name or absent (local or in
+object storage)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from fms_fsdp.storage import is_remote
 
 
 def fsync_path(path: Path) -> None:
@@ -16,7 +19,11 @@ def fsync_path(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` under a temporary name (unique per process), flush it, rename it into place."""
+    """Write `text` under a temporary name (unique per process), flush it, rename it into place; in
+    object storage, one upload (an object is whole or absent)."""
+    if is_remote(path):
+        path.write_text(text)
+        return
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     fsync_path(tmp)
@@ -33,5 +40,5 @@ def write_text_keeping_old(path: Path, text: str) -> None:
         n = 1
         while path.with_name(f"{path.stem}.{n}{path.suffix}").exists():
             n += 1
-        os.replace(path, path.with_name(f"{path.stem}.{n}{path.suffix}"))
+        path.rename(path.with_name(f"{path.stem}.{n}{path.suffix}"))
     write_text_atomic(path, text)

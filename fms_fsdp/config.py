@@ -114,8 +114,8 @@ class train_config:
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0)
 
     # checkpoints
-    ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder or a .pth/.safetensors file, when ckpt_save_path holds no checkpoint to resume.")
-    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present).")
+    ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder, a Hugging Face folder or a .pth/.safetensors file (a path or an s3://... URL), when ckpt_save_path holds no checkpoint to resume.")
+    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present), exports; a path or an object-storage URL (s3://bucket/prefix, gs://, az://).")
     checkpoint_interval: Union[int, str] = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks); auto: the time between saves that loses least to failures plus saving, sqrt(2 x save stall x expected_hours_between_failures) (Young), re-estimated from each measured save stall.", min=0)
     checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
     expected_hours_between_failures: Optional[float] = _f(None, "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).", min=0.0)
@@ -405,6 +405,12 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)")
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
+    if "://" in cfg.ckpt_save_path:  # object storage: the trackers' and the profiler's files need a local folder
+        for flag, used, given in (("tracker_dir", cfg.tracker, cfg.tracker_dir), ("profiler_dir", cfg.use_profiler,
+                                                                                  cfg.profiler_dir)):
+            if used and (given is None or "://" in given):
+                raise ConfigError(f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
+                                  "storage, where these files cannot be written as they grow")
 
 
 def _check_trackers(cfg: train_config) -> None:

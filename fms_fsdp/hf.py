@@ -13,11 +13,13 @@ holds two copies of the model.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
+from contextlib import nullcontext
 from typing import Iterator, Optional
 
 import torch
@@ -29,6 +31,7 @@ from safetensors.torch import save_file
 from fms_fsdp.checkpoint.reader import Reader, model_reader
 from fms_fsdp.errors import CheckpointError, ConfigError, HFError
 from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.storage import local_copy, location, publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
@@ -175,9 +178,9 @@ def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, d
     return target
 
 
-def read_hf_config(folder: str) -> dict:
-    """config.json of a Hugging Face folder."""
-    path = Path(folder) / "config.json"
+def read_hf_config(folder: str | Path) -> dict:
+    """config.json of a Hugging Face folder (a local path, or a Path of object storage)."""
+    path = (Path(folder) if isinstance(folder, str) else folder) / "config.json"
     if not path.is_file():
         raise HFError(f"{folder}: no config.json: not a Hugging Face model folder")
     return json.loads(path.read_text())
@@ -218,7 +221,8 @@ def _variant(load_path: Path, model_variant: Optional[str], vocab_size: Optional
     meta_file = load_path / "metadata.pth" if load_path.is_dir() else None
     run = {}
     if meta_file is not None and meta_file.is_file():
-        run = torch.load(meta_file, weights_only=True).get("config", {})
+        with meta_file.open("rb") as f:
+            run = torch.load(io.BytesIO(f.read()), weights_only=True).get("config", {})
     variant = model_variant or run.get("model_variant")
     if variant is None:
         raise HFError(f"--model_variant is needed: {load_path} does not record the variant it was trained with")
@@ -232,19 +236,25 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
         raise HFError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if not save_path:
         raise HFError("--save_path is required: the folder to write")
-    src = Path(load_path)
+    src = location(load_path, "load_path")
     if not src.exists():
         raise HFError(f"--load_path: {load_path} does not exist")
     if src.is_dir() and not (src / ".metadata").is_file():
         raise HFError(f"--load_path: {load_path} is not a checkpoint folder (no .metadata): give a step_N_ckp "
                       "folder or a .safetensors/.pth file")
-    target = Path(save_path)
+    target = location(save_path, "save_path")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise HFError(f"--save_path: {save_path} exists and is not empty; choose a new folder (nothing is overwritten)")
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
     cfg = get_model_config(variant, vocab)
+    with (local_copy(src) if src.is_file() else nullcontext(src)) as readable:  # a remote file: downloaded
+        return _convert(readable, target, cfg, variant, run, load_path, tokenizer_name_or_path, dtype)
+
+
+def _convert(src: Path, target: Path, cfg: LLaMAConfig, variant: str, run: dict, load_path: str,
+             tokenizer_name_or_path: Optional[str], dtype: str) -> Path:
     keys, read = model_reader(src)
     expected = {k: tuple(v.shape) for k, v in build_model(cfg, torch.device("meta")).state_dict().items()}
     found = {k: tuple(s) for k, s in keys.items()}
@@ -260,10 +270,11 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path, local_files_only=True)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos
-    out = write_hf_folder(cfg, read, list(expected), save_path, DTYPES[dtype], bos, eos)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    return out
+    with publish(target) as tmp:  # object storage too: uploaded, COMPLETE last
+        write_hf_folder(cfg, read, list(expected), str(tmp), DTYPES[dtype], bos, eos)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return target
 
 
 def main(load_path: str = "", save_path: str = "", model_variant: Optional[str] = None,

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
+from fms_fsdp.storage import is_remote, location
 from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
@@ -58,7 +59,7 @@ class MetricsReporter:
         self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps  # per rank
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, cfg.peak_tflops)
-        self.path = Path(cfg.ckpt_save_path) / "metrics.jsonl"
+        self.log = MetricsLog(location(cfg.ckpt_save_path, "ckpt_save_path") / "metrics.jsonl", info.is_main)
         self.start_step = start_step
         self.tokens_seen = tokens_seen  # all ranks, carried over a resume
         self.run_start = time.perf_counter()
@@ -92,8 +93,10 @@ class MetricsReporter:
             self.bar.update(1)
 
     def checkpoint_saved(self, stall_s: float) -> None:
-        """Record the seconds training waited for a checkpoint save (reported with the interval)."""
+        """Record the seconds training waited for a checkpoint save (reported with the interval); the
+        log so far is uploaded (object storage), so it keeps what the checkpoint covers."""
         self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
+        self.log.flush()
 
     def report(self, step: int, lr: float, grad_norm: Optional[torch.Tensor],
                skipped_steps: Optional[int] = None) -> dict[str, Any]:
@@ -136,6 +139,8 @@ class MetricsReporter:
             record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         if self.info.is_main:
             self._emit(record)
+            if self.checkpoint_stall is not None:  # the record of the checkpoint's step too
+                self.log.flush()
         self._reset(time.perf_counter())
         return record
 
@@ -154,8 +159,7 @@ class MetricsReporter:
 
     def _write(self, record: dict[str, Any], line: str) -> None:
         """Append `record` to metrics.jsonl, send it to the trackers, print `line` (above the bar)."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.log.append(json.dumps(record) + "\n")
         self.trackers.log(record)
         if self.bar is not None:
             self.bar.write(line)
@@ -163,8 +167,40 @@ class MetricsReporter:
             print(line, flush=True)
 
     def close(self) -> None:
+        self.log.flush()
         if self.bar is not None:
             self.bar.close()
+
+
+class MetricsLog:
+    """metrics.jsonl, appended to. Object storage cannot append: there rank 0 keeps the file's text
+    (read back on a resume) and uploads it whole after a checkpoint save and the report that follows
+    it, at most UPLOAD_EVERY_S seconds after a record, and at the end: a crash loses at most the
+    records after the last checkpoint, which the resumed run writes again."""
+
+    UPLOAD_EVERY_S = 60.0
+
+    def __init__(self, path: Path, is_main: bool):
+        self.path, self.remote = path, is_remote(path)
+        self.text = path.read_text() if self.remote and is_main and path.exists() else ""
+        self.uploaded = time.monotonic()
+        self.dirty = False
+
+    def append(self, line: str) -> None:
+        if not self.remote:
+            with open(self.path, "a") as f:
+                f.write(line)
+            return
+        self.text += line
+        self.dirty = True
+        if time.monotonic() - self.uploaded >= self.UPLOAD_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload what is not uploaded yet (object storage)."""
+        if self.dirty:
+            self.path.write_text(self.text)
+            self.uploaded, self.dirty = time.monotonic(), False
 
 
 def format_record(r: dict[str, Any]) -> str:

@@ -1,18 +1,28 @@
-"""Where data is read from: a local path, or a URL of object storage (s3://, gs://, az://, ...) read
-through fsspec (universal_pathlib's UPath, a pathlib.Path for every fsspec filesystem). Remote files
-are read by byte ranges as the loader needs them, never downloaded whole; credentials and endpoints
-come from each filesystem's standard chain (for S3: AWS_* variables, ~/.aws, instance roles;
-AWS_ENDPOINT_URL for S3-compatible servers) and never from this package's config.
+"""Where a run reads and writes: a local path, or a URL of object storage (s3://, gs://, az://, ...)
+reached through fsspec (universal_pathlib's UPath, a pathlib.Path for every fsspec filesystem).
+Remote files are read by byte ranges, never downloaded whole; credentials and endpoints come from each
+filesystem's standard chain (for S3: AWS_* variables, ~/.aws, instance roles; AWS_ENDPOINT_URL for
+S3-compatible servers) and never from this package's config.
+
+Object storage has no rename, but an object appears whole or not at all: a file is published by one
+upload, and a folder (a checkpoint, an export) is whole once its COMPLETE marker, uploaded last, is
+there. Readers of this package ignore a remote folder without it.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 
 from fms_fsdp.errors import DataError, first_line
+
+COMPLETE = "COMPLETE"
 
 
 def is_remote(path: Any) -> bool:
@@ -27,9 +37,10 @@ def location(path: str, flag: str) -> Path:
     try:
         from upath import UPath
 
-        return UPath(path)
+        # listings are never cached: other ranks and processes write the same folders (checkpoints)
+        return UPath(path, use_listings_cache=False)
     except ImportError as e:
-        raise DataError(f"--{flag}={path}: reading object storage needs {e.name or 'universal_pathlib'}: "
+        raise DataError(f"--{flag}={path}: object storage needs {e.name or 'universal_pathlib'}: "
                         "pip install 'fms-fsdp[storage]'", every_rank=True) from None
     except ValueError as e:  # no fsspec filesystem for this protocol
         raise DataError(f"--{flag}={path}: {first_line(e)}", every_rank=True) from None
@@ -44,3 +55,69 @@ def open_random(path: Path) -> Any:
 def mtime_ns(path: Path) -> int:
     stat = path.stat()
     return getattr(stat, "st_mtime_ns", None) or int(stat.st_mtime * 1e9)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a file or folder with everything under it; nothing there is fine."""
+    if is_remote(path):
+        try:
+            path.fs.rm(path.path, recursive=True)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            pass
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def make_folder(path: Path) -> None:
+    """mkdir -p; object storage has no folders to make (a bucket must exist)."""
+    if not is_remote(path):
+        path.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def publish(target: Path) -> Iterator[Path]:
+    """A local path to write `target` (a file or a folder) at; when the block ends, `target` is it,
+    whole, replacing what was there. Locally a temporary name beside the target, renamed; remotely a
+    local temporary file or folder uploaded (a folder then gets its COMPLETE marker, last)."""
+    if not is_remote(target):
+        tmp = target.with_name(f".{target.name}.tmp")
+        remove_tree(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            yield tmp
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            remove_tree(tmp)
+        return
+    with tempfile.TemporaryDirectory(prefix="fms-fsdp-") as folder:
+        tmp = Path(folder) / target.name
+        yield tmp
+        remove_tree(target)
+        if tmp.is_dir():
+            for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                upload(file, target / file.relative_to(tmp).as_posix())
+            (target / COMPLETE).write_text("ok\n")
+        else:
+            upload(tmp, target)
+
+
+def upload(local: Path, target: Path) -> None:
+    """One local file to object storage, in one (multipart) upload: whole or absent."""
+    target.fs.put_file(str(local), target.path)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def local_copy(path: Path) -> Iterator[Path]:
+    """`path` itself when local; a remote file or folder downloaded to a temporary local one (for
+    readers that need local files, e.g. safetensors' memory map)."""
+    if not is_remote(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="fms-fsdp-") as folder:
+        local = Path(folder) / path.name
+        path.fs.get(path.path, str(local), recursive=path.is_dir())  # type: ignore[attr-defined]
+        yield local

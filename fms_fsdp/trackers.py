@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.storage import location
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo, on_rank0
 from fms_fsdp.errors import ConfigError, TrackerError, first_line
@@ -164,7 +165,7 @@ def open_trackers(cfg: train_config) -> Trackers:
     if not cfg.tracker:
         return Trackers({})
     folder = Path(cfg.tracker_dir or Path(cfg.ckpt_save_path) / "tracker")
-    ids_path = Path(cfg.ckpt_save_path) / RUN_IDS_FILE
+    ids_path = location(cfg.ckpt_save_path, "ckpt_save_path") / RUN_IDS_FILE
     saved = _load_run_ids(ids_path)  # the tracker runs of earlier attempts of this run
     ids = {name: cfg.tracker_run_id for name in cfg.tracker} if cfg.tracker_run_id else dict(saved)
     trackers: dict[str, Tracker] = {}

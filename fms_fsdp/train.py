@@ -19,7 +19,6 @@ import re
 import sys
 import time
 from contextlib import closing
-from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
 import torch
@@ -34,7 +33,7 @@ from fms_fsdp.config import cli_config, parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.distributed import (LAUNCHER_DIED, DistInfo, exit_with_parent, init_distributed, lost_peer,
-                                  resolve_device, world_from_env)
+                                  on_rank0, resolve_device, world_from_env)
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
@@ -49,6 +48,7 @@ from fms_fsdp.optim import build_optimizer, clip_gradients
 from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_sync
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.storage import location, make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.triggers import StepTriggers, StopRequest
 
@@ -189,9 +189,8 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
             stop.restore()
     torch.manual_seed(cfg.seed)
     check_profiler(cfg, info)
+    on_rank0(lambda: write_run_config(cfg), CheckpointError, CheckpointError)
     if info.is_main:
-        Path(cfg.ckpt_save_path).mkdir(parents=True, exist_ok=True)
-        write_text_keeping_old(Path(cfg.ckpt_save_path) / "config.yaml", to_yaml(cfg))
         log(info, "resolved config:\n" + to_yaml(cfg).rstrip())
         if info.device.type == "cpu" and cfg.mixed_precision:
             log(info, "note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
@@ -203,6 +202,19 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
         return records
     finally:
         trackers.close(failed)
+
+
+def write_run_config(cfg: train_config) -> None:
+    """<ckpt_save_path>/config.yaml (an earlier, different one is kept as config.<n>.yaml). The first
+    write of a run: a path that cannot be written (a read-only disk; a missing bucket, no endpoint or
+    no access in object storage) is a CheckpointError naming it, before any work."""
+    root = location(cfg.ckpt_save_path, "ckpt_save_path")
+    try:
+        make_folder(root)
+        write_text_keeping_old(root / "config.yaml", to_yaml(cfg))
+    except Exception as e:  # fsspec filesystems raise their clients' own errors too
+        raise CheckpointError(f"--ckpt_save_path: cannot write {cfg.ckpt_save_path} "
+                              f"({type(e).__name__}: {first_line(e)})") from None
 
 
 def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
@@ -272,8 +284,8 @@ def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Track
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         log(info, f"stopping after step {step} on {stopped}: {outcome}")
     elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, Path(cfg.ckpt_save_path) / f"model_step_{step}.safetensors", step, info.is_main,
-                             cfg)
+        export_trained_model(model, location(cfg.ckpt_save_path, "ckpt_save_path") / f"model_step_{step}.safetensors",
+                             step, info.is_main, cfg)
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=checkpointer.group)

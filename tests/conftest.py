@@ -130,3 +130,22 @@ def data(tmp_path_factory) -> Path:
     write_dataset(root, "web", make_docs(10, 400, 1))
     write_dataset(root, "code", make_docs(500, 200, 2), layout="parquet")
     return root
+
+
+STEPS = 12  # of a run on `data` (see `uninterrupted`)
+
+
+def flags(data: Path, out: Path, *extra: str) -> list[str]:
+    """A run of STEPS steps on `data`, written to `out`."""
+    return [*TINY, "--use_dummy_dataset=False", f"--data_path={data}", "--file_type=auto", "--weights=2,1",
+            "--vocab_size=1024", "--batch_size=4", "--seq_length=128", f"--num_steps={STEPS}", "--num_workers=1",
+            "--logical_shards=16", f"--ckpt_save_path={out}", *extra]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(data, tmp_path_factory) -> Path:
+    """The outputs of a two-rank run on `data`, checkpointed at steps 6 and 12, never interrupted."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    proc = launch("main_training.py", flags(data, out, "--checkpoint_interval=6"), 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

@@ -26,16 +26,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
-from conftest import ROOT, TINY, launch, run_here, train_here
-
-STEPS = 12
-
-
-def flags(data: Path, out: Path, *extra: str) -> list[str]:
-    return [*TINY, "--use_dummy_dataset=False", f"--data_path={data}", "--file_type=auto", "--weights=2,1", "--vocab_size=1024",
-            "--batch_size=4", "--seq_length=128", f"--num_steps={STEPS}", "--num_workers=1", "--logical_shards=16",
-            f"--ckpt_save_path={out}", *extra]
-
+from conftest import ROOT, STEPS, TINY, flags, launch, run_here, train_here
 
 def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
     proc = launch("main_training.py", args, nproc)
@@ -86,13 +77,6 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, f"{path} did not appear"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("full") / "run"
-    run(flags(data, out, "--checkpoint_interval=6"))
-    return out
 
 
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted, tmp_path):
@@ -287,9 +271,9 @@ def test_a_checkpoint_resumes_under_any_activation_checkpointing(tmp_path):
     base = ["--checkpoint_interval=2", "--batch_size=2", "--lr_schedule=constant"]  # the same LR at any --num_steps
     reference = train_here(tmp_path / "ref", [*base, "--num_steps=6"])
     out = tmp_path / "run"
-    for step, flags in ((2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
-                        (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]), (6, [])):
-        run_here([*base, f"--num_steps={step}", f"--ckpt_save_path={out}", *flags])
+    for step, ac in ((2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
+                     (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]), (6, [])):
+        run_here([*base, f"--num_steps={step}", f"--ckpt_save_path={out}", *ac])
     resumed = losses(out)
     assert sorted(resumed) == list(range(1, 7))
     assert all(resumed[r["step"]] == pytest.approx(r["loss"], rel=1e-5) for r in reference)

@@ -1,9 +1,12 @@
-"""Training data in object storage (--data_path=s3://...), against a real S3 server: moto's, started
-here on 127.0.0.1 as a process of its own, reached through the standard AWS variables. The loader
-reads the bucket's shards by ranges exactly as it reads them from disk; missing buckets, unreachable
-endpoints and refused credentials are one line naming the path."""
+"""Object storage (s3:// URLs) for data, checkpoints and exports, against a real S3 server: moto's,
+started here on 127.0.0.1 as a process of its own, reached through the standard AWS variables. The
+loader reads the bucket's shards by ranges exactly as it reads them from disk; a run checkpoints to a
+bucket, is killed, and resumes from it exactly; a LoRA run saves and exports there; missing buckets,
+unreachable endpoints and refused credentials are one line naming the path."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,11 +17,22 @@ from typing import Iterator
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
+from fms_fsdp.checkpoint.export import export_checkpoint
+from fms_fsdp.checkpoint.layout import complete_checkpoints
+from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.config import parse_args
 from fms_fsdp.data import DataError, get_data_loader
 from fms_fsdp.distributed import free_port
+from fms_fsdp.errors import CheckpointError, ConfigError
+from fms_fsdp.hf import convert
+from fms_fsdp.storage import location
 
-from conftest import TINY, launch, train_here
+from conftest import STEPS, TINY, flags, launch, run_here, train_here
+from test_checkpoint import kill_tree, start
 from test_data import cfg, make_docs, take, write_dataset
+from test_lora import LORA
 
 SECRET = "not-a-real-secret-key"
 
@@ -54,6 +68,7 @@ def s3(tmp_path_factory) -> Iterator[tuple[dict, Path]]:
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("data")
+    fs.mkdir("runs")
     fs.put(f"{local}/", "data/corpus/", recursive=True)
     try:
         yield env, local
@@ -115,3 +130,108 @@ def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatc
         s3fs.S3FileSystem.clear_instance_cache()
     assert message.startswith("--data_path: cannot read s3://data-missing/corpus (PermissionError") \
         and SECRET not in message
+
+
+def bucket_losses(url: str) -> dict[int, float]:
+    """step -> loss of a run's metrics.jsonl in a bucket (a step logged twice keeps its last value)."""
+    path = location(url, "ckpt_save_path") / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3, data, uninterrupted, tmp_path):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.put(f"{data}/", "data/checkpointed/", recursive=True)
+    out = "s3://runs/killed"
+    args = flags("s3://data/checkpointed", out, "--checkpoint_interval=6", "--checkpoint_keep=1")  # type: ignore[arg-type]
+    proc = start(args)
+    deadline = time.time() + 240
+    while not fs.exists("runs/killed/checkpoints/step_6_ckp/COMPLETE") or 6 not in bucket_losses(out):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)  # the log is uploaded with the report that follows a checkpoint
+    kill_tree(proc.pid, signal.SIGKILL)  # every process, six steps before the next checkpoint
+    proc.wait()
+    root = location(out, "ckpt_save_path") / "checkpoints"
+    assert [s for s, _ in complete_checkpoints(root)] == [6]
+    fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", "runs/killed/checkpoints/step_9_ckp/.metadata")
+    assert [s for s, _ in complete_checkpoints(root)] == [6]  # a step folder without its marker is no checkpoint
+    resumed = launch("main_training.py", args, 2)  # the same command resumes, from the bucket
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "step_6_ckp at step 6" in resumed.stdout and "free-space guard does not apply" in resumed.stdout
+    ref, got = {r["step"]: r["loss"] for r in map(json.loads, (uninterrupted / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}, bucket_losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1)) and got == ref  # the same losses as a run on disk, uninterrupted
+    assert [s for s, _ in complete_checkpoints(root)] == [12]  # --checkpoint_keep=1 deleted step 6 in the bucket
+    assert not fs.exists("runs/killed/checkpoints/step_6_ckp") and not fs.exists("runs/killed/checkpoints/step_9_ckp")
+    a, b = read_model(uninterrupted / "checkpoints" / "step_12_ckp"), read_model(root / "step_12_ckp")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    export_checkpoint(f"{out}/checkpoints/step_12_ckp", f"{out}/model.safetensors")  # fms-export-model, bucket to bucket
+    fs.get("runs/killed/model.safetensors", str(tmp_path / "from_bucket.safetensors"))
+    exported = load_file(str(tmp_path / "from_bucket.safetensors"))
+    assert exported.keys() == a.keys() and all(torch.equal(exported[k], a[k]) for k in a)
+    convert(f"{out}/checkpoints/step_12_ckp", f"{out}/hf", dtype="fp32")  # fms_to_hf, bucket to bucket
+    fs.get("runs/killed/hf/", str(tmp_path / "hf_from_bucket"), recursive=True)
+    local = convert(str(uninterrupted / "checkpoints" / "step_12_ckp"), str(tmp_path / "hf_local"),
+                    dtype="fp32")
+    got, want = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "hf_from_bucket", local))
+    assert (tmp_path / "hf_from_bucket" / "COMPLETE").is_file() and got.keys() == want.keys() \
+        and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    base = tmp_path / "base"
+    train_here(base, ["--num_steps=2"])  # the model to adapt, saved in the bucket as its checkpoint folder
+    fs.put(f"{base}/run/checkpoints/step_2_ckp/", "runs/base/", recursive=True)
+    common = [*LORA, "--num_steps=4", "--export_interval=2", "--export_keep=1", "--export_model_at_end=True"]
+    run_here([*common, "--ckpt_load_path=s3://runs/base", "--ckpt_save_path=s3://runs/lora"])
+    run_here([*common, f"--ckpt_load_path={base}/run/checkpoints/step_2_ckp", f"--ckpt_save_path={tmp_path / 'disk'}"])
+    assert bucket_losses("s3://runs/lora") == {r["step"]: r["loss"] for r in map(
+        json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())}
+    listing = {p.removeprefix("runs/lora/") for p in fs.find("runs/lora")}
+    assert {"config.yaml", "checkpoints/step_4_ckp/COMPLETE", "exports/step_4/COMPLETE",
+            "exports/step_4/model.safetensors", "exports/step_4/adapter/adapter_model.safetensors",
+            "model_step_4.safetensors", "adapter_step_4/adapter_config.json", "adapter_step_4/COMPLETE"} <= listing
+    assert not any(p.startswith(("exports/step_2", "exports/.")) for p in listing)  # --export_keep=1, no leftovers
+    for name in ("model_step_4.safetensors", "exports/step_4/model.safetensors",
+                 "exports/step_4/adapter/adapter_model.safetensors", "adapter_step_4/adapter_model.safetensors"):
+        fs.get(f"runs/lora/{name}", str(tmp_path / "got.safetensors"))
+        got, want = load_file(str(tmp_path / "got.safetensors")), load_file(str(tmp_path / "disk" / name))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    with pytest.raises(CheckpointError, match="is a LoRA checkpoint: it holds the adapters only"):
+        read_model(location("s3://runs/lora/checkpoints/step_4_ckp", "ckpt_load_path"))  # only what trains
+
+
+def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3, tmp_path, monkeypatch, capsys):
+    import s3fs
+
+    from fms_fsdp.train import run
+
+    def error(flag: str, path: str) -> str:
+        s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again
+        with pytest.raises(CheckpointError) as e:
+            run(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
+        assert "\n" not in str(e.value) and "step 1 |" not in capsys.readouterr().out  # nothing trained
+        return str(e.value)
+
+    assert error("ckpt_save_path", "s3://no-such-bucket/run").startswith(
+        "--ckpt_save_path: cannot write s3://no-such-bucket/run (")
+    assert error("ckpt_load_path", "s3://runs/no-such-model") == "--ckpt_load_path: s3://runs/no-such-model does not exist"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert error("ckpt_save_path", "s3://runs/run").startswith("--ckpt_save_path: cannot write s3://runs/run (")
+    port = free_port()
+    guarded = start_server(port, INITIAL_NO_AUTH_ACTION_COUNT="0")  # checks credentials: these are unknown
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        message = error("ckpt_save_path", "s3://runs/run")
+    finally:
+        guarded.kill()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert message.startswith("--ckpt_save_path: cannot write s3://runs/run (PermissionError") and SECRET not in message
+    with pytest.raises(ConfigError, match="--tracker_dir: set a local folder"):  # files that grow stay local
+        parse_args([*TINY, "--ckpt_save_path=s3://runs/run", "--tracker=tensorboard"])

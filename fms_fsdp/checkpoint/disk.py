@@ -1,5 +1,6 @@
 """The free-space guard: before each save, make room for it as the keep policy allows, or stop with
-one line saying how much is free and how much is needed."""
+one line saying how much is free and how much is needed. Object storage has no free space to measure:
+there only unfinished saves are removed (the run says once that the guard does not apply)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from fms_fsdp.checkpoint.layout import complete_checkpoints, delete_checkpoint, remove_stale
 from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.storage import is_remote, make_folder
 
 _MARGIN = 1.05  # a checkpoint's files take a little more than its tensors
 
@@ -29,12 +31,14 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, g
     return int(total.item() * _MARGIN)
 
 
-def prune_for(root: Path, needed: int, policy: KeepPolicy) -> int:
+def prune_for(root: Path, needed: int, policy: KeepPolicy) -> float:
     """Delete unfinished saves, what the keep policy would delete, then the oldest checkpoints, until
     `needed` bytes are free or only the newest complete checkpoint is left; returns the bytes free.
     One rank runs it."""
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root)
     remove_stale(root)
+    if is_remote(root):
+        return float("inf")
     free = shutil.disk_usage(root).free
     complete = complete_checkpoints(root)
     doomed = set(policy.to_delete([s for s, _ in complete]))

@@ -2,12 +2,11 @@
 gathered from every rank's shards) or from a checkpoint folder (scripts/export_model.py,
 `fms-export-model`); and every --export_interval steps (`PeriodicExporter`, staged and written in
 the background like an async checkpoint), as that file or as a Hugging Face folder, under
-<ckpt_save_path>/exports/step_<N>. Everything is written under a temporary
-name and renamed, so a file or folder of that name is always whole."""
+<ckpt_save_path>/exports/step_<N>. Everything is published whole (storage.publish): on disk written
+under a temporary name and renamed; in object storage uploaded, a folder marked COMPLETE last."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,12 +21,13 @@ from torch.utils._pytree import tree_map_only
 
 from fms_fsdp.checkpoint.io import plain_tensor, staging_buffers
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.reader import read_model, storage_writer
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import merged, write_peft_adapter
 from fms_fsdp.models import CausalLM
+from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -35,13 +35,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> Path:
-    """One safetensors file, atomically."""
+    """One safetensors file, published whole (local or in object storage)."""
     from safetensors.torch import save_file
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, target)
+    with publish(target) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
     return target
 
 
@@ -60,12 +58,9 @@ def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_mai
 
 
 def write_adapter_folder(state: dict[str, torch.Tensor], config: Any, cfg: train_config, target: Path) -> Path:
-    """The PEFT adapter folder of a LoRA model's full state, written under a temporary name and renamed."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_peft_adapter(state, config, cfg, tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    """The PEFT adapter folder of a LoRA model's full state, published whole."""
+    with publish(target) as tmp:
+        write_peft_adapter(state, config, cfg, tmp)
     return target
 
 
@@ -78,7 +73,7 @@ class PeriodicExporter:
 
     def __init__(self, cfg: train_config, info: DistInfo, model: CausalLM):
         self.cfg, self.info, self.model = cfg, info, model
-        self.root = Path(cfg.ckpt_save_path) / "exports"
+        self.root = location(cfg.ckpt_save_path, "ckpt_save_path") / "exports"
         self.pending: Optional[Future] = None
         enabled = cfg.export_interval > 0
         # made now: a group made later needs the launcher's store, which is gone if the launcher died;
@@ -87,9 +82,10 @@ class PeriodicExporter:
         self.write_group = dist.new_group(backend="gloo") if enabled else None
         self.stager = staging_buffers(info.device) if enabled else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled and info.is_main else None
-        if enabled and info.is_main:  # what an interrupted export left
-            for stale in self.root.glob(".step_*"):
-                shutil.rmtree(stale, ignore_errors=True)
+        if enabled and info.is_main and self.root.is_dir():  # what an interrupted export left
+            for stale in self.root.iterdir():
+                if stale.name.startswith(".step_") or (is_remote(stale) and not (stale / COMPLETE).is_file()):
+                    remove_tree(stale)
 
     def due(self, step: int) -> bool:
         return self.cfg.export_interval > 0 and step % self.cfg.export_interval == 0
@@ -99,10 +95,10 @@ class PeriodicExporter:
         self.finish()
         shards = self.root / f".step_{step}.shards"
         if self.info.is_main:
-            shutil.rmtree(shards, ignore_errors=True)
+            remove_tree(shards)
         dist.barrier(group=self.group)
         state = tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))  # float8's wrappers
-        written = dcp.async_save({"model_state": state}, checkpoint_id=str(shards),
+        written = dcp.async_save({"model_state": state}, storage_writer=storage_writer(shards),
                                  process_group=self.write_group, async_stager=self.stager)
         self.pending = written if self.writer is None else self.writer.submit(self._convert, written, shards, step)
 
@@ -137,25 +133,22 @@ class PeriodicExporter:
         """Rank 0, in the background: once every rank's shards are on disk, the export of `step`."""
         written.result()
         self._write(read_model(shards), step)
-        shutil.rmtree(shards, ignore_errors=True)
+        remove_tree(shards)
 
     def _write(self, state: dict[str, torch.Tensor], step: int) -> None:
         target = self.root / f"step_{step}"
-        tmp = self.root / f".step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         model = merged(state, self.cfg) if self.cfg.lora_rank else state
-        if self.cfg.export_format == "hf":
-            self._write_hf(model, tmp)
-        else:
-            write_safetensors(model, tmp / "model.safetensors", metadata={"step": str(step)})
-        if self.cfg.lora_rank:  # and the adapter, for PEFT
-            write_peft_adapter(state, self.model.config, self.cfg, tmp / "adapter")
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        with publish(target) as tmp:
+            if self.cfg.export_format == "hf":
+                self._write_hf(model, tmp)
+            else:
+                write_safetensors(model, tmp / "model.safetensors", metadata={"step": str(step)})
+            if self.cfg.lora_rank:  # and the adapter, for PEFT
+                write_peft_adapter(state, self.model.config, self.cfg, tmp / "adapter")
         print(f"checkpoint: exported the model of step {step} to {target}", flush=True)
-        steps = [int(p.name.removeprefix("step_")) for p in self.root.glob("step_*") if p.is_dir()]
+        steps = [int(p.name.removeprefix("step_")) for p in self.root.iterdir() if p.name.startswith("step_")]
         for old in KeepPolicy(self.cfg.export_keep).to_delete(steps):
-            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+            remove_tree(self.root / f"step_{old}")
 
     def _write_hf(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
         from fms_fsdp.hf import write_hf_folder
@@ -174,15 +167,15 @@ class PeriodicExporter:
 def export_checkpoint(load_path: str, save_path: str) -> str:
     """The model of a checkpoint folder (this project's or fms-fsdp's) as one safetensors file; no GPU,
     no process group, the model held in memory once. Returns a summary line."""
-    if not load_path or not Path(load_path).is_dir():
+    if not load_path or not location(load_path, "load_path").is_dir():
         raise CheckpointError(f"--load_path: {load_path or '(missing)'} is not a checkpoint folder")
     if not save_path.endswith(".safetensors"):
         raise CheckpointError(f"--save_path: {save_path or '(missing)'} must end in .safetensors")
     try:
-        state = read_model(Path(load_path))
+        state = read_model(location(load_path, "load_path"))
     except (CheckpointError, RuntimeError, OSError) as e:
         raise CheckpointError(f"--load_path: cannot read {load_path}: {first_line(e)}") from None
-    target = write_safetensors(state, Path(save_path))
+    target = write_safetensors(state, location(save_path, "save_path"))
     return f"wrote {target}: {len(state)} tensors, {sum(v.numel() for v in state.values()) / 1e6:.1f}M parameters"
 
 

@@ -9,9 +9,9 @@ any rank is raised on every rank, so none is left waiting in a collective.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
-import shutil
 import time
 from dataclasses import replace
 from concurrent.futures import Future
@@ -43,12 +43,13 @@ from fms_fsdp.checkpoint.layout import (
     temp_folder,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import SafeReader, model_reader, read_model
+from fms_fsdp.checkpoint.reader import model_reader, read_model, safe_reader, storage_writer
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import is_adapter
 from fms_fsdp.optim import keep_kernels
+from fms_fsdp.storage import COMPLETE, is_remote, local_copy, location, make_folder, remove_tree
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
@@ -89,6 +90,9 @@ class Checkpointer:
         # from pairing up with this thread's collectives
         self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
         self.pending: Optional[tuple[int, Path, Future]] = None
+        if info.is_main and is_remote(self.root):
+            print(f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no free "
+                  "space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps", flush=True)
         self.stager = staging_buffers(info.device) if cfg.async_checkpoint else None
         # with LoRA the frozen base is not saved: it comes from --ckpt_load_path at every start
         # (the loaded state then lacks the frozen keys: DCP's load already refused a checkpoint lacking others)
@@ -113,11 +117,11 @@ class Checkpointer:
             self._write_run_state(tmp, step, tokens_seen)
             state = self._state_dict()
             if self.cfg.async_checkpoint:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group,
+                future = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self.async_group,
                                         async_stager=self.stager)
                 self.pending = (step, tmp, future)
             else:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                dcp.save(state, storage_writer=storage_writer(tmp), process_group=self.group)
                 self._commit(step, tmp)
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
@@ -187,7 +191,7 @@ class Checkpointer:
         """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn when the
         save failed to write (any other failure, a bug or a lost peer, stops the run)."""
         if self.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)  # unmarked: in object storage the step folder itself
         cause = _root_cause(error)
         message = str(error) if isinstance(error, CheckpointError) else f"checkpoint save to {tmp.parent} failed: " + (
             first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
@@ -203,10 +207,10 @@ class Checkpointer:
         """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
         tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
         each attempt, so all resume from the same one."""
-        box: list[Any] = [[str(p) for _, p in reversed(complete_checkpoints(self.root))] if self.info.is_main else None]
+        box: list[Any] = [[p.name for _, p in reversed(complete_checkpoints(self.root))] if self.info.is_main else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         last_error = ""
-        for path in map(Path, box[0]):
+        for path in (self.root / name for name in box[0]):
             error: Optional[BaseException] = None
             try:
                 result = self._load(path)
@@ -224,19 +228,19 @@ class Checkpointer:
 
     def _load(self, path: Path) -> tuple[int, int]:
         state = self._state_dict()
-        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=self.group)
+        dcp.load(state, storage_reader=safe_reader(path), process_group=self.group)
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
                        optim_state_dict=state["optimizer_state"], options=self._options)
         keep_kernels(self.optimizer, *kernels)
-        meta = torch.load(path / "metadata.pth", weights_only=True)
+        meta = _load_file(path / "metadata.pth")
         base = meta.get("config", {}).get("ckpt_load_path")
         if self.cfg.lora_rank and base != self.cfg.ckpt_load_path:
             raise CheckpointError(f"{path} holds LoRA adapters of the base {base}, but --ckpt_load_path is now "
                                   f"{self.cfg.ckpt_load_path}; give the same base, or a new --ckpt_save_path")
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
-        rank_states = [torch.load(p, weights_only=True) for p in ranks]
+        rank_states = [_load_file(p) for p in ranks]
         self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
         if len(rank_states) == self.info.world_size:
             own = rank_states[self.info.rank]
@@ -253,21 +257,31 @@ class Checkpointer:
         Single files and Hugging Face folders are read on rank 0 and broadcast."""
         from fms_fsdp.hf import check_hf_config, read_hf_config, read_hf_model
 
-        p = Path(path)
-        if not p.exists():
+        p = location(path, "ckpt_load_path")
+        try:
+            found = p.exists()
+        except Exception as e:  # object storage: no endpoint, no access
+            raise CheckpointError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
+        if not found:
             raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
         try:
             if p.is_dir() and (p / "config.json").is_file():
-                check_hf_config(read_hf_config(str(p)), self.model.config, str(p))  # on every rank: same verdict
-                full = read_hf_model(str(p), self.model.config) if self.info.is_main else {}
+                check_hf_config(read_hf_config(p), self.model.config, str(p))  # on every rank: same verdict
+                full = {}
+                if self.info.is_main:
+                    with local_copy(p) as local:  # object storage: downloaded (rank 0 reads it whole anyway)
+                        full = read_hf_model(str(local), self.model.config)
                 self._set_base(full, _FROM_RANK0)
             elif p.is_dir():
                 model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
                 state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
-                dcp.load(state, storage_reader=SafeReader(str(p)), process_group=self.group)
+                dcp.load(state, storage_reader=safe_reader(p), process_group=self.group)
                 self._set_base(state["model_state"], StateDictOptions())
             else:
-                full = read_model(p) if self.info.is_main else {}
+                full = {}
+                if self.info.is_main:
+                    with local_copy(p) as local:
+                        full = read_model(local)
                 self._set_base(full, _FROM_RANK0)
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
@@ -344,8 +358,11 @@ def write_failure(error: BaseException) -> bool:
 
 
 def _empty_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    """An empty folder for a save; what an earlier attempt left there is unmarked first, then deleted."""
+    if path.is_dir():
+        (path / COMPLETE).unlink(missing_ok=True)
+    remove_tree(path)
+    make_folder(path)
 
 
 def _to_torch(obj: Any) -> Any:
@@ -360,8 +377,15 @@ def _to_torch(obj: Any) -> Any:
 
 
 def _save_file(obj: Any, path: Path) -> None:
-    """torch.save, flushed to disk."""
-    with open(path, "wb") as f:
+    """torch.save, flushed to disk (in object storage: one upload)."""
+    with path.open("wb") as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        if not is_remote(path):
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _load_file(path: Path) -> Any:
+    """torch.load of a small file of the run state, local or in object storage, without running code."""
+    with path.open("rb") as f:
+        return torch.load(io.BytesIO(f.read()), weights_only=True)

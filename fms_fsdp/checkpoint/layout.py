@@ -1,27 +1,28 @@
 """Where checkpoints live and how one becomes visible: step folders, discovery, commit, deletion.
 
-<ckpt_save_path>/checkpoints/step_<N>_ckp/ is fms-fsdp's layout. A save writes into a hidden
-.step_<N>_ckp.tmp folder; `commit` puts a COMPLETE marker inside and renames it into place, so a
-folder named like a step and holding the marker is always whole. Deleting unmarks first. Plain
-filesystem work without collectives: the caller picks the rank that runs it.
+<ckpt_save_path>/checkpoints/step_<N>_ckp/ is fms-fsdp's layout. A folder named like a step is a
+checkpoint only when it holds the COMPLETE marker, written last. On disk a save writes into a hidden
+.step_<N>_ckp.tmp folder, and `commit` puts the marker inside and renames it into place. Object storage
+has no rename: there the step's own prefix is the temporary one until the marker is uploaded (as
+Orbax commits on GCS). Deleting unmarks first. Plain file work without collectives: the caller picks
+the rank that runs it.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 from fms_fsdp.atomic import fsync_path
+from fms_fsdp.storage import COMPLETE, is_remote, location, remove_tree
 
-COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)_ckp$")
 
 
 def checkpoint_root(ckpt_save_path: str) -> Path:
-    """The folder holding a run's step folders."""
-    return Path(ckpt_save_path) / "checkpoints"
+    """The folder holding a run's step folders (a local Path or a URL's UPath)."""
+    return location(ckpt_save_path, "ckpt_save_path") / "checkpoints"
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -29,8 +30,8 @@ def step_folder(root: Path, step: int) -> Path:
 
 
 def temp_folder(root: Path, step: int) -> Path:
-    """Where the save of `step` is written before its commit."""
-    return root / f".step_{step}_ckp.tmp"
+    """Where the save of `step` is written before its commit (in object storage: its step folder)."""
+    return step_folder(root, step) if is_remote(root) else root / f".step_{step}_ckp.tmp"
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -47,7 +48,10 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 def commit(tmp: Path, final: Path) -> None:
     """Mark a fully written checkpoint complete and rename it into place (replacing a checkpoint of
-    the same step from an earlier attempt), flushed to disk."""
+    the same step from an earlier attempt), flushed to disk; in object storage, upload the marker."""
+    if is_remote(final):
+        (final / COMPLETE).write_text("ok\n")
+        return
     with open(tmp / COMPLETE, "w") as f:
         f.write("ok\n")
         f.flush()
@@ -60,14 +64,24 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def delete_checkpoint(path: Path) -> None:
-    """Unmark, then move aside, then delete: a checkpoint is never half there and marked complete."""
+    """Unmark, then (on disk) move aside, then delete: a checkpoint is never half there and marked
+    complete."""
     (path / COMPLETE).unlink(missing_ok=True)
+    if is_remote(path):
+        remove_tree(path)
+        return
     doomed = path.with_name(f".{path.name}.deleting")
     os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(doomed)
 
 
 def remove_stale(root: Path) -> None:
-    """Temporary folders of saves and deletions that never finished (a crash, a kill)."""
-    for p in [*root.glob(".step_*_ckp.tmp*"), *root.glob(".step_*_ckp.deleting")]:
-        shutil.rmtree(p, ignore_errors=True)
+    """What saves and deletions that never finished (a crash, a kill) left: temporary folders on disk,
+    step folders without their marker in object storage."""
+    if is_remote(root):
+        stale = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and not (p / COMPLETE).is_file()] \
+            if root.is_dir() else []
+    else:
+        stale = [*root.glob(".step_*_ckp.tmp*"), *root.glob(".step_*_ckp.deleting")]
+    for p in stale:
+        remove_tree(p)

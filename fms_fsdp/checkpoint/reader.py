@@ -2,8 +2,9 @@
 project or of fms-fsdp, or a single .safetensors / .pth file, tensor by tensor, without ever running
 code from the file.
 
-DCP reads a folder's .metadata with plain pickle; `SafeReader` reads it through an unpickler that
-admits only the plain data types it holds. .pth files are read with weights_only=True.
+DCP reads a folder's .metadata with plain pickle; `safe_reader` reads it through an unpickler that
+admits only the plain data types it holds. .pth files are read with weights_only=True. Folders in
+object storage are read and written through DCP's fsspec reader and writer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from fms_fsdp.errors import CheckpointError
+from fms_fsdp.storage import is_remote
 
 # reads the named tensors: {name: tensor}
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -51,11 +53,15 @@ def _public_attribute(obj: Any, name: str) -> Any:
     return getattr(obj, name)
 
 
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata is read without running code."""
+class _SafeMetadata:
+    """A DCP file reader's read_metadata, without running code."""
+
+    fs: Any
+    path: Any
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
+        with self.fs.create_stream(self.fs.concat_path(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -63,8 +69,33 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+class SafeReader(_SafeMetadata, dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read without running code."""
+
+
+def safe_reader(folder: Any) -> dcp.FileSystemReader:
+    """The safe reader of a checkpoint folder, on disk or in object storage."""
+    if not is_remote(folder):
+        return SafeReader(str(folder))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class SafeFsspecReader(_SafeMetadata, FsspecReader):
+        pass
+
+    return SafeFsspecReader(str(folder))
+
+
+def storage_writer(folder: Any) -> dcp.FileSystemWriter:
+    """DCP's writer of a checkpoint folder, on disk or in object storage."""
+    if not is_remote(folder):
+        return dcp.FileSystemWriter(str(folder))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(str(folder))
+
+
 def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
-    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    metadata = safe_reader(folder).read_metadata().state_dict_metadata
     shapes = {key.removeprefix("model_state."): meta.size for key, meta in metadata.items()
               if key.startswith("model_state.") and hasattr(meta, "size")}
     if not shapes:
@@ -78,7 +109,7 @@ def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
         if state:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({"model_state": state}, storage_reader=SafeReader(folder), no_dist=True)
+                dcp.load({"model_state": state}, storage_reader=safe_reader(folder), no_dist=True)
         return state
 
     return shapes, read
@@ -111,5 +142,5 @@ def model_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint folder or a model file, whole, on the CPU."""
-    shapes, read = model_reader(Path(path))
+    shapes, read = model_reader(Path(path) if isinstance(path, str) else path)
     return read(list(shapes))
