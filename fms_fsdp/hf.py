@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fms_fsdp.checkpoint.reader import Reader, model_reader
-from fms_fsdp.errors import CheckpointError, ConfigError, HFError
+from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError
 from fms_fsdp.models import build_model, get_model_config
 from fms_fsdp.storage import local_copy, location, publish
 
@@ -282,7 +282,7 @@ def main(load_path: str = "", save_path: str = "", model_variant: Optional[str] 
     """fms checkpoint -> Hugging Face LlamaForCausalLM folder."""
     try:
         out = convert(str(load_path), str(save_path), model_variant, vocab_size, tokenizer_name_or_path, str(dtype))
-    except (HFError, CheckpointError, ConfigError, OSError) as e:
+    except (HFError, CheckpointError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")

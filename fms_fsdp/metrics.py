@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
-from fms_fsdp.storage import is_remote, location
+from fms_fsdp.errors import first_line
+from fms_fsdp.storage import is_remote, location, storage_error
 from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
@@ -184,7 +185,7 @@ class MetricsLog:
         self.path, self.remote = path, is_remote(path)
         self.text = path.read_text() if self.remote and is_main and path.exists() else ""
         self.uploaded = time.monotonic()
-        self.dirty = False
+        self.dirty = self.warned = False
 
     def append(self, line: str) -> None:
         if not self.remote:
@@ -197,10 +198,22 @@ class MetricsLog:
             self.flush()
 
     def flush(self) -> None:
-        """Upload what is not uploaded yet (object storage)."""
-        if self.dirty:
+        """Upload what is not uploaded yet (object storage). A failed upload warns (once) and is
+        tried again later: training goes on."""
+        if not self.dirty:
+            return
+        try:
             self.path.write_text(self.text)
-            self.uploaded, self.dirty = time.monotonic(), False
+        except Exception as e:
+            if not storage_error(e):
+                raise
+            if not self.warned:
+                print(f"warning: cannot upload {self.path} ({type(e).__name__}: {first_line(e)}); "
+                      "trying again later", flush=True)
+                self.warned = True
+            self.uploaded = time.monotonic()
+            return
+        self.uploaded, self.dirty = time.monotonic(), False
 
 
 def format_record(r: dict[str, Any]) -> str:

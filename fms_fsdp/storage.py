@@ -6,7 +6,8 @@ S3-compatible servers) and never from this package's config.
 
 Object storage has no rename, but an object appears whole or not at all: a file is published by one
 upload, and a folder (a checkpoint, an export) is whole once its COMPLETE marker, uploaded last, is
-there. Readers of this package ignore a remote folder without it.
+there; it is unmarked first when replaced or deleted. Checkpoint discovery and the clean-ups of
+checkpoints and exports go by the marker.
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ import pyarrow as pa
 from fms_fsdp.errors import DataError, first_line
 
 COMPLETE = "COMPLETE"
+# the client libraries of object storage raise their own errors (botocore's are not OSErrors)
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "adlfs", "azure", "fsspec")
 
 
 def is_remote(path: Any) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
 
 
+def storage_error(error: BaseException) -> bool:
+    """Whether an exception is a failure to read or write storage: an OSError, or an error of an object
+    storage client (no endpoint, refused credentials, a throttled request)."""
+    return isinstance(error, OSError) or type(error).__module__.split(".")[0] in _CLIENT_MODULES
+
+
 def location(path: str, flag: str) -> Path:
     """The Path of a flag's local path or URL (a DataError naming the flag when the URL's filesystem is
     not installed, e.g. s3fs for s3://)."""
     if not is_remote(path):
-        return Path(path)
+        return Path(path.removeprefix("file://"))
     try:
         from upath import UPath
 
@@ -58,12 +67,14 @@ def mtime_ns(path: Path) -> int:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a file or folder with everything under it; nothing there is fine."""
+    """Delete a file or folder with everything under it (in object storage its COMPLETE marker first);
+    nothing there is fine."""
     if is_remote(path):
-        try:
-            path.fs.rm(path.path, recursive=True)  # type: ignore[attr-defined]
-        except FileNotFoundError:
-            pass
+        for doomed in (path / COMPLETE, path):
+            try:
+                doomed.fs.rm(doomed.path, recursive=True)  # type: ignore[attr-defined]
+            except FileNotFoundError:
+                pass
     elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -96,13 +107,18 @@ def publish(target: Path) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="fms-fsdp-") as folder:
         tmp = Path(folder) / target.name
         yield tmp
-        remove_tree(target)
-        if tmp.is_dir():
-            for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                upload(file, target / file.relative_to(tmp).as_posix())
-            (target / COMPLETE).write_text("ok\n")
-        else:
-            upload(tmp, target)
+        if not tmp.is_dir():
+            upload(tmp, target)  # replaces an object there in one step
+            return
+        (target / COMPLETE).unlink(missing_ok=True)
+        names = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
+        for name in sorted(names):
+            upload(tmp / name, target / name)
+        fs = target.fs  # type: ignore[attr-defined]
+        for key in fs.find(target.path) if target.is_dir() else []:  # what an older export there had more
+            if key.removeprefix(target.path.rstrip("/") + "/") not in names:
+                fs.rm(key)
+        (target / COMPLETE).write_text("ok\n")
 
 
 def upload(local: Path, target: Path) -> None:

@@ -29,17 +29,6 @@ TINY = [
 
 def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Optional[dict] = None,
            timeout: int = 300, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """_launch, once more with a new port when the free port picked for the ranks' store was taken
-    before rank 0 listened on it (another process's outgoing connection can get any ephemeral port):
-    nothing has run then, so the second launch is the same run."""
-    proc = _launch(script, args, nproc, extra_env, timeout, torchrun_args)
-    if proc.returncode != 0 and "EADDRINUSE" in proc.stdout + proc.stderr:
-        proc = _launch(script, args, nproc, extra_env, timeout, torchrun_args)
-    return proc
-
-
-def _launch(script: str, args: list[str], nproc: Optional[int], extra_env: Optional[dict],
-            timeout: int, torchrun_args: tuple[str, ...]) -> subprocess.CompletedProcess:
     """Run `script` with `args` in nproc real processes: plain python when nproc is None; under torchrun
     when torchrun_args are given; else the ranks are started directly with the environment torchrun
     gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...), which skips torchrun's 2 s agent

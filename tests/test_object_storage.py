@@ -98,10 +98,6 @@ def test_training_and_evaluation_from_a_bucket_keep_no_credentials(s3, tmp_path)
     assert [r.get("loss", r.get("eval_loss")) for r in remote] == [r.get("loss", r.get("eval_loss")) for r in disk]
     saved = (tmp_path / "remote" / "run" / "config.yaml").read_text()
     assert "s3://data/corpus" in saved and SECRET not in saved and "testing" not in saved
-    proc = launch("main_training.py", [*TINY, *common, "--data_path=s3://data/corpus",
-                                       "--eval_interval=0", f"--ckpt_save_path={tmp_path / 'two'}"], 2, extra_env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # two ranks, each with a loader worker reading by ranges
-    assert SECRET not in proc.stdout + proc.stderr
 
 
 def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatch):
@@ -155,16 +151,20 @@ def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3,
     proc.wait()
     root = location(out, "ckpt_save_path") / "checkpoints"
     assert [s for s, _ in complete_checkpoints(root)] == [6]
-    fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", "runs/killed/checkpoints/step_9_ckp/.metadata")
+    for name in (".metadata", "SAVING"):  # a save killed half-way, and a folder of another tool
+        fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", f"runs/killed/checkpoints/step_9_ckp/{name}")
+    fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", "runs/killed/checkpoints/step_3_ckp/.metadata")
     assert [s for s, _ in complete_checkpoints(root)] == [6]  # a step folder without its marker is no checkpoint
     resumed = launch("main_training.py", args, 2)  # the same command resumes, from the bucket
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert SECRET not in resumed.stdout + resumed.stderr  # two ranks, each with a loader worker reading by ranges
     assert "step_6_ckp at step 6" in resumed.stdout and "free-space guard does not apply" in resumed.stdout
     ref, got = {r["step"]: r["loss"] for r in map(json.loads, (uninterrupted / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}, bucket_losses(out)
     assert sorted(got) == list(range(1, STEPS + 1)) and got == ref  # the same losses as a run on disk, uninterrupted
     assert [s for s, _ in complete_checkpoints(root)] == [12]  # --checkpoint_keep=1 deleted step 6 in the bucket
     assert not fs.exists("runs/killed/checkpoints/step_6_ckp") and not fs.exists("runs/killed/checkpoints/step_9_ckp")
+    assert fs.exists("runs/killed/checkpoints/step_3_ckp/.metadata")  # not this package's: left alone
     a, b = read_model(uninterrupted / "checkpoints" / "step_12_ckp"), read_model(root / "step_12_ckp")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     export_checkpoint(f"{out}/checkpoints/step_12_ckp", f"{out}/model.safetensors")  # fms-export-model, bucket to bucket
@@ -213,8 +213,13 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
 
     def error(flag: str, path: str) -> str:
         s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again
-        with pytest.raises(CheckpointError) as e:
-            run(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
+        saved = dict(os.environ)  # run() sets the process group's variables (RANK, MASTER_PORT, ...)
+        try:
+            with pytest.raises(CheckpointError) as e:
+                run(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         assert "\n" not in str(e.value) and "step 1 |" not in capsys.readouterr().out  # nothing trained
         return str(e.value)
 

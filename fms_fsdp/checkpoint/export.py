@@ -24,10 +24,10 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model, storage_writer
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
-from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.errors import CheckpointError, DataError, first_line
 from fms_fsdp.lora import merged, write_peft_adapter
 from fms_fsdp.models import CausalLM
-from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree
+from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -82,10 +82,20 @@ class PeriodicExporter:
         self.write_group = dist.new_group(backend="gloo") if enabled else None
         self.stager = staging_buffers(info.device) if enabled else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled and info.is_main else None
-        if enabled and info.is_main and self.root.is_dir():  # what an interrupted export left
-            for stale in self.root.iterdir():
+        if enabled and info.is_main:
+            self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        """What an interrupted export left: hidden folders, unmarked exports in object storage. Only
+        tidying: a failure warns."""
+        try:
+            for stale in self.root.iterdir() if self.root.is_dir() else []:
                 if stale.name.startswith(".step_") or (is_remote(stale) and not (stale / COMPLETE).is_file()):
                     remove_tree(stale)
+        except Exception as e:
+            if not storage_error(e):
+                raise
+            print(f"warning: cannot tidy {self.root} ({type(e).__name__}: {first_line(e)})", flush=True)
 
     def due(self, step: int) -> bool:
         return self.cfg.export_interval > 0 and step % self.cfg.export_interval == 0
@@ -183,8 +193,12 @@ def main(load_path: str = "", save_path: str = "") -> None:
     """Export the model of checkpoint folder --load_path to the safetensors file --save_path."""
     try:
         print(export_checkpoint(str(load_path), str(save_path)))
-    except CheckpointError as e:
+    except (CheckpointError, DataError) as e:
         sys.exit(f"error: {e}")
+    except Exception as e:  # object storage: no endpoint, refused credentials; a full disk
+        if not storage_error(e):
+            raise
+        sys.exit(f"error: cannot write {save_path}: {type(e).__name__}: {first_line(e)}")
 
 
 def cli() -> None:

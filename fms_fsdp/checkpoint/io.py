@@ -39,17 +39,18 @@ from fms_fsdp.checkpoint.layout import (
     commit,
     complete_checkpoints,
     delete_checkpoint,
+    start_save,
     step_folder,
     temp_folder,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import model_reader, read_model, safe_reader, storage_writer
 from fms_fsdp.config import to_dict, train_config
-from fms_fsdp.distributed import DistInfo
+from fms_fsdp.distributed import DistInfo, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import is_adapter
 from fms_fsdp.optim import keep_kernels
-from fms_fsdp.storage import COMPLETE, is_remote, local_copy, location, make_folder, remove_tree
+from fms_fsdp.storage import is_remote, local_copy, location, remove_tree, storage_error
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
@@ -113,7 +114,7 @@ class Checkpointer:
             if free < needed:
                 raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
                                       f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
-            self._on_main(lambda: _empty_folder(tmp))
+            self._on_main(lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
             state = self._state_dict()
             if self.cfg.async_checkpoint:
@@ -181,9 +182,15 @@ class Checkpointer:
 
         def files() -> None:
             commit(tmp, step_folder(self.root, step))
-            for s in self.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
-                delete_checkpoint(step_folder(self.root, s))
             print(f"checkpoint: saved {step_folder(self.root, step)}", flush=True)
+            try:  # the new checkpoint is complete: a failure to delete an old one only warns
+                for s in self.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
+                    delete_checkpoint(step_folder(self.root, s))
+            except Exception as e:
+                if not storage_error(e):
+                    raise
+                print(f"warning: cannot delete an old checkpoint in {self.root} ({type(e).__name__}: "
+                      f"{first_line(e)}); it is kept", flush=True)
 
         self._on_main(files)
 
@@ -207,10 +214,10 @@ class Checkpointer:
         """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
         tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
         each attempt, so all resume from the same one."""
-        box: list[Any] = [[p.name for _, p in reversed(complete_checkpoints(self.root))] if self.info.is_main else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        names = on_rank0(lambda: [p.name for _, p in reversed(complete_checkpoints(self.root))], Exception,
+                         lambda message: CheckpointError(f"cannot list the checkpoints in {self.root}: {message}"))
         last_error = ""
-        for path in (self.root / name for name in box[0]):
+        for path in (self.root / name for name in names):
             error: Optional[BaseException] = None
             try:
                 result = self._load(path)
@@ -221,7 +228,7 @@ class Checkpointer:
             if self.info.is_main:
                 print(f"warning: cannot resume from {path} ({last_error or 'failed on another rank'}); "
                       "trying an older one", flush=True)
-        if box[0]:
+        if names:
             raise CheckpointError(f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
                                   "run's settings changed on purpose, start it with a new --ckpt_save_path")
         return None
@@ -267,22 +274,15 @@ class Checkpointer:
         try:
             if p.is_dir() and (p / "config.json").is_file():
                 check_hf_config(read_hf_config(p), self.model.config, str(p))  # on every rank: same verdict
-                full = {}
-                if self.info.is_main:
-                    with local_copy(p) as local:  # object storage: downloaded (rank 0 reads it whole anyway)
-                        full = read_hf_model(str(local), self.model.config)
-                self._set_base(full, _FROM_RANK0)
+                self._set_base(self._read_on_main(path, lambda local: read_hf_model(str(local), self.model.config)),
+                               _FROM_RANK0)
             elif p.is_dir():
                 model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
                 state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
                 dcp.load(state, storage_reader=safe_reader(p), process_group=self.group)
                 self._set_base(state["model_state"], StateDictOptions())
             else:
-                full = {}
-                if self.info.is_main:
-                    with local_copy(p) as local:
-                        full = read_model(local)
-                self._set_base(full, _FROM_RANK0)
+                self._set_base(self._read_on_main(path, read_model), _FROM_RANK0)
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, dcp.CheckpointException) as e:
@@ -290,6 +290,23 @@ class Checkpointer:
                                   f" (vocab {self.model.config.src_vocab_size}): {first_line(e)}") from None
         if self.info.is_main:
             print(f"checkpoint: model initialised from {path}", flush=True)
+
+    def _read_on_main(self, path: str, read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """read() of --ckpt_load_path on rank 0 (downloaded first from object storage: rank 0 reads it
+        whole anyway), {} elsewhere; a failure is one CheckpointError on every rank, none left waiting."""
+        box: list[dict[str, torch.Tensor]] = [{}]
+
+        def work() -> None:
+            try:
+                with local_copy(location(path, "ckpt_load_path")) as local:
+                    box[0] = read(local)
+            except Exception as e:
+                if not (storage_error(e) or isinstance(e, (ValueError, pickle.UnpicklingError, CheckpointError))):
+                    raise
+                raise CheckpointError(first_line(e)) from None
+
+        on_rank0(work, CheckpointError, lambda message: CheckpointError(f"--ckpt_load_path: {path}: {message}"))
+        return box[0]
 
     def _set_base(self, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
         """Load the model's weights; only LoRA's adapters may be missing (they start from their init)."""
@@ -317,13 +334,15 @@ class Checkpointer:
         raise error
 
     def _on_main(self, work: Callable[[], Any]) -> float:
-        """work() on rank 0 (file work: one writer), its numeric result on every rank; an OSError there
-        is raised on every rank."""
+        """work() on rank 0 (file work: one writer), its numeric result on every rank; a storage error
+        there (storage.storage_error) is raised on every rank."""
         result, error = torch.tensor([0.0], dtype=torch.float64), None
         if self.info.is_main:
             try:
                 result[0] = float(work() or 0)
-            except OSError as e:
+            except Exception as e:
+                if not storage_error(e):
+                    raise
                 error = e
         self._agree(error)
         dist.broadcast(result, src=0, group=self.group)
@@ -352,17 +371,9 @@ def write_failure(error: BaseException) -> bool:
     too) as a RuntimeError from its C++ stream writer, not as an OSError."""
     if isinstance(error, dcp.CheckpointException):
         return bool(error.failures) and all(write_failure(e) for e, _ in error.failures.values())
-    if isinstance(error, (OSError, CheckpointError)):
+    if isinstance(error, CheckpointError) or storage_error(error):
         return True
     return isinstance(error, RuntimeError) and any(where in str(error) for where in _TORCH_WRITER_FAILURES)
-
-
-def _empty_folder(path: Path) -> None:
-    """An empty folder for a save; what an earlier attempt left there is unmarked first, then deleted."""
-    if path.is_dir():
-        (path / COMPLETE).unlink(missing_ok=True)
-    remove_tree(path)
-    make_folder(path)
 
 
 def _to_torch(obj: Any) -> Any:

@@ -3,8 +3,8 @@
 <ckpt_save_path>/checkpoints/step_<N>_ckp/ is fms-fsdp's layout. A folder named like a step is a
 checkpoint only when it holds the COMPLETE marker, written last. On disk a save writes into a hidden
 .step_<N>_ckp.tmp folder, and `commit` puts the marker inside and renames it into place. Object storage
-has no rename: there the step's own prefix is the temporary one until the marker is uploaded (as
-Orbax commits on GCS). Deleting unmarks first. Plain file work without collectives: the caller picks
+has no rename: there the step's own prefix is the temporary one, flagged SAVING when the save
+starts, until the marker is uploaded (as Orbax commits on GCS). Deleting unmarks first. Plain file work without collectives: the caller picks
 the rank that runs it.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from fms_fsdp.atomic import fsync_path
 from fms_fsdp.storage import COMPLETE, is_remote, location, remove_tree
 
+SAVING = "SAVING"  # object storage: a step folder this package is writing
 _STEP_DIR = re.compile(r"^step_(\d+)_ckp$")
 
 
@@ -32,6 +33,18 @@ def step_folder(root: Path, step: int) -> Path:
 def temp_folder(root: Path, step: int) -> Path:
     """Where the save of `step` is written before its commit (in object storage: its step folder)."""
     return step_folder(root, step) if is_remote(root) else root / f".step_{step}_ckp.tmp"
+
+
+def start_save(tmp: Path) -> None:
+    """An empty folder for a save (what an earlier attempt left there is unmarked, then deleted); in
+    object storage flagged SAVING, so that an unfinished save is known as this package's."""
+    if tmp.is_dir():
+        (tmp / COMPLETE).unlink(missing_ok=True)
+    remove_tree(tmp)
+    if is_remote(tmp):
+        (tmp / SAVING).write_text("")
+    else:
+        tmp.mkdir(parents=True)
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -77,10 +90,11 @@ def delete_checkpoint(path: Path) -> None:
 
 def remove_stale(root: Path) -> None:
     """What saves and deletions that never finished (a crash, a kill) left: temporary folders on disk,
-    step folders without their marker in object storage."""
+    step folders flagged SAVING without their COMPLETE marker in object storage (a step folder of
+    another tool, without either, is left alone)."""
     if is_remote(root):
-        stale = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and not (p / COMPLETE).is_file()] \
-            if root.is_dir() else []
+        stale = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / SAVING).is_file()
+                 and not (p / COMPLETE).is_file()] if root.is_dir() else []
     else:
         stale = [*root.glob(".step_*_ckp.tmp*"), *root.glob(".step_*_ckp.deleting")]
     for p in stale:

@@ -91,7 +91,7 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
         return dcp.FileSystemWriter(str(folder))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(str(folder))
+    return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 
 def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
