@@ -283,6 +283,8 @@ class Checkpointer:
                 self._set_base(state["model_state"], StateDictOptions())
             else:
                 self._set_base(self._read_on_main(path, read_model), _FROM_RANK0)
+        except CheckpointError:  # already one line naming the path (read on rank 0)
+            raise
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
             raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
         except (RuntimeError, KeyError, dcp.CheckpointException) as e:
