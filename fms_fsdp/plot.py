@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fms_fsdp.errors import ConfigError
+from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.storage import location
 
 # (panel title, metrics.jsonl keys drawn in it)
 PANELS = [("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("tokens/s/GPU", ("tokens_per_sec_per_gpu",))]
@@ -41,7 +42,7 @@ def plot_runs(paths: list[str], output: str, x: str = "step") -> Path:
         raise ConfigError(f"--x: {x!r} is not one of step, tokens")
     if not paths:
         raise ConfigError("give one or more metrics.jsonl files (or run folders)")
-    runs = {path: read_metrics(Path(path)) for path in paths}
+    runs = {path: read_metrics(location(path, "metrics")) for path in paths}  # object storage too
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +71,7 @@ def main(*paths: str, o: str = "curves.png", x: str = "step") -> None:
     """plot_metrics RUN1/metrics.jsonl [RUN2 ...] -o curves.png [--x=tokens]"""
     try:
         print(f"wrote {plot_runs(list(paths), o, x)}")
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")
     except ImportError:
         sys.exit("error: plotting needs matplotlib: pip install matplotlib (or the project's extra: pip install .[plot])")

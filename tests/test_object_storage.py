@@ -27,6 +27,7 @@ from fms_fsdp.data import DataError, get_data_loader
 from fms_fsdp.distributed import free_port
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.hf import convert
+from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
 from conftest import STEPS, TINY, flags, launch, run_here, train_here
@@ -192,6 +193,7 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
     run_here([*common, f"--ckpt_load_path={base}/run/checkpoints/step_2_ckp", f"--ckpt_save_path={tmp_path / 'disk'}"])
     assert bucket_losses("s3://runs/lora") == {r["step"]: r["loss"] for r in map(
         json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())}
+    assert [r["step"] for r in read_metrics(location("s3://runs/lora", "metrics"))] == [1, 2, 3, 4]  # plot_metrics
     listing = {p.removeprefix("runs/lora/") for p in fs.find("runs/lora")}
     assert {"config.yaml", "checkpoints/step_4_ckp/COMPLETE", "exports/step_4/COMPLETE",
             "exports/step_4/model.safetensors", "exports/step_4/adapter/adapter_model.safetensors",
