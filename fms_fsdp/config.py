@@ -405,12 +405,17 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)")
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
-    if "://" in cfg.ckpt_save_path and not cfg.ckpt_save_path.startswith("file://"):  # object storage: the trackers' and the profiler's files need a local folder
+    if _in_object_storage(cfg.ckpt_save_path):  # the trackers' and the profiler's files need a local folder
         for flag, used, given in (("tracker_dir", cfg.tracker, cfg.tracker_dir), ("profiler_dir", cfg.use_profiler,
                                                                                   cfg.profiler_dir)):
-            if used and (given is None or "://" in given.removeprefix("file://")):
+            if used and (given is None or _in_object_storage(given)):
                 raise ConfigError(f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
                                   "storage, where these files cannot be written as they grow")
+
+
+def _in_object_storage(path: str) -> bool:
+    """A URL of object storage (storage.is_remote's rule; config imports nothing of the package)."""
+    return "://" in path and not path.startswith("file://")
 
 
 def _check_trackers(cfg: train_config) -> None:

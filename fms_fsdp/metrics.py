@@ -174,16 +174,19 @@ class MetricsReporter:
 
 
 class MetricsLog:
-    """metrics.jsonl, appended to. Object storage cannot append: there rank 0 keeps the file's text
-    (read back on a resume) and uploads it whole after a checkpoint save and the report that follows
-    it, at most UPLOAD_EVERY_S seconds after a record, and at the end: a crash loses at most the
-    records after the last checkpoint, which the resumed run writes again."""
+    """metrics.jsonl, appended to. Object storage cannot append: there rank 0 keeps the file's lines
+    (read back on a resume) and uploads them whole after a checkpoint save and the report that follows
+    it, with the first record UPLOAD_EVERY_S seconds or more after the last upload, and at the end: a
+    crash loses at most the records after the last checkpoint, which the resumed run writes again."""
 
     UPLOAD_EVERY_S = 60.0
 
     def __init__(self, path: Path, is_main: bool):
         self.path, self.remote = path, is_remote(path)
-        self.text = path.read_text() if self.remote and is_main and path.exists() else ""
+        # lines, joined only to upload (appending to one growing string would copy it at every record)
+        self.lines: list[str] = []
+        if self.remote and is_main and path.exists():
+            self.lines = path.read_text().splitlines(keepends=True)
         self.uploaded = time.monotonic()
         self.dirty = self.warned = False
 
@@ -192,7 +195,7 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(line)
             return
-        self.text += line
+        self.lines.append(line)
         self.dirty = True
         if time.monotonic() - self.uploaded >= self.UPLOAD_EVERY_S:
             self.flush()
@@ -203,7 +206,7 @@ class MetricsLog:
         if not self.dirty:
             return
         try:
-            self.path.write_text(self.text)
+            self.path.write_text("".join(self.lines))
         except Exception as e:
             if not storage_error(e):
                 raise

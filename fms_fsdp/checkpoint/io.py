@@ -268,21 +268,22 @@ class Checkpointer:
         try:
             found = p.exists()
         except Exception as e:  # object storage: no endpoint, no access
-            raise CheckpointError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
+            raise CheckpointError(f"--ckpt_load_path: cannot read {path} "
+                                  f"({type(e).__name__}: {first_line(e)})") from None
         if not found:
             raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
         try:
             if p.is_dir() and (p / "config.json").is_file():
                 check_hf_config(read_hf_config(p), self.model.config, str(p))  # on every rank: same verdict
-                self._set_base(self._read_on_main(path, lambda local: read_hf_model(str(local), self.model.config)),
-                               _FROM_RANK0)
+                full = self._read_on_main(p, path, lambda local: read_hf_model(str(local), self.model.config))
+                self._set_base(full, _FROM_RANK0)
             elif p.is_dir():
                 model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
                 state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
                 dcp.load(state, storage_reader=safe_reader(p), process_group=self.group)
                 self._set_base(state["model_state"], StateDictOptions())
             else:
-                self._set_base(self._read_on_main(path, read_model), _FROM_RANK0)
+                self._set_base(self._read_on_main(p, path, read_model), _FROM_RANK0)
         except CheckpointError:  # already one line naming the path (read on rank 0)
             raise
         except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
@@ -293,14 +294,16 @@ class Checkpointer:
         if self.info.is_main:
             print(f"checkpoint: model initialised from {path}", flush=True)
 
-    def _read_on_main(self, path: str, read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """read() of --ckpt_load_path on rank 0 (downloaded first from object storage: rank 0 reads it
-        whole anyway), {} elsewhere; a failure is one CheckpointError on every rank, none left waiting."""
+    def _read_on_main(self, p: Path, path: str,
+                      read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """read() of --ckpt_load_path `path` (at `p`) on rank 0 (downloaded first from object storage:
+        rank 0 reads it whole anyway), {} elsewhere; a failure is one CheckpointError on every rank,
+        none left waiting."""
         box: list[dict[str, torch.Tensor]] = [{}]
 
         def work() -> None:
             try:
-                with local_copy(location(path, "ckpt_load_path")) as local:
+                with local_copy(p) as local:
                     box[0] = read(local)
             except Exception as e:
                 if not (storage_error(e) or isinstance(e, (ValueError, pickle.UnpicklingError, CheckpointError))):

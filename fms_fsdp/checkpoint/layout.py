@@ -4,8 +4,8 @@
 checkpoint only when it holds the COMPLETE marker, written last. On disk a save writes into a hidden
 .step_<N>_ckp.tmp folder, and `commit` puts the marker inside and renames it into place. Object storage
 has no rename: there the step's own prefix is the temporary one, flagged SAVING when the save
-starts, until the marker is uploaded (as Orbax commits on GCS). Deleting unmarks first. Plain file work without collectives: the caller picks
-the rank that runs it.
+starts, until the marker is uploaded (as Orbax commits on GCS). Deleting unmarks first. Plain file
+work without collectives: the caller picks the rank that runs it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ def temp_folder(root: Path, step: int) -> Path:
 
 
 def start_save(tmp: Path) -> None:
-    """An empty folder for a save (what an earlier attempt left there is unmarked, then deleted); in
-    object storage flagged SAVING, so that an unfinished save is known as this package's."""
-    if tmp.is_dir():
-        (tmp / COMPLETE).unlink(missing_ok=True)
+    """An empty folder for a save (what an earlier attempt left there is deleted, in object storage
+    unmarked first); in object storage flagged SAVING, so that an unfinished save is known as this
+    package's."""
     remove_tree(tmp)
     if is_remote(tmp):
         (tmp / SAVING).write_text("")
