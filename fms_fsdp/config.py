@@ -68,7 +68,8 @@ class train_config:
     # parallelism
     device: str = _f("auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu"))
     sharding_strategy: str = _f("hsdp", "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only.", choices=("fsdp", "hsdp", "ddp"))
-    sharding_group_size: Optional[int] = _f(None, "Ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE).", min=1)
+    sharding_group_size: Optional[int] = _f(None, "Data-parallel ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE / --tensor_parallel_size).", min=1)
+    tensor_parallel_size: int = _f(1, "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.", min=1)
     fsdp_activation_checkpointing: bool = _f(False, "Checkpoint activations of the blocks chosen by selective_checkpointing.")
     selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.")
     ac_mode: str = _f("block", "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).", choices=("block", "op"))

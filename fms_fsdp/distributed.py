@@ -48,17 +48,28 @@ def lost_peer(error: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global and node-local rank, and its device."""
+    """Where this process sits: global and node-local rank, its device, and the tensor-parallel group
+    size `tp` (--tensor_parallel_size; its groups are runs of `tp` consecutive ranks, which read the
+    same data: the data-parallel rank is rank // tp)."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     device: torch.device
+    tp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
 
 
 def free_port() -> int:

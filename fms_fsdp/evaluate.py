@@ -90,8 +90,8 @@ class Evaluator:
         for name in names:
             lines = eval_lines(Dataset(name, location(cfg.eval_data_path, "eval_data_path"), entries[name], layout),
                                packing, limit)
-            self.lines[name] = lines[info.rank :: info.world_size]
-            self.forwards[name] = -(-len(lines) // (info.world_size * self.batch))
+            self.lines[name] = lines[info.dp_rank :: info.dp_size]
+            self.forwards[name] = -(-len(lines) // (info.dp_size * self.batch))
 
     def due(self, step: int) -> bool:
         return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
@@ -114,6 +114,7 @@ class Evaluator:
                 sums[k] += torch.stack([model(inputs, labels=labels).double() * count, count.double()])
         model.train()
         dist.all_reduce(sums)
+        sums /= self.info.tp  # every rank of a tensor-parallel group evaluated the same lines
         losses = {name: float(s / n) for name, (s, n) in zip(self.lines, sums.tolist())}
         total, tokens = sums.sum(0).tolist()
         record: dict[str, Any] = {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(total / tokens)}

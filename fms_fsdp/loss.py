@@ -7,14 +7,21 @@ linear cross entropy does): each chunk's gradient w.r.t. the hidden states and t
 kept, its logits are dropped, and backward only scales them. The head weight's gradient sums the
 chunks' products (each in the hidden states' dtype) in fp32. `chunk_loss` is what torch.compile
 fuses when the run compiles. Without gradients (evaluation) only the loss is computed.
+
+Under tensor parallelism (loss parallel) each rank's head holds a slice of the vocabulary
+(`VocabShard`): per chunk, the maximum and the sum of exponentials are all-reduced over the group,
+with the target logit from the rank that holds it, so no rank computes the whole vocabulary's logits;
+the hidden states' gradient is then a partial sum, reduced by the caller (models.LMHead). This path
+runs eager (its collectives are not compiled).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 IGNORE_INDEX = -100
 # fp32 logits of one chunk at most this big: small on CPU, where eager ops hold 2-3 copies of a chunk
@@ -24,6 +31,14 @@ CHUNK_BYTES = 1 << 27
 CUDA_CHUNK_BYTES = 1 << 30
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class VocabShard(NamedTuple):
+    """Loss parallel: this rank's head holds vocabulary rows [start, start + its rows) of the tensor-
+    parallel `group`; the log-sum-exp and the target logits are reduced over the group."""
+
+    group: dist.ProcessGroup
+    start: int
 
 
 @functools.lru_cache(maxsize=64)
@@ -46,6 +61,35 @@ def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor,
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
     return logits, lse, valid, target, torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
+
+
+def _parallel_summed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_summed_loss over a slice of the vocabulary: this slice's fp32 logits, the log-sum-exp over all
+    slices (the max, then the sum of exponentials with the target logit from the slice that holds it:
+    two all-reduces of [C, 1] and [C, 2]), the valid-label mask, the local targets and which of them
+    this slice holds, and the summed cross entropy."""
+    logits = (hidden @ weight.t()).float()
+    top = logits.amax(dim=-1, keepdim=True)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
+    valid = (labels != IGNORE_INDEX).unsqueeze(1)
+    target = (labels - shard.start).unsqueeze(1)
+    owned = valid & (target >= 0) & (target < logits.shape[1])
+    target = target.clamp(0, logits.shape[1] - 1)
+    sums = torch.cat([(logits - top).exp().sum(dim=-1, keepdim=True),
+                      torch.where(owned, logits.gather(1, target), 0.0)], dim=1)
+    dist.all_reduce(sums, group=shard.group)
+    lse = top + sums[:, :1].log()
+    return logits, lse, valid, target, owned, torch.where(valid, lse - sums[:, 1:], 0.0).sum()
+
+
+def parallel_chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_loss over a slice of the vocabulary: the summed cross entropy (the same on every rank of
+    the group) and the gradient w.r.t. this slice's logits."""
+    logits, lse, valid, target, owned, loss = _parallel_summed_loss(hidden, weight, labels, shard)
+    grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.where(owned, -1.0, 0.0)).masked_fill_(~valid, 0.0)
+    return loss, grad.to(hidden.dtype)
 
 
 def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,15 +138,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          fn: Optional[ChunkFn] = None, max_chunk_bytes: Optional[int] = None) -> torch.Tensor:
+                          fn: Optional[ChunkFn] = None, max_chunk_bytes: Optional[int] = None,
+                          shard: Optional[VocabShard] = None) -> torch.Tensor:
     """Mean cross entropy of `hidden @ weight.T` against `labels` over labels != -100, without the full
     logits: at most `max_chunk_bytes` of fp32 logits exist at once (default: by device). hidden: [..., D];
-    labels: [...]; fn: chunk_loss or a compiled copy of it."""
+    labels: [...]; fn: chunk_loss or a compiled copy of it. With `shard`, `weight` is a slice of the
+    vocabulary (loss parallel) and the returned gradient of `hidden` is this slice's partial sum."""
     if max_chunk_bytes is None:
         max_chunk_bytes = CUDA_CHUNK_BYTES if hidden.device.type == "cuda" else CHUNK_BYTES
-    hidden, labels, fn = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), fn or chunk_loss
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if shard is None:
+        fn, summed = fn or chunk_loss, _summed_loss
+    else:
+        fn, summed = functools.partial(parallel_chunk_loss, shard=shard), functools.partial(_parallel_summed_loss,
+                                                                                            shard=shard)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
-    total = sum(_summed_loss(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))
+    total = sum(summed(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -153,7 +153,22 @@ def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
     return Activations(outside, per_block, saved, transient)
 
 
-def _numel_sharded(shape: torch.Size, shards: int) -> int:
+# under tensor parallelism: the parameters split by rows (column-wise Linear, embedding and head over
+# the vocabulary) and by columns (row-wise Linear); the norms are whole on every rank
+_TP_ROWS = (".qkv_fused.weight", ".wg1_fused.weight", "embedding.weight", "head.weight")
+_TP_COLS = (".dense.weight", ".w2.weight")
+
+
+def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
+    """A parameter's shape on one rank of a tensor-parallel group of `tp` (before FSDP shards it)."""
+    if name.endswith(_TP_ROWS):
+        return (shape[0] // tp, *shape[1:])
+    if name.endswith(_TP_COLS):
+        return (shape[0], shape[1] // tp)
+    return tuple(shape)
+
+
+def _numel_sharded(shape: Sequence[int], shards: int) -> int:
     """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count."""
     return math.ceil(shape[0] / shards) * math.prod(shape[1:]) if len(shape) else 1
 
@@ -184,22 +199,23 @@ class Planner:
 
     def __init__(self, cfg: train_config, world_size: int, local_world_size: int, device_bytes: int):
         self.cfg, self.world_size, self.device_bytes = cfg, world_size, device_bytes
-        self.replicate, self.shards = mesh_shape(cfg, world_size, local_world_size)
+        self.mesh = mesh_shape(cfg, world_size, local_world_size)
         config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
         model = build_model(config, torch.device("meta"))
         self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
         if self.lora is not None:
             add_adapters(model, self.lora)
-        self.n_blocks = config.nlayers
-        held = sum(_numel_sharded(p.shape, self.shards) for p in model.parameters())
-        trained = sum(_numel_sharded(p.shape, self.shards) for p in model.parameters() if p.requires_grad)
-        block = sum(p.numel() for p in model.base_model.layers[0].parameters())
-        head = sum(p.numel() for p in [*model.base_model.dec_norm.parameters(), *model.head.parameters()])
-        compute = 2 if cfg.mixed_precision else 4
+        self.n_blocks, self.emb_dim = config.nlayers, config.emb_dim
+        tp = {name: _tp_shape(name, p.shape, self.mesh.tp) for name, p in model.named_parameters()}
+        held = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters())
+        trained = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters() if p.requires_grad)
+        block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
+        head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
+        self.compute = 2 if cfg.mixed_precision else 4
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * trained
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients
-        self.gathered = compute * (4 * block + head)
+        self.gathered = self.compute * (4 * block + head)
         self.shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision,
                            cfg.device != "cpu", self.lora)
 
@@ -211,10 +227,24 @@ class Planner:
                        + (self.n_blocks - chosen) * per_block["none"])
         saved = Activations.at(acts.loss_saved, setting.batch)
         loss = saved + Activations.at(acts.loss_transient, setting.batch)
+        if self.mesh.tp > 1:  # estimated from the traces, not traced: see _tensor_parallel
+            activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
         return Plan(self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak,
                     self.device_bytes, saved)
+
+    def _tensor_parallel(self, setting: Setting, chosen: int, activations: int, saved: int,
+                         loss: int) -> tuple[int, int, int]:
+        """A rank of a tensor-parallel group of T keeps 1/T of what the unsplit model saves (its heads,
+        its FFN width, its part of the sequence), plus the whole-sequence inputs of attention and the
+        FFN that a block not checkpointed whole keeps for its matmuls' backward (2 x tokens x width),
+        and in the loss the whole hidden states' gradient (tokens x width)."""
+        tp, tokens = self.mesh.tp, setting.batch * self.cfg.seq_length
+        gathered = int(2 * tokens * self.emb_dim * self.compute * (1 - 1 / tp))
+        whole = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
+        hidden_grad = int(tokens * self.emb_dim * self.compute * (1 - 1 / tp))
+        return activations // tp + whole * gathered, saved // tp + hidden_grad, loss // tp + hidden_grad
 
     def largest_batch(self, setting: Setting) -> int:
         """The largest micro-batch that fits with this checkpointing (0: not even one)."""
@@ -270,11 +300,15 @@ def report(cfg: train_config, world_size: int, local_world_size: int) -> str:
         (f"device ({device_name})", plan.device),
     ]
     width = max(len(name) for name, _ in rows)
-    lines = [f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh (replicate, shard) = "
-             f"({planner.replicate}, {planner.shards}), micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
+    dims = 3 if planner.mesh.tp > 1 else 2
+    lines = [f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh "
+             f"({', '.join(planner.mesh._fields[:dims])}) = {tuple(planner.mesh)[:dims]}, "
+             f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
              f"{compute}, activation checkpointing: "
              + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")]
     lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
+    if dims == 3:
+        lines.append("  (tensor parallel: activations and loss estimated from the unsplit model's traces)")
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within "
                  f"{HEADROOM:.0%})")

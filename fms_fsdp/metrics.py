@@ -57,7 +57,8 @@ class MetricsReporter:
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
-        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps  # per rank
+        # per GPU: a tensor-parallel group of T GPUs trains on one rank's batch
+        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.tp
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, cfg.peak_tflops)
         self.log = MetricsLog(location(cfg.ckpt_save_path, "ckpt_save_path") / "metrics.jsonl", info.is_main)
@@ -88,7 +89,7 @@ class MetricsReporter:
         self.kept_loss_sum += loss if kept is None else torch.where(kept, loss, 0.0)
         self.kept_steps += 1 if kept is None else kept
         self.steps += 1
-        self.tokens_seen += self.tokens_per_step * self.info.world_size
+        self.tokens_seen += round(self.tokens_per_step * self.info.world_size)
         self.data_wait += data_wait_s
         if self.bar is not None:
             self.bar.update(1)

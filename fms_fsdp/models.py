@@ -1,27 +1,33 @@
 """Model variants (names -> ibm-fms LLaMAConfig), model construction, weight init and FLOPs.
 
 The model is ibm-fms's LLaMA; `CausalLM` only gives it a head that, given labels, returns the loss
-without materialising the logits (loss.py). `init_weights` draws the same values fms's `reset_parameters`
-distributions call for, but from generators seeded per parameter and per block of rows, so a
-parameter initialised whole (eager path) and one initialised shard by shard after FSDP2 on the
-meta device (low_cpu_fsdp) get bit-identical values, whatever the number of ranks.
+without materialising the logits (loss.py; under tensor parallelism over each rank's slice of the
+vocabulary). `init_weights` draws the same values fms's `reset_parameters` distributions call for,
+but from generators seeded per parameter and per block of rows, so a parameter initialised whole
+(eager path) and one initialised shard by shard after FSDP2 and tensor parallelism on the meta
+device (low_cpu_fsdp) get bit-identical values, whatever the number of ranks. A model built unfused
+(tensor parallel: q, k, v and gate, up apart) draws the values of the fused weights it is cut from
+(`FUSED`), so it starts from the same weights too.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from fms.models.llama import LLaMA, LLaMAConfig
 from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.loss import ChunkFn, chunk_loss, chunked_cross_entropy
+from fms_fsdp.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 
@@ -31,6 +37,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024),
     "tiny_llama3": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64,
                         max_expected_seq_len=1024, rope_theta=500000.0),
+    # as many KV heads as heads: tensor parallel up to 4 ranks
+    "tiny_mha": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=4, nlayers=4, multiple_of=64, max_expected_seq_len=1024),
     "small": dict(src_vocab_size=32000, emb_dim=768, nheads=12, kvheads=4, nlayers=12, multiple_of=256, max_expected_seq_len=2048),
     # fms-fsdp's variants, with exactly its dimensions
     "llama2_1.4b": dict(emb_dim=2048, nheads=16, nlayers=24, hidden_grow_factor=3, kvheads=4),
@@ -52,6 +60,55 @@ ALIASES = {"7b": "llama2_7b", "13b": "llama2_13b", "34b": "llama2_34b", "70b": "
 
 # Rows of a parameter drawn from one seeded generator: a block of about 4M values.
 _INIT_BLOCK_NUMEL = 1 << 22
+
+# fms fuses q, k, v into one Linear and the FFN's gate and up projections into another; checkpoints
+# and exports hold the fused weights. Tensor parallelism builds them apart (a rank holds its heads of
+# each), under the same fused names in checkpoints: module -> (fused Linear, its parts in row order).
+FUSED = {"attn.in_proj": ("qkv_fused", ("query", "key", "value")), "ff_sub_layer": ("wg1_fused", ("wg", "w1"))}
+_PART = re.compile(r"^(.*\.)(attn\.in_proj|ff_sub_layer)\.(query|key|value|wg|w1)\.(weight|bias)$")
+
+
+def fused_parts(shapes: Mapping[str, Sequence[int]]) -> dict[str, list[tuple[str, int]]]:
+    """For the parameters of a model built unfused (name -> global shape), each fused name as
+    checkpoints hold it -> its parts' names and their first rows in it, in fms's order (q, k, v;
+    gate, up). Empty for a model built fused."""
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for name in shapes:
+        m = _PART.match(name)
+        if m is None or m.group(3) != FUSED[m.group(2)][1][0]:
+            continue
+        prefix, owner, _, kind = m.groups()
+        fused, parts = FUSED[owner]
+        row, members = 0, []
+        for part in parts:
+            member = f"{prefix}{owner}.{part}.{kind}"
+            members.append((member, row))
+            row += shapes[member][0]
+        groups[f"{prefix}{owner}.{fused}.{kind}"] = members
+    return groups
+
+
+def fuse_full(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole (unsharded) state dict with fms's fused keys, whether the model was built fused or not."""
+    groups = fused_parts({k: v.shape for k, v in state.items()})
+    parts = {m for members in groups.values() for m, _ in members}
+    out = {k: v for k, v in state.items() if k not in parts}
+    for fused, members in groups.items():
+        out[fused] = torch.cat([state[m] for m, _ in members])
+    return out
+
+
+def split_full(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A whole state dict with fused keys made to fit `model`: cut into its parts where it is built unfused."""
+    groups = fused_parts({k: p.shape for k, p in model.named_parameters()})
+    out = dict(state)
+    for fused, members in groups.items():
+        if fused in out:
+            whole = out.pop(fused)
+            for i, (member, row) in enumerate(members):
+                stop = members[i + 1][1] if i + 1 < len(members) else whole.shape[0]
+                out[member] = whole[row:stop].contiguous()
+    return out
 
 
 def resolve_variant(name: str) -> str:
@@ -86,9 +143,25 @@ class LMHead(LinearClassificationHead):
     max_chunk_bytes: Optional[int] = None
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            return self._vocab_parallel(x, labels)
         if labels is None:
             return super().forward(x)
         return chunked_cross_entropy(x, self.weight, labels, self.chunk_fn, self.max_chunk_bytes)
+
+    def _vocab_parallel(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """Tensor parallel: this rank's weight is a slice of the vocabulary, the hidden states arrive
+        split over the sequence (sequence parallel) and are gathered; the loss reduces over the slices
+        (loss parallel, eager); the hidden states' gradient is a partial sum, reduce-scattered back."""
+        weight, mesh = self.weight, self.weight.device_mesh
+        hidden = x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else \
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if labels is None:
+            return F.linear(hidden, weight).full_tensor()
+        local = weight.to_local()
+        shard = VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])
+        return chunked_cross_entropy(hidden.to_local(grad_placements=[Partial()]), local, labels, None,
+                                     self.max_chunk_bytes, shard)
 
 
 class CausalLM(LLaMA):
@@ -153,41 +226,41 @@ def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generat
     return rules
 
 
-def _row_range(param: torch.Tensor) -> tuple[int, int]:
-    """The rows [start, stop) of the full parameter that this rank holds."""
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's part of the full parameter (FSDP's rows, TP's rows or columns)."""
     if not isinstance(param, DTensor):
-        return 0, param.shape[0]
-    start, rows = 0, param.shape[0]
-    coordinate = param.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise NotImplementedError(f"init of a parameter sharded on dim {placement.dim}")
-            n = param.device_mesh.size(mesh_dim)
-            chunk = -(-rows // n)
-            start += min(coordinate[mesh_dim] * chunk, rows)
-            rows = max(0, min(chunk, rows - coordinate[mesh_dim] * chunk))
-    return start, start + rows
+        return (0,) * param.dim(), tuple(param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(offset), tuple(shape)
 
 
 @torch.no_grad()
 def init_weights(model: LLaMA, seed: int) -> None:
-    """Initialise every parameter (whole or FSDP2-sharded) identically for a given seed, then set up
-    the rotary embedding cache on the parameters' device."""
+    """Initialise every parameter (whole, FSDP2- or tensor-parallel-sharded, fused or not) identically
+    for a given seed, then set up the rotary embedding cache on the parameters' device."""
     rules = _init_rules(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    origin = {}  # unfused part -> (fused name, its first row there, the fused weight's rows)
+    for fused, members in fused_parts(shapes).items():
+        total = members[-1][1] + shapes[members[-1][0]][0]
+        origin.update({m: (fused, row, total) for m, row in members})
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        start, stop = _row_range(param)
-        if local.shape[0] != stop - start:
-            raise RuntimeError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
+        offset, shape = _local_box(param)
+        if tuple(local.shape) != shape:
+            raise RuntimeError(f"{name}: local shard is {tuple(local.shape)}, expected {shape}")
+        # an unfused part draws the rows of the fused weight it is cut from: the same values at any T
+        seed_name, first, rows = origin.get(name, (name, 0, param.shape[0]))
+        start, stop = first + offset[0], first + offset[0] + shape[0]
+        cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
         row_numel = math.prod(param.shape[1:])
         block = max(1, _INIT_BLOCK_NUMEL // max(1, row_numel))
-        name_seed = zlib.crc32(name.encode())
+        name_seed = zlib.crc32(seed_name.encode())
         for b in range(start // block, -(-stop // block)):
-            lo, hi = b * block, min((b + 1) * block, param.shape[0])
+            lo, hi = b * block, min((b + 1) * block, rows)
             g = torch.Generator().manual_seed((seed * 1_000_003 + name_seed) * 65_537 + b)
             values = torch.empty((hi - lo, *param.shape[1:]), dtype=torch.float32)
             rules[name](values, g)
             s, e = max(lo, start), min(hi, stop)
-            local[s - start : e - start].copy_(values[s - lo : e - lo])
+            local[s - start : e - start].copy_(values[(slice(s - lo, e - lo), *cols)])
     model.post_init()

@@ -3,9 +3,12 @@ weight-decay groups, and gradient clipping by the global norm."""
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
@@ -54,13 +57,23 @@ def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -
 
 
 def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor:
-    """The L2 norm of the gradients, on the device: over all ranks (one all-reduce of a scalar) when
-    `global_`, else of this rank's shards only (no collective)."""
+    """The L2 norm of the gradients, on the device: over all ranks when `global_` (one all-reduce of
+    each rank's sum of squares, where a shard held by several ranks, replicas or a tensor-parallel
+    group, counts once), else of this rank's shards only (no collective)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not global_:
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    norm = get_total_norm(grads, 2.0)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if not global_ or not any(isinstance(g, DTensor) for g in grads):  # local, or a model not sharded at all
+        return get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], 2.0)
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if any(placement.is_partial() for placement in g.placements):
+            raise RuntimeError(f"a gradient is still a partial sum ({g.placements}): it was never reduced")
+        copies = math.prod(g.device_mesh.size(d) for d, placement in enumerate(g.placements) if placement.is_replicate())
+        by_copies[copies].append(g.to_local())
+    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for copies, tensors in by_copies.items():
+        squares += torch.stack(torch._foreach_norm(tensors, 2.0)).float().square().sum() / copies
+    dist.all_reduce(squares)
+    return squares.sqrt()
 
 
 def clip_gradients(model: nn.Module, max_norm: float, global_norm: bool) -> torch.Tensor:

@@ -1,21 +1,28 @@
-"""How the model is parallelised: the data-parallel DeviceMesh, float8 Linear layers (float8.py),
-selective activation checkpointing, per-block torch.compile (and the compiled loss), FSDP2
-(fully_shard) with bf16 mixed precision, and gradient sync under accumulation. fsdp, hsdp and ddp are all FSDP2 over a 2-D
-(replicate, shard) mesh of different shapes.
+"""How the model is parallelised: the DeviceMesh, tensor parallelism (with sequence and loss parallel),
+float8 Linear layers (float8.py), selective activation checkpointing, per-block torch.compile (and the
+compiled loss), FSDP2 (fully_shard) with bf16 mixed precision, and gradient sync under accumulation.
+fsdp, hsdp and ddp are all FSDP2 over a (replicate, shard) mesh of different shapes; with
+--tensor_parallel_size=T a third, innermost dimension 'tp' holds the T ranks (of one node) that split
+every layer, and data parallelism runs over the other two.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from fractions import Fraction
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from fms.models.llama import LLaMA
+from fms.models.llama import LLaMA, LLaMAConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.config import parse_fraction, train_config
@@ -25,31 +32,115 @@ from fms_fsdp.float8 import convert_to_float8
 from fms_fsdp.loss import chunk_loss
 
 
-def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(replicate, shard) sizes for the sharding strategy; ConfigError when they don't divide."""
+class MeshShape(NamedTuple):
+    """Sizes of the mesh dimensions: data parallel (replicate x shard) and tensor parallel (tp, innermost)."""
+
+    replicate: int
+    shard: int
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+
+def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
+    """The mesh for the sharding strategy and --tensor_parallel_size; ConfigError naming the numbers
+    when they don't divide. HSDP's shard group (--sharding_group_size, default: the node) counts
+    data-parallel ranks: with TP, a node holds ranks per node / T of them."""
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and (local_world_size % tp or world_size % tp):
+        raise ConfigError(f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
+                          f"world size ({world_size}): tensor parallelism stays inside a node")
+    dp = world_size // tp
     if cfg.sharding_strategy == "fsdp":
-        return 1, world_size
+        return MeshShape(1, dp, tp)
     if cfg.sharding_strategy == "ddp":
-        return world_size, 1
-    group = cfg.sharding_group_size or local_world_size
-    if world_size % group:
+        return MeshShape(dp, 1, tp)
+    group = cfg.sharding_group_size or local_world_size // tp
+    if dp % group:
         raise ConfigError(
-            f"--sharding_group_size={group} does not divide the world size {world_size}; "
-            "pick a divisor (default: ranks per node)"
+            f"--sharding_group_size={group} does not divide the world size {world_size}"
+            + (f" / --tensor_parallel_size={tp} = {dp} data-parallel ranks" if tp > 1 else "")
+            + "; pick a divisor (default: ranks per node)"
         )
-    return world_size // group, group
+    return MeshShape(dp // group, group, tp)
+
+
+def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
+    """--tensor_parallel_size=T splits heads, KV heads, the FFN width, the vocabulary and the sequence
+    (sequence parallel) T ways: ConfigError naming the first that T does not divide, or a feature that
+    does not combine with it yet."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        return
+    hidden = int(model_config.hidden_grow_factor * model_config.emb_dim)
+    if model_config.multiple_of:
+        hidden = model_config.multiple_of * -(-hidden // model_config.multiple_of)
+    for what, n in (("attention heads", model_config.nheads), ("KV heads", model_config.kvheads),
+                    ("FFN width", hidden), ("vocabulary size", model_config.src_vocab_size),
+                    ("sequence length (--seq_length)", cfg.seq_length)):
+        if n % tp:
+            raise ConfigError(f"--tensor_parallel_size={tp} must divide the model's {what}, {n}; pick a divisor")
+    for flag, used in (("--float8", cfg.float8), ("--lora_rank", cfg.lora_rank), ("a head tied to the embedding",
+                                                                                   model_config.tie_heads)):
+        if used:
+            raise ConfigError(f"--tensor_parallel_size={tp} does not combine with {flag} yet; use "
+                              "--tensor_parallel_size=1 (FSDP/HSDP) for it")
 
 
 def build_mesh(cfg: train_config, info: DistInfo) -> DeviceMesh:
-    """The 2-D data-parallel mesh ('replicate', 'shard'), whose groups fail a collective after
-    --collective_timeout_minutes, as the default group does (torchtitan sets its groups' timeouts alike)."""
+    """The mesh ('replicate', 'shard'), with 'tp' innermost under tensor parallelism, whose groups fail
+    a collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
+    groups' timeouts alike)."""
     shape = mesh_shape(cfg, info.world_size, info.local_world_size)
-    mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    names = ("replicate", "shard", "tp") if shape.tp > 1 else ("replicate", "shard")
+    mesh = init_device_mesh(info.device.type, tuple(shape)[: len(names)], mesh_dim_names=names)
     timeout = collective_timeout(cfg.collective_timeout_minutes)
     if timeout is not None:
         for dim in range(mesh.ndim):
             _set_pg_timeout(timeout, mesh.get_group(dim))
     return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (replicate, shard) mesh FSDP2 runs over."""
+    return mesh["replicate", "shard"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+
+
+def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
+    """Split every layer over the `tp_mesh` ranks (Megatron's plan, as torchtitan writes it): q, k, v and
+    the FFN's gate and up projections column-wise (each rank its heads, its slice of the width), the
+    attention output and FFN down projection row-wise; the norms and the residual stream split over the
+    sequence (sequence parallel: gathered before attention and the FFN, reduce-scattered after); the
+    embedding and the head split over the vocabulary (the head's loss reduced over it: loss.py).
+    The model must be built unfused (fms's fused_weights=False)."""
+    tp = tp_mesh.size()
+    # the embedding's output (this rank's part of the sequence) is a view; FSDP2 warns in case it is
+    # changed in place, which fms never does (its residual adds are out of place)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+    # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    parallelize_module(model.base_model.embedding, tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    for block in model.base_model.layers:
+        parallelize_module(block, tp_mesh, {
+            "ln": SequenceParallel(),
+            "attn": PrepareModuleInput(input_kwarg_layouts={"q": Shard(1)}, desired_input_kwarg_layouts={"q": Replicate()}),
+            "attn.in_proj.query": ColwiseParallel(),
+            "attn.in_proj.key": ColwiseParallel(),
+            "attn.in_proj.value": ColwiseParallel(),
+            "attn.dense": RowwiseParallel(output_layouts=Shard(1)),
+            "ff_ln": SequenceParallel(),
+            "ff_sub_layer": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ff_sub_layer.wg": ColwiseParallel(),
+            "ff_sub_layer.w1": ColwiseParallel(),
+            "ff_sub_layer.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+        block.attn.nheads //= tp  # fms shapes q, k, v by these: each rank computes its own heads
+        block.attn.kvheads //= tp
+    parallelize_module(model.base_model.dec_norm, tp_mesh, SequenceParallel())
+    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.data, tp_mesh, [Shard(0)]))
 
 
 def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
@@ -135,7 +226,10 @@ class Parallelized(NamedTuple):
 
 
 def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Parallelized:
-    """Float8 conversion, activation checkpointing, then compile, then FSDP2, in torchtitan's order."""
+    """Tensor parallelism, float8 conversion, activation checkpointing, then compile, then FSDP2, in
+    torchtitan's order."""
+    if "tp" in (mesh.mesh_dim_names or ()):
+        apply_tensor_parallel(model, mesh["tp"])
     n_float8 = 0
     if cfg.float8:
         n_float8 = convert_to_float8(model, cfg, mesh.device_type, mesh["shard"].size() > 1)
@@ -145,7 +239,7 @@ def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Paralleliz
                                                 cfg.ac_mode)
     if cfg.use_torch_compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, cfg.mixed_precision)
+    apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision)
     return Parallelized(n_ckpt, n_float8)
 
 

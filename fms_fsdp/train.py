@@ -19,6 +19,7 @@ import re
 import sys
 import time
 from contextlib import closing
+from dataclasses import replace
 from typing import Any, Iterator, NoReturn, Optional
 
 import torch
@@ -45,7 +46,7 @@ from fms_fsdp.lora import LoRASpec, add_adapters, check_lora
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.optim import build_optimizer, clip_gradients
-from fms_fsdp.parallel import build_mesh, mesh_shape, parallelize, set_gradient_sync
+from fms_fsdp.parallel import build_mesh, check_tensor_parallel, mesh_shape, parallelize, set_gradient_sync
 from fms_fsdp.profiling import check_profiler, maybe_profiler
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.storage import location, make_folder
@@ -62,6 +63,7 @@ def check_config(cfg: train_config) -> None:
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
     _, _, local_rank, _ = world_from_env()
     mesh_shape(cfg, *planned_world(cfg))
+    check_tensor_parallel(cfg, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length))
     if cfg.float8 and not cfg.dry_run:
         check_float8(resolve_device(cfg.device, local_rank))
     check_lora(cfg)
@@ -145,6 +147,8 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
 def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Optimizer, Any]:
     """The sharded, initialised model, its AdamW optimizer and LR scheduler."""
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
+    if cfg.tensor_parallel_size > 1:  # each rank holds its heads of q, k and v: built apart (models.FUSED)
+        model_config = model_config.updated(fused_weights=False)
     if info.device.type == "cuda" and info.is_main:
         warning = fits_or_warning(cfg, info.world_size, info.local_world_size)
         if warning:
@@ -161,7 +165,7 @@ def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Opti
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     n_ckpt = done.checkpointed
     log(info, f"model {cfg.model_variant}: {count_params(model_config):,} parameters ({held:,} held by rank 0), "
-              f"mesh (replicate, shard) = {tuple(mesh.shape)} on {info.device.type}, "
+              f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {info.device.type}, "
               f"activation checkpointing: {'off' if n_ckpt is None else f'{n_ckpt}/{model_config.nlayers} blocks, {cfg.ac_mode}'}, "
               f"compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}"
               + (f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers" if cfg.float8 else "")
@@ -187,6 +191,7 @@ def train(cfg: train_config, info: DistInfo, stop: Optional[StopRequest] = None)
             return train(cfg, info, stop)
         finally:
             stop.restore()
+    info = replace(info, tp=cfg.tensor_parallel_size)
     torch.manual_seed(cfg.seed)
     check_profiler(cfg, info)
     on_rank0(lambda: write_run_config(cfg), CheckpointError, CheckpointError)
@@ -218,7 +223,7 @@ def write_run_config(cfg: train_config) -> None:
 
 
 def _train(cfg: train_config, info: DistInfo, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
-    loader = get_data_loader(cfg, info.rank, info.world_size)  # bad data fails here, before the model
+    loader = get_data_loader(cfg, info.dp_rank, info.dp_size)  # bad data fails here, before the model
     evaluator = Evaluator(cfg, info, get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size)
     model, optimizer, scheduler = build(cfg, info)
     checkpointer = Checkpointer(cfg, info, model, optimizer, scheduler, loader)
@@ -349,7 +354,7 @@ def evaluate_model(cfg: train_config) -> dict[str, Any]:
         raise ConfigError("evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
                           "merged export (model_step_<N>.safetensors or exports/step_<N>)")
     check_config(cfg)
-    info = init_distributed(cfg.device, cfg.collective_timeout_minutes)
+    info = replace(init_distributed(cfg.device, cfg.collective_timeout_minutes), tp=cfg.tensor_parallel_size)
     try:
         evaluator = Evaluator(cfg, info, get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size)
         model, optimizer, scheduler = build(cfg, info)

@@ -86,7 +86,7 @@ def test_bad_values_name_the_flag(flag, message):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, small, llama2_1.4b"),
+    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, tiny_mha, small, llama2_1.4b"),
     ("--checkpoint_keep_policy=each 10", "--checkpoint_keep_policy: cannot read 'each 10'"),
 ])
 def test_flags_judged_by_their_modules_fail_at_start_up(flag, message):

@@ -57,7 +57,8 @@ def test_only_the_adapters_train_and_are_checkpointed(base, tuned):
     for key in before:
         delta = after[key].float() - before[key].float()
         if key in adapted:  # the base plus a low-rank update
-            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta, atol=1e-6) <= 4, key
+            # fp32's rounding of base + update leaves singular values near 1e-6 x the largest
+            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta, rtol=1e-5) <= 4, key
         else:
             assert torch.equal(after[key], before[key]), key
 

@@ -105,3 +105,17 @@ def test_a_run_that_will_not_fit_is_warned_about():
     warning = fits_or_warning(tight, 2, 2)
     assert warning.startswith("warning: the memory plan predicts a peak of") and "--dry_run=True" in warning
     assert fits_or_warning(make_config(model_variant="small", seq_length=512, plan_device_memory_gib=100), 2, 2) is None
+
+
+def test_tensor_parallel_plans_the_split_weights_and_activations():
+    """8 ranks as FSDP 8, and as FSDP 4 x TP 2: the weights split 8 ways either way (the norms, whole
+    on both ranks of a TP pair, a little more); activations and the loss's working set about halve."""
+    fsdp = Planner(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp"), 8, 8, 1 << 40)
+    tp = Planner(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp", tensor_parallel_size=2),
+                 8, 8, 1 << 40)
+    assert tp.mesh == (1, 4, 2) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
+    assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
+    setting = Setting(4, False, Fraction(0), "block")
+    one, two = fsdp.plan(setting), tp.plan(setting)
+    assert 0.5 * one.activations < two.activations < 0.75 * one.activations  # + the gathered inputs of the matmuls
+    assert two.loss < one.loss

@@ -44,7 +44,7 @@ def test_every_variant_and_alias_builds_on_meta():
 
 
 def test_unknown_variant_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="unknown variant 'llama4'; valid: tiny, tiny_llama3, small, .*llama3_70b_4k, 7b, 13b, 34b, 70b"):
+    with pytest.raises(ConfigError, match="unknown variant 'llama4'; valid: tiny, tiny_llama3, tiny_mha, small, .*llama3_70b_4k, 7b, 13b, 34b, 70b"):
         get_model_config("llama4")
 
 

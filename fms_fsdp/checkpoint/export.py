@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils._pytree import tree_map_only
 
+from fms_fsdp.checkpoint.fused import FusingStager, fused_groups
 from fms_fsdp.checkpoint.io import plain_tensor, staging_buffers
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model, storage_writer
@@ -26,7 +27,7 @@ from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import CheckpointError, DataError, first_line
 from fms_fsdp.lora import merged, write_peft_adapter
-from fms_fsdp.models import CausalLM
+from fms_fsdp.models import CausalLM, fuse_full
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
@@ -47,7 +48,7 @@ def export_trained_model(model: torch.nn.Module, target: Path, step: int, is_mai
     """Gather the sharded model to rank 0's CPU one tensor at a time and write it there (with LoRA: the
     merged model, and the PEFT adapter folder adapter_step_<N> next to it). Every rank calls it; the
     others do not wait for the write."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = fuse_full(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if is_main:
         write_safetensors(merged(full, cfg) if cfg.lora_rank else full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
@@ -107,9 +108,11 @@ class PeriodicExporter:
         if self.info.is_main:
             remove_tree(shards)
         dist.barrier(group=self.group)
-        state = tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))  # float8's wrappers
-        written = dcp.async_save({"model_state": state}, storage_writer=storage_writer(shards),
-                                 process_group=self.write_group, async_stager=self.stager)
+        state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))}  # float8's
+        # fms's fused keys under tensor parallel too: the staged copy is fused (checkpoint/fused.py)
+        stager = FusingStager(self.stager) if fused_groups(state["model_state"]) else self.stager
+        written = dcp.async_save(state, storage_writer=storage_writer(shards), process_group=self.write_group,
+                                 async_stager=stager)
         self.pending = written if self.writer is None else self.writer.submit(self._convert, written, shards, step)
 
     def finish(self) -> None:

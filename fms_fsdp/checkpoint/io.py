@@ -2,7 +2,8 @@
 
 A checkpoint of step N holds the model and optimizer (DCP's .distcp files and .metadata, keys
 `model_state` and `optimizer_state`), metadata.pth (step, tokens_seen, scheduler, world size, the
-run's config) and one loader_state_<rank>.pth per rank (data position, RNG). Every rank calls every
+run's config) and one loader_state_<rank>.pth per data-parallel rank (data position, RNG; rank //
+--tensor_parallel_size: a tensor-parallel group reads the same data). Every rank calls every
 method. Collectives run on gloo groups of the checkpointer's own (under NCCL too), and a failure on
 any rank is raised on every rank, so none is left waiting in a collective.
 """
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
+from fms_fsdp.checkpoint.fused import FusingStager, fuse, fuse_model_state, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import (
     checkpoint_root,
     commit,
@@ -49,6 +51,7 @@ from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import DistInfo, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import is_adapter
+from fms_fsdp.models import split_full
 from fms_fsdp.optim import keep_kernels
 from fms_fsdp.storage import is_remote, local_copy, location, remove_tree, storage_error
 
@@ -116,10 +119,10 @@ class Checkpointer:
                                       f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
             self._on_main(lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
-            state = self._state_dict()
-            if self.cfg.async_checkpoint:
-                future = dcp.async_save(state, storage_writer=storage_writer(tmp), process_group=self.async_group,
-                                        async_stager=self.stager)
+            state, own = self._state_dict()
+            if self.cfg.async_checkpoint:  # staged under the model's own names, then fused (fused.FusingStager)
+                future = dcp.async_save(own, storage_writer=storage_writer(tmp), process_group=self.async_group,
+                                        async_stager=self.stager if state is own else FusingStager(self.stager))
                 self.pending = (step, tmp, future)
             else:
                 dcp.save(state, storage_writer=storage_writer(tmp), process_group=self.group)
@@ -156,10 +159,12 @@ class Checkpointer:
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
 
-    def _state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of the model and optimizer: what trains (with LoRA, the adapters)."""
+    def _state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint holds of the model and optimizer (what trains: with LoRA, the adapters),
+        under fms's fused names (checkpoint/fused.py); and the same state under the model's own names."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
+        own = tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
+        return fuse(own), own
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
         """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""
@@ -168,7 +173,8 @@ class Checkpointer:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
-            _save_file(rank_state, tmp / f"loader_state_{self.info.rank}.pth")
+            if self.info.rank % self.info.tp == 0:  # a tensor-parallel group reads the same data: one file
+                _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
                 _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
                             "world_size": self.info.world_size, "config": to_dict(self.cfg)}, tmp / "metadata.pth")
@@ -234,11 +240,13 @@ class Checkpointer:
         return None
 
     def _load(self, path: Path) -> tuple[int, int]:
-        state = self._state_dict()
-        dcp.load(state, storage_reader=safe_reader(path), process_group=self.group)
+        state, own = self._state_dict()
+        dcp.load(state, storage_reader=safe_reader(path), process_group=self.group)  # into `own` too
+        if state is not own:
+            unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model_state"],
-                       optim_state_dict=state["optimizer_state"], options=self._options)
+        set_state_dict(self.model, self.optimizer, model_state_dict=own["model_state"],
+                       optim_state_dict=own["optimizer_state"], options=self._options)
         keep_kernels(self.optimizer, *kernels)
         meta = _load_file(path / "metadata.pth")
         base = meta.get("config", {}).get("ckpt_load_path")
@@ -249,8 +257,8 @@ class Checkpointer:
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [_load_file(p) for p in ranks]
         self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
-        if len(rank_states) == self.info.world_size:
-            own = rank_states[self.info.rank]
+        if len(rank_states) == self.info.dp_size:
+            own = rank_states[self.info.dp_rank]
             torch.set_rng_state(own["rng"])
             if "cuda_rng" in own and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(own["cuda_rng"], self.info.device)
@@ -279,9 +287,10 @@ class Checkpointer:
                 self._set_base(full, _FROM_RANK0)
             elif p.is_dir():
                 model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
-                state = {"model_state": {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}}
-                dcp.load(state, storage_reader=safe_reader(p), process_group=self.group)
-                self._set_base(state["model_state"], StateDictOptions())
+                own = {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}
+                dcp.load({"model_state": fuse_model_state(own, fused_groups(own))}, storage_reader=safe_reader(p),
+                         process_group=self.group)
+                self._set_base(own, StateDictOptions())
             else:
                 self._set_base(self._read_on_main(p, path, read_model), _FROM_RANK0)
         except CheckpointError:  # already one line naming the path (read on rank 0)
@@ -314,8 +323,9 @@ class Checkpointer:
         return box[0]
 
     def _set_base(self, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
-        """Load the model's weights; only LoRA's adapters may be missing (they start from their init)."""
-        result = set_model_state_dict(self.model, state, options=replace(options, strict=False))
+        """Load the model's weights (a whole state dict with fused keys is cut to fit a model built
+        unfused); only LoRA's adapters may be missing (they start from their init)."""
+        result = set_model_state_dict(self.model, split_full(state, self.model), options=replace(options, strict=False))
         missing = [k for k in result.missing_keys if not is_adapter(k)]
         if missing or result.unexpected_keys:
             raise KeyError(f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")

@@ -1,0 +1,158 @@
+"""Checkpoints keep fms's fused keys (qkv_fused, wg1_fused) for a model built unfused (tensor parallel).
+
+Each fused key is handed to DCP as a ShardedTensor whose local shards are views of this rank's pieces
+of the parts (q, k, v; gate, up), placed at their rows in the fused tensor: no copy, no collective.
+DCP writes the fused tensor as a model built fused would, and loads any checkpoint's fused tensor
+into the views in place, whatever the tensor-parallel size it was written at. The same goes for the
+optimizer's moments; the parts' step counts and parameter-group names map to and from the fused ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from fms_fsdp.models import fused_parts
+
+Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
+
+# DCP's own handling of ShardedTensor warns at every save and load; it is what serves here (a DTensor
+# cannot place three pieces of one tensor on a rank)
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
+
+
+def fuse(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's {"model_state", "optimizer_state" (optional)} under fms's fused names: views of
+    `state`'s tensors, or `state` itself for a model built fused."""
+    groups = fused_groups(state["model_state"])
+    if not groups:
+        return state
+    out = {**state, "model_state": fuse_model_state(state["model_state"], groups)}
+    if "optimizer_state" in state:
+        out["optimizer_state"] = fuse_optimizer_state(state["optimizer_state"], groups)
+    return out
+
+
+class FusingStager(AsyncStager):
+    """A background save's staging: `inner` (torch's stager, which copies plain tensors and DTensors
+    but not ShardedTensors) copies the state under the model's own names, then the copy is fused."""
+
+    def __init__(self, inner: AsyncStager):
+        self.inner = inner
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self.inner.should_synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+        staged = self.inner.stage(state_dict)
+        assert isinstance(staged, dict), "staged synchronously"
+        return fuse(staged)
+
+    def synchronize_staging(self) -> None:
+        self.inner.synchronize_staging()
+
+    def close(self) -> None:
+        """The inner stager's buffers are its owner's to free."""
+
+
+def fused_groups(model_state: dict[str, Any]) -> Groups:
+    """The fused keys of a model state dict built unfused (empty when built fused)."""
+    return fused_parts({k: v.shape for k, v in model_state.items() if isinstance(v, torch.Tensor)})
+
+
+def fuse_model_state(model_state: dict[str, Any], groups: Groups) -> dict[str, Any]:
+    """The model state with each group's parts replaced by one fused view."""
+    parts = {m for members in groups.values() for m, _ in members}
+    out = {k: v for k, v in model_state.items() if k not in parts}
+    for fused, members in groups.items():
+        out[fused] = _fused_view([(model_state[m], row) for m, row in members])
+    return out
+
+
+def fuse_optimizer_state(optim_state: dict[str, Any], groups: Groups) -> dict[str, Any]:
+    """The optimizer state (torch's FQN-keyed form) under fused names: the moments as fused views, the
+    step count the first part's (the parts step together), parameter groups naming the fused keys."""
+    state, parts = optim_state["state"], {m for members in groups.values() for m, _ in members}
+    fused_state = {k: v for k, v in state.items() if k not in parts}
+    for fused, members in groups.items():
+        if members[0][0] not in state:
+            continue
+        first = state[members[0][0]]
+        fused_state[fused] = {key: _fused_view([(state[m][key], row) for m, row in members])
+                              if isinstance(value, DTensor) and value.dim() > 0 else value
+                              for key, value in first.items()}
+    renamed = {members[0][0]: fused for fused, members in groups.items()}
+    param_groups = [{**g, "params": [renamed.get(p, p) for p in g["params"] if p not in parts or p in renamed]}
+                    for g in optim_state["param_groups"]]
+    return {"state": fused_state, "param_groups": param_groups}
+
+
+def unfuse_loaded_optimizer(loaded: dict[str, Any], optim_state: dict[str, Any], groups: Groups) -> None:
+    """After DCP loaded into fuse_optimizer_state's views: give the parts the loaded step counts and
+    `optim_state` the loaded parameter groups' settings."""
+    for fused, members in groups.items():
+        for key, value in loaded["state"].get(fused, {}).items():
+            if not isinstance(value, ShardedTensor):  # each its own: the optimizer steps each in place
+                for m, _ in members:
+                    optim_state["state"][m][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    # torch matches the loaded groups' parameters to the optimizer's by position: keep its own order
+    optim_state["param_groups"] = [{**g, "params": own["params"]}
+                                   for g, own in zip(loaded["param_groups"], optim_state["param_groups"])]
+
+
+def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The fused tensor of `parts` (sharded DTensors, each at its first row), as a ShardedTensor of
+    views of this rank's pieces. Its metadata tiles the fused tensor with the pieces of the ranks that
+    share this rank's coordinates on replicated mesh dimensions (torch checks the tiling, not who else
+    holds a copy; DCP writes a piece several ranks hold once)."""
+    first = parts[0][0]
+    assert isinstance(first, DTensor), "a model built unfused is sharded"
+    me = torch.distributed.get_rank()
+    size = torch.Size([parts[-1][1] + parts[-1][0].shape[0], *first.shape[1:]])
+    device = first.to_local().device
+    shards, tiles = [], []
+    for part, row in parts:
+        assert isinstance(part, DTensor)
+        for rank, offset, shape in _tiles(part.shape, part.device_mesh, tuple(part.placements), me):
+            meta = ShardMetadata([row + offset[0], *offset[1:]], list(shape), f"rank:{rank}/{device}")
+            tiles.append(meta)
+            if rank == me:
+                shards.append(Shard(part.to_local(), meta))
+    properties = TensorProperties(dtype=first.dtype, requires_grad=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(tiles, size, properties))
+
+
+@lru_cache(maxsize=256)
+def _tiles(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...],
+           me: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(rank, offset, shape) of each distinct non-empty piece of a DTensor of `shape` over `mesh`:
+    this rank's own piece under its own rank, every other under the first rank that holds it."""
+    held: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    ranks = mesh.mesh.tolist()
+    coordinates = sorted(itertools.product(*(range(n) for n in mesh.shape)),
+                         key=lambda c: _rank_at(ranks, c) != me)
+    for coordinate in coordinates:
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
+        if all(local):
+            held.setdefault((tuple(offset), tuple(local)), _rank_at(ranks, coordinate))
+    return [(rank, offset, local) for (offset, local), rank in held.items()]
+
+
+def _rank_at(ranks: Any, coordinate: tuple[int, ...]) -> int:
+    for i in coordinate:
+        ranks = ranks[i]
+    return int(ranks)

@@ -1,0 +1,139 @@
+"""Tensor parallelism (--tensor_parallel_size): the same losses as without it, composed with FSDP and
+HSDP; checkpoints with the same keys resumed across tensor-parallel sizes; exports from any size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.hf import read_hf_model
+from fms_fsdp.models import get_model_config
+
+from conftest import STEPS, TINY, flags, launch, run_here
+
+TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
+DRIFT = 1e-4  # ... which grow over a dozen steps at a high learning rate
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+
+
+def launch_runs(nproc: int, runs: list[list[str]]) -> str:
+    """The runs one after another in one launch of `nproc` ranks (tests/runs_worker.py); rank 0's output."""
+    proc = launch("tests/runs_worker.py", [], nproc, extra_env={"RUNS": json.dumps(runs)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def close(got: dict[int, float], want: dict[int, float], tol: float = TOL) -> bool:
+    return bool(got) and all(abs(got[s] - want[s]) < tol for s in got)
+
+
+def resume_from(source: Path, step: int, out: Path) -> None:
+    """`out` starts with `source`'s checkpoint of `step` as its newest."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / f"step_{step}_ckp", out / "checkpoints" / f"step_{step}_ckp")
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory) -> dict[str, Any]:
+    """Every run of this file, in three launches and two runs in this process (start-ups are most of
+    their time):
+    - gqa_tp1 / gqa_tp2: `tiny` (4 heads, 2 KV heads) at T=1 and T=2 from scratch (T=2 initialised
+      shard by shard on the meta device), 4 steps;
+    - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, the run
+      `uninterrupted` does on 2 ranks;
+    - tp2: `tiny_mha` (4 KV heads) at T=2 on one data-parallel rank, 8 steps, checkpointed at 3, 6
+      and 8 (in the background), exported every 8 steps (a Hugging Face folder) and at the end,
+      evaluated at 8; tp1 and tp4 resume its step 3 at T=1 and T=4, then tp1_tp2 and tp4_tp2 resume
+      their own step 6 at T=2;
+    - from_file: T=2 initialised from tp2's end export, one step at learning rate 0."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {name: root / name for name in ("gqa_tp1", "gqa_tp2", "fsdp_tp2", "hsdp_tp2", "tp2", "tp1", "tp4",
+                                          "tp1_tp2", "tp4_tp2", "from_file")}
+    gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
+    chain = ["--model_variant=tiny_mha", "--num_steps=8", "--checkpoint_interval=3", "--checkpoint_keep=5",
+             "--batch_size=2", "--seq_length=64", "--eval_interval=8", f"--eval_data_path={data}", "--eval_batches=2"]
+    run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
+    out["log2"] = launch_runs(2, [
+        [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True"],
+        flags(data, out["tp2"], *chain, "--tensor_parallel_size=2", "--async_checkpoint=True", "--export_interval=8",
+              "--export_format=hf", "--export_model_at_end=True"),
+        flags(data, out["from_file"], "--model_variant=tiny_mha", "--num_steps=1", "--learning_rate=0",
+              "--tensor_parallel_size=2", "--checkpoint_interval=0", "--export_model_at_end=True",
+              f"--ckpt_load_path={out['tp2'] / 'model_step_8.safetensors'}"),
+    ])
+    resume_from(out["tp2"], 3, out["tp1"])
+    run_here(flags(data, out["tp1"], *chain))
+    resume_from(out["tp2"], 3, out["tp4"])
+    out["log4"] = launch_runs(4, [
+        flags(data, out["fsdp_tp2"], "--tensor_parallel_size=2", "--checkpoint_interval=0", "--sharding_strategy=fsdp"),
+        flags(data, out["hsdp_tp2"], "--tensor_parallel_size=2", "--checkpoint_interval=0", "--sharding_strategy=hsdp",
+              "--sharding_group_size=1"),
+        flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
+    ])
+    resume_from(out["tp1"], 6, out["tp1_tp2"])
+    resume_from(out["tp4"], 6, out["tp4_tp2"])
+    launch_runs(2, [flags(data, out[name], *chain, "--tensor_parallel_size=2") for name in ("tp1_tp2", "tp4_tp2")])
+    return out
+
+
+def test_tp2_gives_the_tp1_loss_step_for_step(runs):
+    """Grouped-query attention (4 heads, 2 KV heads) split over 2 ranks, every layer, from the same
+    initial weights: the same losses, gradient norms and token counts."""
+    assert "mesh (replicate, shard, tp) = (1, 1, 2)" in runs["log2"]
+    one, two = records(runs["gqa_tp1"]), records(runs["gqa_tp2"])
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < TOL and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 2 * 64  # 2 GPUs trained on one batch
+        assert b["tokens_per_sec_per_gpu"] * b["step_time"] == pytest.approx(64)  # half of it per GPU
+
+
+@pytest.mark.parametrize("name, mesh", [("fsdp_tp2", (1, 2, 2)), ("hsdp_tp2", (2, 1, 2))])
+def test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_2_rank_loss(runs, uninterrupted, name, mesh):
+    """Each pair of TP ranks reads one data-parallel rank's batches: the losses of the 2-rank FSDP run."""
+    assert f"mesh (replicate, shard, tp) = {mesh}" in runs["log4"]
+    got, want = losses(runs[name]), losses(uninterrupted)
+    assert len(got) == STEPS and close(got, want, DRIFT), (got, want)
+
+
+@pytest.mark.parametrize("name, start", [("tp1", 3), ("tp4", 3), ("tp1_tp2", 6), ("tp4_tp2", 6)])
+def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, name, start):
+    got, want = losses(runs[name]), losses(runs["tp2"])
+    assert sorted(got) == list(range(start + 1, 9)) and close(got, want), (got, want)
+    evals = [r["eval_loss"] for out in (runs[name], runs["tp2"]) for r in records(out) if "eval_loss" in r]
+    assert len(evals) == 2 and abs(evals[0] - evals[1]) < TOL
+
+
+def test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size(runs):
+    step8 = {name: read_model(runs[name] / "checkpoints" / "step_8_ckp") for name in ("tp2", "tp1", "tp4")}
+    keys = set(step8["tp1"])
+    assert {k for k in keys if "layers.0." in k} >= {"base_model.layers.0.attn.in_proj.qkv_fused.weight",
+                                                    "base_model.layers.0.ff_sub_layer.wg1_fused.weight"}
+    assert all(set(state) == keys for state in step8.values())
+    assert all(torch.allclose(step8["tp4"][k], step8["tp2"][k], atol=1e-5) for k in keys)
+    end = load_file(str(runs["tp2"] / "model_step_8.safetensors"))  # gathered from 2 ranks' TP shards
+    assert set(end) == keys and all(torch.equal(end[k], step8["tp2"][k]) for k in keys)
+    hf = read_hf_model(str(runs["tp2"] / "exports" / "step_8"), get_model_config("tiny_mha", 1024))  # bf16 folder
+    assert set(hf) == keys and all(torch.equal(hf[k].float(), end[k].bfloat16().float()) for k in keys)
+
+
+def test_a_model_file_initialises_a_tensor_parallel_run(runs):
+    """--ckpt_load_path of a whole-model file (read on rank 0, q/k/v and gate/up cut apart, then each
+    rank's shards sent): one step at learning rate 0 exports the same weights."""
+    want = load_file(str(runs["tp2"] / "model_step_8.safetensors"))
+    got = load_file(str(runs["from_file"] / "model_step_1.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
