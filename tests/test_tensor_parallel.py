@@ -52,7 +52,8 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
     """Every run of this file, in three launches and two runs in this process (start-ups are most of
     their time):
     - gqa_tp1 / gqa_tp2: `tiny` (4 heads, 2 KV heads) at T=1 and T=2 from scratch (T=2 initialised
-      shard by shard on the meta device), 4 steps;
+      shard by shard on the meta device), 4 steps; gqa_tp2_ac with per-op activation checkpointing;
+      gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
     - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, the run
       `uninterrupted` does on 2 ranks;
     - tp2: `tiny_mha` (4 KV heads) at T=2 on one data-parallel rank, 8 steps, checkpointed at 3, 6
@@ -61,14 +62,20 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
       their own step 6 at T=2;
     - from_file: T=2 initialised from tp2's end export, one step at learning rate 0."""
     root = tmp_path_factory.mktemp("tp")
-    out = {name: root / name for name in ("gqa_tp1", "gqa_tp2", "fsdp_tp2", "hsdp_tp2", "tp2", "tp1", "tp4",
-                                          "tp1_tp2", "tp4_tp2", "from_file")}
+    out = {name: root / name for name in ("gqa_tp1", "gqa_tp2", "gqa_tp2_ac", "gqa_tp1_bf16", "gqa_tp2_bf16",
+                                          "fsdp_tp2", "hsdp_tp2", "tp2", "tp1", "tp4", "tp1_tp2", "tp4_tp2",
+                                          "from_file")}
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
     chain = ["--model_variant=tiny_mha", "--num_steps=8", "--checkpoint_interval=3", "--checkpoint_keep=5",
              "--batch_size=2", "--seq_length=64", "--eval_interval=8", f"--eval_data_path={data}", "--eval_batches=2"]
+    bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
+    run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
     out["log2"] = launch_runs(2, [
         [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True"],
+        [*gqa, f"--ckpt_save_path={out['gqa_tp2_ac']}", "--tensor_parallel_size=2", "--fsdp_activation_checkpointing=True",
+         "--ac_mode=op"],
+        [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
         flags(data, out["tp2"], *chain, "--tensor_parallel_size=2", "--async_checkpoint=True", "--export_interval=8",
               "--export_format=hf", "--export_model_at_end=True"),
         flags(data, out["from_file"], "--model_variant=tiny_mha", "--num_steps=1", "--learning_rate=0",
@@ -100,6 +107,12 @@ def test_tp2_gives_the_tp1_loss_step_for_step(runs):
         assert abs(a["loss"] - b["loss"]) < TOL and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 2 * 64  # 2 GPUs trained on one batch
         assert b["tokens_per_sec_per_gpu"] * b["step_time"] == pytest.approx(64)  # half of it per GPU
+
+
+def test_tp_composes_with_activation_checkpointing_and_bf16(runs):
+    assert close(losses(runs["gqa_tp2_ac"]), losses(runs["gqa_tp1"]))  # recomputation changes nothing
+    got, want = losses(runs["gqa_tp2_bf16"]), losses(runs["gqa_tp1_bf16"])
+    assert len(got) == 4 and all(abs(got[s] - want[s]) < 0.01 * want[s] for s in got), (got, want)  # bf16 noise
 
 
 @pytest.mark.parametrize("name, mesh", [("fsdp_tp2", (1, 2, 2)), ("hsdp_tp2", (2, 1, 2))])
