@@ -36,12 +36,12 @@ from fms_fsdp.train import build, train_step  # noqa: E402
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=/tmp/ckpt_bench", "--checkpoint_keep=5", *argv])
-    info = init_distributed(cfg.device)
+    info = dataclasses.replace(init_distributed(cfg.device), tp=cfg.tensor_parallel_size)
     root = Path(cfg.ckpt_save_path)
     if info.is_main:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
-    loader = get_data_loader(cfg, info.rank, info.world_size)
+    loader = get_data_loader(cfg, info.dp_rank, info.dp_size)
     model, optimizer, scheduler = build(cfg, info)
     train_step(model, optimizer, StepGuard(cfg, optimizer, info.device), 1, iter(loader), cfg, info.device,
                global_norm=False)

@@ -57,12 +57,15 @@ def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -
 
 
 def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor:
-    """The L2 norm of the gradients, on the device: over all ranks when `global_` (one all-reduce of
-    each rank's sum of squares, where a shard held by several ranks, replicas or a tensor-parallel
-    group, counts once), else of this rank's shards only (no collective)."""
+    """The L2 norm of the gradients, on the device: over all ranks when `global_` (under tensor
+    parallelism one all-reduce of each rank's sum of squares, where a piece held by several ranks,
+    replicas or a tensor-parallel group, counts once), else of this rank's shards only (no collective)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not global_ or not any(isinstance(g, DTensor) for g in grads):  # local, or a model not sharded at all
+    if not global_:
         return get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], 2.0)
+    if not any(isinstance(g, DTensor) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
+        norm = get_total_norm(grads, 2.0)  # without tensor parallelism: DTensor's reduction over the mesh
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if any(placement.is_partial() for placement in g.placements):

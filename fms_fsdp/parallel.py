@@ -62,7 +62,7 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
         raise ConfigError(
             f"--sharding_group_size={group} does not divide the world size {world_size}"
             + (f" / --tensor_parallel_size={tp} = {dp} data-parallel ranks" if tp > 1 else "")
-            + "; pick a divisor (default: ranks per node)"
+            + "; pick a divisor (default: ranks per node" + (f" / {tp}" if tp > 1 else "") + ")"
         )
     return MeshShape(dp // group, group, tp)
 
@@ -154,10 +154,13 @@ def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
     return chosen
 
 
-# kept by --ac_mode=op: the outputs of matmuls and attention; everything else is recomputed
+# kept by --ac_mode=op: the outputs of matmuls and attention (and, under tensor parallelism, of the
+# sequence-parallel reduce-scatters, as torchtitan keeps them: not redone in backward); everything
+# else is recomputed
 _OP_MODE_SAVED = [getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)]
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)
+] + [torch.ops._c10d_functional.reduce_scatter_tensor.default]
 _CONTEXTS: dict[str, Callable[[], Any]] = {"block": noop_context_fn,
                                            "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED)}
 

@@ -187,13 +187,8 @@ def test_on_checkpoint_error_warn_skips_write_failures_only(small_disk, tmp_path
     with pytest.raises(dcp.CheckpointException) as bug:
         dcp.save({"f": lambda: 0}, checkpoint_id=str(tmp_path / "bug"), no_dist=True)
     assert not write_failure(bug.value)
-    state_dict = Checkpointer._state_dict
-
-    def with_a_bug(self):
-        state, own = state_dict(self)
-        return {**state, "bug": lambda: 0}, own
-
-    monkeypatch.setattr(Checkpointer, "_state_dict", with_a_bug)
+    own_state = Checkpointer._own_state
+    monkeypatch.setattr(Checkpointer, "_own_state", lambda self: {**own_state(self), "bug": lambda: 0})
     out = tmp_path / "run"
     with pytest.raises(CheckpointError, match="checkpoint save to .* failed: .*Error: .*pickle") as e:
         run_here(["--num_steps=2", "--checkpoint_interval=1", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"])

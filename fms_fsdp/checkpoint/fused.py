@@ -109,6 +109,9 @@ def unfuse_loaded_optimizer(loaded: dict[str, Any], optim_state: dict[str, Any],
                 for m, _ in members:
                     optim_state["state"][m][key] = value.clone() if isinstance(value, torch.Tensor) else value
     # torch matches the loaded groups' parameters to the optimizer's by position: keep its own order
+    if len(loaded["param_groups"]) != len(optim_state["param_groups"]):
+        raise KeyError(f"the checkpoint's optimizer has {len(loaded['param_groups'])} parameter groups, this run's "
+                       f"{len(optim_state['param_groups'])} (--weight_decay_norms_and_embeddings changed?)")
     optim_state["param_groups"] = [{**g, "params": own["params"]}
                                    for g, own in zip(loaded["param_groups"], optim_state["param_groups"])]
 
@@ -131,7 +134,7 @@ def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
             tiles.append(meta)
             if rank == me:
                 shards.append(Shard(part.to_local(), meta))
-    properties = TensorProperties(dtype=first.dtype, requires_grad=False)
+    properties = TensorProperties(dtype=first.dtype, requires_grad=False, pin_memory=first.to_local().is_pinned())
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, ShardedTensorMetadata(tiles, size, properties))
 

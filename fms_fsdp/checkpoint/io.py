@@ -119,13 +119,14 @@ class Checkpointer:
                                       f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
             self._on_main(lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
-            state, own = self._state_dict()
+            own = self._own_state()
             if self.cfg.async_checkpoint:  # staged under the model's own names, then fused (fused.FusingStager)
+                stager = FusingStager(self.stager) if fused_groups(own["model_state"]) else self.stager
                 future = dcp.async_save(own, storage_writer=storage_writer(tmp), process_group=self.async_group,
-                                        async_stager=self.stager if state is own else FusingStager(self.stager))
+                                        async_stager=stager)
                 self.pending = (step, tmp, future)
             else:
-                dcp.save(state, storage_writer=storage_writer(tmp), process_group=self.group)
+                dcp.save(fuse(own), storage_writer=storage_writer(tmp), process_group=self.group)
                 self._commit(step, tmp)
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
@@ -159,12 +160,11 @@ class Checkpointer:
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
 
-    def _state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What a checkpoint holds of the model and optimizer (what trains: with LoRA, the adapters),
-        under fms's fused names (checkpoint/fused.py); and the same state under the model's own names."""
+    def _own_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of the model and optimizer (what trains: with LoRA, the adapters), under
+        the model's own names; checkpoints hold it under fms's fused names (fused.fuse)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
-        own = tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
-        return fuse(own), own
+        return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
         """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""
@@ -240,7 +240,8 @@ class Checkpointer:
         return None
 
     def _load(self, path: Path) -> tuple[int, int]:
-        state, own = self._state_dict()
+        own = self._own_state()
+        state = fuse(own)
         dcp.load(state, storage_reader=safe_reader(path), process_group=self.group)  # into `own` too
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))

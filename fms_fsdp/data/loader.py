@@ -84,7 +84,7 @@ class StatefulLoader:
         for ds in datasets:
             if n_logical_shards(logical_shards, ds.documents) < readers:
                 raise DataError(f"{ds.root / ds.name}: {ds.documents} documents and --logical_shards={logical_shards} "
-                                f"give fewer logical shards than the {readers} readers (world size x num_workers); "
+                                f"give fewer logical shards than the {readers} readers (data-parallel ranks x num_workers); "
                                 "add data or use fewer workers", every_rank=True)
         self.states: list[Optional[dict[str, Any]]] = [None] * self.workers
         self.next_worker = 0
