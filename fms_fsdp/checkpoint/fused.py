@@ -129,14 +129,22 @@ def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     shards, tiles = [], []
     for part, row in parts:
         assert isinstance(part, DTensor)
-        for rank, offset, shape in _tiles(part.shape, part.device_mesh, tuple(part.placements), me):
-            meta = ShardMetadata([row + offset[0], *offset[1:]], list(shape), f"rank:{rank}/{device}")
+        for rank, meta in _tile_metadata(part.shape, part.device_mesh, tuple(part.placements), me, row, str(device)):
             tiles.append(meta)
             if rank == me:
                 shards.append(Shard(part.to_local(), meta))
     properties = TensorProperties(dtype=first.dtype, requires_grad=False, pin_memory=first.to_local().is_pinned())
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, ShardedTensorMetadata(tiles, size, properties))
+
+
+@lru_cache(maxsize=1024)
+def _tile_metadata(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int, row: int,
+                   device: str) -> list[tuple[int, ShardMetadata]]:
+    """_tiles as torch's shard metadata at `row` of the fused tensor, made once per save's shapes (at a
+    thousand ranks, making them is most of the cost of a fused view)."""
+    return [(rank, ShardMetadata([row + offset[0], *offset[1:]], list(local), f"rank:{rank}/{device}"))
+            for rank, offset, local in _tiles(shape, mesh, placements, me)]
 
 
 @lru_cache(maxsize=256)
