@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.hf import read_hf_model
-from fms_fsdp.models import get_model_config
+from fms_fsdp.models import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, run_here
 
@@ -72,7 +72,8 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
     run_here([*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"])
     out["log2"] = launch_runs(2, [
-        [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True"],
+        [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True",
+         "--peak_tflops=1"],
         [*gqa, f"--ckpt_save_path={out['gqa_tp2_ac']}", "--tensor_parallel_size=2", "--fsdp_activation_checkpointing=True",
          "--ac_mode=op"],
         [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
@@ -102,11 +103,13 @@ def test_tp2_gives_the_tp1_loss_step_for_step(runs):
     initial weights: the same losses, gradient norms and token counts."""
     assert "mesh (replicate, shard, tp) = (1, 1, 2)" in runs["log2"]
     one, two = records(runs["gqa_tp1"]), records(runs["gqa_tp2"])
+    flops = flops_per_token(get_model_config("tiny", 256), 64)
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < TOL and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 2 * 64  # 2 GPUs trained on one batch
         assert b["tokens_per_sec_per_gpu"] * b["step_time"] == pytest.approx(64)  # half of it per GPU
+        assert b["mfu"] == pytest.approx(b["tokens_per_sec_per_gpu"] * flops / 1e12)  # the whole model's FLOPs
 
 
 def test_tp_composes_with_activation_checkpointing_and_bf16(runs):
