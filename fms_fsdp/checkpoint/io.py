@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
-from fms_fsdp.checkpoint.fused import FusingStager, fuse, fuse_model_state, fused_groups, unfuse_loaded_optimizer
+from fms_fsdp.checkpoint.fused import FusingStager, fuse, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import (
     checkpoint_root,
     commit,
@@ -259,10 +259,10 @@ class Checkpointer:
         rank_states = [_load_file(p) for p in ranks]
         self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
         if len(rank_states) == self.info.dp_size:
-            own = rank_states[self.info.dp_rank]
-            torch.set_rng_state(own["rng"])
-            if "cuda_rng" in own and self.info.device.type == "cuda":
-                torch.cuda.set_rng_state(own["cuda_rng"], self.info.device)
+            mine = rank_states[self.info.dp_rank]
+            torch.set_rng_state(mine["rng"])
+            if "cuda_rng" in mine and self.info.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
         if self.info.is_main:
             print(f"checkpoint: resumed from {path} at step {meta['step']}", flush=True)
         return int(meta["step"]), int(meta["tokens_seen"])
@@ -289,8 +289,7 @@ class Checkpointer:
             elif p.is_dir():
                 model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
                 own = {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}
-                dcp.load({"model_state": fuse_model_state(own, fused_groups(own))}, storage_reader=safe_reader(p),
-                         process_group=self.group)
+                dcp.load(fuse({"model_state": own}), storage_reader=safe_reader(p), process_group=self.group)
                 self._set_base(own, StateDictOptions())
             else:
                 self._set_base(self._read_on_main(p, path, read_model), _FROM_RANK0)
