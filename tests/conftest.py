@@ -11,7 +11,7 @@ import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -75,24 +75,31 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_here(args: list[str]) -> str:
-    """main_training.py's run in this process, one rank (no start-up of a new interpreter): the same
-    code path, a real gloo group. Environment and thread count are restored after (run() restores the
-    stop-signal handlers itself);
-    returns what it printed. For runs whose command line is not under test."""
-    from fms_fsdp.config import parse_args
-    from fms_fsdp.train import run
-
+@contextlib.contextmanager
+def here() -> Iterator[io.StringIO]:
+    """Run a command's entry point in this process, one rank (no start-up of a new interpreter): the
+    same code path, a real gloo group. Environment and thread count are restored after (run() restores
+    the stop-signal handlers itself); yields what it prints."""
     saved_env, threads = dict(os.environ), torch.get_num_threads()
     out = io.StringIO()
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in the launched runs, so losses compare across both
     try:
         with contextlib.redirect_stdout(out):
-            run(parse_args([*TINY, *args]))
+            yield out
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
+
+
+def run_here(args: list[str]) -> str:
+    """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
+    command line is not under test."""
+    from fms_fsdp.config import parse_args
+    from fms_fsdp.train import run
+
+    with here() as out:
+        run(parse_args([*TINY, *args]))
     return out.getvalue()
 
 

@@ -95,22 +95,32 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# 2 -> 1 rank resumes and trains on; 2 -> 4 ranks resumes (training on from a rescaled loader state
-# is the 1-rank case's launch again, and the rescale itself is tests/test_data.py's)
-@pytest.mark.parametrize("nproc, strategy, goes_on", [(None, "fsdp", True), (4, "hsdp", False)])
-def test_resume_on_other_world_sizes_and_strategies(data, uninterrupted, tmp_path, nproc, strategy, goes_on):
-    out = tmp_path / "run"
+# 2 -> 1 rank resumes and trains on (2 -> 4 ranks: tests/test_meshes.py, in its 4-rank launch;
+# training on from a rescaled loader state is this launch again, and the rescale is tests/test_data.py's)
+def test_resume_on_another_world_size_and_strategy(data, uninterrupted, tmp_path):
+    out = resumed_at_step_6(uninterrupted, tmp_path / "run")
+    output = train_on(flags(data, out, *RESUME_EXPORT, "--sharding_strategy=fsdp"), None)
+    assert "resumed from" in output and "nothing to train: the checkpoint is at step 6" in output
+    assert exported_equals_step_6(uninterrupted, out)
+    # and training goes on from there, the data position rescaled to the new world size
+    train_on(flags(data, out, "--num_steps=8", "--sharding_strategy=fsdp", "--sharding_group_size=2"), None)
+    assert sorted(losses(out)) == [7, 8]
+
+
+RESUME_EXPORT = ["--num_steps=6", "--export_model_at_end=True", "--sharding_group_size=2"]
+
+
+def resumed_at_step_6(uninterrupted: Path, out: Path) -> Path:
+    """`out` with the uninterrupted run's checkpoint of step 6 as its newest."""
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", out / "checkpoints" / "step_6_ckp")
-    extra = ["--num_steps=6", "--export_model_at_end=True", f"--sharding_strategy={strategy}", "--sharding_group_size=2"]
-    output = train_on(flags(data, out, *extra), nproc)
-    assert "resumed from" in output and "nothing to train: the checkpoint is at step 6" in output
+    return out
+
+
+def exported_equals_step_6(uninterrupted: Path, out: Path) -> bool:
     exported = load_file(str(out / "model_step_6.safetensors"))
     saved = weights(uninterrupted / "checkpoints" / "step_6_ckp")
-    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
-    if goes_on:  # and training goes on from there, the data position rescaled to the new world size
-        train_on(flags(data, out, "--num_steps=8", f"--sharding_strategy={strategy}", "--sharding_group_size=2"), nproc)
-        assert sorted(losses(out)) == [7, 8]
+    return exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
 
 
 def train_on(args: list[str], nproc: Optional[int]) -> str:

@@ -16,7 +16,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
 from fms_fsdp.train import evaluate_main
 
-from conftest import TINY, launch, run_here
+from conftest import TINY, here, run_here
 from test_checkpoint import flags, losses, run
 
 
@@ -39,11 +39,12 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     assert again["eval_tokens"] == six["eval_tokens"]
     for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
         assert again[key] == pytest.approx(six[key], rel=1e-5), key
-    # standalone, on plain python: the checkpoint's model, one line per dataset and one for all
-    proc = launch("scripts/evaluate.py", flags(data, tmp_path / "standalone", f"--eval_data_path={data}",
-                                               f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}"), None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = dict(re.findall(r"^EVAL dataset=(\w+) loss=([\d.]+) ppl=[\d.]+ tokens=\d+$", proc.stdout, re.M))
+    # standalone (scripts/evaluate.py's entry point, in this process): the checkpoint's model, one line
+    # per dataset and one for all
+    with here() as out:
+        evaluate_main(flags(data, tmp_path / "standalone", f"--eval_data_path={data}",
+                            f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}"))
+    found = dict(re.findall(r"^EVAL dataset=(\w+) loss=([\d.]+) ppl=[\d.]+ tokens=\d+$", out.getvalue(), re.M))
     assert found.keys() == {"web", "code", "all"}
     for name, key in (("web", "eval_loss/web"), ("code", "eval_loss/code"), ("all", "eval_loss")):
         assert float(found[name]) == pytest.approx(six[key], rel=1e-5), name

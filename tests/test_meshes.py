@@ -1,9 +1,12 @@
-"""Tensor parallelism (--tensor_parallel_size): the same losses as without it, composed with FSDP and
-HSDP; checkpoints with the same keys resumed across tensor-parallel sizes; exports from any size."""
+"""Multi-rank meshes against one rank: HSDP 2 x 2 with gradient accumulation; tensor parallelism
+(--tensor_parallel_size) with the same losses as without it, composed with FSDP and HSDP, checkpoints
+with the same keys resumed across tensor-parallel sizes, exports from any size. Their runs share
+three launches (tests/runs_worker.py): a rank's start-up is most of a short run's time."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from fms_fsdp.hf import read_hf_model
 from fms_fsdp.models import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, run_here
+from test_checkpoint import RESUME_EXPORT, exported_equals_step_6, resumed_at_step_6
 
 TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
 
@@ -47,7 +51,7 @@ def resume_from(source: Path, step: int, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(data, tmp_path_factory) -> dict[str, Any]:
+def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     """Every run of this file, in three launches and two runs in this process (start-ups are most of
     their time):
     - gqa_tp1 / gqa_tp2: `tiny` (4 heads, 2 KV heads) at T=1 and T=2 from scratch (T=2 initialised
@@ -55,6 +59,9 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
       gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
     - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, and dp2_ref
       the same global batch on one rank (the synthetic data does not depend on the world size);
+    - hsdp2x2: 2 replicas of a 2-way sharded model, 2 micro-batches a step, and hsdp2x2_ref the same
+      global batch of 8 on one rank; resumed_4: `uninterrupted`'s 2-rank checkpoint of step 6 resumed
+      on 4 ranks (HSDP 2 x 2) and exported;
     - tp2: `tiny_mha` (4 KV heads) at T=2 on one data-parallel rank, 8 steps, checkpointed at 3, 6
       and 8 (in the background), exported every 8 steps (a Hugging Face folder) and at the end,
       evaluated at 8; tp1 and tp4 resume its step 3 at T=1 and T=4, then tp1_tp2 and tp4_tp2 resume
@@ -62,8 +69,8 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
     - from_file: T=2 initialised from tp2's end export, one step at learning rate 0."""
     root = tmp_path_factory.mktemp("tp")
     out = {name: root / name for name in ("gqa_tp1", "gqa_tp2", "gqa_tp2_ac", "gqa_tp1_bf16", "gqa_tp2_bf16",
-                                          "dp2_ref", "fsdp_tp2", "hsdp_tp2", "tp2", "tp1", "tp4", "tp1_tp2",
-                                          "tp4_tp2", "from_file")}
+                                          "dp2_ref", "fsdp_tp2", "hsdp_tp2", "hsdp2x2_ref", "hsdp2x2", "resumed_4", "tp2",
+                                          "tp1", "tp4", "tp1_tp2", "tp4_tp2", "from_file")}
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
     chain = ["--model_variant=tiny_mha", "--num_steps=8", "--checkpoint_interval=3", "--checkpoint_keep=5", "--num_workers=0",
              "--batch_size=2", "--seq_length=64", "--eval_interval=8", f"--eval_data_path={data}", "--eval_batches=2"]
@@ -71,6 +78,8 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
     run_here([*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"])
+    run_here([*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=8",
+              f"--ckpt_save_path={out['hsdp2x2_ref']}"])
     out["log2"] = launch_runs(2, [
         [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True",
          "--peak_tflops=1"],
@@ -86,16 +95,37 @@ def runs(data, tmp_path_factory) -> dict[str, Any]:
     resume_from(out["tp2"], 3, out["tp1"])
     run_here(flags(data, out["tp1"], *chain))
     resume_from(out["tp2"], 3, out["tp4"])
+    resumed_at_step_6(uninterrupted, out["resumed_4"])
     out["log4"] = launch_runs(4, [
         [*gqa, f"--ckpt_save_path={out['fsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"],
         [*gqa, f"--ckpt_save_path={out['hsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=hsdp",
          "--sharding_group_size=1"],
+        [*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=1", "--grad_accum_steps=2",
+         "--sharding_strategy=hsdp", "--sharding_group_size=2", f"--ckpt_save_path={out['hsdp2x2']}"],
+        flags(data, out["resumed_4"], *RESUME_EXPORT, "--sharding_strategy=hsdp"),
         flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
     ])
     resume_from(out["tp1"], 6, out["tp1_tp2"])
     resume_from(out["tp4"], 6, out["tp4_tp2"])
     launch_runs(2, [flags(data, out[name], *chain, "--tensor_parallel_size=2") for name in ("tp1_tp2", "tp4_tp2")])
     return out
+
+
+def test_hsdp_four_ranks_two_by_two_with_gradient_accumulation(runs):
+    """Micro-batches reduce-scattered each, all-reduced across replicas at the last, take the steps of
+    one rank with the same global batch; each rank holds half of one copy."""
+    got, want = losses(runs["hsdp2x2"]), losses(runs["hsdp2x2_ref"])
+    assert len(got) == 6 and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want)
+    line = next(x for x in runs["log4"].splitlines() if "mesh (replicate, shard) = (2, 2)" in x)
+    full, held = (int(g.replace(",", "")) for g in re.search(r"([\d,]+) parameters \(([\d,]+) held by rank 0\)",
+                                                                line).groups())
+    assert abs(held - full / 2) <= 4096, (held, full)  # dim-0 shards, padded
+
+
+def test_a_2_rank_checkpoint_resumes_on_4_ranks(runs, uninterrupted):
+    assert f"checkpoint: resumed from {runs['resumed_4'] / 'checkpoints' / 'step_6_ckp'} at step 6" in runs["log4"]
+    assert "nothing to train: the checkpoint is at step 6" in runs["log4"]
+    assert exported_equals_step_6(uninterrupted, runs["resumed_4"])
 
 
 def test_tp2_gives_the_tp1_loss_step_for_step(runs):
