@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.hf import convert as hf_convert
 from fms_fsdp.hf import read_hf_model
 from fms_fsdp.models import flops_per_token, get_model_config
 
@@ -175,6 +176,10 @@ def test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size
     assert set(end) == keys and all(torch.equal(end[k], step8["tp2"][k]) for k in keys)
     hf = read_hf_model(str(runs["tp2"] / "exports" / "step_8"), get_model_config("tiny_mha", 1024))  # bf16 folder
     assert set(hf) == keys and all(torch.equal(hf[k].float(), end[k].bfloat16().float()) for k in keys)
+    # fms_to_hf of the checkpoint written at T=4
+    folder = hf_convert(str(runs["tp4"] / "checkpoints" / "step_8_ckp"), str(runs["tp4"] / "hf"), dtype="fp32")
+    hf = read_hf_model(str(folder), get_model_config("tiny_mha", 1024))
+    assert set(hf) == keys and all(torch.equal(hf[k], step8["tp4"][k]) for k in keys)
 
 
 def test_a_model_file_initialises_a_tensor_parallel_run(runs):
