@@ -82,7 +82,7 @@ class train_config:
     use_torch_compile: bool = _f(True, "torch.compile each transformer block.")
 
     # training
-    batch_size: int = _f(2, "Sequences per micro-batch per GPU.", min=1)
+    batch_size: int = _f(2, "Sequences per micro-batch per GPU (per tensor-parallel group with --tensor_parallel_size).", min=1)
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
     num_steps: int = _f(1000000, "Optimizer steps to train.", min=1)
     seed: int = _f(2023, "Random seed for weights and data.", min=0)

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -137,6 +138,13 @@ def data(tmp_path_factory) -> Path:
     write_dataset(root, "web", make_docs(10, 400, 1))
     write_dataset(root, "code", make_docs(500, 200, 2), layout="parquet")
     return root
+
+
+def resume_from(source: Path, step: int, out: Path) -> Path:
+    """`out`, a run folder whose newest checkpoint is a copy of run `source`'s of `step`."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / f"step_{step}_ckp", out / "checkpoints" / f"step_{step}_ckp")
+    return out
 
 
 STEPS = 12  # of a run on `data` (see `uninterrupted`)

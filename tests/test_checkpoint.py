@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
-from conftest import ROOT, STEPS, TINY, flags, launch, run_here, train_here
+from conftest import ROOT, STEPS, TINY, flags, launch, resume_from, run_here, train_here
 
 def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
     proc = launch("main_training.py", args, nproc)
@@ -98,34 +97,24 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted
 # 2 -> 1 rank resumes and trains on (2 -> 4 ranks: tests/test_meshes.py, in its 4-rank launch;
 # training on from a rescaled loader state is this launch again, and the rescale is tests/test_data.py's)
 def test_resume_on_another_world_size_and_strategy(data, uninterrupted, tmp_path):
-    out = resumed_at_step_6(uninterrupted, tmp_path / "run")
-    output = train_on(flags(data, out, *RESUME_EXPORT, "--sharding_strategy=fsdp"), None)
+    out = resume_from(uninterrupted, 6, tmp_path / "run")
+    output = run_here(flags(data, out, *RESUME_EXPORT, "--sharding_strategy=fsdp"))
     assert "resumed from" in output and "nothing to train: the checkpoint is at step 6" in output
-    assert exported_equals_step_6(uninterrupted, out)
+    assert_exported_step_6(uninterrupted, out)
     # and training goes on from there, the data position rescaled to the new world size
-    train_on(flags(data, out, "--num_steps=8", "--sharding_strategy=fsdp", "--sharding_group_size=2"), None)
+    run_here(flags(data, out, "--num_steps=8", "--sharding_strategy=fsdp"))
     assert sorted(losses(out)) == [7, 8]
 
 
-RESUME_EXPORT = ["--num_steps=6", "--export_model_at_end=True", "--sharding_group_size=2"]
+RESUME_EXPORT = ["--num_steps=6", "--export_model_at_end=True"]  # resume step 6, train nothing, export
 
 
-def resumed_at_step_6(uninterrupted: Path, out: Path) -> Path:
-    """`out` with the uninterrupted run's checkpoint of step 6 as its newest."""
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(uninterrupted / "checkpoints" / "step_6_ckp", out / "checkpoints" / "step_6_ckp")
-    return out
-
-
-def exported_equals_step_6(uninterrupted: Path, out: Path) -> bool:
+def assert_exported_step_6(uninterrupted: Path, out: Path) -> None:
+    """`out`'s export at the end is the uninterrupted run's checkpoint of step 6, tensor for tensor."""
     exported = load_file(str(out / "model_step_6.safetensors"))
     saved = weights(uninterrupted / "checkpoints" / "step_6_ckp")
-    return exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
-
-
-def train_on(args: list[str], nproc: Optional[int]) -> str:
-    """Train on nproc launched ranks, or on one rank in this process (nproc None); returns the output."""
-    return run_here(args) if nproc is None else run(args, nproc=nproc).stdout
+    assert exported.keys() == saved.keys()
+    assert not [k for k in saved if not torch.equal(exported[k], saved[k])]
 
 
 def test_an_unfinished_or_unreadable_newest_checkpoint_is_not_resumed(data, uninterrupted, tmp_path):

@@ -110,7 +110,7 @@ def unfuse_loaded_optimizer(loaded: dict[str, Any], optim_state: dict[str, Any],
                     optim_state["state"][m][key] = value.clone() if isinstance(value, torch.Tensor) else value
     # torch matches the loaded groups' parameters to the optimizer's by position: keep its own order
     if len(loaded["param_groups"]) != len(optim_state["param_groups"]):
-        raise KeyError(f"the checkpoint's optimizer has {len(loaded['param_groups'])} parameter groups, this run's "
+        raise RuntimeError(f"the checkpoint's optimizer has {len(loaded['param_groups'])} parameter groups, this run's "
                        f"{len(optim_state['param_groups'])} (--weight_decay_norms_and_embeddings changed?)")
     optim_state["param_groups"] = [{**g, "params": own["params"]}
                                    for g, own in zip(loaded["param_groups"], optim_state["param_groups"])]
