@@ -154,8 +154,8 @@ class LMHead(LinearClassificationHead):
         split over the sequence (sequence parallel) and are gathered; the loss reduces over the slices
         (loss parallel, eager); the hidden states' gradient is a partial sum, reduce-scattered back."""
         weight, mesh = self.weight, self.weight.device_mesh
-        hidden = x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else \
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        assert isinstance(x, DTensor), "the final norm is sequence parallel: its output is a DTensor"
+        hidden = x.redistribute(placements=[Replicate()])
         if labels is None:
             return F.linear(hidden, weight).full_tensor()
         local = weight.to_local()
