@@ -65,6 +65,7 @@ def test_tensor_parallel_size_that_does_not_fit_the_world_is_an_error(flags, wor
 @pytest.mark.parametrize("flags, match", [
     (["--model_variant=tiny", "--tensor_parallel_size=4"], r"divide the model's KV heads, 2"),  # 4 heads, 2 KV heads
     (["--model_variant=llama2_7b", "--tensor_parallel_size=64"], r"divide the model's attention heads, 32"),
+    (["--model_variant=llama2_13b", "--tensor_parallel_size=5"], r"divide the model's FFN width, 13824"),
     (["--model_variant=tiny", "--tensor_parallel_size=2", "--vocab_size=4095"], r"vocabulary size, 4095"),
     (["--model_variant=tiny", "--tensor_parallel_size=2", "--seq_length=63"], r"sequence length \(--seq_length\), 63"),
     (["--model_variant=llama3_8b", "--tensor_parallel_size=2", "--float8=True"], r"does not combine with --float8"),
