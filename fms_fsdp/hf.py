@@ -30,17 +30,11 @@ from safetensors.torch import save_file
 
 from fms_fsdp.checkpoint.reader import Reader, model_reader
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.models import build_model, get_model_config, hidden_dim
 from fms_fsdp.storage import local_copy, location, publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
-
-
-def hidden_dim(cfg: LLaMAConfig) -> int:
-    """fms GatedLinearUnit's hidden size."""
-    hidden = int(cfg.hidden_grow_factor * cfg.emb_dim)
-    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of) if cfg.multiple_of else hidden
 
 
 def hf_config(cfg: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:

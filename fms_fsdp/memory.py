@@ -33,7 +33,7 @@ from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import apply_activation_checkpointing, checkpointed_blocks, mesh_shape
+from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, apply_activation_checkpointing, checkpointed_blocks, mesh_shape
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
@@ -153,14 +153,15 @@ def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
     return Activations(outside, per_block, saved, transient)
 
 
-# under tensor parallelism: the parameters split by rows (column-wise Linear, embedding and head over
-# the vocabulary) and by columns (row-wise Linear); the norms are whole on every rank
-_TP_ROWS = (".qkv_fused.weight", ".wg1_fused.weight", "embedding.weight", "head.weight")
-_TP_COLS = (".dense.weight", ".w2.weight")
+# under tensor parallelism (parallel.py's plan): the weights split by rows (column-wise Linear layers,
+# the embedding and the head over the vocabulary) and by columns (row-wise ones); the norms are whole
+_TP_ROWS = (*(f".{name}.weight" for name in TP_COLWISE), "base_model.embedding.weight", "head.weight")
+_TP_COLS = tuple(f".{name}.weight" for name in TP_ROWWISE)
 
 
 def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
-    """A parameter's shape on one rank of a tensor-parallel group of `tp` (before FSDP shards it)."""
+    """A parameter's shape on one rank of a tensor-parallel group of `tp` (before FSDP shards it), in a
+    model built as tensor parallelism builds it (unfused)."""
     if name.endswith(_TP_ROWS):
         return (shape[0] // tp, *shape[1:])
     if name.endswith(_TP_COLS):
@@ -200,7 +201,7 @@ class Planner:
     def __init__(self, cfg: train_config, world_size: int, local_world_size: int, device_bytes: int):
         self.cfg, self.world_size, self.device_bytes = cfg, world_size, device_bytes
         self.mesh = mesh_shape(cfg, world_size, local_world_size)
-        config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
+        config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, self.mesh.tp)
         model = build_model(config, torch.device("meta"))
         self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
         if self.lora is not None:

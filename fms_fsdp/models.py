@@ -121,17 +121,27 @@ def resolve_variant(name: str) -> str:
     raise ConfigError(f"--model_variant: unknown variant {name!r}; valid: {valid}")
 
 
-def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None) -> LLaMAConfig:
+def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
+                     tensor_parallel: int = 1) -> LLaMAConfig:
     """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
     its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
-    weights do not depend on it)."""
+    weights do not depend on it); built unfused for tensor parallelism (each rank holds its heads of
+    q, k and v: `FUSED`)."""
     args = dict(VARIANTS[resolve_variant(name)])
     if vocab_size is not None:
         args["src_vocab_size"] = vocab_size
+    if tensor_parallel > 1:
+        args["fused_weights"] = False
     config = LLaMAConfig(**args)
     if seq_length is not None and seq_length > config.max_expected_seq_len:
         config = config.updated(max_expected_seq_len=seq_length)
     return config
+
+
+def hidden_dim(cfg: LLaMAConfig) -> int:
+    """fms GatedLinearUnit's hidden size (the FFN width)."""
+    hidden = int(cfg.hidden_grow_factor * cfg.emb_dim)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of) if cfg.multiple_of else hidden
 
 
 class LMHead(LinearClassificationHead):

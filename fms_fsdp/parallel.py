@@ -30,6 +30,7 @@ from fms_fsdp.distributed import DistInfo, collective_timeout
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.float8 import convert_to_float8
 from fms_fsdp.loss import chunk_loss
+from fms_fsdp.models import hidden_dim
 
 
 class MeshShape(NamedTuple):
@@ -74,11 +75,8 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
     tp = cfg.tensor_parallel_size
     if tp == 1:
         return
-    hidden = int(model_config.hidden_grow_factor * model_config.emb_dim)
-    if model_config.multiple_of:
-        hidden = model_config.multiple_of * -(-hidden // model_config.multiple_of)
     for what, n in (("attention heads", model_config.nheads), ("KV heads", model_config.kvheads),
-                    ("FFN width", hidden), ("vocabulary size", model_config.src_vocab_size),
+                    ("FFN width", hidden_dim(model_config)), ("vocabulary size", model_config.src_vocab_size),
                     ("sequence length (--seq_length)", cfg.seq_length)):
         if n % tp:
             raise ConfigError(f"--tensor_parallel_size={tp} must divide the model's {what}, {n}; pick a divisor")
@@ -108,6 +106,12 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["replicate", "shard"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
 
 
+# the Linear layers of a block that tensor parallelism splits by output features (the weight's rows:
+# each rank its heads, its slice of the FFN width) and by input features (the weight's columns)
+TP_COLWISE = ("attn.in_proj.query", "attn.in_proj.key", "attn.in_proj.value", "ff_sub_layer.wg", "ff_sub_layer.w1")
+TP_ROWWISE = ("attn.dense", "ff_sub_layer.w2")
+
+
 def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
     """Split every layer over the `tp_mesh` ranks (Megatron's plan, as torchtitan writes it): q, k, v and
     the FFN's gate and up projections column-wise (each rank its heads, its slice of the width), the
@@ -127,15 +131,10 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, {
             "ln": SequenceParallel(),
             "attn": PrepareModuleInput(input_kwarg_layouts={"q": Shard(1)}, desired_input_kwarg_layouts={"q": Replicate()}),
-            "attn.in_proj.query": ColwiseParallel(),
-            "attn.in_proj.key": ColwiseParallel(),
-            "attn.in_proj.value": ColwiseParallel(),
-            "attn.dense": RowwiseParallel(output_layouts=Shard(1)),
             "ff_ln": SequenceParallel(),
             "ff_sub_layer": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "ff_sub_layer.wg": ColwiseParallel(),
-            "ff_sub_layer.w1": ColwiseParallel(),
-            "ff_sub_layer.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **{name: ColwiseParallel() for name in TP_COLWISE},
+            **{name: RowwiseParallel(output_layouts=Shard(1)) for name in TP_ROWWISE},
         })
         block.attn.nheads //= tp  # fms shapes q, k, v by these: each rank computes its own heads
         block.attn.kvheads //= tp

@@ -146,9 +146,7 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
 
 def build(cfg: train_config, info: DistInfo) -> tuple[CausalLM, torch.optim.Optimizer, Any]:
     """The sharded, initialised model, its AdamW optimizer and LR scheduler."""
-    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length)
-    if cfg.tensor_parallel_size > 1:  # each rank holds its heads of q, k and v: built apart (models.FUSED)
-        model_config = model_config.updated(fused_weights=False)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.tensor_parallel_size)
     if info.device.type == "cuda" and info.is_main:
         warning = fits_or_warning(cfg, info.world_size, info.local_world_size)
         if warning:

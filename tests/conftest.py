@@ -68,12 +68,17 @@ def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Option
                                        "".join(o[1] or "" for o in outputs))
 
 
+def records(out: Path) -> list[dict]:
+    """The metrics.jsonl records of the run written to `out`."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> list[dict]:
     """Run main_training.py; assert it succeeded; return the metrics.jsonl records."""
     out = tmp / "run"
     proc = launch("main_training.py", [*TINY, f"--ckpt_save_path={out}", *args], nproc, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records(out)
 
 
 @contextlib.contextmanager
@@ -108,7 +113,7 @@ def train_here(tmp: Path, args: list[str]) -> list[dict]:
     """run_here with its outputs in tmp/run; returns the metrics.jsonl records."""
     out = tmp / "run"
     run_here([f"--ckpt_save_path={out}", *args])
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records(out)
 
 
 def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[str]]] = None,

@@ -4,7 +4,6 @@ N in a row; the default stops at the first non-finite step."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 
 import pytest
@@ -18,7 +17,7 @@ from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
 from fms_fsdp.optim import clip_gradients
 
-from conftest import TINY, run_here
+from conftest import TINY, records, run_here
 
 
 @pytest.fixture
@@ -83,9 +82,9 @@ def test_a_run_skips_nan_steps_then_stops_after_too_many_in_a_row(tmp_path, monk
     out = tmp_path / "skip"
     poison(monkeypatch, {3, 5})
     run_here([f"--ckpt_save_path={out}", "--num_steps=6", "--skip_bad_steps=1", "--export_model_at_end=True"])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 0, 1, 0]
-    assert all(math.isfinite(r["loss"]) for r in records if r["skipped_steps"] == 0)
+    logged = records(out)
+    assert [r["skipped_steps"] for r in logged] == [0, 0, 1, 0, 1, 0]
+    assert all(math.isfinite(r["loss"]) for r in logged if r["skipped_steps"] == 0)
     assert all(torch.isfinite(t).all() for t in load_file(str(out / "model_step_6.safetensors")).values())
     poison(monkeypatch, {3, 4})
     with pytest.raises(TrainingError, match="step 4: 2 bad steps in a row .*--skip_bad_steps=1"):

@@ -19,15 +19,11 @@ from fms_fsdp.hf import convert as hf_convert
 from fms_fsdp.hf import read_hf_model
 from fms_fsdp.models import flops_per_token, get_model_config
 
-from conftest import TINY, flags, launch, resume_from, run_here
+from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses
 
 TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
 DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with each step
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def launch_runs(nproc: int, runs: list[list[str]]) -> str:

@@ -153,17 +153,9 @@ def _tiles(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...
     """(rank, offset, shape) of each distinct non-empty piece of a DTensor of `shape` over `mesh`:
     this rank's own piece under its own rank, every other under the first rank that holds it."""
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    ranks = mesh.mesh.tolist()
-    coordinates = sorted(itertools.product(*(range(n) for n in mesh.shape)),
-                         key=lambda c: _rank_at(ranks, c) != me)
-    for coordinate in coordinates:
+    rank_at = {coordinate: int(mesh.mesh[coordinate]) for coordinate in itertools.product(*map(range, mesh.shape))}
+    for coordinate in sorted(rank_at, key=lambda c: rank_at[c] != me):
         local, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
         if all(local):
-            held.setdefault((tuple(offset), tuple(local)), _rank_at(ranks, coordinate))
+            held.setdefault((tuple(offset), tuple(local)), rank_at[coordinate])
     return [(rank, offset, local) for (offset, local), rank in held.items()]
-
-
-def _rank_at(ranks: Any, coordinate: tuple[int, ...]) -> int:
-    for i in coordinate:
-        ranks = ranks[i]
-    return int(ranks)
