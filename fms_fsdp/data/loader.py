@@ -9,7 +9,9 @@ worker whose batch was due next delivers first, and the batch sequence continues
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
@@ -33,11 +35,25 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _init_worker(worker_id: int) -> None:
-    """Workers leave the stop signals to the main process, which checkpoints and then ends them, and
-    die with it: killed when their rank dies, whatever killed it."""
+    """Workers leave the stop signals to their rank, which checkpoints and then ends them: a stop signal
+    sent to every process of a job (Slurm signals a whole job step) is ignored, but a SIGTERM from the
+    rank itself (multiprocessing's terminate, which ends daemonic children when the rank's interpreter
+    exits, or DataLoader's shutdown) ends the worker. Workers also die with their rank, whatever
+    killed it."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, and only there
+    threading.Thread(target=_end_on_rank_sigterm, args=(os.getppid(),), daemon=True, name="sigterm").start()
     exit_with_parent(signal.SIGKILL)
+
+
+def _end_on_rank_sigterm(rank_pid: int) -> None:
+    """Wait for SIGTERMs (blocked in every thread of the worker): one sent by the rank ends the worker
+    at once; any other sender's is left to the rank."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank_pid:
+            os._exit(0)
 
 
 def _as_is(item: Any) -> Any:
@@ -104,9 +120,9 @@ class StatefulLoader:
                 batch = torch.from_numpy(lines)
                 yield batch[:, :-1], batch[:, 1:]
         finally:
-            # the workers stop with this generator (closed, or ended by an error), not when a traceback that
-            # holds its frame is freed: at interpreter exit multiprocessing would wait for them forever, as
-            # they leave SIGTERM to the rank
+            # the workers stop with this generator (closed, dropped, or ended by an error), not when a
+            # traceback that holds its frame is freed; a generator still held at interpreter exit has its
+            # workers ended by multiprocessing's SIGTERM, which they take from their rank (_init_worker)
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()

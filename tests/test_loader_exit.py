@@ -1,0 +1,139 @@
+"""A process that uses the loader with workers always ends, and leaves no worker behind, however the
+iterator is held or dropped: sys.exit, an exception in the caller's loop, Ctrl-C, a REPL, garbage
+collection, a finished generator. Each ending runs in its own interpreter under a time limit.
+
+Workers ignore stop signals meant for their rank (Slurm signals every process of a job step), but obey
+their rank's own SIGTERM, which is how multiprocessing ends daemonic children at interpreter exit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_data import make_docs, write_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# takes 5 batches from a loader with 2 workers, holding the iterator in `it`; prints the workers' pids
+SETUP = """
+import gc, multiprocessing, os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_data import cfg
+from fms_fsdp.data import get_data_loader
+loader = get_data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
+it = iter(loader)
+for _ in range(5):
+    next(it)
+print("workers", *[p.pid for p in multiprocessing.active_children()], flush=True)
+"""
+
+ENDINGS = {
+    "sys_exit": ("sys.exit(3)", 3),
+    "exception_in_the_loop": ("for i, batch in enumerate(it):\n    if i == 2:\n        raise RuntimeError('boom')", 1),
+}
+
+# the process goes on after dropping iterators: a generator that finished, then the held one, collected
+DROPPED = """
+first = {p.pid for p in multiprocessing.active_children()}
+def five():
+    g = iter(loader)
+    for _ in range(5):
+        yield next(g)
+assert len(list(five())) == 5
+print('after the generator', len({p.pid for p in multiprocessing.active_children()} - first), flush=True)
+del it
+gc.collect()
+print('after collection', len(multiprocessing.active_children()), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("exit_data")
+    write_dataset(root, "web", make_docs(10, 200, 1))
+    return root
+
+
+def _setup(shards: Path) -> str:
+    return SETUP.format(tests=str(Path(__file__).parent), data=str(shards))
+
+
+def _gone(pids: list[int], within_s: float = 5.0) -> bool:
+    """Whether every pid has ended (or is a zombie awaiting its reaper) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and "State:\tZ" not in Path(f"/proc/{p}/status").read_text(errors="replace")]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _workers(stdout: str) -> list[int]:
+    line = next(line for line in stdout.splitlines() if line.startswith("workers"))
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 2, stdout
+    return pids
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_the_process_ends_and_leaves_no_worker(shards, ending):
+    code, status = ENDINGS[ending]
+    proc = subprocess.run([sys.executable, "-c", _setup(shards) + code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert _gone(_workers(proc.stdout))
+
+
+def test_dropped_iterators_stop_their_workers_at_once(shards):
+    proc = subprocess.run([sys.executable, "-c", _setup(shards) + DROPPED], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "after the generator 0\nafter collection 0\n" in proc.stdout, proc.stdout
+    assert _gone(_workers(proc.stdout), within_s=0.5)
+
+
+def test_a_repl_that_ends_holding_the_iterator(shards):
+    """`python -i`: the script's globals (the iterator among them) live until the REPL reads end of input."""
+    proc = subprocess.run([sys.executable, "-i", "-c", _setup(shards)], input="print('in the repl', next(it)[0].shape)\n",
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "in the repl torch.Size([2, 16])" in proc.stdout
+    assert _gone(_workers(proc.stdout))
+
+
+def test_ctrl_c_ends_the_process_and_its_workers(shards):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the loop waits."""
+    proc = subprocess.Popen([sys.executable, "-c", _setup(shards) + "print('ready', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode in (-signal.SIGINT, 1, 130), err[-2000:]
+    assert "KeyboardInterrupt" in err
+    assert _gone(_workers("".join(lines)))
+
+
+def test_a_stop_signal_for_the_job_does_not_end_the_workers(shards):
+    """SIGTERM sent to a worker by anyone but its rank (Slurm signals every process of a job step) is
+    left to the rank: the workers keep delivering batches."""
+    code = ("for p in multiprocessing.active_children():\n    os.kill(p.pid, signal.SIGTERM)\n"
+            "time.sleep(1)\n"
+            "print('alive', len(multiprocessing.active_children()), next(it)[0].shape, flush=True)")
+    # the signal comes from another process (kill(1)), not the rank: spawn it from the script
+    code = code.replace("os.kill(p.pid, signal.SIGTERM)", "subprocess.run(['kill', '-TERM', str(p.pid)], check=True)")
+    proc = subprocess.run([sys.executable, "-c", "import subprocess\n" + _setup(shards) + code], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "alive 2 torch.Size([2, 16])" in proc.stdout
