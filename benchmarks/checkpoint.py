@@ -27,28 +27,35 @@ import torch.distributed as dist  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
-from fms_fsdp.config import parse_args  # noqa: E402
+from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
-from fms_fsdp.distributed import init_distributed  # noqa: E402
+from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.guard import StepGuard  # noqa: E402
-from fms_fsdp.train import build, train_step  # noqa: E402
+from fms_fsdp.run import Run, facts, started  # noqa: E402
+from fms_fsdp.train import train_step  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=/tmp/ckpt_bench", "--checkpoint_keep=5", *argv])
-    info = dataclasses.replace(init_distributed(cfg.device), tp=cfg.tensor_parallel_size)
+    with started(facts(cfg)) as run:
+        bench(run)
+
+
+def bench(run: Run) -> None:
+    cfg, info = run.cfg, run.info
     root = Path(cfg.ckpt_save_path)
     if info.is_main:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
-    loader = get_data_loader(cfg, info.dp_rank, info.dp_size)
-    model, optimizer, scheduler = build(cfg, info)
-    train_step(model, optimizer, StepGuard(cfg, optimizer, info.device), 1, iter(loader), cfg, info.device,
+    loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)
+    model = build_sharded_model(run)
+    optimizer, scheduler = build_optimizer_and_schedule(run, model)
+    train_step(model, optimizer, StepGuard(0, None, optimizer, info.device), 1, iter(loader), cfg, info.device,
                global_norm=False)
     figures = {}
     for mode in ("sync", "async"):
-        run_cfg = dataclasses.replace(cfg, async_checkpoint=mode == "async")
-        ckpt = Checkpointer(run_cfg, info, model, optimizer, scheduler, loader)
+        ckpt = Checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(cfg, async_checkpoint=mode == "async")),
+                            model, optimizer, scheduler, loader)
         stalls, totals = [], []
         for step in (1, 2) if mode == "sync" else (3, 4, 5):
             start = time.perf_counter()
@@ -60,26 +67,24 @@ def main(argv: list[str]) -> None:
             totals.pop(0)
         figures[f"{mode}_stall_s"] = round(min(stalls), 3)
         figures[f"{mode}_total_s"] = round(min(totals), 3)
-        if mode == "async":
-            ckpt.close()
+        ckpt.release()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
-        exporter = PeriodicExporter(dataclasses.replace(cfg, export_interval=1, export_format=fmt), info, model)
+        export_cfg = dataclasses.replace(cfg, export_interval=1, export_format=fmt)
+        exporter = PeriodicExporter(dataclasses.replace(run, cfg=export_cfg), model)
         start = time.perf_counter()
         exporter.export(6)
         figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)
-        exporter.close()
+        exporter.finish()
+        exporter.release()
         figures[f"export_{fmt}_total_s"] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
     ckpt.resume()
     figures["load_s"] = round(time.perf_counter() - start, 3)
     step, path = complete_checkpoints(root / "checkpoints")[-1]
     figures["bytes"] = sum(p.stat().st_size for p in path.iterdir())
-    if info.is_main:
-        print(f"BENCH variant={cfg.model_variant} world={info.world_size} device={info.device.type} "
-              + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+    run.log(f"BENCH variant={cfg.model_variant} world={info.world_size} device={info.device.type} "
+            + " ".join(f"{k}={v}" for k, v in figures.items()))
     dist.barrier()
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

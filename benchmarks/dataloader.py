@@ -23,14 +23,15 @@ import threading
 import time
 from pathlib import Path
 
-import fire
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fms_fsdp.config import make_config  # noqa: E402
+from fms_fsdp.cli import tool  # noqa: E402
+from fms_fsdp.flags import make_config  # noqa: E402
+from fms_fsdp.run import facts  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.storage import location  # noqa: E402
 
@@ -160,7 +161,7 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
-    loader = get_data_loader(cfg, 0, 1)
+    loader = get_data_loader(cfg, 0, 1, facts(cfg).vocab_size)
     it = iter(loader)
     next(it)
     first_batch = time.perf_counter() - start
@@ -187,4 +188,4 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    tool(main)

@@ -33,10 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.config import parse_args, train_config  # noqa: E402
+from fms_fsdp.config import train_config  # noqa: E402
+from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.errors import ConfigError  # noqa: E402
-from fms_fsdp.models import flops_per_token, get_model_config  # noqa: E402
-from fms_fsdp.train import KNOWN_ERRORS, check_config, exit_on, run  # noqa: E402
+from fms_fsdp.models import flops_per_token  # noqa: E402
+from fms_fsdp.cli import USER_ERRORS, fail  # noqa: E402
+from fms_fsdp.run import facts  # noqa: E402
+from fms_fsdp.train import run_training  # noqa: E402
 
 FORCED = ["--use_dummy_dataset=True", "--checkpoint_interval=0"]
 DEFAULTS = ["--report_interval=5"]  # a report reads the device: per-step reports would measure syncs
@@ -103,15 +106,15 @@ def bench_one(flags: list[str], skip: int) -> None:
     """Train the setting on synthetic data and print its BENCH line (rank 0)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
     cfg = parse_args([f"--ckpt_save_path=output/bench/{run_id}", *DEFAULTS, *flags, *FORCED])
-    check_config(cfg)
+    run = facts(cfg)
     if cfg.num_steps < skip + cfg.report_interval:
         raise ConfigError(f"--num_steps={cfg.num_steps} leaves no report interval after --bench_skip={skip}: "
                           f"raise it to {skip + cfg.report_interval} or more")
-    records = [r for r in run(cfg) if r["step"] - cfg.report_interval >= skip]
+    records = [r for r in run_training(cfg) if r["step"] - cfg.report_interval >= skip]
     if os.environ.get("RANK", "0") != "0":
         return
     tps = statistics.median(r["tokens_per_sec_per_gpu"] for r in records)
-    fpt = flops_per_token(get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length), cfg.seq_length)
+    fpt = flops_per_token(run.model_config, cfg.seq_length)
     figures = {
         "variant": cfg.model_variant,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and cfg.device != "cpu" else "cpu",
@@ -152,8 +155,8 @@ def main(argv: list[str]) -> None:
             run_sweep(sweep, nproc, [*flags, f"--bench_skip={skip}"], timeout)
         else:
             bench_one(flags, skip)
-    except KNOWN_ERRORS as e:
-        exit_on(e)
+    except USER_ERRORS as e:
+        fail(e)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,16 @@
-"""The flat training configuration: one dataclass, its flags, config files and validation.
+"""The flat training configuration: the `train_config` dataclass (every field a `--field=value` flag,
+with its help, choices and bounds; names and meanings are fms-fsdp's) and the checks that the flags
+alone decide (`validate`: ranges, choices, flags that go together).
 
-Every field of `train_config` is a `--field=value` flag. `parse_args` reads a `--config` file
-(YAML or JSON) first and lets flags override it; every value is coerced to its field's type and
-checked here, before any process group or model is built, so a typo fails at minute one with one
-line. What only another module can judge (the model variant, the keep policy, the mesh) is checked
-by that module, called from `fms_fsdp.train.check_config` at start-up. This module imports nothing
-from the package but its errors.
+Reading flags and config files is flags.py's; what only a module can judge (the model variant, the
+mesh, the tokenizer, the device) is checked at start-up by run.py's `check`. This module imports
+nothing from the package but its errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
-import json
-import math
-import os
-import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -26,7 +19,7 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.errors import ConfigError
 
 # --tracker names; each is also the name of the package it needs
 TRACKERS = ("tensorboard", "wandb", "aim")
@@ -150,7 +143,7 @@ class train_config:
     tracker_run_id: Optional[str] = _f(None, "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).")
 
     # profiler
-    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) of steps 4-6 of the run.")
+    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) of the 4th to 6th steps this process trains (after one skipped and two warm-up steps; a resumed run counts from where it resumed).")
     profiler_rank0_only: bool = _f(True, "Profile rank 0 only (else every rank writes its own trace).")
     profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
     profiler_memory_snapshot: bool = _f(False, "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).")
@@ -162,203 +155,13 @@ IGNORED_FMS_FSDP_FLAGS = {
 }
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
-_HINTS: dict[str, Any] = typing.get_type_hints(train_config)
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-_NONE = {"none", "null", ""}
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin is list:
-        return f"comma list of {_type_name(args[0])}"
-    return "none" if tp is type(None) else tp.__name__
-
-
-def _scalar(value: Any, tp: type) -> Any:
-    """Coerce one scalar (a string from the command line, or a YAML/JSON value) to tp."""
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, (int, str)) and str(value).strip().lower() in _TRUE | _FALSE:
-            return str(value).strip().lower() in _TRUE
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        number = Fraction(value) if isinstance(value, float) else Fraction(str(value).strip().replace("_", ""))
-        if number.denominator == 1:
-            return int(number)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        if isinstance(value, str):
-            return float(Fraction(value.strip().replace("_", "")))  # Fraction refuses nan and inf
-    elif typing.get_origin(tp) in (Union, types.UnionType):  # the first member that takes it
-        for member in typing.get_args(tp):
-            try:
-                return _scalar(value, member)
-            except (ValueError, ZeroDivisionError):
-                continue
-    elif tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise ValueError
-
-
-def coerce(name: str, value: Any) -> Any:
-    """Coerce a raw value to the type of field `name`; ConfigError naming the flag if it can't."""
-    tp = _HINTS[name]
-    args = typing.get_args(tp)
-    optional = type(None) in args
-    inner = next((a for a in args if a is not type(None)), tp) if optional else tp
-    try:
-        if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-            return None
-        if typing.get_origin(inner) is list:
-            item = typing.get_args(inner)[0]
-            if isinstance(value, str):
-                value = [v for v in value.split(",") if v.strip()]
-            elif not isinstance(value, (list, tuple)):
-                value = [value]
-            return [_scalar(v.strip() if isinstance(v, str) else v, item) for v in value]
-        return _scalar(value, inner)
-    except (ValueError, ZeroDivisionError, OverflowError):
-        raise ConfigError(f"--{name}: expected {_type_name(tp)}, got {value!r}") from None
-
-
+HINTS: dict[str, Any] = typing.get_type_hints(train_config)
 def parse_fraction(name: str, value: str) -> Fraction:
     """Parse '1', '0.5' or '1/3' exactly (no eval)."""
     try:
         return Fraction(value.strip())
     except (ValueError, ZeroDivisionError):
         raise ConfigError(f"--{name}: expected a number or a fraction like 1/3, got {value!r}") from None
-
-
-def _unknown(name: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(name, FIELDS, n=1, cutoff=0.6)
-    hint = f"; did you mean --{close[0]}?" if close else "; see docs/configuration.md for the flags"
-    return ConfigError(f"unknown flag --{name}{source}{hint}")
-
-
-def _read_yaml(path: Path, includers: tuple[Path, ...]) -> Any:
-    """A YAML file whose `!include other.yaml` values are the other files' contents (paths relative to
-    the including file, nested, cycles refused)."""
-    where = f" (included from {includers[-1]})" if includers else ""
-    if path in includers:
-        raise ConfigError(f"--config: {path} includes itself: {' -> '.join(map(str, (*includers, path)))}")
-    if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}{where}")
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def include(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-        return _read_yaml((path.parent / str(loader.construct_scalar(node))).resolve(), (*includers, path))
-
-    Loader.add_constructor("!include", include)
-    try:
-        return yaml.load(path.read_text(), Loader=Loader)
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config: cannot parse {path}{where}: {first_line(e)}") from None
-
-
-def _flatten(data: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a config mapping whose sections (mappings) hold fields or further sections."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        flat.update(_flatten(value) if isinstance(value, dict) else {key: value})
-    return flat
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict of raw values. A YAML file may include others
-    (`data: !include data.yaml`) and group its fields in sections (a mapping under any name, nested
-    or not, as Levanter's files do): sections are flattened in the order they appear, later values
-    winning."""
-    p = Path(path).resolve()
-    if p.suffix == ".json":
-        if not p.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--config: cannot parse {path}: {first_line(e)}") from None
-    else:
-        data = _read_yaml(p, ())
-    data = data or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping of field: value")
-    flat = _flatten(data)
-    for key in flat:
-        if key not in FIELDS:
-            raise _unknown(str(key), f" in {path}")
-    return flat
-
-
-def _split_argv(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
-    """Turn ['--a=1', '--b', '2', '--flag', '--noflag'] into (name, raw value or None) pairs."""
-    pairs: list[tuple[str, Optional[str]]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: flags are written --name=value")
-        name, eq, value = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and not nxt.startswith("--"):
-                value, i = nxt, i + 1
-            elif name.startswith("no") and _HINTS.get(name[2:]) is bool:
-                name, value = name[2:], "false"
-            elif _HINTS.get(name) is bool:
-                value = "true"
-            else:
-                pairs.append((name, None))
-                i += 1
-                continue
-        pairs.append((name, value))
-        i += 1
-    return pairs
-
-
-def parse_args(argv: Sequence[str]) -> train_config:
-    """Build a validated train_config from command-line flags (and an optional --config file)."""
-    pairs = _split_argv(argv)
-    raw: dict[str, Any] = {}
-    config_files = [v for n, v in pairs if n == "config"]
-    if len(config_files) > 1:
-        raise ConfigError("--config given more than once")
-    if config_files:
-        if config_files[0] is None:
-            raise ConfigError("--config needs a value: --config=run.yaml")
-        raw.update(load_config_file(config_files[0]))
-    for name, value in pairs:  # a flag given twice: the later one wins, as in scripts that append "$@"
-        if name == "config":
-            continue
-        if name in IGNORED_FMS_FSDP_FLAGS:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"note: --{name} is accepted for fms-fsdp scripts and ignored: {IGNORED_FMS_FSDP_FLAGS[name]}",
-                      file=sys.stderr)
-            continue
-        if name not in FIELDS:
-            raise _unknown(name, "")
-        if value is None:
-            raise ConfigError(f"--{name} needs a value: --{name}=...")
-        raw[name] = value
-    return make_config(**raw)
-
-
-def make_config(**raw: Any) -> train_config:
-    """Coerce raw values onto a train_config and validate it."""
-    for name in raw:
-        if name not in FIELDS:
-            raise _unknown(name, "")
-    cfg = train_config(**{name: coerce(name, value) for name, value in raw.items()})
-    validate(cfg)
-    return cfg
 
 
 def validate(cfg: train_config) -> None:
@@ -393,8 +196,6 @@ def validate(cfg: train_config) -> None:
     if (cfg.eval_interval > 0) != (cfg.eval_data_path is not None):
         raise ConfigError("--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
                           "on that data) or neither")
-    if cfg.skip_bad_steps and cfg.optimizer_impl == "foreach":
-        raise ConfigError("--skip_bad_steps leaves steps out inside the fused AdamW kernels: use --optimizer_impl=auto or fused")
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
         raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")
     if cfg.checkpoint_interval == "auto" and cfg.checkpoint_minutes is not None:
@@ -440,42 +241,3 @@ def to_yaml(cfg: train_config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
-def format_help() -> str:
-    """One line per flag: name, type, default and help."""
-    lines = ["usage: torchrun [...] main_training.py [--config=run.yaml] [--field=value ...]", ""]
-    for name, f in FIELDS.items():
-        lines.append(f"  --{name} ({_type_name(_HINTS[name])}, default {_default(f)!r}): {f.metadata['help']}")
-    return "\n".join(lines)
-
-
-def markdown_reference() -> str:
-    """Every flag as a Markdown table (docs/configuration.md is generated from it)."""
-    rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
-    for name, f in FIELDS.items():
-        extra = []
-        if f.metadata["choices"]:
-            extra.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
-        if f.metadata["min"] is not None:
-            extra.append(f">= {f.metadata['min']}")
-        meaning = f.metadata["help"] + (f" ({'; '.join(extra)})" if extra else "")
-        rows.append(f"| `--{name}` | {_type_name(_HINTS[name])} | `{_default(f)!r}` | {meaning} |")
-    return "\n".join(rows)
-
-
-def cli_config(argv: Optional[Sequence[str]] = None) -> train_config:
-    """parse_args for a launcher: --help prints the flags; a ConfigError prints one line (rank 0) and
-    exits with status 2 on every rank."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(format_help())
-        raise SystemExit(0)
-    try:
-        return parse_args(argv)
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -1,8 +1,9 @@
 """Where this process sits and how it talks to the others: device, process group, rank-0 work.
 
 torchrun's environment gives the ranks; without it (plain `python main_training.py`) a
-single-process group on localhost is started. GPUs use NCCL, CPUs gloo. Small CPU objects and
-errors travel over gloo groups of their own, so a long wait for rank 0 is fine under NCCL's watchdog.
+single-process group on localhost is started. GPUs use NCCL, CPUs gloo. Failures, small CPU objects
+and rank 0's file work travel over one gloo group of their own (`agreement_group`), so a long wait
+for rank 0 is fine under NCCL's watchdog.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from fms_fsdp.errors import ConfigError, first_line
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
-LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (train.main)
+LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (cli.train)
 # what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
 
@@ -50,14 +51,14 @@ def lost_peer(error: BaseException) -> bool:
 class DistInfo:
     """Where this process sits: global and node-local rank, its device, and the tensor-parallel group
     size `tp` (--tensor_parallel_size; its groups are runs of `tp` consecutive ranks, which read the
-    same data: the data-parallel rank is rank // tp)."""
+    same data: the data-parallel rank is rank // tp). Made once, by run.py."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     device: torch.device
-    tp: int = 1
+    tp: int
 
     @property
     def is_main(self) -> bool:
@@ -106,40 +107,58 @@ def collective_timeout(minutes: Optional[float]) -> Optional[timedelta]:
     return None if minutes is None else timedelta(minutes=minutes)
 
 
-def init_distributed(device_flag: str, timeout_minutes: Optional[float] = None) -> DistInfo:
+def start_process_group(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
     """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
     `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
     environment, the environment of a single process on localhost is set up first."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    rank, world, local_rank, local_world = world_from_env()
-    device = resolve_device(device_flag, local_rank)
     timeout = collective_timeout(timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
-    return DistInfo(rank, world, local_rank, local_world, device)
 
 
-def broadcast_from_rank0(obj: T, timeout: timedelta = timedelta(minutes=30)) -> T:
-    """Rank 0's `obj` on every rank (every rank calls it), over a gloo group of its own."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    dist.destroy_process_group(group)
-    return box[0]
+# ------------------------------------------------------------------------------------------ agreement
+# Ranks agree on failures and share rank 0's file work over one gloo group (under NCCL too), made at
+# the first agreement of a process group, which every rank reaches at start-up (writing config.yaml).
+
+AGREEMENT_TIMEOUT = timedelta(minutes=30)
+_AGREEMENT: list[Any] = []  # [the default group it belongs to, the agreement group]
 
 
-def on_rank0(work: Callable[[], T], user_error: type[Exception], reraise: Callable[[str], Exception],
-             timeout: timedelta = timedelta(minutes=30)) -> T:
-    """work() on rank 0 only (every rank calls this); its result on every rank. When it raises, every
-    rank raises reraise(first line of the message), so none waits for rank 0; rank 0 keeps its own
-    traceback for an error that is not a `user_error` (a bug)."""
+def agreement_group() -> Optional[dist.ProcessGroup]:
+    """The gloo group of this process group's agreements (every rank calls it alike); None without a
+    process group."""
+    if not dist.is_initialized():
+        return None
+    if not _AGREEMENT or _AGREEMENT[0] is not dist.group.WORLD:
+        _AGREEMENT[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)]
+    return _AGREEMENT[1]
+
+
+def failures(error: Optional[BaseException], kind: Callable[[BaseException], str] = lambda e: "error"
+             ) -> list[Optional[tuple[str, str]]]:
+    """Every rank's failure as (kind(error), its first line), None for a rank without one, on every rank
+    (every rank calls it)."""
+    mine = None if error is None else (kind(error), first_line(error))
+    group = agreement_group()
+    if group is None:
+        return [mine]
+    every: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    return every
+
+
+def on_rank0(work: Callable[[], T], expected: Union[type, Callable[[BaseException], bool]],
+             reraise: Callable[[str], Exception], timeout: timedelta = AGREEMENT_TIMEOUT) -> T:
+    """work() on rank 0 only (every rank calls this); its result on every rank, which waits up to
+    `timeout` for it. When it raises, every rank raises reraise(first line of the message), so none
+    waits for rank 0; rank 0 keeps its own traceback for an error that is not `expected` (an
+    exception type, or a test of the exception: anything else is a bug)."""
     result: Optional[T] = None
     error: Optional[Exception] = None
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -147,9 +166,16 @@ def on_rank0(work: Callable[[], T], user_error: type[Exception], reraise: Callab
             result = work()
         except Exception as e:
             error = e
-    failure, result = broadcast_from_rank0((None if error is None else first_line(error), result), timeout)
-    if error is not None and not isinstance(error, user_error):
+    failure = None if error is None else first_line(error)
+    group = agreement_group()
+    if group is not None:
+        if timeout > AGREEMENT_TIMEOUT:  # the others wait longer than the group's timeout for rank 0
+            dist.monitored_barrier(group=group, timeout=timeout)
+        box = [(failure, result)]
+        dist.broadcast_object_list(box, src=0, group=group)
+        failure, result = box[0]
+    if error is not None and not (isinstance(error, expected) if isinstance(expected, type) else expected(error)):
         raise error
     if failure is not None:
         raise reraise(failure)
-    return result
+    return result  # type: ignore[return-value]

@@ -1,5 +1,5 @@
 """Evaluation on held-out data (--eval_data_path): every --eval_interval steps and at the end of a
-training run, or of any model file or folder (train.evaluate_model: scripts/evaluate.py, `fms-evaluate`).
+training run, or of any model file or folder (`evaluate_checkpoint`: scripts/evaluate.py, `fms-evaluate`).
 
 Each eval dataset's documents are read in file order, framed as in training ([bos] document eos,
 [bol] ... [eol] per line) and cut into lines of seq_length + 1 tokens, the last one padded and masked;
@@ -21,14 +21,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fms_fsdp.builder import build_sharded_model
+from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.data.shards import Dataset, list_datasets, scan
 from fms_fsdp.data.stream import Packing, strip_ends
-from fms_fsdp.distributed import DistInfo, on_rank0
-from fms_fsdp.errors import DataError
-from fms_fsdp.storage import location
+from fms_fsdp.distributed import on_rank0
+from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.loss import IGNORE_INDEX
+from fms_fsdp.run import Run, facts, started
+from fms_fsdp.storage import location
 
 _PAD = -1  # marks the padding of the last line
 
@@ -73,7 +76,8 @@ def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarra
 class Evaluator:
     """The eval datasets of --eval_data_path, held as this rank's share of their lines."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, vocab_size: int):
+    def __init__(self, run: Run):
+        cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
         self.batch = cfg.eval_batch_size or cfg.batch_size
         self.eos = cfg.eos_token
@@ -81,15 +85,16 @@ class Evaluator:
         self.forwards: dict[str, int] = {}
         if cfg.eval_interval == 0:
             return
-        names = list_datasets(cfg.eval_data_path, cfg.eval_datasets)
+        path = cfg.eval_data_path
+        assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
+        names = list_datasets(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
         layout = layout_of(cfg)
-        entries = on_rank0(lambda: scan(cfg.eval_data_path, names, layout), DataError,
+        entries = on_rank0(lambda: scan(path, names, layout, "eval_data_path"), DataError,
                            lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=1))
-        packing = packing_of(cfg, vocab_size)
+        packing = packing_of(cfg, run.vocab_size)
         limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
         for name in names:
-            lines = eval_lines(Dataset(name, location(cfg.eval_data_path, "eval_data_path"), entries[name], layout),
-                               packing, limit)
+            lines = eval_lines(Dataset(name, location(path, "eval_data_path"), entries[name], layout), packing, limit)
             self.lines[name] = lines[info.dp_rank :: info.dp_size]
             self.forwards[name] = -(-len(lines) // (info.dp_size * self.batch))
 
@@ -123,3 +128,25 @@ class Evaluator:
         record.update(eval_tokens=int(tokens), eval_seconds=time.perf_counter() - start)
         return record
 
+
+
+def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
+    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
+    folder), built as training builds it, evaluated on --eval_data_path by every rank of the launch
+    (`fms-evaluate`); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=.. tokens=..` line per dataset
+    and one for all."""
+    if not cfg.ckpt_load_path or not cfg.eval_data_path:
+        raise ConfigError("--ckpt_load_path and --eval_data_path are needed: the weights to evaluate and the data")
+    if cfg.lora_rank:
+        raise ConfigError("evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
+                          "merged export (model_step_<N>.safetensors or exports/step_<N>)")
+    with started(facts(cfg)) as run:
+        evaluator = Evaluator(run)
+        model = build_sharded_model(run)
+        load_weights(model, cfg.ckpt_load_path, cfg.model_variant)
+        record = evaluator.evaluate(model, 0)
+    names = [k.split("/", 1)[1] for k in record if k.startswith("eval_loss/")]
+    rows = [(name, record[f"eval_loss/{name}"], record[f"eval_tokens/{name}"]) for name in names]
+    for name, loss, tokens in [*rows, ("all", record["eval_loss"], record["eval_tokens"])]:
+        run.log(f"EVAL dataset={name} loss={loss:.6f} ppl={math.exp(loss):.4f} tokens={tokens}")
+    return record

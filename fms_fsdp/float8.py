@@ -10,8 +10,8 @@ On a CPU (tests) the float8 matmuls are emulated: the values are rounded to floa
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -62,20 +62,32 @@ def float8_filter(min_size: int) -> Callable[[nn.Module, str], bool]:
     return convert
 
 
-def convert_to_float8(model: nn.Module, cfg: train_config, device_type: str, sharded: bool) -> int:
+@dataclass(frozen=True)
+class Float8Settings:
+    """--float8_recipe and --float8_min_size of a run with --float8."""
+
+    recipe: str
+    min_size: int
+
+    @staticmethod
+    def of(cfg: train_config) -> Optional["Float8Settings"]:
+        """The settings, or None without --float8."""
+        return Float8Settings(cfg.float8_recipe, cfg.float8_min_size) if cfg.float8 else None
+
+    def all_gather(self, sharded: bool) -> bool:
+        """Whether FSDP all-gathers the float8 weights (tensorwise scaling, sharded parameters)."""
+        return sharded and self.recipe == "tensorwise"
+
+
+def convert_to_float8(model: nn.Module, settings: Float8Settings, device_type: str, sharded: bool) -> int:
     """Convert the chosen Linear layers in place (before FSDP wraps them); returns how many."""
     float8 = _torchao_float8()
-    config = replace(float8.Float8LinearConfig.from_recipe_name(cfg.float8_recipe), emulate=device_type != "cuda",
-                     enable_fsdp_float8_all_gather=float8_all_gather(cfg, sharded))
-    chosen = float8_filter(cfg.float8_min_size)
+    config = replace(float8.Float8LinearConfig.from_recipe_name(settings.recipe), emulate=device_type != "cuda",
+                     enable_fsdp_float8_all_gather=settings.all_gather(sharded))
+    chosen = float8_filter(settings.min_size)
     count = sum(chosen(m, name) for name, m in model.named_modules())
     float8.convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     return count
-
-
-def float8_all_gather(cfg: train_config, sharded: bool) -> bool:
-    """Whether FSDP all-gathers the float8 weights (tensorwise scaling, sharded parameters)."""
-    return cfg.float8 and sharded and cfg.float8_recipe == "tensorwise"
 
 
 def scale_hook(model: nn.Module) -> Callable[..., None]:

@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import TrainingError
 
 SPIKE_WINDOW = 128  # kept steps whose norms make the mean and deviation
@@ -27,8 +26,9 @@ _NONE = 2**62
 class StepGuard:
     """Judges each step after its gradients are clipped and before the optimizer applies them."""
 
-    def __init__(self, cfg: train_config, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.limit, self.sigma = cfg.skip_bad_steps, cfg.spike_sigma
+    def __init__(self, skip_bad_steps: int, spike_sigma: Optional[float], optimizer: torch.optim.Optimizer,
+                 device: torch.device):
+        self.limit, self.sigma = skip_bad_steps, spike_sigma
         self.optimizer = optimizer
         self.first_stop = torch.full((), _NONE, dtype=torch.int64, device=device)
         self.in_a_row = torch.zeros((), dtype=torch.int64, device=device)

@@ -12,14 +12,10 @@ fused q/k/v and gate/up adapters are split as the weights are, lora_A shared by 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fms.models.llama import LLaMAConfig
 from torch import nn
 
 from fms_fsdp.config import train_config
@@ -103,7 +99,7 @@ def is_adapter(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in ADAPTER
 
 
-def merged(state: dict[str, torch.Tensor], cfg: train_config) -> dict[str, torch.Tensor]:
+def merged(state: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
     """A full model state without adapters: each adapted weight becomes W + (alpha / r) B A."""
     out = {k: v for k, v in state.items() if not is_adapter(k)}
     for key in state:
@@ -111,36 +107,5 @@ def merged(state: dict[str, torch.Tensor], cfg: train_config) -> dict[str, torch
             layer = key.removesuffix(".lora_A")
             a, b = state[key].float(), state[f"{layer}.lora_B"].float()
             weight = out[f"{layer}.weight"]
-            out[f"{layer}.weight"] = (weight.float() + (cfg.lora_alpha / cfg.lora_rank) * b @ a).to(weight.dtype)
-    return out
-
-
-def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, cfg: train_config, out: Path) -> Path:
-    """A PEFT LoRA adapter folder for the Hugging Face form of the model, from a full state with adapters."""
-    from safetensors.torch import save_file
-
-    from fms_fsdp.hf import FMS_PROJECTIONS, HF_PROJECTIONS, projection_to_hf
-
-    tensors: dict[str, torch.Tensor] = {}
-    for key in state:
-        if not key.endswith(".lora_A"):
-            continue
-        layer = key.removesuffix(".lora_A")  # base_model.layers.<i>.<fms projection>
-        i, fms_name = int(layer.split(".")[2]), layer.split(".", 3)[3]
-        a = state[key]
-        for hf_name, part in projection_to_hf(config, fms_name, state[f"{layer}.lora_B"]).items():
-            prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
-            tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
-            tensors[f"{prefix}.lora_B.weight"] = part.contiguous()
-    targets = sorted({hf for path, names in FMS_PROJECTIONS.items() if path.rsplit(".", 1)[-1] in cfg.lora_targets
-                      for hf in names})
-    adapter_config: dict[str, Any] = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-        "lora_dropout": cfg.lora_dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": str(cfg.ckpt_load_path), "inference_mode": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+            out[f"{layer}.weight"] = (weight.float() + (spec.alpha / spec.rank) * b @ a).to(weight.dtype)
     return out

@@ -28,16 +28,17 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
+from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, apply_activation_checkpointing, checkpointed_blocks, mesh_shape
+from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, MeshShape, apply_activation_checkpointing, checkpointed_blocks
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
-FIELDS = ("params", "grads", "optimizer", "gathered", "activations", "loss", "peak", "device")
+PLAN_FIELDS = ("params", "grads", "optimizer", "gathered", "activations", "loss", "peak", "device")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Plan:
 
     def line(self) -> str:
         """The one machine-readable line."""
-        values = " ".join(f"{name}_bytes={getattr(self, name)}" for name in FIELDS)
+        values = " ".join(f"{name}_bytes={getattr(self, name)}" for name in PLAN_FIELDS)
         return f"PLAN {values} fits={str(self.fits).lower()}"
 
 
@@ -198,15 +199,14 @@ def setting_of(cfg: train_config) -> Setting:
 class Planner:
     """Plans of one model and mesh for any micro-batch and checkpointing setting."""
 
-    def __init__(self, cfg: train_config, world_size: int, local_world_size: int, device_bytes: int):
-        self.cfg, self.world_size, self.device_bytes = cfg, world_size, device_bytes
-        self.mesh = mesh_shape(cfg, world_size, local_world_size)
-        config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, self.mesh.tp)
-        model = build_model(config, torch.device("meta"))
+    def __init__(self, cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, device_bytes: int):
+        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp, device_bytes
+        self.mesh = shape
+        model = build_model(model_config, torch.device("meta"))
         self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
         if self.lora is not None:
             add_adapters(model, self.lora)
-        self.n_blocks, self.emb_dim = config.nlayers, config.emb_dim
+        self.n_blocks, self.emb_dim = model_config.nlayers, model_config.emb_dim
         tp = {name: _tp_shape(name, p.shape, self.mesh.tp) for name, p in model.named_parameters()}
         held = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters())
         trained = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters() if p.requires_grad)
@@ -282,10 +282,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
-def report(cfg: train_config, world_size: int, local_world_size: int) -> str:
-    """The plan of the run cfg describes, as printed by --dry_run: a table, suggestions, the PLAN line."""
+def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local_world_size: int) -> str:
+    """The plan of the run cfg describes (on a mesh of `shape`), as printed by --dry_run: a table,
+    suggestions, the PLAN line."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
-    planner = Planner(cfg, world_size, local_world_size, device_bytes)
+    planner = Planner(cfg, shape, model_config, device_bytes)
+    world_size = planner.world_size
     setting = setting_of(cfg)
     plan = planner.plan(setting)
     compute = "bf16" if cfg.mixed_precision else "fp32"
@@ -325,10 +327,11 @@ def report(cfg: train_config, world_size: int, local_world_size: int) -> str:
     return "\n".join(lines)
 
 
-def fits_or_warning(cfg: train_config, world_size: int, local_world_size: int) -> Optional[str]:
+def fits_or_warning(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig,
+                    local_world_size: int) -> Optional[str]:
     """None when the run's plan fits its device, else the start-up warning."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
-    plan = Planner(cfg, world_size, local_world_size, device_bytes).plan(setting_of(cfg))
+    plan = Planner(cfg, shape, model_config, device_bytes).plan(setting_of(cfg))
     if plan.fits:
         return None
     return (f"warning: the memory plan predicts a peak of {plan.peak / GIB:.1f} GiB per rank, more than "

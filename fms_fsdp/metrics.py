@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fms_fsdp.config import train_config
-from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import first_line
-from fms_fsdp.storage import is_remote, location, storage_error
+from fms_fsdp.run import Run
+from fms_fsdp.storage import is_remote, storage_error
 from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
@@ -52,8 +51,9 @@ def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Option
 class MetricsReporter:
     """Accumulates per-step figures on the device and reports them every report_interval steps."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, flops_per_token: float, start_step: int = 0,
-                 tokens_seen: int = 0, trackers: Optional[Trackers] = None):
+    def __init__(self, run: Run, flops_per_token: float, start_step: int = 0, tokens_seen: int = 0,
+                 trackers: Optional[Trackers] = None):
+        cfg, info = run.cfg, run.info
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
@@ -61,7 +61,7 @@ class MetricsReporter:
         self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.tp
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, cfg.peak_tflops)
-        self.log = MetricsLog(location(cfg.ckpt_save_path, "ckpt_save_path") / "metrics.jsonl", info.is_main)
+        self.log = MetricsLog(run.paths.metrics, info.is_main)
         self.start_step = start_step
         self.tokens_seen = tokens_seen  # all ranks, carried over a resume
         self.run_start = time.perf_counter()

@@ -138,10 +138,11 @@ def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Op
     return config
 
 
-def hidden_dim(cfg: LLaMAConfig) -> int:
+def hidden_dim(model_config: LLaMAConfig) -> int:
     """fms GatedLinearUnit's hidden size (the FFN width)."""
-    hidden = int(cfg.hidden_grow_factor * cfg.emb_dim)
-    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of) if cfg.multiple_of else hidden
+    hidden = int(model_config.hidden_grow_factor * model_config.emb_dim)
+    multiple = model_config.multiple_of
+    return multiple * ((hidden + multiple - 1) // multiple) if multiple else hidden
 
 
 class LMHead(LinearClassificationHead):
@@ -209,7 +210,7 @@ def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
 
 def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generator], Any]]:
     """Per parameter name, the fill fms's reset_parameters applies to it."""
-    cfg = model.config
+    model_config = model.config
 
     def trunc_normal(std: float) -> Callable[[torch.Tensor, torch.Generator], Any]:
         return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, generator=g)
@@ -225,10 +226,10 @@ def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generat
             elif p_name == "bias" or isinstance(module, LayerNormParameterized):
                 rules[full] = (lambda t, g: t.zero_()) if p_name == "bias" else (lambda t, g: t.fill_(1.0))
             elif module is model.head:
-                std = 1 / math.sqrt(math.sqrt(cfg.emb_dim * cfg.src_vocab_size))
+                std = 1 / math.sqrt(math.sqrt(model_config.emb_dim * model_config.src_vocab_size))
                 rules[full] = lambda t, g, std=std: t.normal_(0.0, std, generator=g)
             elif isinstance(module, nn.Embedding):
-                rules[full] = trunc_normal(cfg.emb_dim**-0.5)
+                rules[full] = trunc_normal(model_config.emb_dim**-0.5)
             elif isinstance(module, nn.Linear):
                 rules[full] = trunc_normal(0.02)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -35,18 +36,46 @@ def decay_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
     return [{"params": decay, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: train_config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with --optimizer_impl's kernels (auto: fused where the device has them)."""
-    impl = cfg.optimizer_impl
+def adamw_kernels(impl: str, device: torch.device, skip_bad_steps: int) -> str:
+    """--optimizer_impl on `device`: fused or foreach (auto: fused where the device has them);
+    ConfigError when the device lacks what is asked, or --skip_bad_steps lacks the fused kernels it
+    leaves steps out in (their found_inf input)."""
     if impl == "auto":
         impl = "fused" if device.type in FUSED_DEVICES else "foreach"
     elif impl == "fused" and device.type not in FUSED_DEVICES:
         raise ConfigError(f"--optimizer_impl=fused: no fused AdamW on {device.type}; use foreach or auto")
-    if cfg.skip_bad_steps and impl != "fused":  # steps are left out inside the fused kernel (found_inf)
-        raise ConfigError(f"--skip_bad_steps needs the fused AdamW kernels, which {device.type} lacks")
-    groups = decay_groups(model, cfg.weight_decay, cfg.weight_decay_norms_and_embeddings)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, **{impl: True})
+    if skip_bad_steps and impl != "fused":
+        raise ConfigError("--skip_bad_steps leaves steps out inside the fused AdamW kernels, "
+                          + (f"which {device.type} lacks" if device.type not in FUSED_DEVICES
+                             else "use --optimizer_impl=auto or fused"))
+    return impl
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The flags of AdamW: learning rate, weight decay (and whether norms and embeddings decay), betas,
+    epsilon, kernels, and --skip_bad_steps (which needs the fused kernels)."""
+
+    learning_rate: float
+    weight_decay: float
+    decay_all: bool
+    betas: tuple[float, float]
+    eps: float
+    impl: str
+    skip_bad_steps: int
+
+    @staticmethod
+    def of(cfg: train_config) -> "OptimizerSettings":
+        return OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.weight_decay_norms_and_embeddings,
+                                 (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.optimizer_impl, cfg.skip_bad_steps)
+
+
+def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with --optimizer_impl's kernels (auto: fused where the device has them)."""
+    impl = adamw_kernels(settings.impl, device, settings.skip_bad_steps)
+    groups = decay_groups(model, settings.weight_decay, settings.decay_all)
+    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps,
+                             **{impl: True})
 
 
 def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -> None:

@@ -8,10 +8,9 @@ every layer, and data parallelism runs over the other two.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from fractions import Fraction
 from functools import partial
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -26,9 +25,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.config import parse_fraction, train_config
-from fms_fsdp.distributed import DistInfo, collective_timeout
+from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.float8 import convert_to_float8
+from fms_fsdp.float8 import Float8Settings, convert_to_float8
 from fms_fsdp.loss import chunk_loss
 from fms_fsdp.models import hidden_dim
 
@@ -87,14 +86,13 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
                               "--tensor_parallel_size=1 (FSDP/HSDP) for it")
 
 
-def build_mesh(cfg: train_config, info: DistInfo) -> DeviceMesh:
+def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional[float]) -> DeviceMesh:
     """The mesh ('replicate', 'shard'), with 'tp' innermost under tensor parallelism, whose groups fail
     a collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
     groups' timeouts alike)."""
-    shape = mesh_shape(cfg, info.world_size, info.local_world_size)
     names = ("replicate", "shard", "tp") if shape.tp > 1 else ("replicate", "shard")
-    mesh = init_device_mesh(info.device.type, tuple(shape)[: len(names)], mesh_dim_names=names)
-    timeout = collective_timeout(cfg.collective_timeout_minutes)
+    mesh = init_device_mesh(device.type, tuple(shape)[: len(names)], mesh_dim_names=names)
+    timeout = collective_timeout(timeout_minutes)
     if timeout is not None:
         for dim in range(mesh.ndim):
             _set_pg_timeout(timeout, mesh.get_group(dim))
@@ -120,11 +118,6 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
     embedding and the head split over the vocabulary (the head's loss reduced over it: loss.py).
     The model must be built unfused (fms's fused_weights=False)."""
     tp = tp_mesh.size()
-    # the embedding's output (this rank's part of the sequence) is a view; FSDP2 warns in case it is
-    # changed in place, which fms never does (its residual adds are out of place)
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
-    # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     parallelize_module(model.base_model.embedding, tp_mesh,
                        RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
     for block in model.base_model.layers:
@@ -222,26 +215,43 @@ def apply_compile(model: LLaMA) -> None:
     model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 
 
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The flags `parallelize` reads: activation checkpointing (the fraction of blocks, None when off,
+    and --ac_mode), compile, bf16, float8 (None when off)."""
+
+    checkpointing: Optional[Fraction]
+    ac_mode: str
+    compile: bool
+    mixed_precision: bool
+    float8: Optional[Float8Settings]
+
+    @staticmethod
+    def of(cfg: train_config) -> "ParallelSettings":
+        fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+        return ParallelSettings(fraction if cfg.fsdp_activation_checkpointing else None, cfg.ac_mode,
+                                cfg.use_torch_compile, cfg.mixed_precision, Float8Settings.of(cfg))
+
+
 class Parallelized(NamedTuple):
     checkpointed: Optional[int]  # blocks whose activations are checkpointed; None when off
     float8: int  # Linear layers converted to float8
 
 
-def parallelize(model: LLaMA, cfg: train_config, mesh: DeviceMesh) -> Parallelized:
+def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> Parallelized:
     """Tensor parallelism, float8 conversion, activation checkpointing, then compile, then FSDP2, in
     torchtitan's order."""
     if "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model, mesh["tp"])
     n_float8 = 0
-    if cfg.float8:
-        n_float8 = convert_to_float8(model, cfg, mesh.device_type, mesh["shard"].size() > 1)
+    if settings.float8 is not None:
+        n_float8 = convert_to_float8(model, settings.float8, mesh.device_type, mesh["shard"].size() > 1)
     n_ckpt = None
-    if cfg.fsdp_activation_checkpointing:
-        n_ckpt = apply_activation_checkpointing(model, parse_fraction("selective_checkpointing", cfg.selective_checkpointing),
-                                                cfg.ac_mode)
-    if cfg.use_torch_compile:
+    if settings.checkpointing is not None:
+        n_ckpt = apply_activation_checkpointing(model, settings.checkpointing, settings.ac_mode)
+    if settings.compile:
         apply_compile(model)
-    apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision)
+    apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision)
     return Parallelized(n_ckpt, n_float8)
 
 

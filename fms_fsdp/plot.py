@@ -5,11 +5,10 @@ tokens/s/GPU against steps or tokens, for one run or several side by side (`scri
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.errors import ConfigError
 from fms_fsdp.storage import location
 
 # (panel title, metrics.jsonl keys drawn in it)
@@ -43,7 +42,11 @@ def plot_runs(paths: list[str], output: str, x: str = "step") -> Path:
     if not paths:
         raise ConfigError("give one or more metrics.jsonl files (or run folders)")
     runs = {path: read_metrics(location(path, "metrics")) for path in paths}  # object storage too
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib: pip install matplotlib (or the project's extra: "
+                          "pip install .[plot])") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -65,20 +68,3 @@ def plot_runs(paths: list[str], output: str, x: str = "step") -> Path:
     tmp.replace(target)
     plt.close(fig)
     return target
-
-
-def main(*paths: str, o: str = "curves.png", x: str = "step") -> None:
-    """plot_metrics RUN1/metrics.jsonl [RUN2 ...] -o curves.png [--x=tokens]"""
-    try:
-        print(f"wrote {plot_runs(list(paths), o, x)}")
-    except (ConfigError, DataError) as e:
-        sys.exit(f"error: {e}")
-    except ImportError:
-        sys.exit("error: plotting needs matplotlib: pip install matplotlib (or the project's extra: pip install .[plot])")
-
-
-def cli() -> None:
-    """`fms-plot-metrics`: main's arguments from the command line."""
-    import fire
-
-    fire.Fire(main)

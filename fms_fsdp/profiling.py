@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -21,9 +22,24 @@ WAIT, WARMUP, ACTIVE = 1, 2, 3
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
-def check_profiler(cfg: train_config, info: DistInfo) -> None:
+@dataclass(frozen=True)
+class ProfilerSettings:
+    """--use_profiler, --profiler_rank0_only, --profiler_dir and --profiler_memory_snapshot."""
+
+    enabled: bool
+    rank0_only: bool
+    folder: Optional[str]  # None: <ckpt_save_path>/profiler
+    memory_snapshot: bool
+
+    @staticmethod
+    def of(cfg: train_config) -> "ProfilerSettings":
+        return ProfilerSettings(cfg.use_profiler, cfg.profiler_rank0_only, cfg.profiler_dir,
+                                cfg.use_profiler and cfg.profiler_memory_snapshot)
+
+
+def check_profiler(cfg: train_config, device: torch.device) -> None:
     """ConfigError when the profiler settings need what this run lacks (before any expensive work)."""
-    if cfg.use_profiler and cfg.profiler_memory_snapshot and info.device.type != "cuda":
+    if ProfilerSettings.of(cfg).memory_snapshot and device.type != "cuda":
         raise ConfigError("--profiler_memory_snapshot records the CUDA allocator: this run has no GPU; "
                           "drop the flag or run on CUDA")
 
@@ -42,17 +58,17 @@ def _with_memory_snapshot(handler: Callable[[profile], None], path: Path) -> Cal
 
 
 @contextlib.contextmanager
-def maybe_profiler(cfg: train_config, info: DistInfo) -> Iterator[Optional[profile]]:
-    """A torch.profiler context writing Chrome traces to profiler_dir, or None when profiling is off
-    (or this rank is not profiled). Call .step() on it once per training step."""
-    if not cfg.use_profiler or (cfg.profiler_rank0_only and not info.is_main):
+def maybe_profiler(settings: ProfilerSettings, info: DistInfo, run_folder: Path) -> Iterator[Optional[profile]]:
+    """A torch.profiler context writing Chrome traces to --profiler_dir (default: `run_folder`/profiler),
+    or None when profiling is off (or this rank is not profiled). Call .step() on it once per step."""
+    if not settings.enabled or (settings.rank0_only and not info.is_main):
         yield None
         return
-    folder = Path(cfg.profiler_dir or Path(cfg.ckpt_save_path) / "profiler")
+    folder = Path(settings.folder) if settings.folder else run_folder / "profiler"
     folder.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     handler: Any = tensorboard_trace_handler(str(folder), worker_name=f"rank{info.rank}")
-    if cfg.profiler_memory_snapshot:
+    if settings.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         handler = _with_memory_snapshot(handler, folder / f"memory_snapshot_rank{info.rank}.pickle")
     try:
@@ -60,5 +76,5 @@ def maybe_profiler(cfg: train_config, info: DistInfo) -> Iterator[Optional[profi
                      on_trace_ready=handler, record_shapes=True, profile_memory=True, with_stack=False) as prof:
             yield prof
     finally:
-        if cfg.profiler_memory_snapshot:  # a run that ended before the profiled steps stops recording too
+        if settings.memory_snapshot:  # a run that ended before the profiled steps stops recording too
             torch.cuda.memory._record_memory_history(enabled=None)

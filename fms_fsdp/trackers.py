@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.storage import location
 from fms_fsdp.config import to_dict, train_config
-from fms_fsdp.distributed import DistInfo, on_rank0
+from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, TrackerError, first_line
 
 RUN_IDS_FILE = "tracker_runs.json"
@@ -160,12 +159,14 @@ def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str], res
     return AimTracker(folder, cfg.tracker_project_name, run_id, config, take_over=resumed)
 
 
-def open_trackers(cfg: train_config) -> Trackers:
-    """Start (or resume) every tracker in --tracker. Call on rank 0 only; raises TrackerError."""
+def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
+    """Start (or resume) every tracker in --tracker, their files under --tracker_dir (default:
+    `run_folder`/tracker) and their run ids in `run_folder`/tracker_runs.json. Call on rank 0 only;
+    raises TrackerError."""
     if not cfg.tracker:
         return Trackers({})
-    folder = Path(cfg.tracker_dir or Path(cfg.ckpt_save_path) / "tracker")
-    ids_path = location(cfg.ckpt_save_path, "ckpt_save_path") / RUN_IDS_FILE
+    folder = Path(cfg.tracker_dir) if cfg.tracker_dir else run_folder / "tracker"
+    ids_path = run_folder / RUN_IDS_FILE
     saved = _load_run_ids(ids_path)  # the tracker runs of earlier attempts of this run
     ids = {name: cfg.tracker_run_id for name in cfg.tracker} if cfg.tracker_run_id else dict(saved)
     trackers: dict[str, Tracker] = {}
@@ -198,10 +199,10 @@ def open_trackers(cfg: train_config) -> Trackers:
     return Trackers(trackers)
 
 
-def start_trackers(cfg: train_config, info: DistInfo) -> Trackers:
+def start_trackers(cfg: train_config, run_folder: Path) -> Trackers:
     """open_trackers on rank 0 (the other ranks get none); a tracker that cannot start stops every rank
     with one ConfigError (rank 0 keeps the traceback of an error that is not a TrackerError)."""
     opened: list[Trackers] = []
     if cfg.tracker:
-        on_rank0(lambda: opened.append(open_trackers(cfg)), TrackerError, ConfigError)  # nothing to share
+        on_rank0(lambda: opened.append(open_trackers(cfg, run_folder)), TrackerError, ConfigError)  # nothing to share
     return opened[0] if opened else Trackers({})

@@ -1,5 +1,5 @@
 """Evaluate a model (checkpoint folder, safetensors/.pth file or Hugging Face folder) on held-out data,
-under torchrun or plain python (the logic: fms_fsdp/train.py's evaluate_model and fms_fsdp/evaluate.py;
+under torchrun or plain python (the logic: fms_fsdp/evaluate.py, behind fms_fsdp/cli.py;
 installed as `fms-evaluate`):
 python scripts/evaluate.py --ckpt_load_path=... --eval_data_path=... [model and data flags]"""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fms_fsdp.train import evaluate_main  # noqa: E402
+from fms_fsdp.cli import evaluate  # noqa: E402
 
 if __name__ == "__main__":
-    evaluate_main()
+    evaluate()

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fms_fsdp.config import markdown_reference, parse_args  # noqa: E402
+from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
 from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.models import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
 

@@ -23,8 +23,9 @@ req=requirements.txt
 python -m pip install -q -r "$req"
 # the package itself, editable and without dependencies, for its commands (fms-train, fms-prepare-data,
 # fms-inspect-data, fms-export-model, fms-to-hf); skipped when every command of pyproject.toml is there
+# and points where pyproject.toml says
 if ! python -c 'import importlib.metadata as m, tomllib
-wanted = set(tomllib.load(open("pyproject.toml", "rb"))["project"]["scripts"])
-assert wanted <= {e.name for e in m.distribution("fms-fsdp").entry_points}' 2>/dev/null; then
+wanted = tomllib.load(open("pyproject.toml", "rb"))["project"]["scripts"]
+assert wanted.items() <= {(e.name, e.value) for e in m.distribution("fms-fsdp").entry_points}' 2>/dev/null; then
   python -m pip install -q --no-deps -e .
 fi

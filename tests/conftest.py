@@ -101,12 +101,20 @@ def here() -> Iterator[io.StringIO]:
 def run_here(args: list[str]) -> str:
     """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
     command line is not under test."""
-    from fms_fsdp.config import parse_args
-    from fms_fsdp.train import run
+    from fms_fsdp.flags import parse_args
+    from fms_fsdp.train import run_training
 
     with here() as out:
-        run(parse_args([*TINY, *args]))
+        run_training(parse_args([*TINY, *args]))
     return out.getvalue()
+
+
+def data_loader(cfg: Any, rank: int, world_size: int) -> Any:
+    """get_data_loader for data-parallel rank `rank` of `world_size`, with the run's vocabulary."""
+    from fms_fsdp.data import get_data_loader
+    from fms_fsdp.run import facts
+
+    return get_data_loader(cfg, rank, world_size, facts(cfg).vocab_size)
 
 
 def train_here(tmp: Path, args: list[str]) -> list[dict]:

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
+from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import init_distributed
+from fms_fsdp.distributed import start_process_group
 from fms_fsdp.parallel import set_gradient_sync
-from fms_fsdp.train import build
+from fms_fsdp.run import facts, with_mesh
 
 
 def peak_rss_mb() -> float:
@@ -28,9 +29,11 @@ def peak_rss_mb() -> float:
     return int(line.split()[1]) / 1024
 
 
-def inspect(cfg, rank: int, world_size: int) -> dict:
+def inspect(cfg) -> dict:
+    run = with_mesh(facts(cfg))
+    rank, world_size = run.info.rank, run.info.world_size
     rss_before_mb = peak_rss_mb()
-    model, _, _ = build(cfg, info)
+    model = build_sharded_model(run)
     peak_after_mb = peak_rss_mb()  # before anything below gathers
     params = list(model.parameters())
     record = {
@@ -46,7 +49,7 @@ def inspect(cfg, rank: int, world_size: int) -> dict:
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
         record["weight_fingerprint"] = {n: [t.double().sum().item(), t.double().square().sum().item()]
                                         for n, t in full.items()}
-        inputs, labels = next(iter(get_data_loader(cfg, rank, world_size)))
+        inputs, labels = next(iter(get_data_loader(cfg, rank, world_size, run.vocab_size)))
         with torch.no_grad():
             loss = model(inputs, labels=labels)
         dist.all_reduce(loss)
@@ -61,11 +64,12 @@ def inspect(cfg, rank: int, world_size: int) -> dict:
 
 common = sys.argv[1:]
 cases = json.loads(os.environ.get("INSPECT_CASES", "[[]]"))
-info = init_distributed(parse_args(common).device)
-out = Path(parse_args(common).ckpt_save_path)
+first = facts(parse_args(common))
+start_process_group(first.device)
+out = Path(first.cfg.ckpt_save_path)
 out.mkdir(parents=True, exist_ok=True)
 for k, extra in enumerate(cases):
-    record = inspect(parse_args([*common, *extra]), info.rank, info.world_size)
-    (out / f"rank{info.rank}.{k}.json").write_text(json.dumps(record))
+    record = inspect(parse_args([*common, *extra]))
+    (out / f"rank{first.info.rank}.{k}.json").write_text(json.dumps(record))
 dist.barrier()
 dist.destroy_process_group()

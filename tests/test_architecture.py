@@ -58,6 +58,25 @@ def test_no_import_cycle_in_the_package():
         visit(name)
 
 
+def test_only_the_command_layer_sets_warning_filters_and_logger_levels():
+    """Library code leaves the process's warning filters and loggers as it found them (a filter inside
+    `with warnings.catch_warnings()` is scoped; float8's import restores the levels it lowers)."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "cli.py":
+            continue
+        tree = ast.parse(path.read_text())
+        scoped = {id(n) for w in ast.walk(tree) if isinstance(w, ast.With)
+                  and any("catch_warnings" in ast.unparse(item.context_expr) for item in w.items)
+                  for n in ast.walk(w)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = ast.unparse(node.func)
+                if name in ("warnings.filterwarnings", "warnings.simplefilter"):
+                    assert id(node) in scoped, f"{path.name}:{node.lineno}: {name} outside catch_warnings"
+                if node.func.attr == "setLevel":
+                    assert path.name == "float8.py", f"{path.name}:{node.lineno}: a logger's level set"
+
+
 def test_scripts_are_entry_points_of_a_few_lines():
     """Their logic lives in fms_fsdp/ (scripts/gen_config_docs.py, a docs tool, aside)."""
     scripts = [p for p in (ROOT / "scripts").glob("*.py") if p.name != "gen_config_docs.py"]
@@ -67,9 +86,10 @@ def test_scripts_are_entry_points_of_a_few_lines():
         assert len(script.read_text().splitlines()) <= 15, script.name
 
 
-def test_every_console_script_resolves_to_a_callable():
+def test_every_console_script_resolves_to_a_callable_of_the_command_layer():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert {"fms-train", "fms-prepare-data", "fms-inspect-data", "fms-export-model", "fms-to-hf"} <= set(scripts)
+    assert {target.split(":")[0] for target in scripts.values()} == {"fms_fsdp.cli"}
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), name

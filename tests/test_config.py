@@ -10,9 +10,10 @@ import torch
 import yaml
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.config import FIELDS, parse_args, to_yaml
+from fms_fsdp.config import FIELDS, to_yaml
+from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.train import check_config
+from fms_fsdp.run import facts
 
 from conftest import ROOT
 
@@ -91,16 +92,19 @@ def test_bad_values_name_the_flag(flag, message):
 ])
 def test_flags_judged_by_their_modules_fail_at_start_up(flag, message):
     """config.py imports nothing of the package: the modules that use these flags check them, through
-    train.check_config, before any process group starts."""
+    run.facts, before any process group starts."""
     cfg = parse(flag)
     with pytest.raises(ConfigError) as e:
-        check_config(cfg)
+        facts(cfg)
     assert message in str(e.value)
 
 
-def test_fms_fsdp_flags_without_a_meaning_here_are_accepted_with_a_note(capsys):
+def test_fms_fsdp_flags_without_a_meaning_here_are_accepted_with_a_note(capsys, tmp_path):
     assert parse("--resuming_dataset=True") == parse()
     assert "note: --resuming_dataset is accepted for fms-fsdp scripts and ignored" in capsys.readouterr().err
+    (tmp_path / "run.yaml").write_text("training: {resuming_dataset: true, batch_size: 3}\n")  # in a file too
+    assert parse(f"--config={tmp_path / 'run.yaml'}") == parse("--batch_size=3")
+    assert f"note: --resuming_dataset (in {tmp_path / 'run.yaml'}) is accepted" in capsys.readouterr().err
 
 
 def test_weights_and_datasets_lengths_must_agree():
@@ -172,14 +176,13 @@ def test_cli_error_is_one_line_before_any_process_group_starts():
 
 
 def test_memory_snapshot_without_a_gpu_is_refused_before_training():
-    from fms_fsdp.distributed import DistInfo
     from fms_fsdp.profiling import check_profiler
 
     with pytest.raises(ConfigError, match="add --use_profiler=True"):
         parse("--profiler_memory_snapshot", "--device=cuda")
     cfg = parse("--use_profiler", "--profiler_memory_snapshot")  # the device is known once resolved
     with pytest.raises(ConfigError, match="--profiler_memory_snapshot records the CUDA allocator: this run has no GPU"):
-        check_profiler(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+        check_profiler(cfg, torch.device("cpu"))
 
 
 def test_a_repeated_flag_takes_the_later_value():

@@ -17,9 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fms_fsdp.config import make_config
-from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.flags import make_config
+from fms_fsdp.data import DataError
 from fms_fsdp.data.stream import ShardPlan, n_logical_shards
+
+from conftest import data_loader
 
 EOS, BOS, BOL, EOL = 0, 1, 2, 3
 
@@ -125,7 +127,7 @@ def doc_starts(stream: np.ndarray) -> list[int]:
 def test_every_document_once_per_epoch_and_epochs_reshuffle(tmp_path, layout):
     docs = make_docs(10, 48, seed=1)  # 48 documents: 8 logical shards of 6
     write_dataset(tmp_path, "web", docs, layout)
-    loader = get_data_loader(cfg(tmp_path, seq_length=31), 0, 1)
+    loader = data_loader(cfg(tmp_path, seq_length=31), 0, 1)
     total = sum(len(d) + 1 for d in docs)
     stream = lines_of(take(loader, total // 32 + 2 + total // 32 + 2)).reshape(-1)
     epoch0, epoch1 = stream[:total], stream[total: 2 * total]
@@ -142,7 +144,7 @@ def test_every_document_once_per_epoch_and_epochs_reshuffle(tmp_path, layout):
 def test_weights_are_token_proportions(tmp_path):
     write_dataset(tmp_path, "a", make_docs(10, 30, 1))
     write_dataset(tmp_path, "b", make_docs(100, 300, 2))
-    loader = get_data_loader(cfg(tmp_path, datasets=["a", "b"], weights=[3, 1], batch_size=50), 0, 1)
+    loader = data_loader(cfg(tmp_path, datasets=["a", "b"], weights=[3, 1], batch_size=50), 0, 1)
     lines = lines_of(take(loader, 800))  # 40,000 lines
     from_a = np.isin(lines, np.arange(10, 40)).any(axis=1)
     from_b = np.isin(lines, np.arange(100, 400)).any(axis=1)
@@ -153,7 +155,7 @@ def test_weights_are_token_proportions(tmp_path):
 def test_packing_format_and_shift(tmp_path):
     docs = make_docs(10, 20, 3)
     write_dataset(tmp_path, "web", docs)
-    loader = get_data_loader(cfg(tmp_path, bos_token=BOS, bol_token=BOL, eol_token=EOL, seq_length=24), 0, 1)
+    loader = data_loader(cfg(tmp_path, bos_token=BOS, bol_token=BOL, eol_token=EOL, seq_length=24), 0, 1)
     batches = take(loader, 10)
     x, y = batches[0]
     assert x.shape == y.shape == (2, 24) and x.dtype == torch.int64
@@ -172,7 +174,7 @@ def test_packing_format_and_shift(tmp_path):
 def test_separators_already_in_documents_are_stripped(tmp_path, layout):
     docs = [[EOS, EOS, 50, 51, 50, EOS], [BOS, 60, 7, 60, 7, EOS, EOS, EOS], [7, 70, EOS, 70]] * 4
     write_dataset(tmp_path, "web", docs, layout, files=1)
-    loader = get_data_loader(cfg(tmp_path, bos_token=BOS, strip_tokens=[7], logical_shards=1, seq_length=7), 0, 1)
+    loader = data_loader(cfg(tmp_path, bos_token=BOS, strip_tokens=[7], logical_shards=1, seq_length=7), 0, 1)
     stream = lines_of(take(loader, 10)).reshape(-1).tolist()
     pairs = set(zip(stream, stream[1:]))
     assert (EOS, EOS) not in pairs and (BOS, BOS) not in pairs and (BOS, EOS) not in pairs
@@ -185,7 +187,7 @@ def test_empty_documents_are_skipped_and_nothing_else(tmp_path):
     docs = make_docs(10, 24, 4)
     mixed = [d for pair in zip(docs, [[], [EOS], [EOS, EOS]] * 8) for d in pair]
     write_dataset(tmp_path, "web", mixed, files=2)
-    loader = get_data_loader(cfg(tmp_path, logical_shards=1, seq_length=15), 0, 1)
+    loader = data_loader(cfg(tmp_path, logical_shards=1, seq_length=15), 0, 1)
     total = sum(len(d) + 1 for d in docs)
     stream = lines_of(take(loader, total // 16 + 1)).reshape(-1)[:total]
     assert Counter(stream.tolist()) == Counter([t for d in docs for t in d] + [EOS] * len(docs))
@@ -197,13 +199,13 @@ def test_exact_resume(tmp_path, workers, text):
     write_dataset(tmp_path, "b", make_docs(100, 40, 6), layout=text or "parquet")
     c = cfg(tmp_path, num_workers=workers, weights=[2, 1])
     for rank in (0, 1):
-        full = take(get_data_loader(c, rank, 2), 13)
-        first = get_data_loader(c, rank, 2)
+        full = take(data_loader(c, rank, 2), 13)
+        first = data_loader(c, rank, 2)
         it = iter(first)
         for _ in range(5):
             next(it)
         state = pickle.loads(pickle.dumps(first.state_dict()))
-        again = get_data_loader(c, rank, 2)
+        again = data_loader(c, rank, 2)
         again.load_state_dict(state)
         rest = take(again, 8)
         for (x1, y1), (x2, y2) in zip(full[5:], rest):
@@ -244,12 +246,12 @@ def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
     (w1, n1), (w2, n2) = before, after
     old = []
     for rank in range(w1):
-        loader = get_data_loader(cfg(tmp_path, num_workers=n1, logical_shards=24, batch_size=4, seq_length=32), rank, w1)
+        loader = data_loader(cfg(tmp_path, num_workers=n1, logical_shards=24, batch_size=4, seq_length=32), rank, w1)
         seen.update(lines_of(take(loader, 6)).reshape(-1).tolist())
         old.append(loader.state_dict())
     new = []
     for rank in range(w2):
-        loader = get_data_loader(cfg(tmp_path, num_workers=n2, logical_shards=24, batch_size=4, seq_length=32), rank, w2)
+        loader = data_loader(cfg(tmp_path, num_workers=n2, logical_shards=24, batch_size=4, seq_length=32), rank, w2)
         loader.load_state_dict(pickle.loads(pickle.dumps(old)))
         seen.update(lines_of(take(loader, 5)).reshape(-1).tolist())
         new.append(loader.state_dict())
@@ -262,20 +264,20 @@ def test_rescale_repeats_and_drops_nothing(tmp_path, before, after):
 def test_loader_state_is_small(tmp_path):
     for name, first in (("a", 10), ("b", 2000), ("c", 4000)):
         write_dataset(tmp_path, name, make_docs(first, 1500, first), files=4)
-    loader = get_data_loader(cfg(tmp_path, logical_shards=1024, vocab_size=8192), 0, 1)
+    loader = data_loader(cfg(tmp_path, logical_shards=1024, vocab_size=8192), 0, 1)
     take(loader, 3)
     assert len(pickle.dumps(loader.state_dict())) <= 64 * 1024
 
 
 def test_a_single_rank_state_is_not_rescaled_silently(tmp_path):
     write_dataset(tmp_path, "a", make_docs(10, 40, 1))
-    loader = get_data_loader(cfg(tmp_path), 0, 2)
+    loader = data_loader(cfg(tmp_path), 0, 2)
     take(loader, 2)
-    other = get_data_loader(cfg(tmp_path), 0, 3)
+    other = data_loader(cfg(tmp_path), 0, 3)
     with pytest.raises(DataError, match="pass the list of every rank's states"):
         other.load_state_dict(loader.state_dict())
     write_dataset(tmp_path, "a", make_docs(500, 10, 2), files=1)  # more documents now
-    changed = get_data_loader(cfg(tmp_path), 0, 2)
+    changed = data_loader(cfg(tmp_path), 0, 2)
     with pytest.raises(DataError, match="the data changed since this state was saved"):
         changed.load_state_dict(loader.state_dict())
 
@@ -286,10 +288,10 @@ def test_counts_file_is_read_when_present_and_cached_when_absent(tmp_path):
     files = sorted((tmp_path / "a").rglob("*.arrow"))
     rows = [f"/a/{p.relative_to(tmp_path / 'a').as_posix()},10,12345" for p in files]
     (tmp_path / "meta" / "combined_counts.csv").write_text("dataset/filename,documents,tokens\n" + "\n".join(rows) + "\n")
-    loader = get_data_loader(cfg(tmp_path), 0, 1)
+    loader = data_loader(cfg(tmp_path), 0, 1)
     assert loader.datasets[0].tokens == 3 * 12345  # taken from the file, not recomputed
     (tmp_path / "meta" / "combined_counts.csv").unlink()
-    loader = get_data_loader(cfg(tmp_path), 0, 1)
+    loader = data_loader(cfg(tmp_path), 0, 1)
     cache = next((tmp_path / "meta").glob("*counts*.csv")).read_text().splitlines()
     assert cache[0] == "dataset/filename,documents,tokens" and len(cache) == 4
     assert loader.datasets[0].tokens == sum(len(d) for d in make_docs(10, 30, 1))
@@ -298,7 +300,7 @@ def test_counts_file_is_read_when_present_and_cached_when_absent(tmp_path):
 def test_bad_inputs_give_one_line_errors(tmp_path):
     def error(**kw) -> str:
         with pytest.raises(DataError) as e:
-            take(get_data_loader(cfg(tmp_path, **kw), 0, 1), 4)
+            take(data_loader(cfg(tmp_path, **kw), 0, 1), 4)
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -323,7 +325,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 def test_deterministic_given_the_seed(tmp_path):
     write_dataset(tmp_path, "a", make_docs(10, 60, 1))
     write_dataset(tmp_path, "b", make_docs(100, 60, 2), layout="parquet")
-    runs = [lines_of(take(get_data_loader(cfg(tmp_path, seed=seed, num_workers=2), 1, 2), 6)) for seed in (3, 3, 4)]
+    runs = [lines_of(take(data_loader(cfg(tmp_path, seed=seed, num_workers=2), 1, 2), 6)) for seed in (3, 3, 4)]
     assert np.array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], runs[2])
 
@@ -335,10 +337,11 @@ def test_a_failing_loader_stops_its_workers_even_while_its_error_is_held(tmp_pat
     script = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import data_loader
 from test_data import cfg, take
-from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.data import DataError
 try:
-    take(get_data_loader(cfg(__import__("pathlib").Path({str(tmp_path)!r}), num_workers=2), 0, 1), 4)
+    take(data_loader(cfg(__import__("pathlib").Path({str(tmp_path)!r}), num_workers=2), 0, 1), 4)
 except DataError as e:
     held = e
     print("error:", e)

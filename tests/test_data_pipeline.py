@@ -7,10 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from fms_fsdp.config import make_config
-from fms_fsdp.data import get_data_loader
+from fms_fsdp.flags import make_config
 
-from conftest import ROOT, train
+from conftest import ROOT, data_loader, train
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog. ", "pack my box with five dozen liquor jugs. ",
              "how vexingly quick daft zebras jump! "]
@@ -39,7 +38,7 @@ def test_text_in_the_same_tokens_out_of_the_loader(tmp_path):
     cfg = make_config(data_path=str(tmp_path / "data"), model_variant="tiny", seq_length=63, batch_size=4,
                       logical_shards=6, num_workers=0)
     total = sum(len(t.encode()) + 1 for t in docs)
-    it = iter(get_data_loader(cfg, 0, 1))
+    it = iter(data_loader(cfg, 0, 1))
     lines = []
     while sum(len(x) for x in lines) < total:
         x, y = next(it)

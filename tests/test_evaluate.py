@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
 from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
-from fms_fsdp.train import evaluate_main
+from fms_fsdp.cli import evaluate as evaluate_main
 
 from conftest import TINY, here, run_here
 from test_checkpoint import flags, losses, run

@@ -5,8 +5,8 @@ a float8 run resumes without float8 and the reverse."""
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.config import make_config
-from fms_fsdp.float8 import convert_to_float8
+from fms_fsdp.flags import make_config
+from fms_fsdp.float8 import Float8Settings, convert_to_float8
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import TINY, run_here, train_here
@@ -19,7 +19,7 @@ def converted(min_size: int) -> list[str]:
     from torchao.float8.float8_linear import Float8Linear
 
     model = build_model(get_model_config("tiny", 256), torch.device("meta"))
-    convert_to_float8(model, make_config(model_variant="tiny", float8=True, float8_min_size=min_size), "cpu", False)
+    convert_to_float8(model, Float8Settings.of(make_config(model_variant="tiny", float8=True, float8_min_size=min_size)), "cpu", False)
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import fms_fsdp.train
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
+from fms_fsdp.run import facts
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
 from fms_fsdp.optim import clip_gradients
@@ -31,7 +32,7 @@ def test_a_bad_step_leaves_the_weights_and_adam_state_as_they_were(one_process_g
     cfg = parse_args([*TINY, "--skip_bad_steps=2", "--spike_sigma=6"])
     weight = torch.nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
-    guard = StepGuard(cfg, optimizer, torch.device("cpu"))
+    guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, torch.device("cpu"))
     norms = [1.0 + 0.01 * (i % 5) for i in range(SPIKE_MIN_HISTORY)] + [50.0, math.nan, 1.02, 1.01, math.inf, 80.0]
     applied = []
     for step, norm in enumerate(norms, 1):
@@ -55,7 +56,8 @@ def test_early_steps_are_never_spikes_and_no_sigma_skips_only_non_finite_steps(o
     for flags, expected in ((["--spike_sigma=6"], True), (["--spike_sigma=none"], False)):
         weight = torch.nn.Parameter(torch.zeros(2))
         optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
-        guard = StepGuard(parse_args([*TINY, "--skip_bad_steps=1", *flags]), optimizer, torch.device("cpu"))
+        cfg = parse_args([*TINY, "--skip_bad_steps=1", *flags])
+        guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, torch.device("cpu"))
         for step in range(1, SPIKE_MIN_HISTORY + 2):
             weight.grad = torch.ones(2)
             guard.judge(step, torch.tensor(1.0), torch.tensor(1000.0 if step in (2, SPIKE_MIN_HISTORY + 1) else 1.0))
@@ -96,4 +98,4 @@ def test_a_run_skips_nan_steps_then_stops_after_too_many_in_a_row(tmp_path, monk
 
 def test_skipping_needs_the_fused_kernels():
     with pytest.raises(ConfigError, match="--skip_bad_steps leaves steps out inside the fused AdamW"):
-        parse_args([*TINY, "--skip_bad_steps=1", "--optimizer_impl=foreach"])
+        facts(parse_args([*TINY, "--skip_bad_steps=1", "--optimizer_impl=foreach"]))

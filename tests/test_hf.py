@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import model_reader, read_model
 from fms_fsdp.errors import HFError
-from fms_fsdp.hf import convert as hf_convert, main as hf_main, read_hf_model
+from fms_fsdp.checkpoint.hf import convert as hf_convert, read_hf_model
+from fms_fsdp.cli import to_hf as to_hf_command
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train_here
@@ -143,6 +144,11 @@ def test_periodic_exports_are_folders_transformers_loads_or_model_files(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def hf_main(load_path: str, save_path: str, **kw: str) -> None:
+    """fms_to_hf's entry point in this process, with these flags."""
+    to_hf_command([f"--load_path={load_path}", f"--save_path={save_path}", *(f"--{k}={v}" for k, v in kw.items())])
+
+
 @pytest.mark.parametrize("trained", ["tiny"], indirect=True)
 def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
     variant, ckpt = trained
@@ -165,7 +171,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     assert "exists and is not empty; choose a new folder" in error(ckpt, tmp_path / "busy")
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
-    # the command line (fire) gives the same line and status
+    # the command line gives the same line and status
     assert "error: --dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8",
                                               rc=2).stderr
     hf_main(str(ckpt), str(tmp_path / "hf"))
@@ -180,7 +186,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
 def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fms_fsdp.hf import write_hf_folder
+    from fms_fsdp.checkpoint.hf import write_hf_folder
 
     variant, ckpt = trained
     shapes, read = model_reader(ckpt)

@@ -24,8 +24,8 @@ import gc, multiprocessing, os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_data import cfg
-from fms_fsdp.data import get_data_loader
-loader = get_data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
+from conftest import data_loader
+loader = data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
 it = iter(loader)
 for _ in range(5):
     next(it)

@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.config import make_config
+from fms_fsdp.flags import make_config
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.hf import convert as hf_convert
+from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.train import check_config, evaluate_model
+from fms_fsdp.evaluate import evaluate_checkpoint
+from fms_fsdp.run import facts
 
 from conftest import train, train_here
 
@@ -99,7 +100,7 @@ def test_a_lora_checkpoint_is_not_taken_for_a_model_nor_resumed_on_another_base(
     with pytest.raises(CheckpointError, match="is a LoRA checkpoint: it holds the adapters only"):
         export_checkpoint(str(tuned / "checkpoints" / "step_4_ckp"), str(tmp_path / "m.safetensors"))
     with pytest.raises(ConfigError, match="evaluation takes whole models: drop --lora_rank"):
-        evaluate_model(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x",
+        evaluate_checkpoint(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x",
                                    eval_interval=1))
     flags = [*LORA, "--num_steps=2"]
     train_here(tmp_path, [f"--ckpt_load_path={base[0]}", *flags])
@@ -109,8 +110,8 @@ def test_a_lora_checkpoint_is_not_taken_for_a_model_nor_resumed_on_another_base(
 
 def test_lora_flags_are_checked_at_start_up():
     with pytest.raises(ConfigError, match="--lora_rank needs the model to adapt: set --ckpt_load_path"):
-        check_config(make_config(model_variant="tiny", lora_rank=4))
+        facts(make_config(model_variant="tiny", lora_rank=4))
     with pytest.raises(ConfigError, match="--lora_rank with --float8 is not supported"):
-        check_config(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", float8=True))
+        facts(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", float8=True))
     with pytest.raises(ConfigError, match="--lora_targets: unknown q_proj"):
-        check_config(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", lora_targets=["q_proj"]))
+        facts(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", lora_targets=["q_proj"]))

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-from fms_fsdp.config import make_config
+from fms_fsdp.flags import make_config
 from fms_fsdp.memory import Planner, Setting, fits_or_warning
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import apply_activation_checkpointing
-from fms_fsdp.train import main
+from fms_fsdp.parallel import apply_activation_checkpointing, mesh_shape
+from fms_fsdp.cli import train as main
 
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 
@@ -50,10 +50,22 @@ NONE, HALF_BLOCKS, ALL_OPS = (Setting(BATCH, False, Fraction(0), "block"), Setti
                               Setting(BATCH, True, Fraction(1), "op"))
 
 
+def plan_for(cfg, world_size: int, ranks_per_node: int, device_bytes: int) -> Planner:
+    """The plan of `cfg` on `world_size` ranks, nodes of `ranks_per_node`, devices of `device_bytes`."""
+    shape = mesh_shape(cfg, world_size, ranks_per_node)
+    return Planner(cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), device_bytes)
+
+
+def warning_of(cfg, world_size: int, ranks_per_node: int):
+    shape = mesh_shape(cfg, world_size, ranks_per_node)
+    return fits_or_warning(cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp),
+                           ranks_per_node)
+
+
 @pytest.mark.parametrize("variant, settings", [("tiny", [NONE, HALF_BLOCKS, ALL_OPS]), ("small", [NONE])])
 def test_planned_activations_are_within_10_percent_of_what_autograd_saves(variant, settings):
     cfg = make_config(model_variant=variant, seq_length=SEQ, batch_size=BATCH, mixed_precision=False, device="cpu")
-    planner = Planner(cfg, 1, 1, 1 << 40)
+    planner = plan_for(cfg, 1, 1, 1 << 40)
     for setting in settings:
         plan = planner.plan(setting)
         activations, hooked = measured(variant, setting)
@@ -83,7 +95,7 @@ def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsy
 
 def test_suggestions_are_the_edge_of_what_fits():
     cfg = make_config(model_variant="small", seq_length=512, batch_size=16, plan_device_memory_gib=4.0)
-    planner = Planner(cfg, 1, 1, 4 << 30)
+    planner = plan_for(cfg, 1, 1, 4 << 30)
     plain = Setting(16, False, Fraction(0), "block")
     assert not planner.plan(plain).fits
     largest = planner.largest_batch(plain)
@@ -95,23 +107,23 @@ def test_suggestions_are_the_edge_of_what_fits():
 
 
 def test_lora_plans_gradients_and_optimizer_state_of_the_adapters_only():
-    full = Planner(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
-    lora = Planner(make_config(model_variant="small", seq_length=512, lora_rank=8, ckpt_load_path="x"), 1, 1, 1 << 40)
+    full = plan_for(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
+    lora = plan_for(make_config(model_variant="small", seq_length=512, lora_rank=8, ckpt_load_path="x"), 1, 1, 1 << 40)
     assert lora.params >= full.params and lora.grads < 0.05 * full.grads and lora.optimizer == 2 * lora.grads
 
 
 def test_a_run_that_will_not_fit_is_warned_about():
     tight = make_config(model_variant="small", seq_length=512, plan_device_memory_gib=0.5)  # traced above
-    warning = fits_or_warning(tight, 2, 2)
+    warning = warning_of(tight, 2, 2)
     assert warning.startswith("warning: the memory plan predicts a peak of") and "--dry_run=True" in warning
-    assert fits_or_warning(make_config(model_variant="small", seq_length=512, plan_device_memory_gib=100), 2, 2) is None
+    assert warning_of(make_config(model_variant="small", seq_length=512, plan_device_memory_gib=100), 2, 2) is None
 
 
 def test_tensor_parallel_plans_the_split_weights_and_activations():
     """8 ranks as FSDP 8, and as FSDP 4 x TP 2: the weights split 8 ways either way (the norms, whole
     on both ranks of a TP pair, a little more); activations and the loss's working set about halve."""
-    fsdp = Planner(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp"), 8, 8, 1 << 40)
-    tp = Planner(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp", tensor_parallel_size=2),
+    fsdp = plan_for(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp"), 8, 8, 1 << 40)
+    tp = plan_for(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp", tensor_parallel_size=2),
                  8, 8, 1 << 40)
     assert tp.mesh == (1, 4, 2) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it

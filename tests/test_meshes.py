@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.hf import convert as hf_convert
-from fms_fsdp.hf import read_hf_model
+from fms_fsdp.checkpoint.hf import convert as hf_convert
+from fms_fsdp.checkpoint.hf import read_hf_model
 from fms_fsdp.models import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, records, resume_from, run_here

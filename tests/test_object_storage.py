@@ -22,15 +22,15 @@ from safetensors.torch import load_file
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.config import parse_args
-from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.flags import parse_args
+from fms_fsdp.data import DataError
 from fms_fsdp.distributed import free_port
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.hf import convert
+from fms_fsdp.checkpoint.hf import convert
 from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
-from conftest import STEPS, TINY, flags, launch, run_here, train_here
+from conftest import STEPS, TINY, data_loader, flags, launch, run_here, train_here
 from test_checkpoint import kill_tree, start
 from test_data import cfg, make_docs, take, write_dataset
 from test_lora import LORA
@@ -81,8 +81,8 @@ def s3(tmp_path_factory) -> Iterator[tuple[dict, Path]]:
 
 def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
     env, local = s3
-    remote = get_data_loader(cfg(local, data_path="s3://data/corpus", num_workers=2), 1, 2)
-    on_disk = get_data_loader(cfg(local, num_workers=2), 1, 2)
+    remote = data_loader(cfg(local, data_path="s3://data/corpus", num_workers=2), 1, 2)
+    on_disk = data_loader(cfg(local, num_workers=2), 1, 2)
     assert [d.tokens for d in remote.datasets] == [d.tokens for d in on_disk.datasets]
     for (x1, y1), (x2, y2) in zip(take(remote, 12), take(on_disk, 12)):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
@@ -109,7 +109,7 @@ def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatc
     def error() -> str:
         s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again
         with pytest.raises(DataError) as e:
-            get_data_loader(cfg(local, data_path="s3://data-missing/corpus"), 0, 1)
+            data_loader(cfg(local, data_path="s3://data-missing/corpus"), 0, 1)
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -211,14 +211,14 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
 def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3, tmp_path, monkeypatch, capsys):
     import s3fs
 
-    from fms_fsdp.train import run
+    from fms_fsdp.train import run_training
 
     def error(flag: str, path: str) -> str:
         s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again
-        saved = dict(os.environ)  # run() sets the process group's variables (RANK, MASTER_PORT, ...)
+        saved = dict(os.environ)  # run_training() sets the process group's variables (RANK, MASTER_PORT, ...)
         try:
             with pytest.raises(CheckpointError) as e:
-                run(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
+                run_training(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
         finally:
             os.environ.clear()
             os.environ.update(saved)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.models import build_model, get_model_config, init_weights
 from fms_fsdp.parallel import apply_activation_checkpointing, check_tensor_parallel, checkpointed_blocks, mesh_shape

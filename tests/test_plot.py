@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import fire
 import pytest
 
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.plot import main, plot_runs, read_metrics
+from fms_fsdp.cli import plot_metrics
+from fms_fsdp.plot import plot_runs, read_metrics
 
 from conftest import train_here
 
@@ -18,7 +18,7 @@ def test_curves_of_two_runs_against_steps_and_tokens(tmp_path, capsys):
         train_here(tmp_path / name, ["--num_steps=4", "--batch_size=2", f"--learning_rate={lr}"])
     runs = [str(tmp_path / "a" / "run" / "metrics.jsonl"), str(tmp_path / "b" / "run")]
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "run")] == [1, 2, 3, 4]
-    fire.Fire(main, command=[*runs, "-o", str(tmp_path / "steps.png")])  # the command line's parsing
+    plot_metrics([*runs, "-o", str(tmp_path / "steps.png")])  # the command line's parsing
     assert "wrote" in capsys.readouterr().out
     by_tokens = plot_runs(runs, str(tmp_path / "tokens.png"), x="tokens")
     for png in (tmp_path / "steps.png", by_tokens):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.schedule import build_scheduler, lr_multiplier
 

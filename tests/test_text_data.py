@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fms_fsdp.data import DataError, get_data_loader
+from fms_fsdp.data import DataError
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.train import check_config
+from fms_fsdp.run import facts
 
-from conftest import train_here
+from conftest import data_loader, train_here
 from test_data import EOS, cfg, lines_of, make_docs, spell, take, write_dataset, write_text, write_tokenizer
 
 
@@ -37,7 +37,7 @@ def test_bad_records_are_skipped_and_counted_per_file(tmp_path, capsys):
     (tmp_path / "web").mkdir()
     (tmp_path / "web" / "mixed.jsonl.gz").write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     pq.write_table(pa.table({"text": [spell(d) for d in docs[:4]] + [None, ""]}), tmp_path / "web" / "p.parquet")
-    loader = get_data_loader(cfg(tmp_path, logical_shards=2, seq_length=15), 0, 1)
+    loader = data_loader(cfg(tmp_path, logical_shards=2, seq_length=15), 0, 1)
     stream = epoch_stream(loader, docs + docs[:4], 15)
     assert Counter(stream.tolist()) == Counter([t for d in docs + docs[:4] for t in d] + [EOS] * (len(docs) + 4))
     log = capsys.readouterr().out
@@ -47,22 +47,22 @@ def test_bad_records_are_skipped_and_counted_per_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("appends", [[], [EOS], [5]])
-def test_one_separator_per_document_whatever_the_tokenizer_appends(tmp_path, capsys, appends):
+def test_one_separator_per_document_whatever_the_tokenizer_appends(tmp_path, appends):
     docs = make_docs(10, 40, 2)
     write_dataset(tmp_path, "web", docs, "jsonl", files=2)
     write_tokenizer(tmp_path / "tokenizer.json", appends=appends)  # replaces the plain one
-    loader = get_data_loader(cfg(tmp_path, logical_shards=4, seq_length=15), 0, 1)
-    stream = epoch_stream(loader, docs, 15)
+    c = cfg(tmp_path, logical_shards=4, seq_length=15)
+    stream = epoch_stream(data_loader(c, 0, 1), docs, 15)
     assert Counter(stream.tolist()) == Counter([t for d in docs for t in d] + [EOS] * len(docs))
     assert (stream[np.flatnonzero(stream == EOS)[:-1] + 1] != EOS).all()  # never two in a row
-    warned = "set --eos_token=5 if that is its end-of-text token" in capsys.readouterr().out
+    warned = any("set --eos_token=5 if that is its end-of-text token" in note for note in facts(c).notes)
     assert warned == (appends == [5])
 
 
 def test_bos_token_keeps_its_meaning(tmp_path):
     docs = make_docs(10, 20, 3)
     write_dataset(tmp_path, "web", docs, "jsonl.gz", files=1)
-    lines = lines_of(take(get_data_loader(cfg(tmp_path, bos_token=1, logical_shards=2, seq_length=23), 0, 1), 6))
+    lines = lines_of(take(data_loader(cfg(tmp_path, bos_token=1, logical_shards=2, seq_length=23), 0, 1), 6))
     stream = lines.reshape(-1)
     starts = np.flatnonzero(stream == 1)
     assert all(stream[s - 1] == EOS for s in starts if s > 0) and len(starts) >= 10
@@ -75,8 +75,8 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
     def error(kind: type, **kw) -> str:
         with pytest.raises(kind) as e:
             c = cfg(data, **kw)
-            check_config(c)
-            take(get_data_loader(c, 0, 1), 2)
+            facts(c)
+            take(data_loader(c, 0, 1), 2)
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -101,16 +101,16 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
 
 def test_text_index_is_cached_until_a_file_changes(tmp_path):
     write_dataset(tmp_path, "web", make_docs(10, 30, 5), "jsonl", files=2)
-    loader = get_data_loader(cfg(tmp_path), 0, 1)
+    loader = data_loader(cfg(tmp_path), 0, 1)
     cache = tmp_path / "meta" / "text_index_fms_fsdp_cache.json"
     files = json.loads(cache.read_text())["files"]
     assert sorted(files) == ["/web/part0.jsonl", "/web/part1.jsonl"] and loader.datasets[0].documents == 30
     assert loader.datasets[0].tokens == pytest.approx(sum(len(d) for d in make_docs(10, 30, 5)), rel=0.01)
     before = os.stat(cache).st_mtime_ns
-    get_data_loader(cfg(tmp_path), 0, 1)
+    data_loader(cfg(tmp_path), 0, 1)
     assert os.stat(cache).st_mtime_ns == before  # nothing indexed again
     write_text(tmp_path / "web" / "part1.jsonl", make_docs(100, 40, 6))
-    assert get_data_loader(cfg(tmp_path), 0, 1).datasets[0].documents == 15 + 40
+    assert data_loader(cfg(tmp_path), 0, 1).datasets[0].documents == 15 + 40
 
 
 def test_training_and_evaluation_on_raw_text(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY, launch, train
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
 
 
@@ -81,7 +81,7 @@ def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
         if not entry.name.startswith("wandb"):
             (without / entry.name).symlink_to(entry)
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
-            "from fms_fsdp.train import main; main(sys.argv[1:])")
+            "from fms_fsdp.cli import train; train(sys.argv[1:])")
     proc = subprocess.run([sys.executable, "-S", "-c", code, "--tracker=tensorboard,wandb"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 2, proc.stderr
@@ -97,7 +97,7 @@ def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(TrackerError) as e:
-        open_trackers(parse_args(["--tracker=wandb", f"--ckpt_save_path={tmp / 'run'}"]))
+        open_trackers(parse_args(["--tracker=wandb"]), tmp / "run")
     message = str(e.value)
     assert message.startswith("--tracker=wandb: ") and "WANDB_MODE=offline" in message and "\n" not in message
 

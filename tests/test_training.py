@@ -9,21 +9,21 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from fms.models.llama import LLaMA
 from torch._dynamo.utils import counters
 
 from conftest import ROOT, TINY, inspect, launch, train, train_here
-from fms_fsdp.config import parse_args
+from fms_fsdp.flags import parse_args
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.data.dummy import DummyDataLoader
-from fms_fsdp.distributed import init_distributed
+from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.models import get_model_config, init_weights
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.guard import StepGuard
-from fms_fsdp.train import build, out_of_memory_error, train_step
+from fms_fsdp.run import facts, started
+from fms_fsdp.train import out_of_memory_error, train_step
 
 STEPS = 10
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
@@ -232,11 +232,12 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
     cfg = parse_args(["--model_variant=tiny", "--device=cuda", "--use_dummy_dataset=True", "--seq_length=256",
                       "--batch_size=2", "--grad_accum_steps=2", "--ckpt_save_path=unused",
                       f"--skip_bad_steps={skip_bad_steps}"])
-    info = init_distributed(cfg.device)
-    try:
-        model, optimizer, scheduler = build(cfg, info)
-        batches = iter(get_data_loader(cfg, info.rank, info.world_size))
-        guard, total = StepGuard(cfg, optimizer, info.device), torch.zeros((), device=info.device)
+    with started(facts(cfg)) as run:
+        info = run.info
+        model = build_sharded_model(run)
+        optimizer, scheduler = build_optimizer_and_schedule(run, model)
+        batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
+        guard, total = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device), torch.zeros((), device=info.device)
         train_step(model, optimizer, guard, 1, batches, cfg, info.device, global_norm=True)  # first step: lazy state
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -249,5 +250,3 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
             torch.cuda.set_sync_debug_mode(0)
         guard.check()
         assert math.isfinite(total.item())
-    finally:
-        dist.destroy_process_group()

@@ -3,9 +3,14 @@
 - layout.py   step folders under <ckpt_save_path>/checkpoints, discovery, atomic commit and deletion
 - policy.py   which checkpoints are kept (--checkpoint_keep, --checkpoint_keep_policy)
 - disk.py     the free-space guard run before each save
-- io.py       `Checkpointer`: DCP save (sync or async), resume, --ckpt_load_path
+- io.py       `Checkpointer`: the start of a run (resume, else --ckpt_load_path), DCP save (sync or
+              async), resume
+- weights.py  a model's weights from --ckpt_load_path (checkpoint folder, Hugging Face folder, file)
+- writer.py   the background writer of async checkpoints and periodic exports
+- fused.py    fms's fused keys for a model built unfused (tensor parallel)
 - reader.py   reading weights outside training (folders, .safetensors, .pth), never running code
-- export.py   the whole model as one safetensors file
+- export.py   the whole model as one safetensors file; periodic exports
+- hf.py       fms <-> Hugging Face LlamaForCausalLM folders; PEFT adapter folders
 
 A save is written under a hidden temporary name and renamed, with a COMPLETE marker inside, only after
 every rank has finished; old checkpoints are deleted only after a newer one is complete.

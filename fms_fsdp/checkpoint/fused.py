@@ -3,14 +3,15 @@
 Each fused key is handed to DCP as a ShardedTensor whose local shards are views of this rank's pieces
 of the parts (q, k, v; gate, up), placed at their rows in the fused tensor: no copy, no collective.
 DCP writes the fused tensor as a model built fused would, and loads any checkpoint's fused tensor
-into the views in place, whatever the tensor-parallel size it was written at. The same goes for the
+into the views in place, whatever the tensor-parallel size it was written at. (A DTensor cannot
+place three pieces of one tensor on a rank; DCP's ShardedTensor handling warns that it is
+deprecated at every save and load, which the commands quiet: cli.quiet_library_noise.) The same goes for the
 optimizer's moments; the parts' step counts and parameter-group names map to and from the fused ones.
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
 from functools import lru_cache
 from typing import Any
 
@@ -27,10 +28,6 @@ from fms_fsdp.models import fused_parts
 
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
 
-# DCP's own handling of ShardedTensor warns at every save and load; it is what serves here (a DTensor
-# cannot place three pieces of one tensor on a rank)
-warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
-                        category=FutureWarning)
 
 
 def fuse(state: dict[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,11 @@ A checkpoint of step N holds the model and optimizer (DCP's .distcp files and .m
 `model_state` and `optimizer_state`), metadata.pth (step, tokens_seen, scheduler, world size, the
 run's config) and one loader_state_<rank>.pth per data-parallel rank (data position, RNG; rank //
 --tensor_parallel_size: a tensor-parallel group reads the same data). Every rank calls every
-method. Collectives run on gloo groups of the checkpointer's own (under NCCL too), and a failure on
-any rank is raised on every rank, so none is left waiting in a collective.
+method. Collectives run on the ranks' agreement group (gloo, under NCCL too; background saves on
+the writer's own), and a failure on any rank is raised on every rank, so none is left waiting in a
+collective. `start` owns the order of a run's beginning: the newest checkpoint, else the weights of
+--ckpt_load_path (weights.py), which a LoRA run loads at every start (its checkpoints hold only the
+adapters).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import io
 import os
 import pickle
 import time
-from dataclasses import replace
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,45 +26,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
-from fms_fsdp.checkpoint.fused import FusingStager, fuse, fused_groups, unfuse_loaded_optimizer
-from fms_fsdp.checkpoint.layout import (
-    checkpoint_root,
-    commit,
-    complete_checkpoints,
-    delete_checkpoint,
-    start_save,
-    step_folder,
-    temp_folder,
-)
+from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
+from fms_fsdp.checkpoint.layout import commit, complete_checkpoints, delete_checkpoint, start_save, step_folder, temp_folder
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import model_reader, read_model, safe_reader, storage_writer
+from fms_fsdp.checkpoint.reader import root_cause, safe_reader, storage_writer
+from fms_fsdp.checkpoint.weights import load_weights
+from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.config import to_dict, train_config
-from fms_fsdp.distributed import DistInfo, on_rank0
+from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.lora import is_adapter
-from fms_fsdp.models import split_full
 from fms_fsdp.optim import keep_kernels
-from fms_fsdp.storage import is_remote, local_copy, location, remove_tree, storage_error
+from fms_fsdp.run import Run
+from fms_fsdp.storage import is_remote, remove_tree, storage_error
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
 _SAVE_ERRORS = (Exception, dcp.CheckpointException)
 _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
 _LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
-# a whole model from one file: read on rank 0 only, each rank receives its shards
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -80,27 +67,57 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The flags of checkpoints: the keep policy, background saves, what a failed save does, and the
+    weights a run starts from (--ckpt_load_path; with --lora_rank the base, loaded at every start)."""
+
+    policy: KeepPolicy
+    background: bool
+    on_error: str
+    load_path: Optional[str]
+    lora: bool
+
+    @staticmethod
+    def of(cfg: train_config) -> "CheckpointSettings":
+        return CheckpointSettings(KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy),
+                                  cfg.async_checkpoint, cfg.on_checkpoint_error, cfg.ckpt_load_path, bool(cfg.lora_rank))
+
+
 class Checkpointer:
     """Saves the training state under <ckpt_save_path>/checkpoints and restores it."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, loader: Any):
-        self.cfg, self.info = cfg, info
+    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 loader: Any):
+        self.run, self.info, self.settings = run, run.info, CheckpointSettings.of(run.cfg)
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
-        self.root = checkpoint_root(cfg.ckpt_save_path)
-        self.policy = KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
-        self.group = dist.new_group(backend="gloo")
-        # background saves run their collectives in another thread: a group of their own keeps them
-        # from pairing up with this thread's collectives
-        self.async_group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
-        if info.is_main and is_remote(self.root):
-            print(f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no free "
-                  "space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps", flush=True)
-        self.stager = staging_buffers(info.device) if cfg.async_checkpoint else None
+        if is_remote(self.root):
+            run.log(f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
+                    "free space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps")
+        self.writer = BackgroundWriter(run.device) if self.settings.background else None
         # with LoRA the frozen base is not saved: it comes from --ckpt_load_path at every start
         # (the loaded state then lacks the frozen keys: DCP's load already refused a checkpoint lacking others)
-        self._options = StateDictOptions(ignore_frozen_params=bool(cfg.lora_rank), strict=not cfg.lora_rank)
+        self._options = StateDictOptions(ignore_frozen_params=self.settings.lora, strict=not self.settings.lora)
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> tuple[int, int]:
+        """(step, tokens_seen) to go on from: the newest checkpoint's, else (0, 0) with the model's
+        weights from --ckpt_load_path when given (a LoRA run's base is loaded first, at every start)."""
+        if self.settings.lora:
+            self.load_weights()
+        resumed = self.resume()
+        if resumed is None and self.settings.load_path and not self.settings.lora:
+            self.load_weights()
+        return resumed or (0, 0)
+
+    def load_weights(self) -> None:
+        """The model's weights from --ckpt_load_path (weights.py)."""
+        assert self.settings.load_path is not None
+        load_weights(self.model, self.settings.load_path, self.run.cfg.model_variant)
+        self.run.log(f"checkpoint: model initialised from {self.settings.load_path}")
 
     # ---------------------------------------------------------------- save
 
@@ -112,32 +129,31 @@ class Checkpointer:
         self.commit_pending()
         tmp = temp_folder(self.root, step)
         try:
-            needed = checkpoint_bytes(self.model, self.optimizer, self.group)
-            free = self._on_main(lambda: prune_for(self.root, needed, self.policy))
+            needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
+            free = self._on_main(lambda: prune_for(self.root, needed, self.settings.policy))
             if free < needed:
                 raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
                                       f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
             self._on_main(lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
             own = self._own_state()
-            if self.cfg.async_checkpoint:  # staged under the model's own names, then fused (fused.FusingStager)
-                stager = FusingStager(self.stager) if fused_groups(own["model_state"]) else self.stager
-                future = dcp.async_save(own, storage_writer=storage_writer(tmp), process_group=self.async_group,
-                                        async_stager=stager)
-                self.pending = (step, tmp, future)
+            if self.writer is not None:  # staged under the model's own names, then fused (fused.FusingStager)
+                self.pending = (step, tmp, self.writer.write(own, tmp))
             else:
-                dcp.save(fuse(own), storage_writer=storage_writer(tmp), process_group=self.group)
+                dcp.save(fuse(own), storage_writer=storage_writer(tmp), process_group=agreement_group())
                 self._commit(step, tmp)
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
         return time.monotonic() - start
 
-    def close(self) -> None:
-        """Commit the background save, if any, and free the staging buffers."""
+    def finish(self) -> None:
+        """Commit the background save, if any (every rank calls it)."""
         self.commit_pending()
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+
+    def release(self) -> None:
+        """Free the staging buffers (no collective: also on the way out of a failed run)."""
+        if self.writer is not None:
+            self.writer.close()
 
     def writing(self) -> bool:
         """Whether this rank's background save is still writing."""
@@ -155,7 +171,7 @@ class Checkpointer:
         except _SAVE_ERRORS as e:
             error = e
         try:
-            self._agree(error)
+            agree(error)
             self._commit(step, tmp)
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
@@ -177,20 +193,20 @@ class Checkpointer:
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
                 _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
-                            "world_size": self.info.world_size, "config": to_dict(self.cfg)}, tmp / "metadata.pth")
+                            "world_size": self.info.world_size, "config": to_dict(self.run.cfg)}, tmp / "metadata.pth")
         except Exception as e:  # agreed first, so no rank is left waiting in the next collective
             error = e
-        self._agree(error)
+        agree(error)
 
     def _commit(self, step: int, tmp: Path) -> None:
         """Every rank has written its part: mark complete, rename into place, apply the keep policy."""
-        dist.barrier(group=self.group)
+        dist.barrier(group=agreement_group())
 
         def files() -> None:
             commit(tmp, step_folder(self.root, step))
             print(f"checkpoint: saved {step_folder(self.root, step)}", flush=True)
             try:  # the new checkpoint is complete: a failure to delete an old one only warns
-                for s in self.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
+                for s in self.settings.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
                     delete_checkpoint(step_folder(self.root, s))
             except Exception as e:
                 if not storage_error(e):
@@ -205,14 +221,18 @@ class Checkpointer:
         save failed to write (any other failure, a bug or a lost peer, stops the run)."""
         if self.info.is_main:
             remove_tree(tmp)  # unmarked: in object storage the step folder itself
-        cause = _root_cause(error)
+        cause = root_cause(error)
         message = str(error) if isinstance(error, CheckpointError) else f"checkpoint save to {tmp.parent} failed: " + (
             first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
-        if self.cfg.on_checkpoint_error == "warn" and write_failure(error):
-            if self.info.is_main:
-                print(f"warning: {message}; training goes on (--on_checkpoint_error=warn)", flush=True)
+        if self.settings.on_error == "warn" and write_failure(error):
+            self.run.log(f"warning: {message}; training goes on (--on_checkpoint_error=warn)")
             return
         raise CheckpointError(message) from None
+
+    def _on_main(self, work: Callable[[], Any]) -> float:
+        """work() on rank 0 (file work: one writer), its numeric result on every rank; a storage error
+        there (storage.storage_error) is raised on every rank as an OSError (a write failure)."""
+        return on_rank0(lambda: float(work() or 0), storage_error, OSError)
 
     # ---------------------------------------------------------------- load
 
@@ -223,17 +243,18 @@ class Checkpointer:
         names = on_rank0(lambda: [p.name for _, p in reversed(complete_checkpoints(self.root))], Exception,
                          lambda message: CheckpointError(f"cannot list the checkpoints in {self.root}: {message}"))
         last_error = ""
-        for path in (self.root / name for name in names):
+        for k, path in enumerate(self.root / name for name in names):
             error: Optional[BaseException] = None
             try:
                 result = self._load(path)
             except _LOAD_ERRORS as e:
-                error, last_error = e, first_line(e)
-            if not self._failed_anywhere(error):
+                error = e
+            found = [(rank, f[1]) for rank, f in enumerate(failures(error)) if f is not None]
+            if not found:
                 return result
-            if self.info.is_main:
-                print(f"warning: cannot resume from {path} ({last_error or 'failed on another rank'}); "
-                      "trying an older one", flush=True)
+            last_error = first_line(error) if error is not None else f"rank {found[0][0]}: {found[0][1]}"
+            if k + 1 < len(names):
+                self.run.log(f"warning: cannot resume from {path} ({last_error}); trying an older one")
         if names:
             raise CheckpointError(f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
                                   "run's settings changed on purpose, start it with a new --ckpt_save_path")
@@ -242,7 +263,7 @@ class Checkpointer:
     def _load(self, path: Path) -> tuple[int, int]:
         own = self._own_state()
         state = fuse(own)
-        dcp.load(state, storage_reader=safe_reader(path), process_group=self.group)  # into `own` too
+        dcp.load(state, storage_reader=safe_reader(path), process_group=agreement_group())  # into `own` too
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
@@ -251,9 +272,9 @@ class Checkpointer:
         keep_kernels(self.optimizer, *kernels)
         meta = _load_file(path / "metadata.pth")
         base = meta.get("config", {}).get("ckpt_load_path")
-        if self.cfg.lora_rank and base != self.cfg.ckpt_load_path:
+        if self.settings.lora and base != self.settings.load_path:
             raise CheckpointError(f"{path} holds LoRA adapters of the base {base}, but --ckpt_load_path is now "
-                                  f"{self.cfg.ckpt_load_path}; give the same base, or a new --ckpt_save_path")
+                                  f"{self.settings.load_path}; give the same base, or a new --ckpt_save_path")
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [_load_file(p) for p in ranks]
@@ -263,121 +284,25 @@ class Checkpointer:
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
-        if self.info.is_main:
-            print(f"checkpoint: resumed from {path} at step {meta['step']}", flush=True)
+        self.run.log(f"checkpoint: resumed from {path} at step {meta['step']}")
         return int(meta["step"]), int(meta["tokens_seen"])
 
-    def load_model(self, path: str) -> None:
-        """Initialise the model only, from --ckpt_load_path: a checkpoint folder (this project's or
-        fms-fsdp's), a Hugging Face Llama folder, or a .pth / .safetensors file holding the model.
-        Single files and Hugging Face folders are read on rank 0 and broadcast."""
-        from fms_fsdp.hf import check_hf_config, read_hf_config, read_hf_model
 
-        p = location(path, "ckpt_load_path")
-        try:
-            found = p.exists()
-        except Exception as e:  # object storage: no endpoint, no access
-            raise CheckpointError(f"--ckpt_load_path: cannot read {path} "
-                                  f"({type(e).__name__}: {first_line(e)})") from None
-        if not found:
-            raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
-        try:
-            if p.is_dir() and (p / "config.json").is_file():
-                check_hf_config(read_hf_config(p), self.model.config, str(p))  # on every rank: same verdict
-                full = self._read_on_main(p, path, lambda local: read_hf_model(str(local), self.model.config))
-                self._set_base(full, _FROM_RANK0)
-            elif p.is_dir():
-                model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
-                own = {k: v for k, v in get_model_state_dict(self.model).items() if not is_adapter(k)}
-                dcp.load(fuse({"model_state": own}), storage_reader=safe_reader(p), process_group=self.group)
-                self._set_base(own, StateDictOptions())
-            else:
-                self._set_base(self._read_on_main(p, path, read_model), _FROM_RANK0)
-        except CheckpointError:  # already one line naming the path (read on rank 0)
-            raise
-        except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
-            raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
-        except (RuntimeError, KeyError, dcp.CheckpointException) as e:
-            raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={self.cfg.model_variant}"
-                                  f" (vocab {self.model.config.src_vocab_size}): {first_line(e)}") from None
-        if self.info.is_main:
-            print(f"checkpoint: model initialised from {path}", flush=True)
-
-    def _read_on_main(self, p: Path, path: str,
-                      read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """read() of --ckpt_load_path `path` (at `p`) on rank 0 (downloaded first from object storage:
-        rank 0 reads it whole anyway), {} elsewhere; a failure is one CheckpointError on every rank,
-        none left waiting."""
-        box: list[dict[str, torch.Tensor]] = [{}]
-
-        def work() -> None:
-            try:
-                with local_copy(p) as local:
-                    box[0] = read(local)
-            except Exception as e:
-                if not (storage_error(e) or isinstance(e, (ValueError, pickle.UnpicklingError, CheckpointError))):
-                    raise
-                raise CheckpointError(first_line(e)) from None
-
-        on_rank0(work, CheckpointError, lambda message: CheckpointError(f"--ckpt_load_path: {path}: {message}"))
-        return box[0]
-
-    def _set_base(self, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
-        """Load the model's weights (a whole state dict with fused keys is cut to fit a model built
-        unfused); only LoRA's adapters may be missing (they start from their init)."""
-        result = set_model_state_dict(self.model, split_full(state, self.model), options=replace(options, strict=False))
-        missing = [k for k in result.missing_keys if not is_adapter(k)]
-        if missing or result.unexpected_keys:
-            raise KeyError(f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
-
-    # ---------------------------------------------------------------- agreement
-
-    def _failed_anywhere(self, error: Optional[BaseException]) -> int:
-        """The worst failure of any rank (every rank calls it): 0 none, 1 a write failure, 2 another."""
-        failed = torch.tensor([0.0 if error is None else 1.0 if write_failure(error) else 2.0])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        return int(failed[0])
-
-    def _agree(self, error: Optional[BaseException]) -> None:
-        """Raise on every rank if any rank failed; of the same kind (a write failure or not) everywhere."""
-        worst = self._failed_anywhere(error)
-        if not worst:
-            return
-        if error is None or (worst == 2 and write_failure(error)):
-            error = OSError("another rank failed to write its part") if worst == 1 else \
-                RuntimeError("another rank failed to save its part (not a write failure)")
+def agree(error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank failed (every rank calls it), an error of the same kind
+    everywhere: a write failure (see write_failure) only when every failure was one; a rank that did
+    not fail raises the failing rank's line."""
+    found = [(rank, f) for rank, f in enumerate(failures(error, lambda e: "write" if write_failure(e) else "other"))
+             if f is not None]
+    if not found:
+        return
+    kind = "other" if any(f[0] == "other" for _, f in found) else "write"
+    if error is not None and (kind == "write") == write_failure(error):
         raise error
-
-    def _on_main(self, work: Callable[[], Any]) -> float:
-        """work() on rank 0 (file work: one writer), its numeric result on every rank; a storage error
-        there (storage.storage_error) is raised on every rank."""
-        result, error = torch.tensor([0.0], dtype=torch.float64), None
-        if self.info.is_main:
-            try:
-                result[0] = float(work() or 0)
-            except Exception as e:
-                if not storage_error(e):
-                    raise
-                error = e
-        self._agree(error)
-        dist.broadcast(result, src=0, group=self.group)
-        return float(result[0])
-
-
-def staging_buffers(device: torch.device) -> DefaultStager:
-    """Where a background save copies the state before writing it: CPU buffers allocated at the first
-    save and reused by every later one (cached by tensor storage), pinned and filled by non-blocking
-    copies on CUDA, so a save stalls training for one device-to-host copy."""
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The first rank's exception inside a DCP CheckpointException; else `error`."""
-    if isinstance(error, dcp.CheckpointException) and error.failures:
-        return next(iter(error.failures.values()))[0]
-    return error
+    rank, (_, message) = next((r, f) for r, f in found if f[0] == kind)
+    if kind == "write":
+        raise OSError(f"rank {rank} failed to write its part: {message}")
+    raise RuntimeError(f"rank {rank} failed to save its part: {message}")
 
 
 def write_failure(error: BaseException) -> bool:

@@ -18,11 +18,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from fms_fsdp.errors import CheckpointError
+from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.storage import is_remote
 
 # reads the named tensors: {name: tensor}
-Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+TensorReader = Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    """Checkpoint metadata that asks for code or types it has no business holding."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -42,14 +46,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             return value
-        raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+        raise RefusedPickle(f"refusing {module}.{name} in checkpoint metadata")
 
 
 def _public_attribute(obj: Any, name: str) -> Any:
     """getattr for the metadata unpickler: public names of the types it admits (enum members), nothing
     that could reach a function's globals."""
     if name.startswith("_") or not isinstance(obj, type) or obj.__module__ != "torch.distributed.checkpoint.metadata":
-        raise pickle.UnpicklingError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
+        raise RefusedPickle(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
     return getattr(obj, name)
 
 
@@ -94,8 +98,14 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
     return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 
-def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
-    metadata = safe_reader(folder).read_metadata().state_dict_metadata
+def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], TensorReader]:
+    try:
+        metadata = safe_reader(folder).read_metadata().state_dict_metadata
+    except RefusedPickle:
+        raise
+    except (EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{folder}: its .metadata is damaged or truncated ({type(e).__name__}: "
+                              f"{first_line(e)})") from None
     shapes = {key.removeprefix("model_state."): meta.size for key, meta in metadata.items()
               if key.startswith("model_state.") and hasattr(meta, "size")}
     if not shapes:
@@ -109,13 +119,16 @@ def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], Reader]:
         if state:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({"model_state": state}, storage_reader=safe_reader(folder), no_dist=True)
+                try:
+                    dcp.load({"model_state": state}, storage_reader=safe_reader(folder), no_dist=True)
+                except dcp.CheckpointException as e:
+                    raise CheckpointError(f"{folder}: {damage(e)}") from None
         return state
 
     return shapes, read
 
 
-def _safetensors_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
+def _safetensors_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -128,7 +141,30 @@ def _safetensors_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
     return shapes, read
 
 
-def model_reader(path: Path) -> tuple[dict[str, torch.Size], Reader]:
+def root_cause(error: BaseException) -> BaseException:
+    """The first rank's exception inside a DCP CheckpointException; else `error`."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def unreadable(error: BaseException) -> bool:
+    """Whether a failed read of a checkpoint means damaged or missing files (a truncated or corrupt
+    shard, a file that cannot be opened), rather than a checkpoint of another model."""
+    cause = root_cause(error)
+    return (isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle)) or (
+        isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
+
+
+def damage(error: BaseException) -> str:
+    """What a failed read says, in one line, for an error message."""
+    cause = root_cause(error)
+    what = "a file is damaged or truncated" if unreadable(error) else "cannot be read"
+    said = first_line(cause).split(". ")[0]  # torch's zip reader goes on for three more sentences
+    return f"{what} ({type(cause).__name__}" + ("" if said == type(cause).__name__ else f": {said}") + ")"
+
+
+def model_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
     """(tensor names and shapes, reader of some tensors) of a checkpoint folder or a .safetensors / .pth
     model file. Folders and .safetensors files are read lazily; a .pth file is mapped whole."""
     if path.is_dir():

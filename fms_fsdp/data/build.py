@@ -1,5 +1,6 @@
-"""get_data_loader(cfg, rank, world_size): the synthetic loader, or the stateful loader over the
-Arrow/Parquet shards under data_path."""
+"""get_data_loader(cfg, rank, world_size, vocab_size): the synthetic loader, or the stateful loader over
+the Arrow/Parquet shards (or raw text) under data_path; and the settings of the data flags: how
+documents become lines (`packing_of`), which files are read how (`layout_of`), the tokenizer's check."""
 
 from __future__ import annotations
 
@@ -15,30 +16,27 @@ from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
 from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.storage import location
-from fms_fsdp.models import get_model_config
 
 
-def get_data_loader(cfg: train_config, rank: int, world_size: int) -> Union[StatefulLoader, DummyDataLoader]:
-    """The loader for this rank: synthetic lines with use_dummy_dataset, else the shards under
-    data_path. Bad data raises DataError (one line naming the file or flag)."""
-    vocab = get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size
+def get_data_loader(cfg: train_config, rank: int, world_size: int,
+                    vocab_size: int) -> Union[StatefulLoader, DummyDataLoader]:
+    """The loader of data-parallel rank `rank` of `world_size`: synthetic lines with use_dummy_dataset,
+    else the shards under data_path, their token ids checked against `vocab_size` (the run's: run.py).
+    Bad data raises DataError (one line naming the file or flag)."""
     if cfg.use_dummy_dataset:
-        return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab, cfg.seed, rank, world_size)
+        return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab_size, cfg.seed, rank, world_size)
     names = list_datasets(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
     if cfg.weights is not None and len(cfg.weights) != len(names):
         raise DataError(f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
                         f"{', '.join(names)}; give one weight per dataset or set --datasets", every_rank=True)
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     layout = layout_of(cfg)
-    if layout.text is not None and rank == 0:
-        for note in check_tokenizer(cfg):
-            print(note, flush=True)
     entries = on_rank0(lambda: scan(cfg.data_path, names, layout), DataError,
                        lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
     datasets = [Dataset(n, location(cfg.data_path, "data_path"), entries[n], layout) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
-    return StatefulLoader(datasets, weights, packing_of(cfg, vocab), cfg.batch_size, cfg.logical_shards, cfg.seed,
-                          rank, world_size, cfg.num_workers)
+    return StatefulLoader(datasets, weights, packing_of(cfg, vocab_size), cfg.batch_size, cfg.logical_shards,
+                          cfg.seed, rank, world_size, cfg.num_workers)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:
@@ -54,11 +52,10 @@ def layout_of(cfg: train_config) -> Layout:
     return Layout(cfg.file_type, cfg.col_name, text)
 
 
-def check_tokenizer(cfg: train_config) -> list[str]:
-    """--tokenizer_path loads and fits the model's vocabulary (ConfigError otherwise); returns notes on
-    how raw text will be framed, for the log."""
+def check_tokenizer(cfg: train_config, vocab: int) -> list[str]:
+    """--tokenizer_path loads and fits the model's vocabulary `vocab` (ConfigError otherwise); returns
+    notes on how raw text will be framed, for the log. Run once, at start-up (run.py)."""
     tokenizer = load_tokenizer(cfg.tokenizer_path)
-    vocab = get_model_config(cfg.model_variant, cfg.vocab_size).src_vocab_size
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab:
         raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} has {size} tokens but {cfg.model_variant}'s "

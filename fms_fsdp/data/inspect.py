@@ -37,21 +37,11 @@ from fms_fsdp.errors import ConfigError, DataError, first_line
 EXAMPLES = 5
 
 
-def as_names(value: object) -> Optional[list[str]]:
-    """--datasets as a list (fire turns `a,b` into a tuple and `1` into an int)."""
-    if value is None:
-        return None
-    items = value if isinstance(value, (tuple, list)) else str(value).split(",")
-    return [str(v).strip() for v in items if str(v).strip()]
-
-
-def as_id(flag: str, value: object, low: int = 0) -> Optional[int]:
+def as_id(flag: str, value: Optional[int], low: int = 0) -> Optional[int]:
     """An optional integer flag >= low."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:
+    if value is not None and value < low:
         raise ConfigError(f"--{flag}={value}: expected an integer >= {low} (or None)")
-    return int(value)
+    return value
 
 
 @dataclass
@@ -196,34 +186,16 @@ def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> No
     compare_counts(root, names, list(stats.values()))
 
 
-def main(data_path: str = "", datasets: Optional[str] = None, vocab_size: Optional[int] = None,
-         eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
-    """Report documents and tokens per dataset and file of --data_path, and flag problems.
-
-    --data_path   the folder holding one sub-folder per dataset (and meta/)
-    --datasets    comma list of dataset folders (default: all but meta)
-    --vocab_size  flag ids >= this (not checked when not given)
-    --eos_token   the separator the loader adds after each document (None: none)
-    --bos_token   the token the loader puts before each document (None: none)
-    --col_name    the column holding the token ids
-    """
-    try:
-        if not data_path:
-            raise ConfigError("--data_path is required: the folder holding one sub-folder per dataset")
-        root = Path(str(data_path))
-        if not root.is_dir():
-            raise ConfigError(f"--data_path={data_path}: folder not found")
-        separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
-                      if v is not None}
-        checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
-        inspect(root, list_datasets(str(root), as_names(datasets)), str(col_name), checker)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def cli() -> None:
-    """`fms-inspect-data` / scripts/inspect_data.py: main's flags from the command line."""
-    import fire
-
-    fire.Fire(main)
+def inspect_data(data_path: str = "", datasets: Optional[list[str]] = None, vocab_size: Optional[int] = None,
+                 eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+    """Report documents and tokens per dataset and file of --data_path, and flag problems (the flags:
+    fms_fsdp/cli.py)."""
+    if not data_path:
+        raise ConfigError("--data_path is required: the folder holding one sub-folder per dataset")
+    root = Path(data_path)
+    if not root.is_dir():
+        raise ConfigError(f"--data_path={data_path}: folder not found")
+    separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
+                  if v is not None}
+    checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
+    inspect(root, list_datasets(str(root), datasets), col_name, checker)

@@ -1,4 +1,4 @@
-"""The stateful data loader of one rank: torch DataLoader workers, each a Reader, with the state of
+"""The stateful data loader of one rank: torch DataLoader workers, each a LineReader, with the state of
 every delivered batch tracked for exact resume and regrouped for rescaling.
 
 As in torchdata's StatefulDataLoader, each worker sends its state with every batch, so the saved
@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fms_fsdp.data.shards import Dataset
-from fms_fsdp.data.stream import POSITION, Packing, Reader, n_logical_shards, shard_table
+from fms_fsdp.data.stream import POSITION, Packing, LineReader, n_logical_shards, shard_table
 from fms_fsdp.distributed import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.errors import DataError
 
@@ -62,7 +62,7 @@ def _as_is(item: Any) -> Any:
 
 
 class _Workers(IterableDataset):
-    """What each DataLoader worker runs: one Reader, yielding (lines, reader state) batches."""
+    """What each DataLoader worker runs: one LineReader, yielding (lines, reader state) batches."""
 
     def __init__(self, loader: "StatefulLoader"):
         self.datasets, self.weights, self.packing = loader.datasets, loader.weights, loader.packing
@@ -75,7 +75,7 @@ class _Workers(IterableDataset):
         info = get_worker_info()
         logical = ((info.id if info else 0) + self.rotation) % self.workers
         try:
-            reader = Reader(self.datasets, self.weights, self.logical_shards, self.rank * self.workers + logical,
+            reader = LineReader(self.datasets, self.weights, self.logical_shards, self.rank * self.workers + logical,
                             self.consumers, self.seed, self.packing, self.states[logical])
             while True:
                 lines = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)

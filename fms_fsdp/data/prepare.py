@@ -44,18 +44,11 @@ MAX_WARNINGS = 20
 Record = tuple[int, Optional[str], Optional[str]]  # (line or row, text, reason it is skipped)
 
 
-def as_text(value: object) -> str:
-    """A flag as typed: fire turns `a,b` into a tuple and `2024` into an int."""
-    if isinstance(value, (tuple, list)):
-        return ",".join(map(str, value))
-    return "" if value is None else str(value)
-
-
-def as_count(flag: str, value: object) -> int:
-    """A positive integer flag (fire reads 1e6 as a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
-        raise ConfigError(f"--{flag}={as_text(value)}: expected a positive integer")
-    return int(value)
+def as_count(flag: str, value: int) -> int:
+    """A positive integer flag."""
+    if value < 1:
+        raise ConfigError(f"--{flag}={value}: expected a positive integer")
+    return value
 
 
 # ---------------------------------------------------------------- inputs
@@ -342,45 +335,21 @@ def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict
     print(f"counts: {counts}")
 
 
-def main(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
-         shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
-    """Tokenize --input into Arrow shards under --output.
-
-    --input         a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
-                    .parquet (the --text_field column) and .txt/.md files (one document each); types can be mixed
-    --output        <data_path>/<dataset>: the shards; <data_path>/meta/counts_<dataset>.csv lists them
-    --tokenizer     a folder holding tokenizer.json (loaded offline; special tokens are not added), or byte:
-                    token id = byte value of the UTF-8 text (vocabulary 256)
-    --text_field    the JSON key / Parquet column holding the text
-    --shard_tokens  a shard is closed once it holds this many tokens
-    --workers       input files tokenized in parallel (default: the number of CPUs)
-    """
-    try:
-        inputs = find_inputs(as_text(input))
-        if not as_text(output):
-            raise ConfigError("--output is required: <data_path>/<dataset>")
-        out = Path(as_text(output)).resolve()
-        if out.name == "meta" or out == out.parent:
-            raise ConfigError(f"--output={output}: give <data_path>/<dataset> (meta is reserved for the counts files)")
-        if out.is_file():
-            raise ConfigError(f"--output={output} is a file; give a folder <data_path>/<dataset>")
-        tok_file = tokenizer_file(as_text(tokenizer))
-        load_tokenizer(tok_file)  # fail now, not in every worker
-        fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
-        settings = {"tokenizer": fingerprint, "text_field": as_text(text_field),
-                    "shard_tokens": as_count("shard_tokens", shard_tokens)}
-        workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
-        run(inputs, out, tok_file, settings, workers)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # the output cannot be written: no space, no permission
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-def cli() -> None:
-    """`fms-prepare-data` / scripts/prepare_data.py: main's flags from the command line."""
-    import fire
-
-    fire.Fire(main)
+def prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
+                 shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
+    """Tokenize --input into Arrow shards under --output (the flags: fms_fsdp/cli.py)."""
+    inputs = find_inputs(input)
+    if not output:
+        raise ConfigError("--output is required: <data_path>/<dataset>")
+    out = Path(output).resolve()
+    if out.name == "meta" or out == out.parent:
+        raise ConfigError(f"--output={output}: give <data_path>/<dataset> (meta is reserved for the counts files)")
+    if out.is_file():
+        raise ConfigError(f"--output={output} is a file; give a folder <data_path>/<dataset>")
+    tok_file = tokenizer_file(tokenizer)
+    load_tokenizer(tok_file)  # fail now, not in every worker
+    fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
+    settings = {"tokenizer": fingerprint, "text_field": text_field,
+                "shard_tokens": as_count("shard_tokens", shard_tokens)}
+    workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
+    run(inputs, out, tok_file, settings, workers)

@@ -212,30 +212,32 @@ class Dataset:
         return {**self.__dict__, "_open": OrderedDict(), "_blocks": OrderedDict()}
 
 
-def list_datasets(data_path: str, datasets: Optional[list[str]]) -> list[str]:
-    """The dataset folders to read: --datasets, or every sub-folder of data_path but meta."""
-    root = location(data_path, "data_path")
+def list_datasets(data_path: str, datasets: Optional[list[str]], flag: str = "data_path",
+                  datasets_flag: str = "datasets") -> list[str]:
+    """The dataset folders to read: `datasets`, or every sub-folder of data_path but meta. Errors name
+    the flags the user gave (--data_path and --datasets, or --eval_data_path and --eval_datasets)."""
+    root = location(data_path, flag)
     try:  # listed first: object storage says here whether the bucket, the endpoint and the access are right
         found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
-        raise DataError(f"--data_path: folder not found: {data_path}", every_rank=True) from None
+        raise DataError(f"--{flag}: folder not found: {data_path}", every_rank=True) from None
     except Exception as e:  # no endpoint, no access, ...
-        raise DataError(f"--data_path: cannot read {data_path} ({type(e).__name__}: {first_line(e)})",
+        raise DataError(f"--{flag}: cannot read {data_path} ({type(e).__name__}: {first_line(e)})",
                         every_rank=True) from None
     names = datasets or found
     if not names:
-        raise DataError(f"--data_path: {data_path} has no dataset sub-folders", every_rank=True)
+        raise DataError(f"--{flag}: {data_path} has no dataset sub-folders", every_rank=True)
     for name in names:
         if not (root / name).is_dir():
-            raise DataError(f"--datasets: no folder {name!r} in {data_path}", every_rank=True)
+            raise DataError(f"--{datasets_flag}: no folder {name!r} in {data_path}", every_rank=True)
     return names
 
 
-def read_counts(data_path: str) -> dict[str, FileEntry]:
-    """Entries of every meta/*counts*.csv under data_path, by relative path; the users' files win over
-    this loader's own cache."""
+def read_counts(data_path: str, flag: str = "data_path") -> dict[str, FileEntry]:
+    """Entries of every meta/*counts*.csv under data_path (given as --`flag`), by relative path; the
+    users' files win over this loader's own cache."""
     entries: dict[str, FileEntry] = {}
-    meta = location(data_path, "data_path") / "meta"
+    meta = location(data_path, flag) / "meta"
     found = sorted(meta.glob("*counts*.csv") if meta.is_dir() else [], key=lambda p: (p.name == CACHED_COUNTS, p.name))
     for csv_path in found:
         rows = list(csv.reader(io.StringIO(csv_path.read_text())))
@@ -278,12 +280,13 @@ def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ..
     return files
 
 
-def scan(data_path: str, names: list[str], layout: Layout) -> dict[str, list[FileEntry]]:
-    """Every shard of every dataset with its counts: validated by opening each file; counts from
-    meta/*counts*.csv where listed and right, computed otherwise and cached in meta/. Raw text files
-    are indexed (cached in meta/ too); their bad records are reported, by file."""
-    root = location(data_path, "data_path")
-    known = read_counts(data_path)
+def scan(data_path: str, names: list[str], layout: Layout, flag: str = "data_path") -> dict[str, list[FileEntry]]:
+    """Every shard of every dataset under data_path (given as --`flag`) with its counts: validated by
+    opening each file; counts from meta/*counts*.csv where listed and right, computed otherwise and
+    cached in meta/. Raw text files are indexed (cached in meta/ too); their bad records are reported,
+    by file."""
+    root = location(data_path, flag)
+    known = read_counts(data_path, flag)
     texts = None if layout.text is None else IndexCache(root / "meta" / TEXT_INDEX, layout.text)
     result: dict[str, list[FileEntry]] = {}
     computed = False

@@ -254,7 +254,7 @@ class DatasetReader:
                 "next": self.next}
 
 
-class Reader:
+class LineReader:
     """Lines of seq_length + 1 tokens for one reader (consumer) over all datasets."""
 
     def __init__(self, datasets: list[Dataset], weights: list[float], logical_shards: int, consumer: int,

@@ -1,7 +1,8 @@
 """Hugging Face interop: fms LLaMA checkpoints <-> transformers LlamaForCausalLM folders.
 
 `convert` (fms_to_hf.py, `fms-to-hf`) writes a checkpoint folder or model file as a Hugging Face
-folder; `read_hf_model` reads one for --ckpt_load_path.
+folder; `read_hf_model` reads one for --ckpt_load_path (weights.py); `write_peft_adapter` writes a
+LoRA run's adapters for PEFT (exports).
 
 HF -> fms uses ibm-fms's own registered adapter (serialization.get_adapted("llama", "hf")).
 fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
@@ -17,10 +18,9 @@ import io
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from contextlib import nullcontext
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -28,8 +28,9 @@ from fms.utils import serialization
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fms_fsdp.checkpoint.reader import Reader, model_reader
-from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError
+from fms_fsdp.checkpoint.reader import TensorReader, model_reader
+from fms_fsdp.errors import CheckpointError, HFError
+from fms_fsdp.lora import LoRASpec
 from fms_fsdp.models import build_model, get_model_config, hidden_dim
 from fms_fsdp.storage import local_copy, location, publish
 
@@ -37,29 +38,29 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
 
 
-def hf_config(cfg: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:
+def hf_config(model_config: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:
     """config.json of the LlamaForCausalLM equivalent to an fms LLaMAConfig."""
-    if cfg.rope_scaling:
-        raise HFError(f"rope_scaling={cfg.rope_scaling} has no Hugging Face translation here")
+    if model_config.rope_scaling:
+        raise HFError(f"rope_scaling={model_config.rope_scaling} has no Hugging Face translation here")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": cfg.src_vocab_size,
-        "hidden_size": cfg.emb_dim,
-        "intermediate_size": hidden_dim(cfg),
-        "num_hidden_layers": cfg.nlayers,
-        "num_attention_heads": cfg.nheads,
-        "num_key_value_heads": cfg.kvheads or cfg.nheads,
-        "head_dim": cfg.emb_dim // cfg.nheads,
+        "vocab_size": model_config.src_vocab_size,
+        "hidden_size": model_config.emb_dim,
+        "intermediate_size": hidden_dim(model_config),
+        "num_hidden_layers": model_config.nlayers,
+        "num_attention_heads": model_config.nheads,
+        "num_key_value_heads": model_config.kvheads or model_config.nheads,
+        "head_dim": model_config.emb_dim // model_config.nheads,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_expected_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": float(cfg.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        "attention_bias": cfg.attn_bias,
-        "mlp_bias": cfg.mlp_bias,
+        "max_position_embeddings": model_config.max_expected_seq_len,
+        "rms_norm_eps": model_config.norm_eps,
+        "rope_theta": float(model_config.rope_theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(model_config.rope_theta)},
+        "attention_bias": model_config.attn_bias,
+        "mlp_bias": model_config.mlp_bias,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_heads,
+        "tie_word_embeddings": model_config.tie_heads,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
@@ -85,24 +86,24 @@ FMS_PROJECTIONS = {"attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"), "at
                    "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"), "ff_sub_layer.w2": ("down_proj",)}
 
 
-def projection_to_hf(cfg: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """HF projection name -> its part of a tensor whose rows are fms projection `fms_name`'s outputs (a
     weight, a bias, or LoRA's B): fused ones split, q and k rows put in HF's rotary order."""
-    head_dim = cfg.emb_dim // cfg.nheads
-    kv = (cfg.kvheads or cfg.nheads) * head_dim
-    sizes = {"attn.in_proj.qkv_fused": [cfg.emb_dim, kv, kv], "ff_sub_layer.wg1_fused": [hidden_dim(cfg)] * 2}
+    head_dim = model_config.emb_dim // model_config.nheads
+    kv = (model_config.kvheads or model_config.nheads) * head_dim
+    sizes = {"attn.in_proj.qkv_fused": [model_config.emb_dim, kv, kv], "ff_sub_layer.wg1_fused": [hidden_dim(model_config)] * 2}
     parts = torch.split(rows, sizes[fms_name], dim=0) if fms_name in sizes else (rows,)
     return {name: rope_fms_to_hf(part, head_dim) if name in ("q_proj", "k_proj") else part
             for name, part in zip(FMS_PROJECTIONS[fms_name], parts)}
 
 
-def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _layer_to_hf(model_config: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF tensors of fms block i, from its fms tensors (keys without the 'base_model.layers.i.' prefix)."""
     out, h = {}, f"model.layers.{i}."
     for kind in ("weight", "bias"):
         for fms_name in FMS_PROJECTIONS:
             if f"{fms_name}.{kind}" in sd:
-                for name, part in projection_to_hf(cfg, fms_name, sd[f"{fms_name}.{kind}"]).items():
+                for name, part in projection_to_hf(model_config, fms_name, sd[f"{fms_name}.{kind}"]).items():
                     out[h + f"{HF_PROJECTIONS[name]}.{kind}"] = part
         for fms_name, hf_name in (("ln", "input_layernorm"), ("ff_ln", "post_attention_layernorm")):
             if f"{fms_name}.{kind}" in sd:
@@ -110,21 +111,21 @@ def _layer_to_hf(cfg: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def hf_tensors(cfg: LLaMAConfig, read: Reader, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+def hf_tensors(model_config: LLaMAConfig, read: TensorReader, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """The HF tensors, one group at a time (embedding and head, then each block), reading only the fms
     tensors each group needs through `read(keys) -> {key: tensor}`."""
     top = {"base_model.embedding.weight": "model.embed_tokens.weight", "base_model.dec_norm.weight": "model.norm.weight"}
-    if not cfg.tie_heads:
+    if not model_config.tie_heads:
         top["head.weight"] = "lm_head.weight"
     got = read([k for k in top if k in keys])
     yield {top[k]: v for k, v in got.items()}
-    for i in range(cfg.nlayers):
+    for i in range(model_config.nlayers):
         prefix = f"base_model.layers.{i}."
         layer = read([k for k in keys if k.startswith(prefix)])
-        yield _layer_to_hf(cfg, i, {k.removeprefix(prefix): v for k, v in layer.items()})
+        yield _layer_to_hf(model_config, i, {k.removeprefix(prefix): v for k, v in layer.items()})
 
 
-def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, dtype: torch.dtype,
+def write_hf_folder(model_config: LLaMAConfig, read: TensorReader, keys: list[str], out: str, dtype: torch.dtype,
                     bos_token_id: Optional[int], eos_token_id: Optional[int], max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Write config.json and safetensors shards of at most max_shard_bytes (with an index when more
     than one) into `out`, atomically: a temporary folder renamed at the end."""
@@ -143,7 +144,7 @@ def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, d
         shards[-1] = {}
 
     index: dict[str, int] = {}
-    for group in hf_tensors(cfg, read, keys):
+    for group in hf_tensors(model_config, read, keys):
         for key, tensor in group.items():
             tensor = tensor.to(dtype).contiguous()
             nbytes = tensor.numel() * tensor.element_size()
@@ -163,7 +164,7 @@ def write_hf_folder(cfg: LLaMAConfig, read: Reader, keys: list[str], out: str, d
             os.replace(tmp / n, tmp / renamed[i])
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": {k: renamed[i] for k, i in sorted(index.items())}}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, bos_token_id, eos_token_id), indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(model_config, dtype, bos_token_id, eos_token_id), indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2))
     if target.exists():  # an empty folder (callers refuse anything else)
@@ -180,24 +181,24 @@ def read_hf_config(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def check_hf_config(hf: dict, cfg: LLaMAConfig, folder: str) -> None:
+def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str) -> None:
     """HFError naming the first dimension where the folder's model and the fms config differ."""
     theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    pairs = {"vocab_size": (hf.get("vocab_size"), cfg.src_vocab_size), "hidden_size": (hf.get("hidden_size"), cfg.emb_dim),
-             "intermediate_size": (hf.get("intermediate_size"), hidden_dim(cfg)),
-             "num_hidden_layers": (hf.get("num_hidden_layers"), cfg.nlayers),
-             "num_attention_heads": (hf.get("num_attention_heads"), cfg.nheads),
-             "num_key_value_heads": (hf.get("num_key_value_heads", hf.get("num_attention_heads")), cfg.kvheads or cfg.nheads),
-             "rope_theta": (float(theta), float(cfg.rope_theta))}
+    pairs = {"vocab_size": (hf.get("vocab_size"), model_config.src_vocab_size), "hidden_size": (hf.get("hidden_size"), model_config.emb_dim),
+             "intermediate_size": (hf.get("intermediate_size"), hidden_dim(model_config)),
+             "num_hidden_layers": (hf.get("num_hidden_layers"), model_config.nlayers),
+             "num_attention_heads": (hf.get("num_attention_heads"), model_config.nheads),
+             "num_key_value_heads": (hf.get("num_key_value_heads", hf.get("num_attention_heads")), model_config.kvheads or model_config.nheads),
+             "rope_theta": (float(theta), float(model_config.rope_theta))}
     for name, (theirs, ours) in pairs.items():
         if theirs != ours:
             raise HFError(f"{folder}: {name} is {theirs} but the model variant has {ours}; "
                           "choose the matching --model_variant (and --vocab_size)")
 
 
-def read_hf_model(folder: str, cfg: LLaMAConfig) -> dict[str, torch.Tensor]:
+def read_hf_model(folder: str, model_config: LLaMAConfig) -> dict[str, torch.Tensor]:
     """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter."""
-    check_hf_config(read_hf_config(folder), cfg, folder)
+    check_hf_config(read_hf_config(folder), model_config, folder)
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise HFError(f"{folder}: no .safetensors weights")
@@ -205,9 +206,9 @@ def read_hf_model(folder: str, cfg: LLaMAConfig) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             sd.update({k: handle.get_tensor(k) for k in handle.keys()})
-    if cfg.tie_heads and "lm_head.weight" not in sd:
+    if model_config.tie_heads and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": cfg}))
+    return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": model_config}))
 
 
 def _variant(load_path: Path, model_variant: Optional[str], vocab_size: Optional[int]) -> tuple[str, Optional[int], dict]:
@@ -242,15 +243,18 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
-    cfg = get_model_config(variant, vocab)
-    with (local_copy(src) if src.is_file() else nullcontext(src)) as readable:  # a remote file: downloaded
-        return _convert(readable, target, cfg, variant, run, load_path, tokenizer_name_or_path, dtype)
+    model_config = get_model_config(variant, vocab)
+    try:
+        with (local_copy(src) if src.is_file() else nullcontext(src)) as readable:  # a remote file: downloaded
+            return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)
+    except CheckpointError as e:  # the checkpoint's files cannot be read (checkpoint/reader.py)
+        raise CheckpointError(f"--load_path: {e}") from None
 
 
-def _convert(src: Path, target: Path, cfg: LLaMAConfig, variant: str, run: dict, load_path: str,
+def _convert(src: Path, target: Path, model_config: LLaMAConfig, variant: str, run: dict, load_path: str,
              tokenizer_name_or_path: Optional[str], dtype: str) -> Path:
     keys, read = model_reader(src)
-    expected = {k: tuple(v.shape) for k, v in build_model(cfg, torch.device("meta")).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
     found = {k: tuple(s) for k, s in keys.items()}
     for key, shape in expected.items():
         if found.get(key) != shape:
@@ -265,25 +269,35 @@ def _convert(src: Path, target: Path, cfg: LLaMAConfig, variant: str, run: dict,
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos
     with publish(target) as tmp:  # object storage too: uploaded, COMPLETE last
-        write_hf_folder(cfg, read, list(expected), str(tmp), DTYPES[dtype], bos, eos)
+        write_hf_folder(model_config, read, list(expected), str(tmp), DTYPES[dtype], bos, eos)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return target
 
 
-def main(load_path: str = "", save_path: str = "", model_variant: Optional[str] = None,
-         vocab_size: Optional[int] = None, tokenizer_name_or_path: Optional[str] = None, dtype: str = "bf16") -> None:
-    """fms checkpoint -> Hugging Face LlamaForCausalLM folder."""
-    try:
-        out = convert(str(load_path), str(save_path), model_variant, vocab_size, tokenizer_name_or_path, str(dtype))
-    except (HFError, CheckpointError, ConfigError, DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"wrote {out}")
-
-
-def cli() -> None:
-    """`fms-to-hf` / fms_to_hf.py: main's flags from the command line."""
-    import fire
-
-    fire.Fire(main)
+def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, spec: LoRASpec, base: str, out: Path) -> Path:
+    """A PEFT LoRA adapter folder for the Hugging Face form of the model (`base`, the --ckpt_load_path it
+    adapts), from a full state with adapters."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key in state:
+        if not key.endswith(".lora_A"):
+            continue
+        layer = key.removesuffix(".lora_A")  # base_model.layers.<i>.<fms projection>
+        i, fms_name = int(layer.split(".")[2]), layer.split(".", 3)[3]
+        a = state[key]
+        for hf_name, part in projection_to_hf(config, fms_name, state[f"{layer}.lora_B"]).items():
+            prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
+            tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
+            tensors[f"{prefix}.lora_B.weight"] = part.contiguous()
+    targets = sorted({hf for path, names in FMS_PROJECTIONS.items() if path.rsplit(".", 1)[-1] in spec.targets
+                      for hf in names})
+    adapter_config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return out

@@ -1,0 +1,71 @@
+"""The model and optimizer of a run, built as training and evaluation build them: fms's LLaMA (on the
+meta device with --low_cpu_fsdp), LoRA's adapters, parallelised over the run's mesh (parallel.py) and
+initialised to the same weights at any mesh (models.init_weights); AdamW and the LR schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fms_fsdp.float8 import Float8Settings, scale_hook
+from fms_fsdp.lora import LoRASpec, add_adapters
+from fms_fsdp.memory import fits_or_warning
+from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
+from fms_fsdp.optim import OptimizerSettings, build_optimizer
+from fms_fsdp.parallel import ParallelSettings, Parallelized, parallelize
+from fms_fsdp.run import Run
+from fms_fsdp.schedule import build_scheduler
+
+
+def build_sharded_model(run: Run) -> CausalLM:
+    """The run's model, parallelised over its mesh and initialised (every rank calls it)."""
+    cfg, device = run.cfg, run.device
+    assert run.mesh is not None, "the process group is up (run.started)"
+    if device.type == "cuda" and run.info.is_main:
+        warning = fits_or_warning(cfg, run.shape, run.model_config, run.info.local_world_size)
+        if warning:
+            run.log(warning)
+    model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
+    n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
+    if not cfg.low_cpu_fsdp:
+        init_weights(model, cfg.seed)
+    done = parallelize(model, ParallelSettings.of(cfg), run.mesh)
+    if cfg.low_cpu_fsdp:
+        model.to_empty(device=device)
+        init_weights(model, cfg.seed)
+    run.log(_describe(run, model, done, n_lora))
+    if cfg.float8 and done.float8 == 0:
+        run.log(f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
+                "features in and out")
+    return model
+
+
+def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
+    """The start-up line about the model: sizes, mesh, and what is on."""
+    cfg, mesh = run.cfg, run.mesh
+    assert mesh is not None
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    checkpointing = "off" if done.checkpointed is None else \
+        f"{done.checkpointed}/{run.model_config.nlayers} blocks, {cfg.ac_mode}"
+    line = (f"model {cfg.model_variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
+            f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}, "
+            f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
+    if cfg.float8:
+        line += f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers"
+    if cfg.lora_rank:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        line += f", LoRA rank {cfg.lora_rank} on {n_lora} layers, {trainable:,} trainable parameters held"
+    return line
+
+
+def build_optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the model's trainable parameters (with float8 all-gather, the scales of the next
+    all-gather computed after each step) and its LR scheduler."""
+    optimizer = build_optimizer(model, OptimizerSettings.of(run.cfg), run.device)
+    float8 = Float8Settings.of(run.cfg)
+    assert run.mesh is not None
+    if float8 is not None and float8.all_gather(run.mesh["shard"].size() > 1):
+        optimizer.register_step_post_hook(scale_hook(model))
+    return optimizer, build_scheduler(optimizer, run.cfg)

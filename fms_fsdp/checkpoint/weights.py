@@ -1,0 +1,88 @@
+"""Initialising a model's weights from --ckpt_load_path (not restoring a run: that is io.py's): a
+checkpoint folder (this project's or fms-fsdp's), a Hugging Face Llama folder, or a .pth /
+.safetensors file holding the model. Single files and Hugging Face folders are read on rank 0 and
+broadcast; checkpoint folders are read by every rank, each its own shards. Every rank calls it."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from fms_fsdp.checkpoint.fused import fuse
+from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config, read_hf_model
+from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
+from fms_fsdp.distributed import agreement_group, on_rank0
+from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.lora import is_adapter
+from fms_fsdp.models import split_full
+from fms_fsdp.storage import local_copy, location, storage_error
+
+# a whole model from one file: read on rank 0 only, each rank receives its shards
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
+    """Load the model's weights (all but LoRA's adapters, which keep their init) from `path`;
+    CheckpointError naming it, on every rank, when it cannot be read or does not fit `model_variant`."""
+    p = location(path, "ckpt_load_path")
+    try:
+        found = p.exists()
+    except Exception as e:  # object storage: no endpoint, no access
+        raise CheckpointError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
+    if not found:
+        raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
+    try:
+        if p.is_dir() and (p / "config.json").is_file():
+            check_hf_config(read_hf_config(p), model.config, str(p))  # on every rank: same verdict
+            full = _read_on_main(p, path, lambda local: read_hf_model(str(local), model.config))
+            _set(model, full, _FROM_RANK0)
+        elif p.is_dir():
+            model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
+            own = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+            dcp.load(fuse({"model_state": own}), storage_reader=safe_reader(p), process_group=agreement_group())
+            _set(model, own, StateDictOptions())
+        else:
+            _set(model, _read_on_main(p, path, read_model), _FROM_RANK0)
+    except CheckpointError:  # already one line naming the path (read on rank 0)
+        raise
+    except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
+        raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
+    except (RuntimeError, KeyError, dcp.CheckpointException) as e:
+        if unreadable(e):
+            raise CheckpointError(f"--ckpt_load_path: {path}: {damage(e)}") from None
+        raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={model_variant}"
+                              f" (vocab {model.config.src_vocab_size}): {first_line(root_cause(e))}") from None
+
+
+def _read_on_main(p: Path, path: str, read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """read() of --ckpt_load_path `path` (at `p`) on rank 0 (downloaded first from object storage:
+    rank 0 reads it whole anyway), {} elsewhere; a failure is one CheckpointError on every rank,
+    none left waiting."""
+    box: list[dict[str, torch.Tensor]] = [{}]
+
+    def work() -> None:
+        try:
+            with local_copy(p) as local:
+                box[0] = read(local)
+        except Exception as e:
+            if not (storage_error(e) or isinstance(e, (ValueError, pickle.UnpicklingError, CheckpointError))):
+                raise
+            raise CheckpointError(first_line(e)) from None
+
+    on_rank0(work, CheckpointError, lambda message: CheckpointError(f"--ckpt_load_path: {path}: {message}"))
+    return box[0]
+
+
+def _set(model: torch.nn.Module, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
+    """Load the model's weights (a whole state dict with fused keys is cut to fit a model built
+    unfused); only LoRA's adapters may be missing (they start from their init)."""
+    result = set_model_state_dict(model, split_full(state, model), options=replace(options, strict=False))
+    missing = [k for k in result.missing_keys if not is_adapter(k)]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")

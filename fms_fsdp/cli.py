@@ -1,0 +1,242 @@
+"""Every command's entry point, and what each kind of error ends in.
+
+| command (console script)      | script                    | what runs                                  |
+|-------------------------------|---------------------------|--------------------------------------------|
+| fms-train                     | main_training.py          | train.run_training (train.dry_run)         |
+| fms-evaluate                  | scripts/evaluate.py       | evaluate.evaluate_checkpoint               |
+| fms-prepare-data              | scripts/prepare_data.py   | data/prepare.prepare_data                  |
+| fms-inspect-data              | scripts/inspect_data.py   | data/inspect.inspect_data                  |
+| fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
+| fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
+| fms-to-hf                     | fms_to_hf.py              | checkpoint/hf.convert                      |
+
+Every command reads its command line alike (flags.py: `--name=value`, typo suggestions, `--help`),
+imports the heavy modules (torch, fms) only once its flags are read, and ends an error a user can act
+on in one line, `error: <message>`, with the exit status of its kind (EXIT_STATUS, also in
+docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
+from fms_fsdp.flags import format_help, parse_args, parse_call
+
+# 2: the input is wrong (a flag, a file, the data): fix it and run again; 1: the work could not be
+# done (a checkpoint or file that cannot be written or read, a diverged or lost run, a tracker)
+EXIT_STATUS: dict[type[Exception], int] = {ConfigError: 2, DataError: 2, HFError: 2, CheckpointError: 1,
+                                           TrainingError: 1, TrackerError: 1}
+USER_ERRORS = tuple(EXIT_STATUS)
+STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
+
+
+def exit_status(error: Exception) -> int:
+    return next(status for kind, status in EXIT_STATUS.items() if isinstance(error, kind))
+
+
+def fail(error: Exception) -> NoReturn:
+    """End the command on a user error: one line from rank 0 (or from the rank that alone found it)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif getattr(error, "every_rank", True) is False:
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    raise SystemExit(exit_status(error)) from None
+
+
+def guarded(work: Callable[[], Any]) -> None:
+    """Run a command's work; its user errors, a lost peer and a storage failure end in one line."""
+    try:
+        work()
+    except USER_ERRORS as e:
+        fail(e)
+    except Exception as e:
+        if "torch" in sys.modules:
+            from fms_fsdp.distributed import lost_peer
+
+            if lost_peer(e):
+                cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". This is typically")[0]  # gloo's path
+                fail(TrainingError(f"lost contact with another rank ({cause}): a process or node of this run died "
+                                   "or hung, its log has the cause; run the same command again to resume from the "
+                                   "last checkpoint", every_rank=False))
+        from fms_fsdp.storage import storage_error
+
+        if not storage_error(e):
+            raise
+        print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+        raise SystemExit(STORAGE_STATUS) from None
+
+
+def quiet_library_noise() -> None:
+    """What torch says at every step of a run that is not the user's business (the commands that train
+    or evaluate call this; library code leaves warnings and loggers alone)."""
+    # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
+    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                            category=FutureWarning)
+    # under tensor parallelism the embedding's output (this rank's part of the sequence) is a view; FSDP2
+    # warns in case it is changed in place, which fms never does
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+    # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _args(argv: Optional[Sequence[str]]) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def training_config(argv: Optional[Sequence[str]] = None) -> Any:
+    """The train_config of a training command line: --help prints the flags (status 0); a bad flag is
+    one line and status 2 on every rank."""
+    args = _args(argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(format_help())
+        raise SystemExit(0)
+    try:
+        return parse_args(args)
+    except ConfigError as e:
+        fail(e)
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def train(argv: Optional[Sequence[str]] = None) -> None:
+    """`fms-train`, main_training.py: flags -> config -> the run (or --dry_run's memory plan). A rank
+    started by torchrun stops (saving, as on a preemption, then failing) if torchrun dies."""
+    cfg = training_config(argv)
+    from fms_fsdp.distributed import LAUNCHER_DIED, exit_with_parent
+    from fms_fsdp.train import dry_run, run_training
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent(LAUNCHER_DIED)
+    quiet_library_noise()
+    guarded(lambda: dry_run(cfg) if cfg.dry_run else run_training(cfg))
+
+
+def evaluate(argv: Optional[Sequence[str]] = None) -> None:
+    """`fms-evaluate`, scripts/evaluate.py: training's flags (--eval_interval not needed)."""
+    args = _args(argv)
+    if any(a.startswith("--eval_data_path") for a in args):
+        args = ["--eval_interval=1", *args]  # evaluating is the point; a given --eval_interval still wins
+    cfg = training_config(args)
+    from fms_fsdp.evaluate import evaluate_checkpoint
+
+    quiet_library_noise()
+    guarded(lambda: evaluate_checkpoint(cfg))
+
+
+# ------------------------------------------------------------------------------------ tools
+# Each tool's flags are the keyword parameters of its function below (flags.parse_call); --help
+# prints its docstring.
+
+
+def tool(func: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
+    """Run a tool function with its command line."""
+    args = _args(argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(f"usage: {func.__doc__}")
+        raise SystemExit(0)
+    try:
+        positional, keywords = parse_call(func, args)
+    except ConfigError as e:
+        fail(e)
+    guarded(lambda: func(*positional, **keywords))
+
+
+def _prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
+                  shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
+    """fms-prepare-data --input=raw/ --output=<data_path>/<dataset> --tokenizer=<folder or byte>
+
+    --input         a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
+                    .parquet (the --text_field column) and .txt/.md files (one document each); types can be mixed
+    --output        <data_path>/<dataset>: the shards; <data_path>/meta/counts_<dataset>.csv lists them
+    --tokenizer     a folder holding tokenizer.json (loaded offline; special tokens are not added), or byte:
+                    token id = byte value of the UTF-8 text (vocabulary 256)
+    --text_field    the JSON key / Parquet column holding the text
+    --shard_tokens  a shard is closed once it holds this many tokens
+    --workers       input files tokenized in parallel (default: the number of CPUs)
+    """
+    from fms_fsdp.data.prepare import prepare_data
+
+    prepare_data(input, output, tokenizer, text_field, shard_tokens, workers)
+
+
+def _inspect_data(data_path: str = "", datasets: Optional[list[str]] = None, vocab_size: Optional[int] = None,
+                  eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+    """fms-inspect-data --data_path=<folder> [--datasets=a,b] [--vocab_size=N]
+
+    --data_path   the folder holding one sub-folder per dataset (and meta/)
+    --datasets    comma list of dataset folders (default: all but meta)
+    --vocab_size  flag ids >= this (not checked when not given)
+    --eos_token   the separator the loader adds after each document (None: none)
+    --bos_token   the token the loader puts before each document (None: none)
+    --col_name    the column holding the token ids
+    """
+    from fms_fsdp.data.inspect import inspect_data
+
+    inspect_data(data_path, datasets, vocab_size, eos_token, bos_token, col_name)
+
+
+def _plot_metrics(*paths: str, o: str = "curves.png", x: str = "step") -> None:
+    """fms-plot-metrics RUN1/metrics.jsonl [RUN2 ...] -o curves.png [--x=tokens]
+
+    RUN         a run's metrics.jsonl or its --ckpt_save_path folder (a path or an object-storage URL)
+    -o          the image to write
+    --x         step or tokens
+    """
+    from fms_fsdp.plot import plot_runs
+
+    print(f"wrote {plot_runs(list(paths), o, x)}")
+
+
+def _export_model(load_path: str = "", save_path: str = "") -> None:
+    """fms-export-model --load_path=<ckpt_save_path>/checkpoints/step_N_ckp --save_path=model.safetensors
+
+    --load_path   a checkpoint folder (this package's or fms-fsdp's; a path or an object-storage URL)
+    --save_path   the safetensors file to write
+    """
+    from fms_fsdp.checkpoint.export import export_checkpoint
+
+    print(export_checkpoint(load_path, save_path))
+
+
+def _to_hf(load_path: str = "", save_path: str = "", model_variant: Optional[str] = None,
+           vocab_size: Optional[int] = None, tokenizer_name_or_path: Optional[str] = None, dtype: str = "bf16") -> None:
+    """fms-to-hf --load_path=<checkpoint folder or model file> --save_path=<new folder>
+
+    --load_path               a checkpoint folder, or a .safetensors/.pth model file
+    --save_path               the Hugging Face folder to write (new, or empty)
+    --model_variant           the variant (default: the one the checkpoint records)
+    --vocab_size              the vocabulary size (default: the one the checkpoint records)
+    --tokenizer_name_or_path  a local tokenizer folder, copied in; its bos/eos ids go to the config
+    --dtype                   bf16, fp32 or fp16
+    """
+    from fms_fsdp.checkpoint.hf import convert
+
+    print(f"wrote {convert(load_path, save_path, model_variant, vocab_size, tokenizer_name_or_path, dtype)}")
+
+
+def prepare_data(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_prepare_data, argv)
+
+
+def inspect_data(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_inspect_data, argv)
+
+
+def plot_metrics(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_plot_metrics, argv)
+
+
+def export_model(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_export_model, argv)
+
+
+def to_hf(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_to_hf, argv)

@@ -1,0 +1,138 @@
+"""The run's facts, worked out once at start-up: where it writes (`Paths`), where this process sits
+(ranks, device, tensor-parallel size, hence the data-parallel rank and size: `DistInfo`), the mesh's
+shape and, once the process group is up, the mesh, the model config and its vocabulary. Modules
+receive the `Run` or the part they need; none derives these again.
+
+`facts` also runs every start-up check that needs more than the flags (config.validate judged the
+flags alone): the model variant, the mesh, what tensor parallelism must divide, the keep policy, the
+device for float8, the profiler and the optimizer's kernels, LoRA, and the tokenizer, each by the
+module that uses it. All of it happens before any process group, data or model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from fms.models.llama import LLaMAConfig
+from torch.distributed.device_mesh import DeviceMesh
+
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.config import train_config
+from fms_fsdp.data.build import check_tokenizer
+from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, world_from_env
+from fms_fsdp.float8 import check_float8
+from fms_fsdp.lora import check_lora
+from fms_fsdp.models import get_model_config
+from fms_fsdp.optim import adamw_kernels
+from fms_fsdp.parallel import MeshShape, build_mesh, check_tensor_parallel, mesh_shape
+from fms_fsdp.profiling import check_profiler
+from fms_fsdp.storage import location
+
+PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
+
+
+@dataclass(frozen=True)
+class Paths:
+    """<ckpt_save_path> (a local Path or an object-storage UPath) and what a run writes there."""
+
+    root: Path
+
+    @staticmethod
+    def of(ckpt_save_path: str) -> "Paths":
+        return Paths(location(ckpt_save_path, "ckpt_save_path"))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "exports"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    def model_file(self, step: int) -> Path:
+        """--export_model_at_end's file."""
+        return self.root / f"model_step_{step}.safetensors"
+
+
+@dataclass(frozen=True)
+class Run:
+    """The facts of one run, the same for every module."""
+
+    cfg: train_config
+    info: DistInfo
+    shape: MeshShape
+    paths: Paths
+    model_config: LLaMAConfig
+    notes: tuple[str, ...] = ()  # start-up notes for rank 0's log (how raw text is framed)
+    mesh: Optional[DeviceMesh] = None  # once the process group is up (`started`)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.src_vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    def log(self, message: str) -> None:
+        """Rank 0 speaks."""
+        if self.info.is_main:
+            print(message, flush=True)
+
+
+def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, ranks per node) of this launch, or in a dry run the
+    --plan_world_size the plan is for."""
+    rank, world_size, local_rank, local_world_size = world_from_env()
+    if cfg.plan_world_size is None or not cfg.dry_run:
+        return rank, world_size, local_rank, local_world_size
+    return rank, cfg.plan_world_size, local_rank, min(cfg.plan_world_size, PLANNED_RANKS_PER_NODE)
+
+
+def facts(cfg: train_config) -> Run:
+    """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
+    data or model is touched."""
+    rank, world_size, local_rank, local_world_size = planned_world(cfg)
+    # a dry run plans for the device asked for, which this machine need not have
+    device = torch.device("cuda" if cfg.device == "cuda" else "cpu") if cfg.dry_run else resolve_device(cfg.device, local_rank)
+    shape = mesh_shape(cfg, world_size, local_world_size)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
+    check_tensor_parallel(cfg, model_config)
+    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
+    if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
+        if cfg.float8:
+            check_float8(device)
+        check_profiler(cfg, device)
+    adamw_kernels(cfg.optimizer_impl, device, cfg.skip_bad_steps)
+    check_lora(cfg)
+    notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
+    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp)
+    return Run(cfg, info, shape, Paths.of(cfg.ckpt_save_path), model_config, notes)
+
+
+def with_mesh(run: Run) -> Run:
+    """The run with its DeviceMesh (the process group must be up; every rank calls it)."""
+    return replace(run, mesh=build_mesh(run.shape, run.device, run.cfg.collective_timeout_minutes))
+
+
+@contextmanager
+def started(run: Run) -> Iterator[Run]:
+    """The process group of `run` (and its mesh) for the block, torn down after it."""
+    start_process_group(run.device, run.cfg.collective_timeout_minutes)
+    try:
+        yield with_mesh(run)
+    finally:
+        dist.destroy_process_group()
