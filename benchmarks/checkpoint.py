@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
+from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
-from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
+from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.guard import StepGuard  # noqa: E402
 from fms_fsdp.run import Run, facts, started  # noqa: E402
 from fms_fsdp.train import train_step  # noqa: E402
@@ -50,12 +50,25 @@ def bench(run: Run) -> None:
     loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)
     model = build_sharded_model(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
-    train_step(model, optimizer, StepGuard(0, None, optimizer, info.device), 1, iter(loader), cfg, info.device,
-               global_norm=False)
+    train_step(
+        model,
+        optimizer,
+        StepGuard(0, None, optimizer, info.device),
+        1,
+        iter(loader),
+        cfg,
+        info.device,
+        global_norm=False,
+    )
     figures = {}
     for mode in ("sync", "async"):
-        ckpt = Checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(cfg, async_checkpoint=mode == "async")),
-                            model, optimizer, scheduler, loader)
+        ckpt = Checkpointer(
+            dataclasses.replace(run, cfg=dataclasses.replace(cfg, async_checkpoint=mode == "async")),
+            model,
+            optimizer,
+            scheduler,
+            loader,
+        )
         stalls, totals = [], []
         for step in (1, 2) if mode == "sync" else (3, 4, 5):
             start = time.perf_counter()
@@ -82,9 +95,12 @@ def bench(run: Run) -> None:
     figures["load_s"] = round(time.perf_counter() - start, 3)
     step, path = complete_checkpoints(root / "checkpoints")[-1]
     figures["bytes"] = sum(p.stat().st_size for p in path.iterdir())
-    run.log(f"BENCH variant={cfg.model_variant} world={info.world_size} device={info.device.type} "
-            + " ".join(f"{k}={v}" for k, v in figures.items()))
+    run.log(
+        f"BENCH variant={cfg.model_variant} world={info.world_size} device={info.device.type} "
+        + " ".join(f"{k}={v}" for k, v in figures.items())
+    )
     dist.barrier()
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -30,9 +30,9 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fms_fsdp.cli import tool  # noqa: E402
+from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import make_config  # noqa: E402
 from fms_fsdp.run import facts  # noqa: E402
-from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.storage import location  # noqa: E402
 
 
@@ -91,8 +91,10 @@ def write_text_data(root: Path, files: int, docs_per_file: int, layout: str) -> 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(sample, trainers.BpeTrainer(
-        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        sample,
+        trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     tok.save(str(root / "tokenizer.json"))
 
 
@@ -131,9 +133,18 @@ def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: s
                 w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
 
 
-def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: int = 50, seconds: float = 20.0,
-         seq_length: int = 4096, batch_size: int = 2, num_workers: int = 0, logical_shards: int = 1024,
-         layout: str = "arrow", upload_to: str = "") -> None:
+def main(
+    data_path: str = "/tmp/bench_data",
+    files: int = 1000,
+    docs_per_file: int = 50,
+    seconds: float = 20.0,
+    seq_length: int = 4096,
+    batch_size: int = 2,
+    num_workers: int = 0,
+    logical_shards: int = 1024,
+    layout: str = "arrow",
+    upload_to: str = "",
+) -> None:
     """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there."""
     root = Path(data_path)
     text = layout.startswith("jsonl")
@@ -150,8 +161,16 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
             print(f"uploading {root / 'bench'} to {upload_to} ...", flush=True)
             remote.fs.put(str(root / "bench"), f"{remote.path}/", recursive=True)
         data_path = upload_to
-    cfg = make_config(data_path=data_path, model_variant="llama2_7b", seq_length=seq_length, batch_size=batch_size,
-                      num_workers=num_workers, logical_shards=logical_shards, file_type="auto", **raw)
+    cfg = make_config(
+        data_path=data_path,
+        model_variant="llama2_7b",
+        seq_length=seq_length,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        logical_shards=logical_shards,
+        file_type="auto",
+        **raw,
+    )
     peak, worker_peak, stop = [rss_anon_mb()], [0.0], threading.Event()
 
     def sample() -> None:
@@ -181,10 +200,13 @@ def main(data_path: str = "/tmp/bench_data", files: int = 1000, docs_per_file: i
         del it  # the workers stop before the tokenizer is timed alone
         alone = tokenizer_speed(root, min(seconds, 10.0))
         figures = f" tokenizer_alone_tokens_per_s={alone / 1e3:.0f}k share={tokens_per_s / alone:.2f}"
-    print(f"BENCH data={data_path} layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
-          f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.3f}M "
-          f"peak_rss_anon_mb={max(peak):.0f} worker_peak_rss_anon_mb={max(worker_peak):.0f} "
-          f"state_kb={state_kb:.1f}{figures}", flush=True)
+    print(
+        f"BENCH data={data_path} layout={layout} files={files} logical_shards={logical_shards} seq={seq_length} batch={batch_size} "
+        f"workers={num_workers} first_batch_s={first_batch:.3f} tokens_per_s={tokens_per_s / 1e6:.3f}M "
+        f"peak_rss_anon_mb={max(peak):.0f} worker_peak_rss_anon_mb={max(worker_peak):.0f} "
+        f"state_kb={state_kb:.1f}{figures}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.config import train_config  # noqa: E402
-from fms_fsdp.flags import parse_args  # noqa: E402
-from fms_fsdp.errors import ConfigError  # noqa: E402
-from fms_fsdp.models import flops_per_token  # noqa: E402
 from fms_fsdp.cli import USER_ERRORS, fail  # noqa: E402
+from fms_fsdp.config import train_config  # noqa: E402
+from fms_fsdp.errors import ConfigError  # noqa: E402
+from fms_fsdp.flags import parse_args  # noqa: E402
+from fms_fsdp.models import flops_per_token  # noqa: E402
 from fms_fsdp.run import facts  # noqa: E402
 from fms_fsdp.train import run_training  # noqa: E402
 
@@ -108,8 +108,10 @@ def bench_one(flags: list[str], skip: int) -> None:
     cfg = parse_args([f"--ckpt_save_path=output/bench/{run_id}", *DEFAULTS, *flags, *FORCED])
     run = facts(cfg)
     if cfg.num_steps < skip + cfg.report_interval:
-        raise ConfigError(f"--num_steps={cfg.num_steps} leaves no report interval after --bench_skip={skip}: "
-                          f"raise it to {skip + cfg.report_interval} or more")
+        raise ConfigError(
+            f"--num_steps={cfg.num_steps} leaves no report interval after --bench_skip={skip}: "
+            f"raise it to {skip + cfg.report_interval} or more"
+        )
     records = [r for r in run_training(cfg) if r["step"] - cfg.report_interval >= skip]
     if os.environ.get("RANK", "0") != "0":
         return

@@ -14,7 +14,7 @@ from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
-from fms_fsdp.parallel import ParallelSettings, Parallelized, parallelize
+from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize
 from fms_fsdp.run import Run
 from fms_fsdp.schedule import build_scheduler
 
@@ -37,8 +37,10 @@ def build_sharded_model(run: Run) -> CausalLM:
         init_weights(model, cfg.seed)
     run.log(_describe(run, model, done, n_lora))
     if cfg.float8 and done.float8 == 0:
-        run.log(f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
-                "features in and out")
+        run.log(
+            f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
+            "features in and out"
+        )
     return model
 
 
@@ -47,11 +49,14 @@ def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str
     cfg, mesh = run.cfg, run.mesh
     assert mesh is not None
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    checkpointing = "off" if done.checkpointed is None else \
-        f"{done.checkpointed}/{run.model_config.nlayers} blocks, {cfg.ac_mode}"
-    line = (f"model {cfg.model_variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
-            f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}, "
-            f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}")
+    checkpointing = (
+        "off" if done.checkpointed is None else f"{done.checkpointed}/{run.model_config.nlayers} blocks, {cfg.ac_mode}"
+    )
+    line = (
+        f"model {cfg.model_variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
+        f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}, "
+        f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}"
+    )
     if cfg.float8:
         line += f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers"
     if cfg.lora_rank:

@@ -30,8 +30,14 @@ from fms_fsdp.flags import format_help, parse_args, parse_call
 
 # 2: the input is wrong (a flag, a file, the data): fix it and run again; 1: the work could not be
 # done (a checkpoint or file that cannot be written or read, a diverged or lost run, a tracker)
-EXIT_STATUS: dict[type[Exception], int] = {ConfigError: 2, DataError: 2, HFError: 2, CheckpointError: 1,
-                                           TrainingError: 1, TrackerError: 1}
+EXIT_STATUS: dict[type[Exception], int] = {
+    ConfigError: 2,
+    DataError: 2,
+    HFError: 2,
+    CheckpointError: 1,
+    TrainingError: 1,
+    TrackerError: 1,
+}
 USER_ERRORS = tuple(EXIT_STATUS)
 STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
 
@@ -62,9 +68,14 @@ def guarded(work: Callable[[], Any]) -> None:
 
             if lost_peer(e):
                 cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". This is typically")[0]  # gloo's path
-                fail(TrainingError(f"lost contact with another rank ({cause}): a process or node of this run died "
-                                   "or hung, its log has the cause; run the same command again to resume from the "
-                                   "last checkpoint", every_rank=False))
+                fail(
+                    TrainingError(
+                        f"lost contact with another rank ({cause}): a process or node of this run died "
+                        "or hung, its log has the cause; run the same command again to resume from the "
+                        "last checkpoint",
+                        every_rank=False,
+                    )
+                )
         from fms_fsdp.storage import storage_error
 
         if not storage_error(e):
@@ -77,8 +88,9 @@ def quiet_library_noise() -> None:
     """What torch says at every step of a run that is not the user's business (the commands that train
     or evaluate call this; library code leaves warnings and loggers alone)."""
     # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
-    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
+    )
     # under tensor parallelism the embedding's output (this rank's part of the sequence) is a view; FSDP2
     # warns in case it is changed in place, which fms never does
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
@@ -149,8 +161,14 @@ def tool(func: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None
     guarded(lambda: func(*positional, **keywords))
 
 
-def _prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
-                  shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
+def _prepare_data(
+    input: str = "",
+    output: str = "",
+    tokenizer: str = "",
+    text_field: str = "text",
+    shard_tokens: int = 100_000_000,
+    workers: Optional[int] = None,
+) -> None:
     """fms-prepare-data --input=raw/ --output=<data_path>/<dataset> --tokenizer=<folder or byte>
 
     --input         a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
@@ -167,8 +185,14 @@ def _prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_f
     prepare_data(input, output, tokenizer, text_field, shard_tokens, workers)
 
 
-def _inspect_data(data_path: str = "", datasets: Optional[list[str]] = None, vocab_size: Optional[int] = None,
-                  eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+def _inspect_data(
+    data_path: str = "",
+    datasets: Optional[list[str]] = None,
+    vocab_size: Optional[int] = None,
+    eos_token: Optional[int] = 0,
+    bos_token: Optional[int] = None,
+    col_name: str = "tokens",
+) -> None:
     """fms-inspect-data --data_path=<folder> [--datasets=a,b] [--vocab_size=N]
 
     --data_path   the folder holding one sub-folder per dataset (and meta/)
@@ -206,8 +230,14 @@ def _export_model(load_path: str = "", save_path: str = "") -> None:
     print(export_checkpoint(load_path, save_path))
 
 
-def _to_hf(load_path: str = "", save_path: str = "", model_variant: Optional[str] = None,
-           vocab_size: Optional[int] = None, tokenizer_name_or_path: Optional[str] = None, dtype: str = "bf16") -> None:
+def _to_hf(
+    load_path: str = "",
+    save_path: str = "",
+    model_variant: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    tokenizer_name_or_path: Optional[str] = None,
+    dtype: str = "bf16",
+) -> None:
     """fms-to-hf --load_path=<checkpoint folder or model file> --save_path=<new folder>
 
     --load_path               a checkpoint folder, or a .safetensors/.pth model file

@@ -38,17 +38,30 @@ class train_config:
     """Every setting of a training run. Field names and meanings follow IBM's fms-fsdp."""
 
     # model
-    model_variant: str = _f("llama2_7b", "Model variant (e.g. llama2_7b, llama3_8b, 7b, tiny); see docs/configuration.md.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).", min=1)
+    model_variant: str = _f(
+        "llama2_7b", "Model variant (e.g. llama2_7b, llama3_8b, 7b, tiny); see docs/configuration.md."
+    )
+    vocab_size: Optional[int] = _f(
+        None, "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).", min=1
+    )
 
     # data
-    use_dummy_dataset: bool = _f(False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests).")
-    data_path: str = _f("/fsx/data", "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder of Arrow/Parquet shards (or raw text) per dataset.")
+    use_dummy_dataset: bool = _f(
+        False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests)."
+    )
+    data_path: str = _f(
+        "/fsx/data",
+        "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder of Arrow/Parquet shards (or raw text) per dataset.",
+    )
     file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
     col_name: str = _f("tokens", "Column holding the token ids.")
-    text_field: str = _f("text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).")
+    text_field: str = _f(
+        "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path)."
+    )
     datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
-    weights: Optional[list[float]] = _f(None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens).")
+    weights: Optional[list[float]] = _f(
+        None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens)."
+    )
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
     bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
     eos_token: int = _f(0, "Token id separating documents.", min=0)
@@ -59,23 +72,60 @@ class train_config:
     num_workers: int = _f(1, "Data loader worker processes per rank.", min=0)
 
     # parallelism
-    device: str = _f("auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu"))
-    sharding_strategy: str = _f("hsdp", "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only.", choices=("fsdp", "hsdp", "ddp"))
-    sharding_group_size: Optional[int] = _f(None, "Data-parallel ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE / --tensor_parallel_size).", min=1)
-    tensor_parallel_size: int = _f(1, "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.", min=1)
-    fsdp_activation_checkpointing: bool = _f(False, "Checkpoint activations of the blocks chosen by selective_checkpointing.")
+    device: str = _f(
+        "auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu")
+    )
+    sharding_strategy: str = _f(
+        "hsdp",
+        "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only.",
+        choices=("fsdp", "hsdp", "ddp"),
+    )
+    sharding_group_size: Optional[int] = _f(
+        None,
+        "Data-parallel ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE / --tensor_parallel_size).",
+        min=1,
+    )
+    tensor_parallel_size: int = _f(
+        1,
+        "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.",
+        min=1,
+    )
+    fsdp_activation_checkpointing: bool = _f(
+        False, "Checkpoint activations of the blocks chosen by selective_checkpointing."
+    )
     selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.")
-    ac_mode: str = _f("block", "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).", choices=("block", "op"))
+    ac_mode: str = _f(
+        "block",
+        "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).",
+        choices=("block", "op"),
+    )
     mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights, gradient reduction and optimizer state.")
-    float8: bool = _f(False, "Float8 matmuls in the blocks' Linear layers through torchao (extra float8; a GPU of compute capability 8.9+, emulated on CPU); checkpoints and exports stay the same.")
-    float8_recipe: str = _f("tensorwise", "Float8 scaling: tensorwise (one scale per tensor; weights all-gathered in float8) or rowwise (one per row: more accurate, slower).", choices=("tensorwise", "rowwise"))
-    float8_min_size: int = _f(2048, "Only Linear layers with at least this many input and output features use float8 (smaller ones are slower in float8; 2048 from torchao's H100 tables).", min=16)
-    collective_timeout_minutes: Optional[float] = _f(None, "A training collective (FSDP's, the loss report, the finite check) that waits longer fails the run with one line naming the lost peer, e.g. when a node dies without closing its connections (default: torch's, 10 min for NCCL, 30 for gloo; checkpoint and rank-0 work keep 30 min).", min=0.05)
+    float8: bool = _f(
+        False,
+        "Float8 matmuls in the blocks' Linear layers through torchao (extra float8; a GPU of compute capability 8.9+, emulated on CPU); checkpoints and exports stay the same.",
+    )
+    float8_recipe: str = _f(
+        "tensorwise",
+        "Float8 scaling: tensorwise (one scale per tensor; weights all-gathered in float8) or rowwise (one per row: more accurate, slower).",
+        choices=("tensorwise", "rowwise"),
+    )
+    float8_min_size: int = _f(
+        2048,
+        "Only Linear layers with at least this many input and output features use float8 (smaller ones are slower in float8; 2048 from torchao's H100 tables).",
+        min=16,
+    )
+    collective_timeout_minutes: Optional[float] = _f(
+        None,
+        "A training collective (FSDP's, the loss report, the finite check) that waits longer fails the run with one line naming the lost peer, e.g. when a node dies without closing its connections (default: torch's, 10 min for NCCL, 30 for gloo; checkpoint and rank-0 work keep 30 min).",
+        min=0.05,
+    )
     low_cpu_fsdp: bool = _f(False, "Build the model on the meta device; each rank materialises only its shard.")
     use_torch_compile: bool = _f(True, "torch.compile each transformer block.")
 
     # training
-    batch_size: int = _f(2, "Sequences per micro-batch per GPU (per tensor-parallel group with --tensor_parallel_size).", min=1)
+    batch_size: int = _f(
+        2, "Sequences per micro-batch per GPU (per tensor-parallel group with --tensor_parallel_size).", min=1
+    )
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
     num_steps: int = _f(1000000, "Optimizer steps to train.", min=1)
     seed: int = _f(2023, "Random seed for weights and data.", min=0)
@@ -87,66 +137,178 @@ class train_config:
     adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0)
     adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
-    optimizer_impl: str = _f("auto", "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.", choices=("auto", "fused", "foreach"))
-    skip_bad_steps: int = _f(0, "Skip (no optimizer update) a step whose global gradient norm is not finite or spikes (see spike_sigma), up to this many in a row, then stop; 0: a non-finite step stops the run.", min=0)
-    spike_sigma: Optional[float] = _f(6.0, "With skip_bad_steps: a gradient norm more than this many standard deviations above the mean of the last 128 kept steps is a spike (none: skip non-finite steps only).", min=0.0)
-    weight_decay_norms_and_embeddings: bool = _f(True, "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).")
+    optimizer_impl: str = _f(
+        "auto",
+        "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.",
+        choices=("auto", "fused", "foreach"),
+    )
+    skip_bad_steps: int = _f(
+        0,
+        "Skip (no optimizer update) a step whose global gradient norm is not finite or spikes (see spike_sigma), up to this many in a row, then stop; 0: a non-finite step stops the run.",
+        min=0,
+    )
+    spike_sigma: Optional[float] = _f(
+        6.0,
+        "With skip_bad_steps: a gradient norm more than this many standard deviations above the mean of the last 128 kept steps is a spike (none: skip non-finite steps only).",
+        min=0.0,
+    )
+    weight_decay_norms_and_embeddings: bool = _f(
+        True,
+        "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).",
+    )
 
     # evaluation
-    eval_data_path: Optional[str] = _f(None, "Held-out data, laid out as --data_path (every sub-folder is an eval dataset unless --eval_datasets names them).")
+    eval_data_path: Optional[str] = _f(
+        None,
+        "Held-out data, laid out as --data_path (every sub-folder is an eval dataset unless --eval_datasets names them).",
+    )
     eval_datasets: Optional[list[str]] = _f(None, "Eval dataset folders under eval_data_path (default: all).")
-    eval_interval: int = _f(0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0)
-    eval_batches: int = _f(0, "Lines evaluated per dataset: the first eval_batches x eval_batch_size, shared by the ranks (0: every line, one full pass).", min=0)
-    eval_batch_size: Optional[int] = _f(None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1)
+    eval_interval: int = _f(
+        0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0
+    )
+    eval_batches: int = _f(
+        0,
+        "Lines evaluated per dataset: the first eval_batches x eval_batch_size, shared by the ranks (0: every line, one full pass).",
+        min=0,
+    )
+    eval_batch_size: Optional[int] = _f(
+        None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1
+    )
 
     # learning-rate schedule
-    training_stage: str = _f("initial", "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.", choices=("initial", "annealing"))
-    lr_schedule: str = _f("cosine", "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).", choices=("cosine", "linear", "inv_sqrt", "wsd", "constant"))
-    lr_cycles: int = _f(1, "Run the schedule this many times over num_steps, each cycle warming up again (Levanter's cycles); warmup_steps and decay_steps then count per cycle.", min=1)
-    warmup_steps: Optional[int] = _f(None, "Quadratic warmup steps (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).", min=0)
-    decay_steps: Optional[int] = _f(None, "wsd only: steps of the final decay (default: a fifth of the run or cycle).", min=0)
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0)
+    training_stage: str = _f(
+        "initial",
+        "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.",
+        choices=("initial", "annealing"),
+    )
+    lr_schedule: str = _f(
+        "cosine",
+        "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).",
+        choices=("cosine", "linear", "inv_sqrt", "wsd", "constant"),
+    )
+    lr_cycles: int = _f(
+        1,
+        "Run the schedule this many times over num_steps, each cycle warming up again (Levanter's cycles); warmup_steps and decay_steps then count per cycle.",
+        min=1,
+    )
+    warmup_steps: Optional[int] = _f(
+        None,
+        "Quadratic warmup steps (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).",
+        min=0,
+    )
+    decay_steps: Optional[int] = _f(
+        None, "wsd only: steps of the final decay (default: a fifth of the run or cycle).", min=0
+    )
+    min_lr_ratio: float = _f(
+        0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0
+    )
 
     # checkpoints
-    ckpt_load_path: Optional[str] = _f(None, "Initialise the model (only) from a checkpoint folder, a Hugging Face folder or a .pth/.safetensors file (a path or an s3://... URL), when ckpt_save_path holds no checkpoint to resume.")
-    ckpt_save_path: str = _f("output", "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present), exports; a path or an object-storage URL (s3://bucket/prefix, gs://, az://).")
-    checkpoint_interval: Union[int, str] = _f(10000, "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks); auto: the time between saves that loses least to failures plus saving, sqrt(2 x save stall x expected_hours_between_failures) (Young), re-estimated from each measured save stall.", min=0)
-    checkpoint_minutes: Optional[float] = _f(None, "Also save when this many minutes have passed since the last save.", min=0.0)
-    expected_hours_between_failures: Optional[float] = _f(None, "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).", min=0.0)
+    ckpt_load_path: Optional[str] = _f(
+        None,
+        "Initialise the model (only) from a checkpoint folder, a Hugging Face folder or a .pth/.safetensors file (a path or an s3://... URL), when ckpt_save_path holds no checkpoint to resume.",
+    )
+    ckpt_save_path: str = _f(
+        "output",
+        "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present), exports; a path or an object-storage URL (s3://bucket/prefix, gs://, az://).",
+    )
+    checkpoint_interval: Union[int, str] = _f(
+        10000,
+        "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks); auto: the time between saves that loses least to failures plus saving, sqrt(2 x save stall x expected_hours_between_failures) (Young), re-estimated from each measured save stall.",
+        min=0,
+    )
+    checkpoint_minutes: Optional[float] = _f(
+        None, "Also save when this many minutes have passed since the last save.", min=0.0
+    )
+    expected_hours_between_failures: Optional[float] = _f(
+        None,
+        "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).",
+        min=0.0,
+    )
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
-    checkpoint_keep_policy: str = _f("", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.")
+    checkpoint_keep_policy: str = _f(
+        "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'."
+    )
     async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.")
-    on_checkpoint_error: str = _f("stop", "A failed save stops the run (stop) or is reported and skipped (warn).", choices=("stop", "warn"))
-    export_model_at_end: bool = _f(False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors.")
-    export_interval: int = _f(0, "Also export the whole model every this many steps (0: never) to <ckpt_save_path>/exports/step_<N> (fms: model.safetensors; hf: a Hugging Face folder).", min=0)
-    export_format: str = _f("fms", "Periodic exports as fms (one safetensors file of this package's weights) or hf (config.json, model.safetensors and, with --tokenizer_path, the tokenizer: a folder transformers loads).", choices=("fms", "hf"))
+    on_checkpoint_error: str = _f(
+        "stop", "A failed save stops the run (stop) or is reported and skipped (warn).", choices=("stop", "warn")
+    )
+    export_model_at_end: bool = _f(
+        False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors."
+    )
+    export_interval: int = _f(
+        0,
+        "Also export the whole model every this many steps (0: never) to <ckpt_save_path>/exports/step_<N> (fms: model.safetensors; hf: a Hugging Face folder).",
+        min=0,
+    )
+    export_format: str = _f(
+        "fms",
+        "Periodic exports as fms (one safetensors file of this package's weights) or hf (config.json, model.safetensors and, with --tokenizer_path, the tokenizer: a folder transformers loads).",
+        choices=("fms", "hf"),
+    )
     export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
-    tokenizer_path: Optional[str] = _f(None, "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.")
+    tokenizer_path: Optional[str] = _f(
+        None,
+        "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.",
+    )
 
     # LoRA
-    lora_rank: int = _f(0, "LoRA: train rank-r adapters of --lora_targets, every other weight frozen, from --ckpt_load_path (0: train every weight).", min=0)
+    lora_rank: int = _f(
+        0,
+        "LoRA: train rank-r adapters of --lora_targets, every other weight frozen, from --ckpt_load_path (0: train every weight).",
+        min=0,
+    )
     lora_alpha: float = _f(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank.", min=0.0)
     lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (< 1).", min=0.0)
-    lora_targets: list[str] = _f(["qkv_fused", "dense", "wg1_fused", "w2"], "LoRA: the block layers adapted (fms names: qkv_fused = q/k/v, dense = attention output, wg1_fused = gate/up, w2 = down).")
+    lora_targets: list[str] = _f(
+        ["qkv_fused", "dense", "wg1_fused", "w2"],
+        "LoRA: the block layers adapted (fms names: qkv_fused = q/k/v, dense = attention output, wg1_fused = gate/up, w2 = down).",
+    )
 
     # memory plan
-    dry_run: bool = _f(False, "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.")
-    plan_world_size: Optional[int] = _f(None, "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).", min=1)
-    plan_device_memory_gib: Optional[float] = _f(None, "Device memory per rank the plan is checked against, GiB (default: the visible GPU's, else this machine's memory over its ranks).", min=0.001)
+    dry_run: bool = _f(
+        False,
+        "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.",
+    )
+    plan_world_size: Optional[int] = _f(
+        None,
+        "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).",
+        min=1,
+    )
+    plan_device_memory_gib: Optional[float] = _f(
+        None,
+        "Device memory per rank the plan is checked against, GiB (default: the visible GPU's, else this machine's memory over its ranks).",
+        min=0.001,
+    )
 
     # metrics
     report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
-    peak_tflops: Optional[float] = _f(None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0)
-    tracker: Optional[list[str]] = _f(None, "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.", choices=TRACKERS)
+    peak_tflops: Optional[float] = _f(
+        None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0
+    )
+    tracker: Optional[list[str]] = _f(
+        None,
+        "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.",
+        choices=TRACKERS,
+    )
     tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).")
     tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.")
-    tracker_run_id: Optional[str] = _f(None, "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).")
+    tracker_run_id: Optional[str] = _f(
+        None,
+        "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).",
+    )
 
     # profiler
-    use_profiler: bool = _f(False, "Record torch.profiler traces (CPU and CUDA) of the 4th to 6th steps this process trains (after one skipped and two warm-up steps; a resumed run counts from where it resumed).")
+    use_profiler: bool = _f(
+        False,
+        "Record torch.profiler traces (CPU and CUDA) of the 4th to 6th steps this process trains (after one skipped and two warm-up steps; a resumed run counts from where it resumed).",
+    )
     profiler_rank0_only: bool = _f(True, "Profile rank 0 only (else every rank writes its own trace).")
     profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
-    profiler_memory_snapshot: bool = _f(False, "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).")
+    profiler_memory_snapshot: bool = _f(
+        False,
+        "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).",
+    )
 
 
 # fms-fsdp flags that scripts pass and that mean nothing here: accepted, with a note, and dropped
@@ -156,6 +318,8 @@ IGNORED_FMS_FSDP_FLAGS = {
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(train_config)}
 HINTS: dict[str, Any] = typing.get_type_hints(train_config)
+
+
 def parse_fraction(name: str, value: str) -> Fraction:
     """Parse '1', '0.5' or '1/3' exactly (no eval)."""
     try:
@@ -181,38 +345,48 @@ def validate(cfg: train_config) -> None:
     if cfg.lr_cycles > cfg.num_steps:
         raise ConfigError(f"--lr_cycles={cfg.lr_cycles} is more than --num_steps={cfg.num_steps}")
     if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps // cfg.lr_cycles:
-        raise ConfigError(f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}" + (
-            "" if cfg.lr_cycles == 1 else f" / --lr_cycles={cfg.lr_cycles}, the steps of a cycle"))
+        raise ConfigError(
+            f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}"
+            + ("" if cfg.lr_cycles == 1 else f" / --lr_cycles={cfg.lr_cycles}, the steps of a cycle")
+        )
     if cfg.min_lr_ratio > 1:
         raise ConfigError(f"--min_lr_ratio: must be <= 1, got {cfg.min_lr_ratio}")
     parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
     if cfg.weights is not None and any(w <= 0 for w in cfg.weights):
         raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")
     if cfg.weights is not None and cfg.datasets is not None and len(cfg.weights) != len(cfg.datasets):
-        raise ConfigError(
-            f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets"
-        )
+        raise ConfigError(f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets")
     _check_trackers(cfg)
     if (cfg.eval_interval > 0) != (cfg.eval_data_path is not None):
-        raise ConfigError("--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
-                          "on that data) or neither")
+        raise ConfigError(
+            "--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
+            "on that data) or neither"
+        )
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
         raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")
     if cfg.checkpoint_interval == "auto" and cfg.checkpoint_minutes is not None:
         raise ConfigError("--checkpoint_interval=auto chooses the time between saves: drop --checkpoint_minutes")
     if cfg.checkpoint_interval == 0 and cfg.checkpoint_minutes is not None:
-        raise ConfigError("--checkpoint_minutes needs checkpoints: --checkpoint_interval=0 saves none; "
-                          "set a --checkpoint_interval (e.g. 1000000 to save by time only)")
+        raise ConfigError(
+            "--checkpoint_minutes needs checkpoints: --checkpoint_interval=0 saves none; "
+            "set a --checkpoint_interval (e.g. 1000000 to save by time only)"
+        )
     if cfg.tokenizer_path is not None and not Path(cfg.tokenizer_path).exists():
-        raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)")
+        raise ConfigError(
+            f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)"
+        )
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
     if _in_object_storage(cfg.ckpt_save_path):  # the trackers' and the profiler's files need a local folder
-        for flag, used, given in (("tracker_dir", cfg.tracker, cfg.tracker_dir), ("profiler_dir", cfg.use_profiler,
-                                                                                  cfg.profiler_dir)):
+        for flag, used, given in (
+            ("tracker_dir", cfg.tracker, cfg.tracker_dir),
+            ("profiler_dir", cfg.use_profiler, cfg.profiler_dir),
+        ):
             if used and (given is None or _in_object_storage(given)):
-                raise ConfigError(f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
-                                  "storage, where these files cannot be written as they grow")
+                raise ConfigError(
+                    f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
+                    "storage, where these files cannot be written as they grow"
+                )
 
 
 def _in_object_storage(path: str) -> bool:
@@ -227,8 +401,10 @@ def _check_trackers(cfg: train_config) -> None:
         if names.count(name) > 1:
             raise ConfigError(f"--tracker: {name} is named twice")
         if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"--tracker={name}: the {name} package is not installed; pip install {name} "
-                              f"(or drop {name} from --tracker)")
+            raise ConfigError(
+                f"--tracker={name}: the {name} package is not installed; pip install {name} "
+                f"(or drop {name} from --tracker)"
+            )
 
 
 def to_dict(cfg: train_config) -> dict[str, Any]:
@@ -239,5 +415,3 @@ def to_dict(cfg: train_config) -> dict[str, Any]:
 def to_yaml(cfg: train_config) -> str:
     """The config as YAML text, as saved to <ckpt_save_path>/config.yaml and read back by --config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-

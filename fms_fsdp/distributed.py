@@ -98,8 +98,12 @@ def world_from_env() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, local world size) from torchrun's environment; one process
     without it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")),
-            int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    return (
+        int(os.environ.get("RANK", "0")),
+        world,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+    )
 
 
 def collective_timeout(minutes: Optional[float]) -> Optional[timedelta]:
@@ -112,8 +116,14 @@ def start_process_group(device: torch.device, timeout_minutes: Optional[float] =
     `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
     environment, the environment of a single process on localhost is set up first."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     timeout = collective_timeout(timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -140,8 +150,9 @@ def agreement_group() -> Optional[dist.ProcessGroup]:
     return _AGREEMENT[1]
 
 
-def failures(error: Optional[BaseException], kind: Callable[[BaseException], str] = lambda e: "error"
-             ) -> list[Optional[tuple[str, str]]]:
+def failures(
+    error: Optional[BaseException], kind: Callable[[BaseException], str] = lambda e: "error"
+) -> list[Optional[tuple[str, str]]]:
     """Every rank's failure as (kind(error), its first line), None for a rank without one, on every rank
     (every rank calls it)."""
     mine = None if error is None else (kind(error), first_line(error))
@@ -153,8 +164,12 @@ def failures(error: Optional[BaseException], kind: Callable[[BaseException], str
     return every
 
 
-def on_rank0(work: Callable[[], T], expected: Union[type, Callable[[BaseException], bool]],
-             reraise: Callable[[str], Exception], timeout: timedelta = AGREEMENT_TIMEOUT) -> T:
+def on_rank0(
+    work: Callable[[], T],
+    expected: Union[type, Callable[[BaseException], bool]],
+    reraise: Callable[[str], Exception],
+    timeout: timedelta = AGREEMENT_TIMEOUT,
+) -> T:
     """work() on rank 0 only (every rank calls this); its result on every rank, which waits up to
     `timeout` for it. When it raises, every rank raises reraise(first line of the message), so none
     waits for rank 0; rank 0 keeps its own traceback for an error that is not `expected` (an

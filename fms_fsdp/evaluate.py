@@ -61,8 +61,11 @@ def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarra
         raise DataError(f"--eval_data_path: {ds.root / ds.name} has no document to evaluate", every_rank=True)
     stream = np.concatenate(pieces)
     if int(stream.max()) >= packing.vocab_size:
-        raise DataError(f"--eval_data_path: {ds.root / ds.name} holds token id {int(stream.max())}, not below the "
-                        f"vocabulary size {packing.vocab_size}", every_rank=True)
+        raise DataError(
+            f"--eval_data_path: {ds.root / ds.name} holds token id {int(stream.max())}, not below the "
+            f"vocabulary size {packing.vocab_size}",
+            every_rank=True,
+        )
     n = -(-len(stream) // body)
     lines = np.full((n, body), _PAD, np.int64)
     lines.reshape(-1)[: len(stream)] = stream
@@ -89,8 +92,12 @@ class Evaluator:
         assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
         names = list_datasets(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
         layout = layout_of(cfg)
-        entries = on_rank0(lambda: scan(path, names, layout, "eval_data_path"), DataError,
-                           lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=1))
+        entries = on_rank0(
+            lambda: scan(path, names, layout, "eval_data_path"),
+            DataError,
+            lambda message: DataError(message, every_rank=True),
+            timeout=timedelta(hours=1),
+        )
         packing = packing_of(cfg, run.vocab_size)
         limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
         for name in names:
@@ -129,7 +136,6 @@ class Evaluator:
         return record
 
 
-
 def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
     """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
     folder), built as training builds it, evaluated on --eval_data_path by every rank of the launch
@@ -138,8 +144,10 @@ def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
     if not cfg.ckpt_load_path or not cfg.eval_data_path:
         raise ConfigError("--ckpt_load_path and --eval_data_path are needed: the weights to evaluate and the data")
     if cfg.lora_rank:
-        raise ConfigError("evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
-                          "merged export (model_step_<N>.safetensors or exports/step_<N>)")
+        raise ConfigError(
+            "evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
+            "merged export (model_step_<N>.safetensors or exports/step_<N>)"
+        )
     with started(facts(cfg)) as run:
         evaluator = Evaluator(run)
         model = build_sharded_model(run)

@@ -96,7 +96,9 @@ def coerce(name: str, value: Any) -> Any:
     return coerce_to(name, HINTS[name], value)
 
 
-def _unknown(name: str, source: str, known: Sequence[str] = tuple(FIELDS), where: str = "docs/configuration.md") -> ConfigError:
+def _unknown(
+    name: str, source: str, known: Sequence[str] = tuple(FIELDS), where: str = "docs/configuration.md"
+) -> ConfigError:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean --{close[0]}?" if close else f"; see {where} for the flags"
     return ConfigError(f"unknown flag --{name}{source}{hint}")
@@ -105,8 +107,10 @@ def _unknown(name: str, source: str, known: Sequence[str] = tuple(FIELDS), where
 def _note_ignored(name: str, source: str = "") -> None:
     """An fms-fsdp flag accepted and dropped: a note from rank 0."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: --{name}{source} is accepted for fms-fsdp scripts and ignored: {IGNORED_FMS_FSDP_FLAGS[name]}",
-              file=sys.stderr)
+        print(
+            f"note: --{name}{source} is accepted for fms-fsdp scripts and ignored: {IGNORED_FMS_FSDP_FLAGS[name]}",
+            file=sys.stderr,
+        )
 
 
 def _read_yaml(path: Path, includers: tuple[Path, ...]) -> Any:
@@ -168,8 +172,9 @@ def load_config_file(path: str) -> dict[str, Any]:
     return flat
 
 
-def _split_argv(argv: Sequence[str], hints: Mapping[str, Any], positional: bool = False
-                ) -> tuple[list[str], list[tuple[str, Optional[str]]]]:
+def _split_argv(
+    argv: Sequence[str], hints: Mapping[str, Any], positional: bool = False
+) -> tuple[list[str], list[tuple[str, Optional[str]]]]:
     """Turn ['--a=1', '--b', '2', '--flag', '--noflag', '-o', 'x'] into positional arguments (when
     `positional`) and (name, raw value or None) pairs; `hints` gives the types (a bare boolean flag is
     true, --noflag false; a one-letter flag may be written -o value)."""

@@ -45,8 +45,10 @@ def check_float8(device: torch.device) -> None:
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
-            raise ConfigError(f"--float8=True needs a GPU of compute capability 8.9 or more (H100, H200, L4, B200); "
-                              f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
+            raise ConfigError(
+                f"--float8=True needs a GPU of compute capability 8.9 or more (H100, H200, L4, B200); "
+                f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+            )
 
 
 def float8_filter(min_size: int) -> Callable[[nn.Module, str], bool]:
@@ -82,8 +84,11 @@ class Float8Settings:
 def convert_to_float8(model: nn.Module, settings: Float8Settings, device_type: str, sharded: bool) -> int:
     """Convert the chosen Linear layers in place (before FSDP wraps them); returns how many."""
     float8 = _torchao_float8()
-    config = replace(float8.Float8LinearConfig.from_recipe_name(settings.recipe), emulate=device_type != "cuda",
-                     enable_fsdp_float8_all_gather=settings.all_gather(sharded))
+    config = replace(
+        float8.Float8LinearConfig.from_recipe_name(settings.recipe),
+        emulate=device_type != "cuda",
+        enable_fsdp_float8_all_gather=settings.all_gather(sharded),
+    )
     chosen = float8_filter(settings.min_size)
     count = sum(chosen(m, name) for name, m in model.named_modules())
     float8.convert_to_float8_training(model, config=config, module_filter_fn=chosen)

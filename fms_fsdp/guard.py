@@ -26,8 +26,9 @@ _NONE = 2**62
 class StepGuard:
     """Judges each step after its gradients are clipped and before the optimizer applies them."""
 
-    def __init__(self, skip_bad_steps: int, spike_sigma: Optional[float], optimizer: torch.optim.Optimizer,
-                 device: torch.device):
+    def __init__(
+        self, skip_bad_steps: int, spike_sigma: Optional[float], optimizer: torch.optim.Optimizer, device: torch.device
+    ):
         self.limit, self.sigma = skip_bad_steps, spike_sigma
         self.optimizer = optimizer
         self.first_stop = torch.full((), _NONE, dtype=torch.int64, device=device)
@@ -81,9 +82,15 @@ class StepGuard:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if int(first) == _NONE:
             return
-        what = "the loss or gradient norm is not finite" if not self.skipping else (
-            f"{self.limit + 1} bad steps in a row (gradient norm not finite"
-            + ("" if self.sigma is None else f" or over {self.sigma:g} sigma above its recent mean")
-            + f"; --skip_bad_steps={self.limit})")
-        raise TrainingError(f"step {int(first)}: {what}; lower --learning_rate, check the data, "
-                            "or resume from an earlier checkpoint")
+        what = (
+            "the loss or gradient norm is not finite"
+            if not self.skipping
+            else (
+                f"{self.limit + 1} bad steps in a row (gradient norm not finite"
+                + ("" if self.sigma is None else f" or over {self.sigma:g} sigma above its recent mean")
+                + f"; --skip_bad_steps={self.limit})"
+            )
+        )
+        raise TrainingError(
+            f"step {int(first)}: {what}; lower --learning_rate, check the data, or resume from an earlier checkpoint"
+        )

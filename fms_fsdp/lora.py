@@ -62,15 +62,21 @@ def check_lora(cfg: train_config) -> None:
     if not cfg.lora_rank:
         return
     if not cfg.ckpt_load_path:
-        raise ConfigError("--lora_rank needs the model to adapt: set --ckpt_load_path (a Hugging Face folder, a "
-                          "checkpoint of this package or an export)")
+        raise ConfigError(
+            "--lora_rank needs the model to adapt: set --ckpt_load_path (a Hugging Face folder, a "
+            "checkpoint of this package or an export)"
+        )
     if cfg.float8:
-        raise ConfigError("--lora_rank with --float8 is not supported: torchao's float8 layers drop the adapters; "
-                          "use one or the other")
+        raise ConfigError(
+            "--lora_rank with --float8 is not supported: torchao's float8 layers drop the adapters; "
+            "use one or the other"
+        )
     unknown = [t for t in cfg.lora_targets if t not in TARGETS]
     if unknown or not cfg.lora_targets:
-        raise ConfigError(f"--lora_targets: unknown {', '.join(unknown) or '(none given)'}; choose from "
-                          f"{', '.join(TARGETS)} (q/k/v, attention output, gate/up, down projections)")
+        raise ConfigError(
+            f"--lora_targets: unknown {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(TARGETS)} (q/k/v, attention output, gate/up, down projections)"
+        )
 
 
 def add_adapters(model: nn.Module, spec: LoRASpec) -> int:

@@ -52,8 +52,9 @@ def chunk_tokens(n_tokens: int, vocab_size: int, max_bytes: int = CHUNK_BYTES) -
     return even if 2 * even >= uneven else uneven
 
 
-def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor,
-                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _summed_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's fp32 logits, their log-sum-exp, the valid-label mask and targets ([C, 1] each), and
     the summed cross entropy over labels != IGNORE_INDEX."""
     logits = (hidden @ weight.t()).float()
@@ -63,8 +64,9 @@ def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor,
     return logits, lse, valid, target, torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
 
 
-def _parallel_summed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _parallel_summed_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_summed_loss over a slice of the vocabulary: this slice's fp32 logits, the log-sum-exp over all
     slices (the max, then the sum of exponentials with the target logit from the slice that holds it:
     two all-reduces of [C, 1] and [C, 2]), the valid-label mask, the local targets and which of them
@@ -76,15 +78,17 @@ def _parallel_summed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     target = (labels - shard.start).unsqueeze(1)
     owned = valid & (target >= 0) & (target < logits.shape[1])
     target = target.clamp(0, logits.shape[1] - 1)
-    sums = torch.cat([(logits - top).exp().sum(dim=-1, keepdim=True),
-                      torch.where(owned, logits.gather(1, target), 0.0)], dim=1)
+    sums = torch.cat(
+        [(logits - top).exp().sum(dim=-1, keepdim=True), torch.where(owned, logits.gather(1, target), 0.0)], dim=1
+    )
     dist.all_reduce(sums, group=shard.group)
     lse = top + sums[:, :1].log()
     return logits, lse, valid, target, owned, torch.where(valid, lse - sums[:, 1:], 0.0).sum()
 
 
-def parallel_chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+def parallel_chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_loss over a slice of the vocabulary: the summed cross entropy (the same on every rank of
     the group) and the gradient w.r.t. this slice's logits."""
     logits, lse, valid, target, owned, loss = _parallel_summed_loss(hidden, weight, labels, shard)
@@ -103,8 +107,14 @@ def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor)
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                fn: ChunkFn, max_bytes: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,  # type: ignore[override]
+        fn: ChunkFn,
+        max_bytes: int,
+    ) -> torch.Tensor:
         n = hidden.shape[0]
         step = chunk_tokens(n, weight.shape[0], max_bytes)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -137,9 +147,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          fn: Optional[ChunkFn] = None, max_chunk_bytes: Optional[int] = None,
-                          shard: Optional[VocabShard] = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    fn: Optional[ChunkFn] = None,
+    max_chunk_bytes: Optional[int] = None,
+    shard: Optional[VocabShard] = None,
+) -> torch.Tensor:
     """Mean cross entropy of `hidden @ weight.T` against `labels` over labels != -100, without the full
     logits: at most `max_chunk_bytes` of fp32 logits exist at once (default: by device). hidden: [..., D];
     labels: [...]; fn: chunk_loss or a compiled copy of it. With `shard`, `weight` is a slice of the
@@ -150,8 +165,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if shard is None:
         fn, summed = fn or chunk_loss, _summed_loss
     else:
-        fn, summed = functools.partial(parallel_chunk_loss, shard=shard), functools.partial(_parallel_summed_loss,
-                                                                                            shard=shard)
+        fn, summed = (
+            functools.partial(parallel_chunk_loss, shard=shard),
+            functools.partial(_parallel_summed_loss, shard=shard),
+        )
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)

@@ -141,8 +141,12 @@ def _line(at1: float, at2: float) -> tuple[float, float]:
 def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
     """Activations of the model for the given checkpointing modes ('none' always); each trace is run
     once per process."""
-    runs = {(mode, blocks, batch): _traced(shape, mode, blocks, batch)
-            for mode in dict.fromkeys(("none", *modes)) for blocks in (1, 2) for batch in (1, 2)}
+    runs = {
+        (mode, blocks, batch): _traced(shape, mode, blocks, batch)
+        for mode in dict.fromkeys(("none", *modes))
+        for blocks in (1, 2)
+        for batch in (1, 2)
+    }
     one, two = ([runs["none", 1, b][0] for b in (1, 2)], [runs["none", 2, b][0] for b in (1, 2)])
     per_block = {}
     for mode in dict.fromkeys(("none", *modes)):
@@ -187,13 +191,19 @@ class Setting:
     def flags(self) -> str:
         if not self.checkpointing or self.fraction == 0:
             return f"--batch_size={self.batch} --fsdp_activation_checkpointing=False"
-        return (f"--batch_size={self.batch} --fsdp_activation_checkpointing=True "
-                f"--selective_checkpointing={self.fraction} --ac_mode={self.mode}")
+        return (
+            f"--batch_size={self.batch} --fsdp_activation_checkpointing=True "
+            f"--selective_checkpointing={self.fraction} --ac_mode={self.mode}"
+        )
 
 
 def setting_of(cfg: train_config) -> Setting:
-    return Setting(cfg.batch_size, cfg.fsdp_activation_checkpointing,
-                   parse_fraction("selective_checkpointing", cfg.selective_checkpointing), cfg.ac_mode)
+    return Setting(
+        cfg.batch_size,
+        cfg.fsdp_activation_checkpointing,
+        parse_fraction("selective_checkpointing", cfg.selective_checkpointing),
+        cfg.ac_mode,
+    )
 
 
 class Planner:
@@ -217,26 +227,32 @@ class Planner:
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients
         self.gathered = self.compute * (4 * block + head)
-        self.shape = Shape(cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision,
-                           cfg.device != "cpu", self.lora)
+        self.shape = Shape(
+            cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu", self.lora
+        )
 
     def plan(self, setting: Setting) -> Plan:
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
         acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
         per_block = {mode: Activations.at(line, setting.batch) for mode, line in acts.per_block.items()}
-        activations = (Activations.at(acts.outside, setting.batch) + chosen * per_block.get(setting.mode, 0)
-                       + (self.n_blocks - chosen) * per_block["none"])
+        activations = (
+            Activations.at(acts.outside, setting.batch)
+            + chosen * per_block.get(setting.mode, 0)
+            + (self.n_blocks - chosen) * per_block["none"]
+        )
         saved = Activations.at(acts.loss_saved, setting.batch)
         loss = saved + Activations.at(acts.loss_transient, setting.batch)
         if self.mesh.tp > 1:  # estimated from the traces, not traced: see _tensor_parallel
             activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
-        return Plan(self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak,
-                    self.device_bytes, saved)
+        return Plan(
+            self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak, self.device_bytes, saved
+        )
 
-    def _tensor_parallel(self, setting: Setting, chosen: int, activations: int, saved: int,
-                         loss: int) -> tuple[int, int, int]:
+    def _tensor_parallel(
+        self, setting: Setting, chosen: int, activations: int, saved: int, loss: int
+    ) -> tuple[int, int, int]:
         """A rank of a tensor-parallel group of T keeps 1/T of what the unsplit model saves (its heads,
         its FFN width, its part of the sequence), plus the whole-sequence inputs of attention and the
         FFN that a block not checkpointed whole keeps for its matmuls' backward (2 x tokens x width),
@@ -304,36 +320,50 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     ]
     width = max(len(name) for name, _ in rows)
     dims = 3 if planner.mesh.tp > 1 else 2
-    lines = [f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh "
-             f"({', '.join(planner.mesh._fields[:dims])}) = {tuple(planner.mesh)[:dims]}, "
-             f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
-             f"{compute}, activation checkpointing: "
-             + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")]
+    lines = [
+        f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh "
+        f"({', '.join(planner.mesh._fields[:dims])}) = {tuple(planner.mesh)[:dims]}, "
+        f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
+        f"{compute}, activation checkpointing: "
+        + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
+    ]
     lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
     if dims == 3:
         lines.append("  (tensor parallel: activations and loss estimated from the unsplit model's traces)")
     verdict = "fits" if plan.fits else "does NOT fit"
-    lines.append(f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within "
-                 f"{HEADROOM:.0%})")
+    lines.append(
+        f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within {HEADROOM:.0%})"
+    )
     largest = planner.largest_batch(setting)
     more_ranks = "none: shard over more ranks (--sharding_strategy=fsdp, a larger --sharding_group_size)"
-    lines.append("largest micro-batch that fits with this checkpointing: "
-                 + (f"--batch_size={largest}" if largest else "none"))
+    lines.append(
+        "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none")
+    )
     least = planner.least_checkpointing(cfg.batch_size)
-    lines.append(f"least checkpointing that fits --batch_size={cfg.batch_size}: "
-                 + (least.flags().split(" ", 1)[1] if least else
-                    "none does: lower --batch_size" if cfg.batch_size > 1 else more_ranks))
+    lines.append(
+        f"least checkpointing that fits --batch_size={cfg.batch_size}: "
+        + (
+            least.flags().split(" ", 1)[1]
+            if least
+            else "none does: lower --batch_size"
+            if cfg.batch_size > 1
+            else more_ranks
+        )
+    )
     lines.append(plan.line())
     return "\n".join(lines)
 
 
-def fits_or_warning(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig,
-                    local_world_size: int) -> Optional[str]:
+def fits_or_warning(
+    cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local_world_size: int
+) -> Optional[str]:
     """None when the run's plan fits its device, else the start-up warning."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
     plan = Planner(cfg, shape, model_config, device_bytes).plan(setting_of(cfg))
     if plan.fits:
         return None
-    return (f"warning: the memory plan predicts a peak of {plan.peak / GIB:.1f} GiB per rank, more than "
-            f"{HEADROOM:.0%} of {device_name}'s {device_bytes / GIB:.1f} GiB: this run will likely run out of "
-            "memory; `python main_training.py --dry_run=True <these flags>` shows the plan and what fits")
+    return (
+        f"warning: the memory plan predicts a peak of {plan.peak / GIB:.1f} GiB per rank, more than "
+        f"{HEADROOM:.0%} of {device_name}'s {device_bytes / GIB:.1f} GiB: this run will likely run out of "
+        "memory; `python main_training.py --dry_run=True <these flags>` shows the plan and what fits"
+    )

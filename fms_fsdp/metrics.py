@@ -51,8 +51,14 @@ def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Option
 class MetricsReporter:
     """Accumulates per-step figures on the device and reports them every report_interval steps."""
 
-    def __init__(self, run: Run, flops_per_token: float, start_step: int = 0, tokens_seen: int = 0,
-                 trackers: Optional[Trackers] = None):
+    def __init__(
+        self,
+        run: Run,
+        flops_per_token: float,
+        start_step: int = 0,
+        tokens_seen: int = 0,
+        trackers: Optional[Trackers] = None,
+    ):
         cfg, info = run.cfg, run.info
         self.info = info
         self.trackers = trackers or Trackers({})
@@ -100,8 +106,9 @@ class MetricsReporter:
         self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
         self.log.flush()
 
-    def report(self, step: int, lr: float, grad_norm: Optional[torch.Tensor],
-               skipped_steps: Optional[int] = None) -> dict[str, Any]:
+    def report(
+        self, step: int, lr: float, grad_norm: Optional[torch.Tensor], skipped_steps: Optional[int] = None
+    ) -> dict[str, Any]:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
         metrics.jsonl. `grad_norm`: the global norm of this step, if known; `skipped_steps`: steps of
         the interval left out by --skip_bad_steps. Every rank must call it (it all-reduces)."""
@@ -155,9 +162,14 @@ class MetricsReporter:
         """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers."""
         if not self.info.is_main:
             return
-        per_dataset = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/"))
-        self._write(record, f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
-                            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s")
+        per_dataset = ", ".join(
+            f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")
+        )
+        self._write(
+            record,
+            f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
+            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s",
+        )
 
     def _write(self, record: dict[str, Any], line: str) -> None:
         """Append `record` to metrics.jsonl, send it to the trackers, print `line` (above the bar)."""
@@ -212,8 +224,10 @@ class MetricsLog:
             if not storage_error(e):
                 raise
             if not self.warned:
-                print(f"warning: cannot upload {self.path} ({type(e).__name__}: {first_line(e)}); "
-                      "trying again later", flush=True)
+                print(
+                    f"warning: cannot upload {self.path} ({type(e).__name__}: {first_line(e)}); trying again later",
+                    flush=True,
+                )
                 self.warned = True
             self.uploaded = time.monotonic()
             return

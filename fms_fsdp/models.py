@@ -34,24 +34,55 @@ _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 # Arguments to fms LLaMAConfig; unspecified fields keep LLaMAConfig's defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
     # small variants for CPU tests and the quick start
-    "tiny": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024),
-    "tiny_llama3": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64,
-                        max_expected_seq_len=1024, rope_theta=500000.0),
+    "tiny": dict(
+        src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024
+    ),
+    "tiny_llama3": dict(
+        src_vocab_size=4096,
+        emb_dim=256,
+        nheads=4,
+        kvheads=2,
+        nlayers=4,
+        multiple_of=64,
+        max_expected_seq_len=1024,
+        rope_theta=500000.0,
+    ),
     # as many KV heads as heads: tensor parallel up to 4 ranks
-    "tiny_mha": dict(src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=4, nlayers=4, multiple_of=64, max_expected_seq_len=1024),
-    "small": dict(src_vocab_size=32000, emb_dim=768, nheads=12, kvheads=4, nlayers=12, multiple_of=256, max_expected_seq_len=2048),
+    "tiny_mha": dict(
+        src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=4, nlayers=4, multiple_of=64, max_expected_seq_len=1024
+    ),
+    "small": dict(
+        src_vocab_size=32000, emb_dim=768, nheads=12, kvheads=4, nlayers=12, multiple_of=256, max_expected_seq_len=2048
+    ),
     # fms-fsdp's variants, with exactly its dimensions
     "llama2_1.4b": dict(emb_dim=2048, nheads=16, nlayers=24, hidden_grow_factor=3, kvheads=4),
     "llama2_7b": dict(hidden_grow_factor=11008 / 4096, kvheads=32),
     "llama2_13b": dict(emb_dim=5120, nheads=40, nlayers=40, hidden_grow_factor=13824 / 5120),
-    "llama2_34b": dict(emb_dim=8192, nheads=64, kvheads=8, nlayers=48, hidden_grow_factor=22016 / 8192,
-                       max_expected_seq_len=16384, rope_theta=1000000.0),
-    "llama2_70b": dict(emb_dim=8192, multiple_of=4096, nheads=64, kvheads=8, nlayers=80, hidden_grow_factor=28672 / 8192),
+    "llama2_34b": dict(
+        emb_dim=8192,
+        nheads=64,
+        kvheads=8,
+        nlayers=48,
+        hidden_grow_factor=22016 / 8192,
+        max_expected_seq_len=16384,
+        rope_theta=1000000.0,
+    ),
+    "llama2_70b": dict(
+        emb_dim=8192, multiple_of=4096, nheads=64, kvheads=8, nlayers=80, hidden_grow_factor=28672 / 8192
+    ),
     "llama3_194m_4k": dict(_L3, emb_dim=1024, nheads=8, nlayers=10, max_expected_seq_len=4096),
-    "llama3_1.8b": dict(_L3, emb_dim=2048, nheads=16, kvheads=8, nlayers=24, hidden_grow_factor=3.5, max_expected_seq_len=8192),
-    "llama3_3.2b": dict(_L3, emb_dim=3072, nheads=24, kvheads=8, nlayers=24, hidden_grow_factor=8 / 3, max_expected_seq_len=8192),
-    "llama3_8b": dict(_L3, emb_dim=4096, nheads=32, kvheads=8, nlayers=32, hidden_grow_factor=3.5, max_expected_seq_len=8192),
-    "llama3_70b": dict(_L3, emb_dim=8192, nheads=64, kvheads=8, nlayers=80, hidden_grow_factor=3.5, max_expected_seq_len=8192),
+    "llama3_1.8b": dict(
+        _L3, emb_dim=2048, nheads=16, kvheads=8, nlayers=24, hidden_grow_factor=3.5, max_expected_seq_len=8192
+    ),
+    "llama3_3.2b": dict(
+        _L3, emb_dim=3072, nheads=24, kvheads=8, nlayers=24, hidden_grow_factor=8 / 3, max_expected_seq_len=8192
+    ),
+    "llama3_8b": dict(
+        _L3, emb_dim=4096, nheads=32, kvheads=8, nlayers=32, hidden_grow_factor=3.5, max_expected_seq_len=8192
+    ),
+    "llama3_70b": dict(
+        _L3, emb_dim=8192, nheads=64, kvheads=8, nlayers=80, hidden_grow_factor=3.5, max_expected_seq_len=8192
+    ),
 }
 for _name in ("llama3_1.8b", "llama3_3.2b", "llama3_8b", "llama3_70b"):
     VARIANTS[f"{_name}_4k"] = dict(VARIANTS[_name], max_expected_seq_len=4096)
@@ -121,8 +152,9 @@ def resolve_variant(name: str) -> str:
     raise ConfigError(f"--model_variant: unknown variant {name!r}; valid: {valid}")
 
 
-def get_model_config(name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
-                     tensor_parallel: int = 1) -> LLaMAConfig:
+def get_model_config(
+    name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None, tensor_parallel: int = 1
+) -> LLaMAConfig:
     """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
     its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
     weights do not depend on it); built unfused for tensor parallelism (each rank holds its heads of
@@ -171,8 +203,9 @@ class LMHead(LinearClassificationHead):
             return F.linear(hidden, weight).full_tensor()
         local = weight.to_local()
         shard = VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])
-        return chunked_cross_entropy(hidden.to_local(grad_placements=[Partial()]), local, labels, None,
-                                     self.max_chunk_bytes, shard)
+        return chunked_cross_entropy(
+            hidden.to_local(grad_placements=[Partial()]), local, labels, None, self.max_chunk_bytes, shard
+        )
 
 
 class CausalLM(LLaMA):
@@ -221,8 +254,11 @@ def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generat
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if p_name in ("lora_A", "lora_B"):  # an adapter starts as nothing: B = 0 (A as PEFT draws it)
                 bound = 1 / math.sqrt(module.in_features)
-                rules[full] = ((lambda t, g: t.zero_()) if p_name == "lora_B" else
-                               (lambda t, g, b=bound: t.uniform_(-b, b, generator=g)))
+                rules[full] = (
+                    (lambda t, g: t.zero_())
+                    if p_name == "lora_B"
+                    else (lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
+                )
             elif p_name == "bias" or isinstance(module, LayerNormParameterized):
                 rules[full] = (lambda t, g: t.zero_()) if p_name == "bias" else (lambda t, g: t.fill_(1.0))
             elif module is model.head:

@@ -45,9 +45,14 @@ def adamw_kernels(impl: str, device: torch.device, skip_bad_steps: int) -> str:
     elif impl == "fused" and device.type not in FUSED_DEVICES:
         raise ConfigError(f"--optimizer_impl=fused: no fused AdamW on {device.type}; use foreach or auto")
     if skip_bad_steps and impl != "fused":
-        raise ConfigError("--skip_bad_steps leaves steps out inside the fused AdamW kernels, "
-                          + (f"which {device.type} lacks" if device.type not in FUSED_DEVICES
-                             else "use --optimizer_impl=auto or fused"))
+        raise ConfigError(
+            "--skip_bad_steps leaves steps out inside the fused AdamW kernels, "
+            + (
+                f"which {device.type} lacks"
+                if device.type not in FUSED_DEVICES
+                else "use --optimizer_impl=auto or fused"
+            )
+        )
     return impl
 
 
@@ -66,16 +71,22 @@ class OptimizerSettings:
 
     @staticmethod
     def of(cfg: train_config) -> "OptimizerSettings":
-        return OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.weight_decay_norms_and_embeddings,
-                                 (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.optimizer_impl, cfg.skip_bad_steps)
+        return OptimizerSettings(
+            cfg.learning_rate,
+            cfg.weight_decay,
+            cfg.weight_decay_norms_and_embeddings,
+            (cfg.adam_beta1, cfg.adam_beta2),
+            cfg.adam_eps,
+            cfg.optimizer_impl,
+            cfg.skip_bad_steps,
+        )
 
 
 def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
     """AdamW with --optimizer_impl's kernels (auto: fused where the device has them)."""
     impl = adamw_kernels(settings.impl, device, settings.skip_bad_steps)
     groups = decay_groups(model, settings.weight_decay, settings.decay_all)
-    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps,
-                             **{impl: True})
+    return torch.optim.AdamW(groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps, **{impl: True})
 
 
 def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -> None:
@@ -99,7 +110,9 @@ def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor
     for g in grads:
         if any(placement.is_partial() for placement in g.placements):
             raise RuntimeError(f"a gradient is still a partial sum ({g.placements}): it was never reduced")
-        copies = math.prod(g.device_mesh.size(d) for d, placement in enumerate(g.placements) if placement.is_replicate())
+        copies = math.prod(
+            g.device_mesh.size(d) for d, placement in enumerate(g.placements) if placement.is_replicate()
+        )
         by_copies[copies].append(g.to_local())
     squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for copies, tensors in by_copies.items():

@@ -8,9 +8,9 @@ every layer, and data parallelism runs over the other two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -20,8 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.config import parse_fraction, train_config
@@ -50,8 +55,10 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
     data-parallel ranks: with TP, a node holds ranks per node / T of them."""
     tp = cfg.tensor_parallel_size
     if tp > 1 and (local_world_size % tp or world_size % tp):
-        raise ConfigError(f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
-                          f"world size ({world_size}): tensor parallelism stays inside a node")
+        raise ConfigError(
+            f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
+            f"world size ({world_size}): tensor parallelism stays inside a node"
+        )
     dp = world_size // tp
     if cfg.sharding_strategy == "fsdp":
         return MeshShape(1, dp, tp)
@@ -62,7 +69,9 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
         raise ConfigError(
             f"--sharding_group_size={group} does not divide the world size {world_size}"
             + (f" / --tensor_parallel_size={tp} = {dp} data-parallel ranks" if tp > 1 else "")
-            + "; pick a divisor (default: ranks per node" + (f" / {tp}" if tp > 1 else "") + ")"
+            + "; pick a divisor (default: ranks per node"
+            + (f" / {tp}" if tp > 1 else "")
+            + ")"
         )
     return MeshShape(dp // group, group, tp)
 
@@ -74,16 +83,25 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
     tp = cfg.tensor_parallel_size
     if tp == 1:
         return
-    for what, n in (("attention heads", model_config.nheads), ("KV heads", model_config.kvheads),
-                    ("FFN width", hidden_dim(model_config)), ("vocabulary size", model_config.src_vocab_size),
-                    ("sequence length (--seq_length)", cfg.seq_length)):
+    for what, n in (
+        ("attention heads", model_config.nheads),
+        ("KV heads", model_config.kvheads),
+        ("FFN width", hidden_dim(model_config)),
+        ("vocabulary size", model_config.src_vocab_size),
+        ("sequence length (--seq_length)", cfg.seq_length),
+    ):
         if n % tp:
             raise ConfigError(f"--tensor_parallel_size={tp} must divide the model's {what}, {n}; pick a divisor")
-    for flag, used in (("--float8", cfg.float8), ("--lora_rank", cfg.lora_rank), ("a head tied to the embedding",
-                                                                                   model_config.tie_heads)):
+    for flag, used in (
+        ("--float8", cfg.float8),
+        ("--lora_rank", cfg.lora_rank),
+        ("a head tied to the embedding", model_config.tie_heads),
+    ):
         if used:
-            raise ConfigError(f"--tensor_parallel_size={tp} does not combine with {flag} yet; use "
-                              "--tensor_parallel_size=1 (FSDP/HSDP) for it")
+            raise ConfigError(
+                f"--tensor_parallel_size={tp} does not combine with {flag} yet; use "
+                "--tensor_parallel_size=1 (FSDP/HSDP) for it"
+            )
 
 
 def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional[float]) -> DeviceMesh:
@@ -118,17 +136,24 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
     embedding and the head split over the vocabulary (the head's loss reduced over it: loss.py).
     The model must be built unfused (fms's fused_weights=False)."""
     tp = tp_mesh.size()
-    parallelize_module(model.base_model.embedding, tp_mesh,
-                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    parallelize_module(
+        model.base_model.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    )
     for block in model.base_model.layers:
-        parallelize_module(block, tp_mesh, {
-            "ln": SequenceParallel(),
-            "attn": PrepareModuleInput(input_kwarg_layouts={"q": Shard(1)}, desired_input_kwarg_layouts={"q": Replicate()}),
-            "ff_ln": SequenceParallel(),
-            "ff_sub_layer": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            **{name: ColwiseParallel() for name in TP_COLWISE},
-            **{name: RowwiseParallel(output_layouts=Shard(1)) for name in TP_ROWWISE},
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "ln": SequenceParallel(),
+                "attn": PrepareModuleInput(
+                    input_kwarg_layouts={"q": Shard(1)}, desired_input_kwarg_layouts={"q": Replicate()}
+                ),
+                "ff_ln": SequenceParallel(),
+                "ff_sub_layer": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                **{name: ColwiseParallel() for name in TP_COLWISE},
+                **{name: RowwiseParallel(output_layouts=Shard(1)) for name in TP_ROWWISE},
+            },
+        )
         block.attn.nheads //= tp  # fms shapes q, k, v by these: each rank computes its own heads
         block.attn.kvheads //= tp
     parallelize_module(model.base_model.dec_norm, tp_mesh, SequenceParallel())
@@ -149,12 +174,23 @@ def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
 # kept by --ac_mode=op: the outputs of matmuls and attention (and, under tensor parallelism, of the
 # sequence-parallel reduce-scatters, as torchtitan keeps them: not redone in backward); everything
 # else is recomputed
-_OP_MODE_SAVED = [getattr(torch.ops.aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)
+_OP_MODE_SAVED = [
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
 ] + [torch.ops._c10d_functional.reduce_scatter_tensor.default]
-_CONTEXTS: dict[str, Callable[[], Any]] = {"block": noop_context_fn,
-                                           "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED)}
+_CONTEXTS: dict[str, Callable[[], Any]] = {
+    "block": noop_context_fn,
+    "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED),
+}
 
 
 class Checkpointed(nn.Module):
@@ -174,8 +210,9 @@ _CHECKPOINTED_CLASSES: dict[tuple[type, str], type] = {}
 def checkpointed_class(cls: type, mode: str) -> type:
     """The subclass of `cls` whose forward is checkpointed under --ac_mode `mode` (made once)."""
     if (cls, mode) not in _CHECKPOINTED_CLASSES:
-        _CHECKPOINTED_CLASSES[cls, mode] = type(f"Checkpointed{cls.__name__}", (Checkpointed, cls),
-                                                {"ac_context": staticmethod(_CONTEXTS[mode])})
+        _CHECKPOINTED_CLASSES[cls, mode] = type(
+            f"Checkpointed{cls.__name__}", (Checkpointed, cls), {"ac_context": staticmethod(_CONTEXTS[mode])}
+        )
     return _CHECKPOINTED_CLASSES[cls, mode]
 
 
@@ -195,7 +232,11 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool) -> None:
     final norm with the head, and the root (left with nothing but buffers). The last block and the
     head are used again first thing in backward, so they stay gathered after forward. A model whose
     head shares the embedding's weight keeps both in the root."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     tied = model.config.tie_heads
     if not tied:
         fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
@@ -229,8 +270,13 @@ class ParallelSettings:
     @staticmethod
     def of(cfg: train_config) -> "ParallelSettings":
         fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
-        return ParallelSettings(fraction if cfg.fsdp_activation_checkpointing else None, cfg.ac_mode,
-                                cfg.use_torch_compile, cfg.mixed_precision, Float8Settings.of(cfg))
+        return ParallelSettings(
+            fraction if cfg.fsdp_activation_checkpointing else None,
+            cfg.ac_mode,
+            cfg.use_torch_compile,
+            cfg.mixed_precision,
+            Float8Settings.of(cfg),
+        )
 
 
 class Parallelized(NamedTuple):

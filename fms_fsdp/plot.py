@@ -45,8 +45,9 @@ def plot_runs(paths: list[str], output: str, x: str = "step") -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("plotting needs matplotlib: pip install matplotlib (or the project's extra: "
-                          "pip install .[plot])") from None
+        raise ConfigError(
+            "plotting needs matplotlib: pip install matplotlib (or the project's extra: pip install .[plot])"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

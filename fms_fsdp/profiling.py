@@ -33,20 +33,26 @@ class ProfilerSettings:
 
     @staticmethod
     def of(cfg: train_config) -> "ProfilerSettings":
-        return ProfilerSettings(cfg.use_profiler, cfg.profiler_rank0_only, cfg.profiler_dir,
-                                cfg.use_profiler and cfg.profiler_memory_snapshot)
+        return ProfilerSettings(
+            cfg.use_profiler,
+            cfg.profiler_rank0_only,
+            cfg.profiler_dir,
+            cfg.use_profiler and cfg.profiler_memory_snapshot,
+        )
 
 
 def check_profiler(cfg: train_config, device: torch.device) -> None:
     """ConfigError when the profiler settings need what this run lacks (before any expensive work)."""
     if ProfilerSettings.of(cfg).memory_snapshot and device.type != "cuda":
-        raise ConfigError("--profiler_memory_snapshot records the CUDA allocator: this run has no GPU; "
-                          "drop the flag or run on CUDA")
+        raise ConfigError(
+            "--profiler_memory_snapshot records the CUDA allocator: this run has no GPU; drop the flag or run on CUDA"
+        )
 
 
 def _with_memory_snapshot(handler: Callable[[profile], None], path: Path) -> Callable[[profile], None]:
     """The trace handler, then the allocator history recorded since the start, written to `path`
     atomically; recording stops there."""
+
     def on_trace_ready(prof: profile) -> None:
         handler(prof)
         tmp = path.with_name(path.name + ".tmp")
@@ -54,6 +60,7 @@ def _with_memory_snapshot(handler: Callable[[profile], None], path: Path) -> Cal
             pickle.dump(torch.cuda.memory._snapshot(), f)
         os.replace(tmp, path)
         torch.cuda.memory._record_memory_history(enabled=None)
+
     return on_trace_ready
 
 
@@ -72,8 +79,14 @@ def maybe_profiler(settings: ProfilerSettings, info: DistInfo, run_folder: Path)
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         handler = _with_memory_snapshot(handler, folder / f"memory_snapshot_rank{info.rank}.pickle")
     try:
-        with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
-                     on_trace_ready=handler, record_shapes=True, profile_memory=True, with_stack=False) as prof:
+        with profile(
+            activities=activities,
+            schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
+            on_trace_ready=handler,
+            record_shapes=True,
+            profile_memory=True,
+            with_stack=False,
+        ) as prof:
             yield prof
     finally:
         if settings.memory_snapshot:  # a run that ended before the profiled steps stops recording too

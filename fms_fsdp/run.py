@@ -107,7 +107,11 @@ def facts(cfg: train_config) -> Run:
     data or model is touched."""
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
-    device = torch.device("cuda" if cfg.device == "cuda" else "cpu") if cfg.dry_run else resolve_device(cfg.device, local_rank)
+    device = (
+        torch.device("cuda" if cfg.device == "cuda" else "cpu")
+        if cfg.dry_run
+        else resolve_device(cfg.device, local_rank)
+    )
     shape = mesh_shape(cfg, world_size, local_world_size)
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
     check_tensor_parallel(cfg, model_config)

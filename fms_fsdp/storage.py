@@ -49,8 +49,10 @@ def location(path: str, flag: str) -> Path:
         # listings are never cached: other ranks and processes write the same folders (checkpoints)
         return UPath(path, use_listings_cache=False)
     except ImportError as e:
-        raise DataError(f"--{flag}={path}: object storage needs {e.name or 'universal_pathlib'}: "
-                        "pip install 'fms-fsdp[storage]'", every_rank=True) from None
+        raise DataError(
+            f"--{flag}={path}: object storage needs {e.name or 'universal_pathlib'}: pip install 'fms-fsdp[storage]'",
+            every_rank=True,
+        ) from None
     except ValueError as e:  # no fsspec filesystem for this protocol
         raise DataError(f"--{flag}={path}: {first_line(e)}", every_rank=True) from None
 

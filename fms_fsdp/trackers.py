@@ -67,11 +67,14 @@ class WandbTracker:
 
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(project=project, dir=str(folder), id=run_id, resume="allow", config=config,
-                                  allow_val_change=True)
+            self.run = wandb.init(
+                project=project, dir=str(folder), id=run_id, resume="allow", config=config, allow_val_change=True
+            )
         except (wandb.errors.Error, OSError) as e:  # login, network, a bad id
-            raise TrackerError(f"--tracker=wandb: {first_line(e).rstrip('.')} (WANDB_MODE=offline logs "
-                               "without a network or an account)") from None
+            raise TrackerError(
+                f"--tracker=wandb: {first_line(e).rstrip('.')} (WANDB_MODE=offline logs "
+                "without a network or an account)"
+            ) from None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -83,16 +86,21 @@ class WandbTracker:
 class AimTracker:
     """An Aim run in the repository <tracker_dir> (created when missing), resumed by its hash."""
 
-    def __init__(self, folder: Path, project: str, run_hash: Optional[str], config: dict[str, Any],
-                 take_over: bool):
+    def __init__(self, folder: Path, project: str, run_hash: Optional[str], config: dict[str, Any], take_over: bool):
         import aim
         from aim.sdk.errors import MissingRunError, RepoIntegrityError, RunLockingError
 
         folder.mkdir(parents=True, exist_ok=True)
         try:
             # take_over: the lock of an earlier attempt of this run killed on another node never goes stale
-            self.run = aim.Run(run_hash=run_hash, repo=str(folder), experiment=project, force_resume=take_over,
-                               system_tracking_interval=None, capture_terminal_logs=False)
+            self.run = aim.Run(
+                run_hash=run_hash,
+                repo=str(folder),
+                experiment=project,
+                force_resume=take_over,
+                system_tracking_interval=None,
+                capture_terminal_logs=False,
+            )
             self.run["hparams"] = config
         except (MissingRunError, RepoIntegrityError, RunLockingError) as e:
             raise TrackerError(f"--tracker=aim: {first_line(e)}") from None
@@ -183,8 +191,9 @@ def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
                     _warn(f"{message}; this resumed run goes on without it")
                     continue
                 if isinstance(e, OSError):
-                    raise TrackerError(f"--tracker={name}: cannot write {e.filename or folder}: "
-                                       f"{e.strerror or e}") from None
+                    raise TrackerError(
+                        f"--tracker={name}: cannot write {e.filename or folder}: {e.strerror or e}"
+                    ) from None
                 raise
             trackers[name] = tracker
             if isinstance(tracker, AimTracker):

@@ -72,8 +72,16 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.to(device, non_blocking=True)
 
 
-def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, guard: StepGuard, step: int, batches: Batches,
-               cfg: train_config, device: torch.device, global_norm: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(
+    model: CausalLM,
+    optimizer: torch.optim.Optimizer,
+    guard: StepGuard,
+    step: int,
+    batches: Batches,
+    cfg: train_config,
+    device: torch.device,
+    global_norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Optimizer step `step` over grad_accum_steps micro-batches, without a host sync; `guard` judges
     it before the update (and may leave it out). Returns the detached loss, the gradient norm before
     clipping (global when clipping, skipping bad steps or `global_norm`, else this rank's) and the
@@ -95,8 +103,9 @@ def train_step(model: CausalLM, optimizer: torch.optim.Optimizer, guard: StepGua
     return total, norm, wait
 
 
-def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_config,
-                        device: torch.device) -> TrainingError:
+def out_of_memory_error(
+    step: int, error: torch.OutOfMemoryError, cfg: train_config, device: torch.device
+) -> TrainingError:
     """The one-line error for an out-of-memory at `step`: what was being allocated, the device's
     memory, and the flags that lower the peak."""
     asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
@@ -104,12 +113,16 @@ def out_of_memory_error(step: int, error: torch.OutOfMemoryError, cfg: train_con
     where = device.type
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        where = (f"{props.name} ({props.total_memory / 2**30:.1f} GiB, "
-                 f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated)")
+        where = (
+            f"{props.name} ({props.total_memory / 2**30:.1f} GiB, "
+            f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated)"
+        )
     fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
     if not cfg.fsdp_activation_checkpointing or fraction < 1:
-        advice = (f"lower --batch_size (now {cfg.batch_size}) or checkpoint more blocks "
-                  "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)")
+        advice = (
+            f"lower --batch_size (now {cfg.batch_size}) or checkpoint more blocks "
+            "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)"
+        )
     else:
         advice = f"lower --batch_size (now {cfg.batch_size}) or shard over more GPUs"
     return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
@@ -145,8 +158,9 @@ def write_run_config(run: Run) -> None:
         make_folder(run.paths.root)
         write_text_keeping_old(run.paths.config, to_yaml(run.cfg))
     except Exception as e:  # fsspec filesystems raise their clients' own errors too
-        raise CheckpointError(f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} "
-                              f"({type(e).__name__}: {first_line(e)})") from None
+        raise CheckpointError(
+            f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} ({type(e).__name__}: {first_line(e)})"
+        ) from None
 
 
 def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
@@ -163,8 +177,10 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
         stack.callback(exporter.release)
         start, tokens_seen = checkpointer.start()
         if start >= cfg.num_steps:
-            run.log(f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
-                    "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh")
+            run.log(
+                f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
+                "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
+            )
         reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers)
         stack.callback(reporter.close)
         triggers = StepTriggers(cfg, info, stop, start)
@@ -176,8 +192,9 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
         for step in range(start + 1, cfg.num_steps + 1):
             report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
             try:
-                loss, norm, wait = train_step(model, optimizer, guard, step, batches, cfg, info.device,
-                                              global_norm=report_step)
+                loss, norm, wait = train_step(
+                    model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step
+                )
             except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
                 raise out_of_memory_error(step, e, cfg, info.device) from None
             lr = scheduler.get_last_lr()[0]
@@ -209,8 +226,11 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
         checkpointer.finish()
         exporter.finish()
     if stopped is not None:
-        outcome = "the checkpoint is saved, resume by running the same command" if cfg.checkpoint_interval != 0 \
+        outcome = (
+            "the checkpoint is saved, resume by running the same command"
+            if cfg.checkpoint_interval != 0
             else "no checkpoint (--checkpoint_interval=0)"
+        )
         if stopped == LAUNCHER_DIED.name:  # an error, so that torchrun on every node ends now
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         run.log(f"stopping after step {step} on {stopped}: {outcome}")

@@ -62,8 +62,9 @@ class SaveClock:
         hours = cfg.expected_hours_between_failures
         self.mtbf_s = 3600 * (default_hours_between_failures(info.world_size) if hours is None else hours)
         self.stalls: list[float] = []
-        self.every_s = self._young() if self.auto else None if cfg.checkpoint_minutes is None \
-            else 60 * cfg.checkpoint_minutes
+        self.every_s = (
+            self._young() if self.auto else None if cfg.checkpoint_minutes is None else 60 * cfg.checkpoint_minutes
+        )
         if self.auto:
             self._log("an assumed stall until a save is measured")
 
@@ -75,8 +76,11 @@ class SaveClock:
 
     def _log(self, why: str) -> None:
         if self.info.is_main:
-            print(f"checkpoint interval (auto): {_duration(self.every_s)} = sqrt(2 x {self._stall():.3g} s save stall "
-                  f"x {self.mtbf_s / 3600:.3g} h between failures); {why}", flush=True)
+            print(
+                f"checkpoint interval (auto): {_duration(self.every_s)} = sqrt(2 x {self._stall():.3g} s save stall "
+                f"x {self.mtbf_s / 3600:.3g} h between failures); {why}",
+                flush=True,
+            )
 
     def saved(self, stall_s: float) -> None:
         """Take a measured stall into the estimate (auto only); logs the interval when it moves by 10%."""
@@ -132,15 +136,18 @@ class StepTriggers:
         clock = every_s is not None and self.info.is_main and until_save <= 0
         last_step, last_time = self.last_agreement
         # one MAX all-reduce; the seconds to the next time-based save travel negated, to get their minimum
-        flags = torch.tensor([float(self.stop.signal), float(clock), float(writing), now - last_time,
-                              -min(until_save, AGREE_SECONDS)])
+        flags = torch.tensor(
+            [float(self.stop.signal), float(clock), float(writing), now - last_time, -min(until_save, AGREE_SECONDS)]
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         step_time = float(flags[3]) / max(1, step - last_step)  # the same on every rank
         horizon = -float(flags[4])  # agree again by then: every few seconds, and by the next time-based save
         every = min(MAX_STEPS_BETWEEN_AGREEMENTS, max(1, int(horizon / max(step_time, 1e-9))))
         self.last_agreement, self.next_agreement = (step, now), step + every
         stop = signal.Signals(int(flags[0])).name if flags[0] else None
-        return Boundary(stop=stop, save=saves and (stop is not None or bool(flags[1]) or interval), written=not flags[2])
+        return Boundary(
+            stop=stop, save=saves and (stop is not None or bool(flags[1]) or interval), written=not flags[2]
+        )
 
     def saved(self, stall_s: float) -> None:
         """A checkpoint was saved, training waited `stall_s` for it: restart the save clock."""

@@ -11,18 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
-from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.models import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
+from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 
 
 def variants_table() -> str:
     """Every model variant with its dimensions and parameter count."""
-    rows = ["| variant | params | emb_dim | heads | kv heads | layers | vocab | max seq | rope_theta |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| variant | params | emb_dim | heads | kv heads | layers | vocab | max seq | rope_theta |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in VARIANTS:
         c = get_model_config(name)
-        rows.append(f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {c.nheads} | {c.kvheads or c.nheads} "
-                    f"| {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} | {c.rope_theta:g} |")
+        rows.append(
+            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {c.nheads} | {c.kvheads or c.nheads} "
+            f"| {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} | {c.rope_theta:g} |"
+        )
     rows.append("")
     rows.append("Aliases: " + ", ".join(f"`{a}` = `{v}`" for a, v in ALIASES.items()) + ".")
     return "\n".join(rows)
@@ -44,9 +48,11 @@ def render(text: str) -> str:
 # what docs/lr_schedules.png draws: a title and the flags of each panel's schedules
 SCHEDULE_PLOTS = {
     "--lr_schedule (warmup 100 of 1000 steps, min_lr_ratio 0.1)": {
-        name: [f"--lr_schedule={name}"] for name in ("cosine", "linear", "inv_sqrt", "wsd", "constant")},
+        name: [f"--lr_schedule={name}"] for name in ("cosine", "linear", "inv_sqrt", "wsd", "constant")
+    },
     "--lr_cycles=3 (each cycle warms up again)": {
-        name: [f"--lr_schedule={name}", "--lr_cycles=3"] for name in ("cosine", "linear", "wsd")},
+        name: [f"--lr_schedule={name}", "--lr_cycles=3"] for name in ("cosine", "linear", "wsd")
+    },
 }
 
 

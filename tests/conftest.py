@@ -23,13 +23,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # a tiny CPU run: fp32 (bf16 is slow on CPU), no compile, short sequences
 TINY = [
-    "--model_variant=tiny", "--device=cpu", "--use_dummy_dataset=True", "--use_torch_compile=False",
-    "--mixed_precision=False", "--seq_length=64", "--vocab_size=256", "--learning_rate=3e-3", "--report_interval=1",
+    "--model_variant=tiny",
+    "--device=cpu",
+    "--use_dummy_dataset=True",
+    "--use_torch_compile=False",
+    "--mixed_precision=False",
+    "--seq_length=64",
+    "--vocab_size=256",
+    "--learning_rate=3e-3",
+    "--report_interval=1",
 ]
 
 
-def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Optional[dict] = None,
-           timeout: int = 300, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def launch(
+    script: str,
+    args: list[str],
+    nproc: Optional[int],
+    extra_env: Optional[dict] = None,
+    timeout: int = 300,
+    torchrun_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
     """Run `script` with `args` in nproc real processes: plain python when nproc is None; under torchrun
     when torchrun_args are given; else the ranks are started directly with the environment torchrun
     gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...), which skips torchrun's 2 s agent
@@ -42,11 +55,23 @@ def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Option
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
         cmd += [str(ROOT / script), *args]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    world = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / script), *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(nproc)
+    ]
     with ThreadPoolExecutor(nproc) as pool:  # drain every rank's pipes while they run
         futures = {pool.submit(p.communicate): p for p in procs}
         deadline, pending = time.monotonic() + timeout, set(futures)
@@ -64,8 +89,9 @@ def launch(script: str, args: list[str], nproc: Optional[int], extra_env: Option
         outputs = [f.result() for f in futures]
     codes = [p.wait() for p in procs]
     status = next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(procs[0].args, status, "".join(o[0] or "" for o in outputs),
-                                       "".join(o[1] or "" for o in outputs))
+    return subprocess.CompletedProcess(
+        procs[0].args, status, "".join(o[0] or "" for o in outputs), "".join(o[1] or "" for o in outputs)
+    )
 
 
 def records(out: Path) -> list[dict]:
@@ -124,17 +150,31 @@ def train_here(tmp: Path, args: list[str]) -> list[dict]:
     return records(out)
 
 
-def inspect(tmp: Path, args: list[str], nproc: int, cases: Optional[list[list[str]]] = None,
-            weights: bool = True, backward: bool = False) -> list[list[dict]]:
+def inspect(
+    tmp: Path,
+    args: list[str],
+    nproc: int,
+    cases: Optional[list[list[str]]] = None,
+    weights: bool = True,
+    backward: bool = False,
+) -> list[list[dict]]:
     """Run tests/inspect_worker.py once: per case (extra flags; default one case without), one JSON
     record per rank about its shards and memory, with `weights` its full weights' fingerprint and
     initial loss, with `backward` too its gradients."""
     cases = cases or [[]]
-    env = {"INSPECT_CASES": json.dumps(cases), "INSPECT_WEIGHTS": str(int(weights)), "INSPECT_BACKWARD": str(int(backward))}
-    proc = launch("tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc, extra_env=env)
+    env = {
+        "INSPECT_CASES": json.dumps(cases),
+        "INSPECT_WEIGHTS": str(int(weights)),
+        "INSPECT_BACKWARD": str(int(backward)),
+    }
+    proc = launch(
+        "tests/inspect_worker.py", [*TINY, f"--ckpt_save_path={tmp / 'inspect'}", *args], nproc, extra_env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [[json.loads((tmp / "inspect" / f"rank{r}.{k}.json").read_text()) for r in range(nproc)]
-            for k in range(len(cases))]
+    return [
+        [json.loads((tmp / "inspect" / f"rank{r}.{k}.json").read_text()) for r in range(nproc)]
+        for k in range(len(cases))
+    ]
 
 
 @pytest.fixture
@@ -165,9 +205,21 @@ STEPS = 12  # of a run on `data` (see `uninterrupted`)
 
 def flags(data: Path, out: Path, *extra: str) -> list[str]:
     """A run of STEPS steps on `data`, written to `out`."""
-    return [*TINY, "--use_dummy_dataset=False", f"--data_path={data}", "--file_type=auto", "--weights=2,1",
-            "--vocab_size=1024", "--batch_size=4", "--seq_length=128", f"--num_steps={STEPS}", "--num_workers=1",
-            "--logical_shards=16", f"--ckpt_save_path={out}", *extra]
+    return [
+        *TINY,
+        "--use_dummy_dataset=False",
+        f"--data_path={data}",
+        "--file_type=auto",
+        "--weights=2,1",
+        "--vocab_size=1024",
+        "--batch_size=4",
+        "--seq_length=128",
+        f"--num_steps={STEPS}",
+        "--num_workers=1",
+        "--logical_shards=16",
+        f"--ckpt_save_path={out}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")

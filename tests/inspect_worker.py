@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.flags import parse_args
 from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import start_process_group
+from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel import set_gradient_sync
 from fms_fsdp.run import facts, with_mesh
 
@@ -47,8 +47,9 @@ def inspect(cfg) -> dict:
     }
     if os.environ.get("INSPECT_WEIGHTS") == "1":
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-        record["weight_fingerprint"] = {n: [t.double().sum().item(), t.double().square().sum().item()]
-                                        for n, t in full.items()}
+        record["weight_fingerprint"] = {
+            n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()
+        }
         inputs, labels = next(iter(get_data_loader(cfg, rank, world_size, run.vocab_size)))
         with torch.no_grad():
             loss = model(inputs, labels=labels)

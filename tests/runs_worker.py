@@ -9,8 +9,8 @@ import os
 
 import torch.distributed as dist
 
-from fms_fsdp.flags import parse_args
 from fms_fsdp.distributed import start_process_group
+from fms_fsdp.flags import parse_args
 from fms_fsdp.run import facts, with_mesh
 from fms_fsdp.train import train
 from fms_fsdp.triggers import StopRequest

@@ -3,6 +3,7 @@ import cycle anywhere, scripts are entry points, and every console script resolv
 
 import ast
 import importlib
+
 import tomllib
 
 from conftest import ROOT
@@ -44,7 +45,7 @@ def test_no_import_cycle_in_the_package():
 
     def visit(name: str) -> None:
         if name in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name) :] + [name]))
         if name in done:
             return
         path.append(name)
@@ -65,9 +66,12 @@ def test_only_the_command_layer_sets_warning_filters_and_logger_levels():
         if path.name == "cli.py":
             continue
         tree = ast.parse(path.read_text())
-        scoped = {id(n) for w in ast.walk(tree) if isinstance(w, ast.With)
-                  and any("catch_warnings" in ast.unparse(item.context_expr) for item in w.items)
-                  for n in ast.walk(w)}
+        scoped = {
+            id(n)
+            for w in ast.walk(tree)
+            if isinstance(w, ast.With) and any("catch_warnings" in ast.unparse(item.context_expr) for item in w.items)
+            for n in ast.walk(w)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 name = ast.unparse(node.func)

@@ -27,6 +27,7 @@ from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, STEPS, TINY, flags, launch, resume_from, run_here, train_here
 
+
 def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
     proc = launch("main_training.py", args, nproc)
     if ok:
@@ -36,8 +37,9 @@ def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
 
 def losses(out: Path) -> dict[int, float]:
     """step -> loss; a step logged twice (before a kill and after the resume) keeps its last value."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}  # not the eval records
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    }  # not the eval records
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -46,8 +48,15 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def start(args: list[str], nproc=2) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "main_training.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "main_training.py"),
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -145,12 +154,28 @@ def test_keep_policy():
 
 def test_keep_policy_over_12_steps(tmp_path):
     out = tmp_path / "run"
-    run_here(["--num_steps=12", "--checkpoint_interval=2", "--checkpoint_keep=2", "--report_interval=6",
-              "--checkpoint_keep_policy=every 4 until 8, then every 6", f"--ckpt_save_path={out}"])
-    assert [p.name for _, p in complete_checkpoints(out / "checkpoints")] == \
-        ["step_4_ckp", "step_8_ckp", "step_10_ckp", "step_12_ckp"]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
-        ["step_10_ckp", "step_12_ckp", "step_4_ckp", "step_8_ckp"]
+    run_here(
+        [
+            "--num_steps=12",
+            "--checkpoint_interval=2",
+            "--checkpoint_keep=2",
+            "--report_interval=6",
+            "--checkpoint_keep_policy=every 4 until 8, then every 6",
+            f"--ckpt_save_path={out}",
+        ]
+    )
+    assert [p.name for _, p in complete_checkpoints(out / "checkpoints")] == [
+        "step_4_ckp",
+        "step_8_ckp",
+        "step_10_ckp",
+        "step_12_ckp",
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_10_ckp",
+        "step_12_ckp",
+        "step_4_ckp",
+        "step_8_ckp",
+    ]
 
 
 @pytest.fixture
@@ -173,7 +198,9 @@ def test_full_disk_stops_with_a_clear_error(small_disk):
     assert len(errors) == 1 and "not enough space in" in errors[0] and str(out / "checkpoints") in errors[0]
     assert "GiB needed; free space or set --ckpt_save_path" in errors[0]
     assert (out / "metrics.jsonl").read_text().count("\n") == 1  # stopped at the first save, step 2, before its report
-    output = run_here(["--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"])
+    output = run_here(
+        ["--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"]
+    )
     assert "training goes on (--on_checkpoint_error=warn)" in output
 
 
@@ -203,8 +230,16 @@ def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path)
     for path in (src, tmp_path / "m.safetensors", tmp_path / "m.pth"):
         out = tmp_path / f"from_{path.name}"
         # learning rate 0: one step leaves the loaded weights as they are, to compare exactly
-        run_here(flags(data, out, f"--ckpt_load_path={path}", "--num_steps=1", "--learning_rate=0",
-                       "--export_model_at_end=True"))
+        run_here(
+            flags(
+                data,
+                out,
+                f"--ckpt_load_path={path}",
+                "--num_steps=1",
+                "--learning_rate=0",
+                "--export_model_at_end=True",
+            )
+        )
         got = load_file(str(out / "model_step_1.safetensors"))
         assert all(torch.equal(got[k], reference[k]) for k in reference), path
 
@@ -224,8 +259,9 @@ def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninte
     """Training goes on while the files are written; what is written is the state at the save. So
     for periodic exports, written the same way (2 ranks' shards, then rank 0's file)."""
     out = tmp_path / "run"
-    proc = run(flags(data, out, "--checkpoint_interval=6", "--async_checkpoint=True", "--export_interval=4",
-                     "--export_keep=1"))
+    proc = run(
+        flags(data, out, "--checkpoint_interval=6", "--async_checkpoint=True", "--export_interval=4", "--export_keep=1")
+    )
     assert proc.stdout.count("checkpoint: saved") == 2
     for step in (6, 12):
         a = weights(uninterrupted / "checkpoints" / f"step_{step}_ckp")
@@ -234,8 +270,11 @@ def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninte
     assert [p.name for p in (out / "exports").iterdir()] == ["step_12"]
     exported = load_file(str(out / "exports" / "step_12" / "model.safetensors"))
     assert exported.keys() == a.keys() and all(torch.equal(a[k], exported[k]) for k in a)
-    assert all("checkpoint_stall_s" in r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if r["step"] in (6, 12))
+    assert all(
+        "checkpoint_stall_s" in r
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r["step"] in (6, 12)
+    )
 
 
 def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
@@ -270,8 +309,11 @@ def test_a_checkpoint_resumes_under_any_activation_checkpointing(tmp_path):
     base = ["--checkpoint_interval=2", "--batch_size=2", "--lr_schedule=constant"]  # the same LR at any --num_steps
     reference = train_here(tmp_path / "ref", [*base, "--num_steps=6"])
     out = tmp_path / "run"
-    for step, ac in ((2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
-                     (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]), (6, [])):
+    for step, ac in (
+        (2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
+        (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]),
+        (6, []),
+    ):
         run_here([*base, f"--num_steps={step}", f"--ckpt_save_path={out}", *ac])
     resumed = losses(out)
     assert sorted(resumed) == list(range(1, 7))
@@ -280,8 +322,15 @@ def test_a_checkpoint_resumes_under_any_activation_checkpointing(tmp_path):
 
 def test_time_based_saves(tmp_path):
     out = tmp_path / "run"
-    run_here(["--num_steps=3", "--checkpoint_interval=100", "--checkpoint_minutes=0", "--checkpoint_keep=5",
-              f"--ckpt_save_path={out}"])
+    run_here(
+        [
+            "--num_steps=3",
+            "--checkpoint_interval=100",
+            "--checkpoint_minutes=0",
+            "--checkpoint_keep=5",
+            f"--ckpt_save_path={out}",
+        ]
+    )
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]
 
 
@@ -294,8 +343,13 @@ def test_auto_checkpoint_interval_follows_the_measured_save_stall(tmp_path, monk
     """Young's interval sqrt(2 x stall x MTBF): it starts from an assumed 30 s stall, moves to the
     measured one, and a slower save (an artificial 0.5 s stall) gives a longer interval."""
     mtbf_h, sleep = 1e-7, 0.5
-    args = ["--num_steps=8", "--checkpoint_interval=auto", f"--expected_hours_between_failures={mtbf_h}",
-            "--checkpoint_keep=1", "--report_interval=8"]
+    args = [
+        "--num_steps=8",
+        "--checkpoint_interval=auto",
+        f"--expected_hours_between_failures={mtbf_h}",
+        "--checkpoint_keep=1",
+        "--report_interval=8",
+    ]
     fast = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'fast'}"]))
     write_run_state = Checkpointer._write_run_state
 
@@ -357,7 +411,7 @@ def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
     output = proc.stdout.read()  # the ranks wrote to the launcher's pipe
     assert "error: stopped after step " in output, output[-3000:]
     assert "the launcher (torchrun) of a rank died; the checkpoint is saved" in output
-    (step, _), = complete_checkpoints(out / "checkpoints")
+    ((step, _),) = complete_checkpoints(out / "checkpoints")
     assert 1 <= step < 400
     # the same command resumes; kill -9 one of its ranks: the other stops in one line, nothing is left
     proc = start(args)
@@ -366,21 +420,26 @@ def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.05)
     tree = descendants(proc.pid)
-    os.kill(max(p for p in tree if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)),
-            signal.SIGKILL)  # rank 1: the later of torchrun's two children
+    os.kill(
+        max(p for p in tree if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)),
+        signal.SIGKILL,
+    )  # rank 1: the later of torchrun's two children
     deadline = time.time() + 15
     while (proc.poll() is None or any(alive(p) for p in tree)) and time.time() < deadline:
         time.sleep(0.2)
     assert proc.poll() not in (None, 0) and not [p for p in tree if alive(p)], "processes outlived a killed rank"
     output = proc.stdout.read()
     assert f"at step {step}" in output
-    assert "error: lost contact with another rank (" in output and "run the same command again" in output, output[-3000:]
+    assert "error: lost contact with another rank (" in output and "run the same command again" in output, output[
+        -3000:
+    ]
 
 
 def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, monkeypatch):
     """A bug raised mid-run: the loader workers are shut down before the error leaves training, while
     its traceback is still held (an uncaught error keeps it until exit, where workers that leave
     SIGTERM to their rank would hold the process forever)."""
+
     def broken(*args):
         raise ValueError("a bug")
 

@@ -16,8 +16,15 @@ import pytest
 from conftest import ROOT, TINY, flags
 
 BIN = Path(sys.executable).parent
-COMMANDS = ("fms-train", "fms-evaluate", "fms-prepare-data", "fms-inspect-data", "fms-plot-metrics",
-            "fms-export-model", "fms-to-hf")
+COMMANDS = (
+    "fms-train",
+    "fms-evaluate",
+    "fms-prepare-data",
+    "fms-inspect-data",
+    "fms-plot-metrics",
+    "fms-export-model",
+    "fms-to-hf",
+)
 
 
 def run(command: str, *args: str) -> subprocess.CompletedProcess:
@@ -49,30 +56,57 @@ def test_every_command_ends_bad_input_in_one_line_and_its_status(data, uninterru
     good = str(uninterrupted / "checkpoints" / "step_12_ckp")
     cases = {  # command and flags -> (status, what the one line says)
         ("fms-train", "--lerning_rate=1"): (2, "error: unknown flag --lerning_rate; did you mean --learning_rate?"),
-        ("fms-evaluate", "--eval_data_pth=x"): (2, "error: unknown flag --eval_data_pth; did you mean --eval_data_path?"),
+        ("fms-evaluate", "--eval_data_pth=x"): (
+            2,
+            "error: unknown flag --eval_data_pth; did you mean --eval_data_path?",
+        ),
         ("fms-prepare-data", "--inptu=x"): (2, "error: unknown flag --inptu; did you mean --input?"),
         ("fms-inspect-data", "--data_pth=x"): (2, "error: unknown flag --data_pth; did you mean --data_path?"),
         ("fms-plot-metrics", str(no_records), "--xx=tokens"): (2, "error: unknown flag --xx; did you mean --x?"),
         ("fms-export-model", "--load_pth=x"): (2, "error: unknown flag --load_pth; did you mean --load_path?"),
         ("fms-to-hf", "--save_pth=x"): (2, "error: unknown flag --save_pth; did you mean --save_path?"),
         # bad data
-        ("fms-train", *flags(bad_data, tmp_path / "train_bad_data")):
-            (2, f"error: {bad_data / 'code' / 'part0.arrow'}: not a readable arrow shard"),
-        ("fms-evaluate", *model, f"--ckpt_load_path={good}", f"--eval_data_path={tmp_path / 'missing'}",
-         f"--ckpt_save_path={tmp_path / 'eval'}"): (2, f"error: --eval_data_path: folder not found: {tmp_path / 'missing'}"),
-        ("fms-prepare-data", f"--input={bad_data}", f"--output={tmp_path / 'prepared' / 'web'}", "--tokenizer=byte"):
-            (2, f"error: --input={bad_data}: no "),
-        ("fms-inspect-data", f"--data_path={tmp_path / 'missing'}"): (2, f"--data_path={tmp_path / 'missing'}: folder not found"),
+        ("fms-train", *flags(bad_data, tmp_path / "train_bad_data")): (
+            2,
+            f"error: {bad_data / 'code' / 'part0.arrow'}: not a readable arrow shard",
+        ),
+        (
+            "fms-evaluate",
+            *model,
+            f"--ckpt_load_path={good}",
+            f"--eval_data_path={tmp_path / 'missing'}",
+            f"--ckpt_save_path={tmp_path / 'eval'}",
+        ): (2, f"error: --eval_data_path: folder not found: {tmp_path / 'missing'}"),
+        ("fms-prepare-data", f"--input={bad_data}", f"--output={tmp_path / 'prepared' / 'web'}", "--tokenizer=byte"): (
+            2,
+            f"error: --input={bad_data}: no ",
+        ),
+        ("fms-inspect-data", f"--data_path={tmp_path / 'missing'}"): (
+            2,
+            f"--data_path={tmp_path / 'missing'}: folder not found",
+        ),
         ("fms-plot-metrics", str(no_records)): (2, f"error: {no_records}: no metric records in it"),
         # a damaged checkpoint
-        ("fms-train", *model, f"--ckpt_load_path={damaged}", f"--ckpt_save_path={tmp_path / 'train_damaged'}"):
-            (1, f"error: --ckpt_load_path: {damaged}: a file is damaged or truncated"),
-        ("fms-evaluate", *model, f"--ckpt_load_path={damaged}", f"--eval_data_path={data}", "--file_type=auto",
-         f"--ckpt_save_path={tmp_path / 'eval_damaged'}"): (1, f"error: --ckpt_load_path: {damaged}: a file is damaged"),
-        ("fms-export-model", f"--load_path={damaged}", f"--save_path={tmp_path / 'model.safetensors'}"):
-            (1, f"error: --load_path: {damaged}: a file is damaged or truncated"),
-        ("fms-to-hf", f"--load_path={damaged}", f"--save_path={tmp_path / 'hf'}"):
-            (1, f"error: --load_path: {damaged}: a file is damaged or truncated"),
+        ("fms-train", *model, f"--ckpt_load_path={damaged}", f"--ckpt_save_path={tmp_path / 'train_damaged'}"): (
+            1,
+            f"error: --ckpt_load_path: {damaged}: a file is damaged or truncated",
+        ),
+        (
+            "fms-evaluate",
+            *model,
+            f"--ckpt_load_path={damaged}",
+            f"--eval_data_path={data}",
+            "--file_type=auto",
+            f"--ckpt_save_path={tmp_path / 'eval_damaged'}",
+        ): (1, f"error: --ckpt_load_path: {damaged}: a file is damaged"),
+        ("fms-export-model", f"--load_path={damaged}", f"--save_path={tmp_path / 'model.safetensors'}"): (
+            1,
+            f"error: --load_path: {damaged}: a file is damaged or truncated",
+        ),
+        ("fms-to-hf", f"--load_path={damaged}", f"--save_path={tmp_path / 'hf'}"): (
+            1,
+            f"error: --load_path: {damaged}: a file is damaged or truncated",
+        ),
     }
     with ThreadPoolExecutor(3) as pool:
         done = {case: pool.submit(run, *case) for case in cases}

@@ -11,8 +11,8 @@ import yaml
 
 from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.config import FIELDS, to_yaml
-from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
 from fms_fsdp.run import facts
 
 from conftest import ROOT
@@ -25,9 +25,17 @@ def parse(*flags: str):
 
 
 def test_values_are_coerced_to_field_types():
-    cfg = parse("--mixed_precision=False", "--learning_rate=1e-4", "--selective_checkpointing=1/3",
-                "--datasets=a,b", "--weights=1,1/3", "--strip_tokens=0,1", "--batch_size=8", "--seq_length=1e3",
-                "--vocab_size=None")
+    cfg = parse(
+        "--mixed_precision=False",
+        "--learning_rate=1e-4",
+        "--selective_checkpointing=1/3",
+        "--datasets=a,b",
+        "--weights=1,1/3",
+        "--strip_tokens=0,1",
+        "--batch_size=8",
+        "--seq_length=1e3",
+        "--vocab_size=None",
+    )
     assert cfg.mixed_precision is False
     assert cfg.learning_rate == 1e-4
     assert cfg.selective_checkpointing == "1/3"
@@ -60,25 +68,28 @@ def test_unknown_flag_names_it_and_suggests_the_nearest():
         parse("--zzz=1")
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--batch_size=two", "--batch_size: expected int"),
-    ("--batch_size=2.5", "--batch_size: expected int"),
-    ("--batch_size=0", "--batch_size: must be >= 1"),
-    ("--learning_rate=-1", "--learning_rate: must be >= 0"),
-    ("--mixed_precision=maybe", "--mixed_precision: expected bool"),
-    ("--sharding_strategy=zero3", "--sharding_strategy: 'zero3' is not one of fsdp, hsdp, ddp"),
-    ("--selective_checkpointing=1/0", "--selective_checkpointing"),
-    ("--selective_checkpointing=__import__('os').system('true')", "--selective_checkpointing"),
-    ("--learning_rate=__import__('os')", "--learning_rate: expected float"),
-    ("--adam_beta2=1", "--adam_beta2: must be < 1"),
-    ("--weights=1,-1", "--weights: every weight must be > 0"),
-    ("--num_steps=0", "--num_steps: must be >= 1"),
-    ("--strip_tokens=a,b", "--strip_tokens: expected comma list of int"),
-    ("--learning_rate=nan", "--learning_rate: expected float"),
-    ("--decay_steps=50", "--decay_steps=50 is more than --num_steps=10"),
-    ("--checkpoint_interval=0 --checkpoint_minutes=30", "--checkpoint_minutes needs checkpoints"),
-    ("--optimizer_impl=adamw", "--optimizer_impl: 'adamw' is not one of auto, fused, foreach"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--batch_size=two", "--batch_size: expected int"),
+        ("--batch_size=2.5", "--batch_size: expected int"),
+        ("--batch_size=0", "--batch_size: must be >= 1"),
+        ("--learning_rate=-1", "--learning_rate: must be >= 0"),
+        ("--mixed_precision=maybe", "--mixed_precision: expected bool"),
+        ("--sharding_strategy=zero3", "--sharding_strategy: 'zero3' is not one of fsdp, hsdp, ddp"),
+        ("--selective_checkpointing=1/0", "--selective_checkpointing"),
+        ("--selective_checkpointing=__import__('os').system('true')", "--selective_checkpointing"),
+        ("--learning_rate=__import__('os')", "--learning_rate: expected float"),
+        ("--adam_beta2=1", "--adam_beta2: must be < 1"),
+        ("--weights=1,-1", "--weights: every weight must be > 0"),
+        ("--num_steps=0", "--num_steps: must be >= 1"),
+        ("--strip_tokens=a,b", "--strip_tokens: expected comma list of int"),
+        ("--learning_rate=nan", "--learning_rate: expected float"),
+        ("--decay_steps=50", "--decay_steps=50 is more than --num_steps=10"),
+        ("--checkpoint_interval=0 --checkpoint_minutes=30", "--checkpoint_minutes needs checkpoints"),
+        ("--optimizer_impl=adamw", "--optimizer_impl: 'adamw' is not one of auto, fused, foreach"),
+    ],
+)
 def test_bad_values_name_the_flag(flag, message):
     with pytest.raises(ConfigError) as e:
         parse(*flag.split())
@@ -86,10 +97,16 @@ def test_bad_values_name_the_flag(flag, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--model_variant=llama9", "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, tiny_mha, small, llama2_1.4b"),
-    ("--checkpoint_keep_policy=each 10", "--checkpoint_keep_policy: cannot read 'each 10'"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (
+            "--model_variant=llama9",
+            "--model_variant: unknown variant 'llama9'; valid: tiny, tiny_llama3, tiny_mha, small, llama2_1.4b",
+        ),
+        ("--checkpoint_keep_policy=each 10", "--checkpoint_keep_policy: cannot read 'each 10'"),
+    ],
+)
 def test_flags_judged_by_their_modules_fail_at_start_up(flag, message):
     """config.py imports nothing of the package: the modules that use these flags check them, through
     run.facts, before any process group starts."""
@@ -139,10 +156,17 @@ def test_config_files_include_others(tmp_path):
     (tmp_path / "conf" / "data" / "mix.yaml").write_text("datasets: web,code\nweights: 3,1\n")
     (tmp_path / "conf" / "data.yaml").write_text("data_path: /data\nmix: !include data/mix.yaml\n")
     (tmp_path / "conf" / "run.yaml").write_text(
-        "model: {model_variant: tiny, seq_length: 128}\ndata: !include data.yaml\nbatch_size: 3\n")
+        "model: {model_variant: tiny, seq_length: 128}\ndata: !include data.yaml\nbatch_size: 3\n"
+    )
     cfg = parse(f"--config={tmp_path / 'conf' / 'run.yaml'}", "--batch_size=4")
-    assert (cfg.model_variant, cfg.seq_length, cfg.data_path, cfg.datasets, cfg.weights, cfg.batch_size) == \
-        ("tiny", 128, "/data", ["web", "code"], [3.0, 1.0], 4)
+    assert (cfg.model_variant, cfg.seq_length, cfg.data_path, cfg.datasets, cfg.weights, cfg.batch_size) == (
+        "tiny",
+        128,
+        "/data",
+        ["web", "code"],
+        [3.0, 1.0],
+        4,
+    )
     saved = yaml.safe_load(to_yaml(cfg))
     assert saved["data_path"] == "/data" and saved["weights"] == [3.0, 1.0] and "!include" not in to_yaml(cfg)
     (tmp_path / "a.yaml").write_text("x: !include b.yaml\n")
@@ -167,8 +191,13 @@ def test_a_saved_config_never_overwrites_a_different_one(tmp_path):
 
 def test_cli_error_is_one_line_before_any_process_group_starts():
     start = time.time()
-    proc = subprocess.run([sys.executable, str(ROOT / "main_training.py"), "--use_dummy_dataset", "--lerning_rate=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "main_training.py"), "--use_dummy_dataset", "--lerning_rate=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown flag --lerning_rate; did you mean --learning_rate?"
     assert proc.stdout == ""

@@ -5,9 +5,9 @@ documents."""
 import gzip
 import json
 import pickle
+import re
 import subprocess
 import sys
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fms_fsdp.flags import make_config
 from fms_fsdp.data import DataError
 from fms_fsdp.data.stream import ShardPlan, n_logical_shards
+from fms_fsdp.flags import make_config
 
 from conftest import data_loader
 
@@ -59,8 +59,9 @@ def write_tokenizer(path: Path, vocab: int = 4000, appends: list[int] = ()) -> P
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     if appends:
         tail = " ".join(f"t{i}" for i in appends)
-        tok.post_processor = processors.TemplateProcessing(single=f"$A {tail}",
-                                                           special_tokens=[(f"t{i}", i) for i in appends])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {tail}", special_tokens=[(f"t{i}", i) for i in appends]
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
@@ -102,8 +103,16 @@ def write_dataset(root: Path, name: str, docs: list[list[int]], layout: str = "a
 
 
 def cfg(root: Path, **kw):
-    base = dict(data_path=str(root), model_variant="tiny", seq_length=16, batch_size=2, logical_shards=8,
-                num_workers=0, seed=7, file_type="auto")
+    base = dict(
+        data_path=str(root),
+        model_variant="tiny",
+        seq_length=16,
+        batch_size=2,
+        logical_shards=8,
+        num_workers=0,
+        seed=7,
+        file_type="auto",
+    )
     if (root / "tokenizer.json").is_file():
         base["tokenizer_path"] = str(root / "tokenizer.json")
     return make_config(**{**base, **kw})
@@ -130,7 +139,7 @@ def test_every_document_once_per_epoch_and_epochs_reshuffle(tmp_path, layout):
     loader = data_loader(cfg(tmp_path, seq_length=31), 0, 1)
     total = sum(len(d) + 1 for d in docs)
     stream = lines_of(take(loader, total // 32 + 2 + total // 32 + 2)).reshape(-1)
-    epoch0, epoch1 = stream[:total], stream[total: 2 * total]
+    epoch0, epoch1 = stream[:total], stream[total : 2 * total]
     counts = Counter(epoch0.tolist())
     assert counts[EOS] == len(docs)
     assert all(counts[d[0]] == len(d) for d in docs)
@@ -221,8 +230,9 @@ def consumed_from_states(loader, states) -> Counter:
         n = n_logical_shards(loader.logical_shards, ds.documents)
         for r in (r for s in states for r in s["readers"] if r is not None):
             d = r["datasets"][ds.name]
-            for s, epoch, cursor, inner, offset in zip(range(r["consumer"], n, r["consumers"]), d["epoch"],
-                                                      d["cursor"], d["inner"], d["offset"]):
+            for s, epoch, cursor, inner, offset in zip(
+                range(r["consumer"], n, r["consumers"]), d["epoch"], d["cursor"], d["inner"], d["offset"]
+            ):
                 assert epoch == 0
                 plan = ShardPlan(ds, n, s, loader.seed, k)
                 ids = plan.order(0, np.arange(min(cursor + 1, plan.n_blocks)))
@@ -287,7 +297,9 @@ def test_counts_file_is_read_when_present_and_cached_when_absent(tmp_path):
     (tmp_path / "meta").mkdir()
     files = sorted((tmp_path / "a").rglob("*.arrow"))
     rows = [f"/a/{p.relative_to(tmp_path / 'a').as_posix()},10,12345" for p in files]
-    (tmp_path / "meta" / "combined_counts.csv").write_text("dataset/filename,documents,tokens\n" + "\n".join(rows) + "\n")
+    (tmp_path / "meta" / "combined_counts.csv").write_text(
+        "dataset/filename,documents,tokens\n" + "\n".join(rows) + "\n"
+    )
     loader = data_loader(cfg(tmp_path), 0, 1)
     assert loader.datasets[0].tokens == 3 * 12345  # taken from the file, not recomputed
     (tmp_path / "meta" / "combined_counts.csv").unlink()
@@ -312,7 +324,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     write_arrow_docs(tmp_path / "empty" / "x.arrow", [])
     assert "empty: the dataset has no documents" in error(datasets=["empty"])
     write_dataset(tmp_path, "big", [[5, 9000, 5]] * 10)
-    assert re.search(r"big/sub\d/part\d\.arrow: document \d+ has token id 9000 >= vocab_size 4096", error(datasets=["big"]))
+    assert re.search(
+        r"big/sub\d/part\d\.arrow: document \d+ has token id 9000 >= vocab_size 4096", error(datasets=["big"])
+    )
     write_rows(tmp_path / "strcol" / "x.parquet", [[1, 2]])
     assert "no column 'text'" in error(datasets=["strcol"], col_name="text")
     good = tmp_path / "a" / "sub0" / "part0.arrow"
@@ -346,6 +360,7 @@ except DataError as e:
     held = e
     print("error:", e)
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1]
+    )
     assert proc.returncode == 0 and "has token id 9000 >= vocab_size" in proc.stdout, proc.stderr[-2000:]

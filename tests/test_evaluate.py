@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fms_fsdp.flags import parse_args
+from fms_fsdp.cli import evaluate as evaluate_main
 from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
-from fms_fsdp.cli import evaluate as evaluate_main
+from fms_fsdp.flags import parse_args
 
 from conftest import TINY, here, run_here
 from test_checkpoint import flags, losses, run
@@ -31,10 +31,22 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     assert losses(evaluated) == losses(plain)  # the training loader, RNG and steps are untouched
     four, six = evals(evaluated)
     assert (four["step"], six["step"]) == (4, 6) and "eval step 6 | loss" in output
-    assert six["eval_loss/web"] != six["eval_loss/code"] and six["eval_ppl"] == pytest.approx(math.exp(six["eval_loss"]))
+    assert six["eval_loss/web"] != six["eval_loss/code"] and six["eval_ppl"] == pytest.approx(
+        math.exp(six["eval_loss"])
+    )
     # the same weights (step 6, learning rate 0) evaluated by 2 ranks, 3 lines a forward pass instead of 4
-    run(flags(data, loaded, f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}", "--learning_rate=0",
-              "--num_steps=1", f"--eval_data_path={data}", "--eval_interval=1", "--eval_batch_size=3"))
+    run(
+        flags(
+            data,
+            loaded,
+            f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}",
+            "--learning_rate=0",
+            "--num_steps=1",
+            f"--eval_data_path={data}",
+            "--eval_interval=1",
+            "--eval_batch_size=3",
+        )
+    )
     (again,) = evals(loaded)
     assert again["eval_tokens"] == six["eval_tokens"]
     for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
@@ -42,8 +54,14 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     # standalone (scripts/evaluate.py's entry point, in this process): the checkpoint's model, one line
     # per dataset and one for all
     with here() as out:
-        evaluate_main(flags(data, tmp_path / "standalone", f"--eval_data_path={data}",
-                            f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}"))
+        evaluate_main(
+            flags(
+                data,
+                tmp_path / "standalone",
+                f"--eval_data_path={data}",
+                f"--ckpt_load_path={plain / 'checkpoints' / 'step_6_ckp'}",
+            )
+        )
     found = dict(re.findall(r"^EVAL dataset=(\w+) loss=([\d.]+) ppl=[\d.]+ tokens=\d+$", out.getvalue(), re.M))
     assert found.keys() == {"web", "code", "all"}
     for name, key in (("web", "eval_loss/web"), ("code", "eval_loss/code"), ("all", "eval_loss")):

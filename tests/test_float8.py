@@ -19,7 +19,9 @@ def converted(min_size: int) -> list[str]:
     from torchao.float8.float8_linear import Float8Linear
 
     model = build_model(get_model_config("tiny", 256), torch.device("meta"))
-    convert_to_float8(model, Float8Settings.of(make_config(model_variant="tiny", float8=True, float8_min_size=min_size)), "cpu", False)
+    convert_to_float8(
+        model, Float8Settings.of(make_config(model_variant="tiny", float8=True, float8_min_size=min_size)), "cpu", False
+    )
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
@@ -43,8 +45,15 @@ def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
 def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
     """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors."""
     out = tmp_path / "run"
-    base = [*TINY, "--checkpoint_interval=2", "--sharding_strategy=fsdp", "--report_interval=1",
-            "--export_model_at_end=True", "--learning_rate=1e-3", f"--ckpt_save_path={out}"]
+    base = [
+        *TINY,
+        "--checkpoint_interval=2",
+        "--sharding_strategy=fsdp",
+        "--report_interval=1",
+        "--export_model_at_end=True",
+        "--learning_rate=1e-3",
+        f"--ckpt_save_path={out}",
+    ]
     run([*base, "--num_steps=4", "--export_interval=4", *FLOAT8])
     saved = weights(out / "checkpoints" / "step_4_ckp")
     exported = load_file(str(out / "model_step_4.safetensors"))
@@ -60,4 +69,6 @@ def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the
     # training went on from the saved weights, not from new ones (whose loss is the first step's, 6.1)
     assert all(after[s] < first[1] - 1.0 for s in (5, 6, 7)), after
     plain_export = load_file(str(out / "model_step_6.safetensors"))
-    assert {k: (v.dtype, v.shape) for k, v in plain_export.items()} == {k: (v.dtype, v.shape) for k, v in exported.items()}
+    assert {k: (v.dtype, v.shape) for k, v in plain_export.items()} == {
+        k: (v.dtype, v.shape) for k, v in exported.items()
+    }

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import fms_fsdp.train
-from fms_fsdp.flags import parse_args
-from fms_fsdp.run import facts
 from fms_fsdp.errors import ConfigError, TrainingError
+from fms_fsdp.flags import parse_args
 from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
 from fms_fsdp.optim import clip_gradients
+from fms_fsdp.run import facts
 
 from conftest import TINY, records, run_here
 

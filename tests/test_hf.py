@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fms_fsdp.checkpoint.hf import convert as hf_convert
+from fms_fsdp.checkpoint.hf import read_hf_model
 from fms_fsdp.checkpoint.reader import model_reader, read_model
-from fms_fsdp.errors import HFError
-from fms_fsdp.checkpoint.hf import convert as hf_convert, read_hf_model
 from fms_fsdp.cli import to_hf as to_hf_command
+from fms_fsdp.errors import HFError
 from fms_fsdp.models import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train_here
@@ -30,8 +31,9 @@ def to_hf(load_path: Path, save_path: Path, **flags: Any) -> Path:
 
 
 def convert(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "fms_to_hf.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "fms_to_hf.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == rc, proc.stdout + proc.stderr
     return proc
 
@@ -63,16 +65,27 @@ def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     to_hf(ckpt, tmp_path / "hf", dtype="fp32")  # the variant from the checkpoint
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     c = get_model_config(variant, 512)
-    assert (config["vocab_size"], config["hidden_size"], config["num_key_value_heads"], config["rope_theta"],
-            config["max_position_embeddings"], config["eos_token_id"]) == (512, 256, 2, c.rope_theta, 1024, 0)
+    assert (
+        config["vocab_size"],
+        config["hidden_size"],
+        config["num_key_value_heads"],
+        config["rope_theta"],
+        config["max_position_embeddings"],
+        config["eos_token_id"],
+    ) == (512, 256, 2, c.rope_theta, 1024, 0)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()
     ours = fms_model(variant, read_model(ckpt))
     tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
         hf.generation_config.eos_token_id = None
-        generated = hf.generate(tokens[:, :8], attention_mask=torch.ones_like(tokens[:, :8]), max_new_tokens=20,
-                                do_sample=False, eos_token_id=None)
+        generated = hf.generate(
+            tokens[:, :8],
+            attention_mask=torch.ones_like(tokens[:, :8]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+        )
         assert torch.equal(generated, greedy(ours, tokens[:, :8]))
 
 
@@ -80,13 +93,28 @@ def test_round_trip_hf_folder_to_training_to_export(trained, tmp_path):
     variant, ckpt = trained
     to_hf(ckpt, tmp_path / "hf", dtype="fp32")
     # start training from the Hugging Face folder (learning rate 0: the weights stay as loaded)
-    train_here(tmp_path, [f"--model_variant={variant}", "--vocab_size=512", f"--ckpt_load_path={tmp_path / 'hf'}",
-                     "--num_steps=1", "--learning_rate=0", "--export_model_at_end=True", "--batch_size=2"])
+    train_here(
+        tmp_path,
+        [
+            f"--model_variant={variant}",
+            "--vocab_size=512",
+            f"--ckpt_load_path={tmp_path / 'hf'}",
+            "--num_steps=1",
+            "--learning_rate=0",
+            "--export_model_at_end=True",
+            "--batch_size=2",
+        ],
+    )
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
     original = read_model(ckpt)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
-    to_hf(tmp_path / "run" / "model_step_1.safetensors", tmp_path / "hf2", model_variant=variant, vocab_size=512,
-          dtype="fp32")
+    to_hf(
+        tmp_path / "run" / "model_step_1.safetensors",
+        tmp_path / "hf2",
+        model_variant=variant,
+        vocab_size=512,
+        dtype="fp32",
+    )
     a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -123,9 +151,19 @@ def test_periodic_exports_are_folders_transformers_loads_or_model_files(tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     save_tokenizer(tmp_path / "tok")
-    train_here(tmp_path / "hf", ["--num_steps=6", "--vocab_size=512", "--batch_size=2", "--export_interval=2",
-                                 "--export_format=hf", f"--tokenizer_path={tmp_path / 'tok'}", "--eos_token=511",
-                                 "--export_model_at_end=True"])
+    train_here(
+        tmp_path / "hf",
+        [
+            "--num_steps=6",
+            "--vocab_size=512",
+            "--batch_size=2",
+            "--export_interval=2",
+            "--export_format=hf",
+            f"--tokenizer_path={tmp_path / 'tok'}",
+            "--eos_token=511",
+            "--export_model_at_end=True",
+        ],
+    )
     exports = tmp_path / "hf" / "run" / "exports"
     assert sorted(p.name for p in exports.iterdir()) == ["step_4", "step_6"]  # --export_keep=2, nothing half-written
     final = load_file(str(tmp_path / "hf" / "run" / "model_step_6.safetensors"))
@@ -135,8 +173,17 @@ def test_periodic_exports_are_folders_transformers_loads_or_model_files(tmp_path
     hf = AutoModelForCausalLM.from_pretrained(exports / "step_6", local_files_only=True)
     assert next(hf.parameters()).dtype == torch.bfloat16 and hf.config.eos_token_id == 511
     assert AutoTokenizer.from_pretrained(exports / "step_6", local_files_only=True)("w5 w7")["input_ids"] == [5, 7]
-    train_here(tmp_path / "fms", ["--num_steps=2", "--vocab_size=512", "--batch_size=2", "--export_interval=1",
-                                  "--export_keep=1", "--export_model_at_end=True"])
+    train_here(
+        tmp_path / "fms",
+        [
+            "--num_steps=2",
+            "--vocab_size=512",
+            "--batch_size=2",
+            "--export_interval=1",
+            "--export_keep=1",
+            "--export_model_at_end=True",
+        ],
+    )
     exports = tmp_path / "fms" / "run" / "exports"
     assert [p.name for p in exports.iterdir()] == ["step_2"]
     a = load_file(str(exports / "step_2" / "model.safetensors"))
@@ -172,14 +219,27 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
     assert "exists and is not empty; choose a new folder" in error(ckpt, tmp_path / "busy")
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
     # the command line gives the same line and status
-    assert "error: --dtype: 'fp8'" in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8",
-                                              rc=2).stderr
+    assert (
+        "error: --dtype: 'fp8'"
+        in convert(f"--load_path={ckpt}", f"--save_path={tmp_path / 'o'}", "--dtype=fp8", rc=2).stderr
+    )
     hf_main(str(ckpt), str(tmp_path / "hf"))
-    proc = launch("main_training.py", [*TINY, f"--model_variant={variant}", "--vocab_size=1024",
-                                       f"--ckpt_load_path={tmp_path / 'hf'}", f"--ckpt_save_path={tmp_path / 'run'}"], None)
+    proc = launch(
+        "main_training.py",
+        [
+            *TINY,
+            f"--model_variant={variant}",
+            "--vocab_size=1024",
+            f"--ckpt_load_path={tmp_path / 'hf'}",
+            f"--ckpt_save_path={tmp_path / 'run'}",
+        ],
+        None,
+    )
     assert proc.returncode != 0
-    assert f"error: --ckpt_load_path: {tmp_path / 'hf'}: {tmp_path / 'hf'}: vocab_size is 512 but the model variant " \
-           "has 1024" in proc.stderr
+    assert (
+        f"error: --ckpt_load_path: {tmp_path / 'hf'}: {tmp_path / 'hf'}: vocab_size is 512 but the model variant "
+        "has 1024" in proc.stderr
+    )
 
 
 @pytest.mark.parametrize("trained", ["tiny"], indirect=True)
@@ -190,8 +250,16 @@ def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
 
     variant, ckpt = trained
     shapes, read = model_reader(ckpt)
-    write_hf_folder(get_model_config(variant, 512), read, list(shapes), str(tmp_path / "hf"), torch.float32, None, 0,
-                    max_shard_bytes=2**20)
+    write_hf_folder(
+        get_model_config(variant, 512),
+        read,
+        list(shapes),
+        str(tmp_path / "hf"),
+        torch.float32,
+        None,
+        0,
+        max_shard_bytes=2**20,
+    )
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32).eval()

@@ -67,8 +67,11 @@ def _gone(pids: list[int], within_s: float = 5.0) -> bool:
     """Whether every pid has ended (or is a zombie awaiting its reaper) within `within_s`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists()
-                 and "State:\tZ" not in Path(f"/proc/{p}/status").read_text(errors="replace")]
+        alive = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists() and "State:\tZ" not in Path(f"/proc/{p}/status").read_text(errors="replace")
+        ]
         if not alive:
             return True
         time.sleep(0.1)
@@ -85,15 +88,17 @@ def _workers(stdout: str) -> list[int]:
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_the_process_ends_and_leaves_no_worker(shards, ending):
     code, status = ENDINGS[ending]
-    proc = subprocess.run([sys.executable, "-c", _setup(shards) + code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _setup(shards) + code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == status, proc.stderr[-2000:]
     assert _gone(_workers(proc.stdout))
 
 
 def test_dropped_iterators_stop_their_workers_at_once(shards):
-    proc = subprocess.run([sys.executable, "-c", _setup(shards) + DROPPED], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _setup(shards) + DROPPED], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "after the generator 0\nafter collection 0\n" in proc.stdout, proc.stdout
     assert _gone(_workers(proc.stdout), within_s=0.5)
@@ -101,8 +106,14 @@ def test_dropped_iterators_stop_their_workers_at_once(shards):
 
 def test_a_repl_that_ends_holding_the_iterator(shards):
     """`python -i`: the script's globals (the iterator among them) live until the REPL reads end of input."""
-    proc = subprocess.run([sys.executable, "-i", "-c", _setup(shards)], input="print('in the repl', next(it)[0].shape)\n",
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-i", "-c", _setup(shards)],
+        input="print('in the repl', next(it)[0].shape)\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "in the repl torch.Size([2, 16])" in proc.stdout
     assert _gone(_workers(proc.stdout))
@@ -110,9 +121,14 @@ def test_a_repl_that_ends_holding_the_iterator(shards):
 
 def test_ctrl_c_ends_the_process_and_its_workers(shards):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the loop waits."""
-    proc = subprocess.Popen([sys.executable, "-c", _setup(shards) + "print('ready', flush=True)\ntime.sleep(60)"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _setup(shards) + "print('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -128,12 +144,19 @@ def test_ctrl_c_ends_the_process_and_its_workers(shards):
 def test_a_stop_signal_for_the_job_does_not_end_the_workers(shards):
     """SIGTERM sent to a worker by anyone but its rank (Slurm signals every process of a job step) is
     left to the rank: the workers keep delivering batches."""
-    code = ("for p in multiprocessing.active_children():\n    os.kill(p.pid, signal.SIGTERM)\n"
-            "time.sleep(1)\n"
-            "print('alive', len(multiprocessing.active_children()), next(it)[0].shape, flush=True)")
+    code = (
+        "for p in multiprocessing.active_children():\n    os.kill(p.pid, signal.SIGTERM)\n"
+        "time.sleep(1)\n"
+        "print('alive', len(multiprocessing.active_children()), next(it)[0].shape, flush=True)"
+    )
     # the signal comes from another process (kill(1)), not the rank: spawn it from the script
     code = code.replace("os.kill(p.pid, signal.SIGTERM)", "subprocess.run(['kill', '-TERM', str(p.pid)], check=True)")
-    proc = subprocess.run([sys.executable, "-c", "import subprocess\n" + _setup(shards) + code], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import subprocess\n" + _setup(shards) + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "alive 2 torch.Size([2, 16])" in proc.stdout

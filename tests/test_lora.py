@@ -9,20 +9,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.flags import make_config
 from fms_fsdp.checkpoint.export import export_checkpoint
-from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.evaluate import evaluate_checkpoint
+from fms_fsdp.flags import make_config
+from fms_fsdp.models import build_model, get_model_config
 from fms_fsdp.run import facts
 
 from conftest import train, train_here
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-LORA = ["--lora_rank=4", "--lora_alpha=8", "--learning_rate=1e-2", "--checkpoint_interval=2", "--report_interval=1",
-        "--lr_schedule=constant", "--warmup_steps=0"]  # the same LR whatever --num_steps: runs of 2 and 4 steps compare
+LORA = [
+    "--lora_rank=4",
+    "--lora_alpha=8",
+    "--learning_rate=1e-2",
+    "--checkpoint_interval=2",
+    "--report_interval=1",
+    "--lr_schedule=constant",
+    "--warmup_steps=0",
+]  # the same LR whatever --num_steps: runs of 2 and 4 steps compare
 
 
 def folder_bytes(path: Path) -> int:
@@ -43,8 +50,17 @@ def tuned(base, tmp_path_factory) -> Path:
     """A LoRA run of 4 steps from the Hugging Face folder on two ranks (FSDP shards the adapters and the
     frozen base alike), exported at the end."""
     out = tmp_path_factory.mktemp("lora")
-    train(out, [f"--ckpt_load_path={base[0]}", *LORA, "--num_steps=4", "--export_model_at_end=True",
-                "--sharding_strategy=fsdp"], nproc=2)
+    train(
+        out,
+        [
+            f"--ckpt_load_path={base[0]}",
+            *LORA,
+            "--num_steps=4",
+            "--export_model_at_end=True",
+            "--sharding_strategy=fsdp",
+        ],
+        nproc=2,
+    )
     return out / "run"
 
 
@@ -84,15 +100,27 @@ def test_peft_loads_the_adapter_onto_the_hugging_face_base_with_our_logits(base,
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs, mine = with_adapter(tokens).logits, ours.eval()(tokens)
-        base_logits = AutoModelForCausalLM.from_pretrained(base[0], local_files_only=True, dtype=torch.float32)(tokens).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base[0], local_files_only=True, dtype=torch.float32)(
+            tokens
+        ).logits
     assert (theirs - mine).abs().max().item() <= 1e-4
     assert (base_logits - mine).abs().max().item() > 1e-2  # the adapter changed the model
 
 
 def test_lora_trains_with_bf16_and_activation_checkpointing(base, tmp_path):
     """(With --use_torch_compile=True too it trains; compiling costs this suite 12 s, so it is left out.)"""
-    records = train_here(tmp_path, [f"--ckpt_load_path={base[0]}", *LORA, "--num_steps=3", "--mixed_precision=True",
-                                    "--fsdp_activation_checkpointing=True", "--ac_mode=op", "--checkpoint_interval=3"])
+    records = train_here(
+        tmp_path,
+        [
+            f"--ckpt_load_path={base[0]}",
+            *LORA,
+            "--num_steps=3",
+            "--mixed_precision=True",
+            "--fsdp_activation_checkpointing=True",
+            "--ac_mode=op",
+            "--checkpoint_interval=3",
+        ],
+    )
     assert records[-1]["loss"] < records[0]["loss"]
 
 
@@ -100,8 +128,11 @@ def test_a_lora_checkpoint_is_not_taken_for_a_model_nor_resumed_on_another_base(
     with pytest.raises(CheckpointError, match="is a LoRA checkpoint: it holds the adapters only"):
         export_checkpoint(str(tuned / "checkpoints" / "step_4_ckp"), str(tmp_path / "m.safetensors"))
     with pytest.raises(ConfigError, match="evaluation takes whole models: drop --lora_rank"):
-        evaluate_checkpoint(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x",
-                                   eval_interval=1))
+        evaluate_checkpoint(
+            make_config(
+                model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x", eval_interval=1
+            )
+        )
     flags = [*LORA, "--num_steps=2"]
     train_here(tmp_path, [f"--ckpt_load_path={base[0]}", *flags])
     with pytest.raises(CheckpointError, match="holds LoRA adapters of the base .* but --ckpt_load_path is now"):

@@ -46,7 +46,9 @@ def test_without_gradients_only_the_loss_is_computed_and_it_is_the_same():
         without = chunked_cross_entropy(hidden, weight, labels, max_chunk_bytes=300 * 4 * 500)
     ref = F.cross_entropy(hidden @ weight.detach().t(), labels, ignore_index=IGNORE_INDEX)
     assert not without.requires_grad
-    assert without.item() == pytest.approx(ref.item(), rel=1e-5) and with_grad.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert without.item() == pytest.approx(ref.item(), rel=1e-5) and with_grad.item() == pytest.approx(
+        ref.item(), rel=1e-5
+    )
 
 
 def test_bf16_inputs_get_bf16_gradients_and_an_fp32_loss():

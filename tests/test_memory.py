@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
+from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
 from fms_fsdp.memory import Planner, Setting, fits_or_warning
 from fms_fsdp.models import build_model, get_model_config
 from fms_fsdp.parallel import apply_activation_checkpointing, mesh_shape
-from fms_fsdp.cli import train as main
 
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 
@@ -46,20 +46,26 @@ def measured(variant: str, setting: Setting) -> tuple[int, int]:
     return after[device]["Activation"] - before[device]["Activation"] - loss_saved, sum(saved.values())
 
 
-NONE, HALF_BLOCKS, ALL_OPS = (Setting(BATCH, False, Fraction(0), "block"), Setting(BATCH, True, Fraction(1, 2), "block"),
-                              Setting(BATCH, True, Fraction(1), "op"))
+NONE, HALF_BLOCKS, ALL_OPS = (
+    Setting(BATCH, False, Fraction(0), "block"),
+    Setting(BATCH, True, Fraction(1, 2), "block"),
+    Setting(BATCH, True, Fraction(1), "op"),
+)
 
 
 def plan_for(cfg, world_size: int, ranks_per_node: int, device_bytes: int) -> Planner:
     """The plan of `cfg` on `world_size` ranks, nodes of `ranks_per_node`, devices of `device_bytes`."""
     shape = mesh_shape(cfg, world_size, ranks_per_node)
-    return Planner(cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), device_bytes)
+    return Planner(
+        cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), device_bytes
+    )
 
 
 def warning_of(cfg, world_size: int, ranks_per_node: int):
     shape = mesh_shape(cfg, world_size, ranks_per_node)
-    return fits_or_warning(cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp),
-                           ranks_per_node)
+    return fits_or_warning(
+        cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), ranks_per_node
+    )
 
 
 @pytest.mark.parametrize("variant, settings", [("tiny", [NONE, HALF_BLOCKS, ALL_OPS]), ("small", [NONE])])
@@ -75,15 +81,31 @@ def test_planned_activations_are_within_10_percent_of_what_autograd_saves(varian
 
 
 def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsys):
-    flags = ["--dry_run=True", "--model_variant=llama3_70b", "--plan_world_size=512", "--seq_length=8192",
-             "--batch_size=1", "--fsdp_activation_checkpointing=True", "--plan_device_memory_gib=80"]
+    flags = [
+        "--dry_run=True",
+        "--model_variant=llama3_70b",
+        "--plan_world_size=512",
+        "--seq_length=8192",
+        "--batch_size=1",
+        "--fsdp_activation_checkpointing=True",
+        "--plan_device_memory_gib=80",
+    ]
     main([*flags, "--sharding_strategy=fsdp"])
     out = capsys.readouterr().out.splitlines()
     plan_lines = [line for line in out if line.startswith("PLAN ")]
     assert len(plan_lines) == 1 and out[-1] == plan_lines[0]
     fields = dict(item.split("=") for item in plan_lines[0].split()[1:])
-    assert list(fields) == ["params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes", "activations_bytes",
-                            "loss_bytes", "peak_bytes", "device_bytes", "fits"]
+    assert list(fields) == [
+        "params_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "gathered_bytes",
+        "activations_bytes",
+        "loss_bytes",
+        "peak_bytes",
+        "device_bytes",
+        "fits",
+    ]
     assert fields["fits"] == "true" and int(fields["device_bytes"]) == 80 * 2**30
     assert int(fields["params_bytes"]) == pytest.approx(70.6e9 * 4 / 512, rel=0.01)  # fp32 shards of 70.6B
     assert int(fields["optimizer_bytes"]) == 2 * int(fields["params_bytes"])
@@ -123,8 +145,12 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
     """8 ranks as FSDP 8, and as FSDP 4 x TP 2: the weights split 8 ways either way (the norms, whole
     on both ranks of a TP pair, a little more); activations and the loss's working set about halve."""
     fsdp = plan_for(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp"), 8, 8, 1 << 40)
-    tp = plan_for(make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp", tensor_parallel_size=2),
-                 8, 8, 1 << 40)
+    tp = plan_for(
+        make_config(model_variant="small", seq_length=512, sharding_strategy="fsdp", tensor_parallel_size=2),
+        8,
+        8,
+        1 << 40,
+    )
     assert tp.mesh == (1, 4, 2) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
     setting = Setting(4, False, Fraction(0), "block")

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.checkpoint.hf import read_hf_model
+from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.models import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
@@ -65,45 +65,128 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     - from_file / from_folder: T=2 initialised from tp2's end export and from its checkpoint of step 3,
       one step at learning rate 0."""
     root = tmp_path_factory.mktemp("tp")
-    out = {name: root / name for name in ("gqa_tp1", "gqa_tp2", "gqa_tp2_ac", "gqa_tp1_bf16", "gqa_tp2_bf16",
-                                          "dp2_ref", "fsdp_tp2", "hsdp_tp2", "hsdp2x2_ref", "hsdp2x2", "resumed_4", "tp2",
-                                          "tp1", "tp4", "tp1_tp2", "tp4_tp2", "from_file", "from_folder")}
+    out = {
+        name: root / name
+        for name in (
+            "gqa_tp1",
+            "gqa_tp2",
+            "gqa_tp2_ac",
+            "gqa_tp1_bf16",
+            "gqa_tp2_bf16",
+            "dp2_ref",
+            "fsdp_tp2",
+            "hsdp_tp2",
+            "hsdp2x2_ref",
+            "hsdp2x2",
+            "resumed_4",
+            "tp2",
+            "tp1",
+            "tp4",
+            "tp1_tp2",
+            "tp4_tp2",
+            "from_file",
+            "from_folder",
+        )
+    }
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
-    chain = ["--model_variant=tiny_mha", "--num_steps=8", "--checkpoint_interval=3", "--checkpoint_keep=5", "--num_workers=0",
-             "--batch_size=2", "--seq_length=64", "--eval_interval=8", f"--eval_data_path={data}", "--eval_batches=2"]
+    chain = [
+        "--model_variant=tiny_mha",
+        "--num_steps=8",
+        "--checkpoint_interval=3",
+        "--checkpoint_keep=5",
+        "--num_workers=0",
+        "--batch_size=2",
+        "--seq_length=64",
+        "--eval_interval=8",
+        f"--eval_data_path={data}",
+        "--eval_batches=2",
+    ]
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
-    run_here([*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"])
-    run_here([*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=8",
-              f"--ckpt_save_path={out['hsdp2x2_ref']}"])
-    out["log2"] = launch_runs(2, [
-        [*gqa, f"--ckpt_save_path={out['gqa_tp2']}", "--tensor_parallel_size=2", "--low_cpu_fsdp=True",
-         "--peak_tflops=1"],
-        [*gqa, f"--ckpt_save_path={out['gqa_tp2_ac']}", "--tensor_parallel_size=2", "--fsdp_activation_checkpointing=True",
-         "--ac_mode=op"],
-        [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
-        flags(data, out["tp2"], *chain, "--tensor_parallel_size=2", "--async_checkpoint=True", "--export_interval=8",
-              "--export_format=hf", "--export_model_at_end=True"),
-        *[flags(data, out[name], "--model_variant=tiny_mha", "--num_steps=1", "--learning_rate=0",
-                "--tensor_parallel_size=2", "--checkpoint_interval=0", "--export_model_at_end=True", "--num_workers=0",
-                f"--ckpt_load_path={source}")
-          for name, source in (("from_file", out["tp2"] / "model_step_8.safetensors"),
-                               ("from_folder", out["tp2"] / "checkpoints" / "step_3_ckp"))],
-    ])
+    run_here(
+        [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"]
+    )
+    run_here(
+        [*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=8", f"--ckpt_save_path={out['hsdp2x2_ref']}"]
+    )
+    out["log2"] = launch_runs(
+        2,
+        [
+            [
+                *gqa,
+                f"--ckpt_save_path={out['gqa_tp2']}",
+                "--tensor_parallel_size=2",
+                "--low_cpu_fsdp=True",
+                "--peak_tflops=1",
+            ],
+            [
+                *gqa,
+                f"--ckpt_save_path={out['gqa_tp2_ac']}",
+                "--tensor_parallel_size=2",
+                "--fsdp_activation_checkpointing=True",
+                "--ac_mode=op",
+            ],
+            [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
+            flags(
+                data,
+                out["tp2"],
+                *chain,
+                "--tensor_parallel_size=2",
+                "--async_checkpoint=True",
+                "--export_interval=8",
+                "--export_format=hf",
+                "--export_model_at_end=True",
+            ),
+            *[
+                flags(
+                    data,
+                    out[name],
+                    "--model_variant=tiny_mha",
+                    "--num_steps=1",
+                    "--learning_rate=0",
+                    "--tensor_parallel_size=2",
+                    "--checkpoint_interval=0",
+                    "--export_model_at_end=True",
+                    "--num_workers=0",
+                    f"--ckpt_load_path={source}",
+                )
+                for name, source in (
+                    ("from_file", out["tp2"] / "model_step_8.safetensors"),
+                    ("from_folder", out["tp2"] / "checkpoints" / "step_3_ckp"),
+                )
+            ],
+        ],
+    )
     resume_from(out["tp2"], 3, out["tp1"])
     run_here(flags(data, out["tp1"], *chain))
     resume_from(out["tp2"], 3, out["tp4"])
     resume_from(uninterrupted, 6, out["resumed_4"])
-    out["log4"] = launch_runs(4, [
-        [*gqa, f"--ckpt_save_path={out['fsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"],
-        [*gqa, f"--ckpt_save_path={out['hsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=hsdp",
-         "--sharding_group_size=1"],
-        [*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=1", "--grad_accum_steps=2",
-         "--sharding_strategy=hsdp", "--sharding_group_size=2", f"--ckpt_save_path={out['hsdp2x2']}"],
-        flags(data, out["resumed_4"], *RESUME_EXPORT, "--sharding_strategy=hsdp", "--sharding_group_size=2"),
-        flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
-    ])
+    out["log4"] = launch_runs(
+        4,
+        [
+            [*gqa, f"--ckpt_save_path={out['fsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"],
+            [
+                *gqa,
+                f"--ckpt_save_path={out['hsdp_tp2']}",
+                "--tensor_parallel_size=2",
+                "--sharding_strategy=hsdp",
+                "--sharding_group_size=1",
+            ],
+            [
+                *TINY,
+                "--num_steps=6",
+                "--checkpoint_interval=0",
+                "--batch_size=1",
+                "--grad_accum_steps=2",
+                "--sharding_strategy=hsdp",
+                "--sharding_group_size=2",
+                f"--ckpt_save_path={out['hsdp2x2']}",
+            ],
+            flags(data, out["resumed_4"], *RESUME_EXPORT, "--sharding_strategy=hsdp", "--sharding_group_size=2"),
+            flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
+        ],
+    )
     resume_from(out["tp1"], 6, out["tp1_tp2"])
     resume_from(out["tp4"], 6, out["tp4_tp2"])
     launch_runs(2, [flags(data, out[name], *chain, "--tensor_parallel_size=2") for name in ("tp1_tp2", "tp4_tp2")])
@@ -117,8 +200,9 @@ def test_hsdp_four_ranks_two_by_two_with_gradient_accumulation(runs):
     assert len(got) == 6 and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want)
     line = model_line(runs["log4"], runs["hsdp2x2"])
     assert "mesh (replicate, shard) = (2, 2)" in line
-    full, held = (int(g.replace(",", "")) for g in re.search(r"([\d,]+) parameters \(([\d,]+) held by rank 0\)",
-                                                                line).groups())
+    full, held = (
+        int(g.replace(",", "")) for g in re.search(r"([\d,]+) parameters \(([\d,]+) held by rank 0\)", line).groups()
+    )
     assert abs(held - full / 2) <= 4096, (held, full)  # dim-0 shards, padded
 
 
@@ -171,8 +255,10 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, name, start)
 def test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size(runs):
     step8 = {name: read_model(runs[name] / "checkpoints" / "step_8_ckp") for name in ("tp2", "tp1", "tp4")}
     keys = set(step8["tp1"])
-    assert {k for k in keys if "layers.0." in k} >= {"base_model.layers.0.attn.in_proj.qkv_fused.weight",
-                                                    "base_model.layers.0.ff_sub_layer.wg1_fused.weight"}
+    assert {k for k in keys if "layers.0." in k} >= {
+        "base_model.layers.0.attn.in_proj.qkv_fused.weight",
+        "base_model.layers.0.ff_sub_layer.wg1_fused.weight",
+    }
     assert all(set(state) == keys for state in step8.values())
     assert all(torch.allclose(step8["tp4"][k], step8["tp2"][k], atol=1e-5) for k in keys)
     end = load_file(str(runs["tp2"] / "model_step_8.safetensors"))  # gathered from 2 ranks' TP shards
@@ -189,7 +275,9 @@ def test_a_model_file_or_checkpoint_initialises_a_tensor_parallel_run(runs):
     """--ckpt_load_path of a whole-model file (read on rank 0, q/k/v and gate/up cut apart, then each
     rank's shards sent) or of a checkpoint folder (read into the fused views): one step at learning
     rate 0 exports the same weights."""
-    for name, want in (("from_file", load_file(str(runs["tp2"] / "model_step_8.safetensors"))),
-                       ("from_folder", read_model(runs["tp2"] / "checkpoints" / "step_3_ckp"))):
+    for name, want in (
+        ("from_file", load_file(str(runs["tp2"] / "model_step_8.safetensors"))),
+        ("from_folder", read_model(runs["tp2"] / "checkpoints" / "step_3_ckp")),
+    ):
         got = load_file(str(runs[name] / "model_step_1.safetensors"))
         assert got.keys() == want.keys() and not [k for k in want if not torch.equal(got[k], want[k])], name

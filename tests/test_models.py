@@ -27,9 +27,22 @@ def test_parameter_counts_match_published_sizes(name):
 
 def test_reference_dimensions():
     c = get_model_config("llama2_34b")
-    assert (c.emb_dim, c.nheads, c.kvheads, c.nlayers, c.max_expected_seq_len, c.rope_theta) == (8192, 64, 8, 48, 16384, 1e6)
+    assert (c.emb_dim, c.nheads, c.kvheads, c.nlayers, c.max_expected_seq_len, c.rope_theta) == (
+        8192,
+        64,
+        8,
+        48,
+        16384,
+        1e6,
+    )
     c = get_model_config("llama3_1.8b_4k")
-    assert (c.src_vocab_size, c.emb_dim, c.kvheads, c.hidden_grow_factor, c.max_expected_seq_len) == (128256, 2048, 8, 3.5, 4096)
+    assert (c.src_vocab_size, c.emb_dim, c.kvheads, c.hidden_grow_factor, c.max_expected_seq_len) == (
+        128256,
+        2048,
+        8,
+        3.5,
+        4096,
+    )
     assert get_model_config("llama3_1.8b").max_expected_seq_len == 8192
     assert get_model_config("llama2_1.4b").kvheads == 4
     assert isinstance(get_model_config("tiny"), LLaMAConfig)
@@ -44,7 +57,10 @@ def test_every_variant_and_alias_builds_on_meta():
 
 
 def test_unknown_variant_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="unknown variant 'llama4'; valid: tiny, tiny_llama3, tiny_mha, small, .*llama3_70b_4k, 7b, 13b, 34b, 70b"):
+    with pytest.raises(
+        ConfigError,
+        match="unknown variant 'llama4'; valid: tiny, tiny_llama3, tiny_mha, small, .*llama3_70b_4k, 7b, 13b, 34b, 70b",
+    ):
         get_model_config("llama4")
 
 

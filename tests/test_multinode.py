@@ -41,16 +41,18 @@ def two_nodes():
     tag = uuid.uuid4().hex[:4]
     ns = {n: f"fms-{n}{tag}" for n in NODES}
     try:
-        for n, addr in NODES.items():
+        for n in NODES:
             made = sh("ip", "netns", "add", ns[n])
             if made.returncode != 0:
                 pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
             sh("ip", "-n", ns[n], "link", "set", "lo", "up")
         steps = [("ip", "link", "add", f"fv{tag}a", "type", "veth", "peer", "name", f"fv{tag}b")]
         for n, addr in NODES.items():
-            steps += [("ip", "link", "set", f"fv{tag}{n}", "netns", ns[n]),
-                      ("ip", "-n", ns[n], "addr", "add", f"{addr}/24", "dev", f"fv{tag}{n}"),
-                      ("ip", "-n", ns[n], "link", "set", f"fv{tag}{n}", "up")]
+            steps += [
+                ("ip", "link", "set", f"fv{tag}{n}", "netns", ns[n]),
+                ("ip", "-n", ns[n], "addr", "add", f"{addr}/24", "dev", f"fv{tag}{n}"),
+                ("ip", "-n", ns[n], "link", "set", f"fv{tag}{n}", "up"),
+            ]
         for step in steps:
             done = sh(*step)
             if done.returncode != 0:
@@ -66,10 +68,25 @@ def start_node(node: str, two_nodes: dict, args: list[str]) -> subprocess.Popen:
     address is not its hostname's, so torchrun would not guess it), gloo on the node's veth."""
     ns, device = two_nodes[node]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": device}
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-           "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint={NODES['a']}:{PORT}", "--rdzv_id=job",
-           f"--rdzv_conf=is_host={int(node == 'a')}",
-           f"--local_addr={NODES[node]}", "--monitor_interval=0.2", str(ROOT / "main_training.py"), *args]
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={NODES['a']}:{PORT}",
+        "--rdzv_id=job",
+        f"--rdzv_conf=is_host={int(node == 'a')}",
+        f"--local_addr={NODES[node]}",
+        "--monitor_interval=0.2",
+        str(ROOT / "main_training.py"),
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -81,8 +98,9 @@ def records(out: Path) -> list[dict]:
 def wait_for_step(out: Path, step: int, nodes: dict) -> None:
     deadline = time.time() + 180
     while max((r["step"] for r in records(out)), default=0) < step:
-        assert all(p.poll() is None for p in nodes.values()) and time.time() < deadline, \
-            "".join(p.stdout.read()[-2000:] for p in nodes.values() if p.poll() is not None)
+        assert all(p.poll() is None for p in nodes.values()) and time.time() < deadline, "".join(
+            p.stdout.read()[-2000:] for p in nodes.values() if p.poll() is not None
+        )
         time.sleep(0.1)
 
 
@@ -97,8 +115,16 @@ def ended_within(nodes: dict, pids: list[int], seconds: float) -> dict[str, str]
 
 def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exactly(two_nodes, tmp_path):
     out = tmp_path / "run"
-    args = [*TINY, f"--ckpt_save_path={out}", "--num_steps=300", "--checkpoint_interval=3", "--batch_size=2",
-            "--sharding_strategy=hsdp", "--num_workers=1", f"--collective_timeout_minutes={TIMEOUT_S / 60}"]
+    args = [
+        *TINY,
+        f"--ckpt_save_path={out}",
+        "--num_steps=300",
+        "--checkpoint_interval=3",
+        "--batch_size=2",
+        "--sharding_strategy=hsdp",
+        "--num_workers=1",
+        f"--collective_timeout_minutes={TIMEOUT_S / 60}",
+    ]
     nodes = {n: start_node(n, two_nodes, args) for n in NODES}
     wait_for_step(out, 4, nodes)  # a checkpoint at step 3, a step trained after it
     # node b drops off the network (no connection is closed, as when a machine dies): node a's ranks
@@ -129,6 +155,6 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
     assert "error: stopped after step" in outputs["a"] and "the launcher (torchrun) of a rank died" in outputs["a"]
     stopped = complete_checkpoints(out / "checkpoints")[-1][0]
     assert stopped > max(first)
-    again = {r["step"]: r["loss"] for r in records(out)[len(first):]}
+    again = {r["step"]: r["loss"] for r in records(out)[len(first) :]}
     repeated = [s for s in again if s in first]
     assert repeated and all(again[s] == first[s] for s in repeated), (first, again)

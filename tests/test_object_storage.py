@@ -16,17 +16,16 @@ from typing import Iterator
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.export import export_checkpoint
+from fms_fsdp.checkpoint.hf import convert
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.flags import parse_args
 from fms_fsdp.data import DataError
 from fms_fsdp.distributed import free_port
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.checkpoint.hf import convert
+from fms_fsdp.flags import parse_args
 from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
@@ -39,8 +38,12 @@ SECRET = "not-a-real-secret-key"
 
 
 def start_server(port: int, **env: str) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(100):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
@@ -57,8 +60,12 @@ def s3(tmp_path_factory) -> Iterator[tuple[dict, Path]]:
     disk): Arrow shards, Parquet rows and gzipped JSON lines with their tokenizer."""
     port = free_port()
     server = start_server(port)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     local = tmp_path_factory.mktemp("corpus")
@@ -90,11 +97,21 @@ def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
 
 def test_training_and_evaluation_from_a_bucket_keep_no_credentials(s3, tmp_path):
     env, local = s3
-    common = ["--use_dummy_dataset=False", "--file_type=auto", f"--tokenizer_path={local / 'tokenizer.json'}",
-              "--vocab_size=4096", "--num_steps=4", "--batch_size=4", "--logical_shards=8", "--num_workers=1",
-              "--eval_interval=4", "--eval_batches=2"]
-    remote = train_here(tmp_path / "remote", [*common, "--data_path=s3://data/corpus",
-                                              "--eval_data_path=s3://data/corpus"])
+    common = [
+        "--use_dummy_dataset=False",
+        "--file_type=auto",
+        f"--tokenizer_path={local / 'tokenizer.json'}",
+        "--vocab_size=4096",
+        "--num_steps=4",
+        "--batch_size=4",
+        "--logical_shards=8",
+        "--num_workers=1",
+        "--eval_interval=4",
+        "--eval_batches=2",
+    ]
+    remote = train_here(
+        tmp_path / "remote", [*common, "--data_path=s3://data/corpus", "--eval_data_path=s3://data/corpus"]
+    )
     disk = train_here(tmp_path / "disk", [*common, f"--data_path={local}", f"--eval_data_path={local}"])
     assert [r.get("loss", r.get("eval_loss")) for r in remote] == [r.get("loss", r.get("eval_loss")) for r in disk]
     saved = (tmp_path / "remote" / "run" / "config.yaml").read_text()
@@ -125,8 +142,10 @@ def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatc
     finally:
         guarded.kill()
         s3fs.S3FileSystem.clear_instance_cache()
-    assert message.startswith("--data_path: cannot read s3://data-missing/corpus (PermissionError") \
+    assert (
+        message.startswith("--data_path: cannot read s3://data-missing/corpus (PermissionError")
         and SECRET not in message
+    )
 
 
 def bucket_losses(url: str) -> dict[int, float]:
@@ -160,25 +179,35 @@ def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3,
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert SECRET not in resumed.stdout + resumed.stderr  # two ranks, each with a loader worker reading by ranges
     assert "step_6_ckp at step 6" in resumed.stdout and "free-space guard does not apply" in resumed.stdout
-    ref, got = {r["step"]: r["loss"] for r in map(json.loads, (uninterrupted / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r}, bucket_losses(out)
+    ref, got = (
+        {
+            r["step"]: r["loss"]
+            for r in map(json.loads, (uninterrupted / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        },
+        bucket_losses(out),
+    )
     assert sorted(got) == list(range(1, STEPS + 1)) and got == ref  # the same losses as a run on disk, uninterrupted
     assert [s for s, _ in complete_checkpoints(root)] == [12]  # --checkpoint_keep=1 deleted step 6 in the bucket
     assert not fs.exists("runs/killed/checkpoints/step_6_ckp") and not fs.exists("runs/killed/checkpoints/step_9_ckp")
     assert fs.exists("runs/killed/checkpoints/step_3_ckp/.metadata")  # not this package's: left alone
     a, b = read_model(uninterrupted / "checkpoints" / "step_12_ckp"), read_model(root / "step_12_ckp")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    export_checkpoint(f"{out}/checkpoints/step_12_ckp", f"{out}/model.safetensors")  # fms-export-model, bucket to bucket
+    export_checkpoint(
+        f"{out}/checkpoints/step_12_ckp", f"{out}/model.safetensors"
+    )  # fms-export-model, bucket to bucket
     fs.get("runs/killed/model.safetensors", str(tmp_path / "from_bucket.safetensors"))
     exported = load_file(str(tmp_path / "from_bucket.safetensors"))
     assert exported.keys() == a.keys() and all(torch.equal(exported[k], a[k]) for k in a)
     convert(f"{out}/checkpoints/step_12_ckp", f"{out}/hf", dtype="fp32")  # fms_to_hf, bucket to bucket
     fs.get("runs/killed/hf/", str(tmp_path / "hf_from_bucket"), recursive=True)
-    local = convert(str(uninterrupted / "checkpoints" / "step_12_ckp"), str(tmp_path / "hf_local"),
-                    dtype="fp32")
+    local = convert(str(uninterrupted / "checkpoints" / "step_12_ckp"), str(tmp_path / "hf_local"), dtype="fp32")
     got, want = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "hf_from_bucket", local))
-    assert (tmp_path / "hf_from_bucket" / "COMPLETE").is_file() and got.keys() == want.keys() \
+    assert (
+        (tmp_path / "hf_from_bucket" / "COMPLETE").is_file()
+        and got.keys() == want.keys()
         and all(torch.equal(got[k], want[k]) for k in want)
+    )
 
 
 def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
@@ -191,16 +220,28 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
     common = [*LORA, "--num_steps=4", "--export_interval=2", "--export_keep=1", "--export_model_at_end=True"]
     run_here([*common, "--ckpt_load_path=s3://runs/base", "--ckpt_save_path=s3://runs/lora"])
     run_here([*common, f"--ckpt_load_path={base}/run/checkpoints/step_2_ckp", f"--ckpt_save_path={tmp_path / 'disk'}"])
-    assert bucket_losses("s3://runs/lora") == {r["step"]: r["loss"] for r in map(
-        json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())}
+    assert bucket_losses("s3://runs/lora") == {
+        r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())
+    }
     assert [r["step"] for r in read_metrics(location("s3://runs/lora", "metrics"))] == [1, 2, 3, 4]  # plot_metrics
     listing = {p.removeprefix("runs/lora/") for p in fs.find("runs/lora")}
-    assert {"config.yaml", "checkpoints/step_4_ckp/COMPLETE", "exports/step_4/COMPLETE",
-            "exports/step_4/model.safetensors", "exports/step_4/adapter/adapter_model.safetensors",
-            "model_step_4.safetensors", "adapter_step_4/adapter_config.json", "adapter_step_4/COMPLETE"} <= listing
+    assert {
+        "config.yaml",
+        "checkpoints/step_4_ckp/COMPLETE",
+        "exports/step_4/COMPLETE",
+        "exports/step_4/model.safetensors",
+        "exports/step_4/adapter/adapter_model.safetensors",
+        "model_step_4.safetensors",
+        "adapter_step_4/adapter_config.json",
+        "adapter_step_4/COMPLETE",
+    } <= listing
     assert not any(p.startswith(("exports/step_2", "exports/.")) for p in listing)  # --export_keep=1, no leftovers
-    for name in ("model_step_4.safetensors", "exports/step_4/model.safetensors",
-                 "exports/step_4/adapter/adapter_model.safetensors", "adapter_step_4/adapter_model.safetensors"):
+    for name in (
+        "model_step_4.safetensors",
+        "exports/step_4/model.safetensors",
+        "exports/step_4/adapter/adapter_model.safetensors",
+        "adapter_step_4/adapter_model.safetensors",
+    ):
         fs.get(f"runs/lora/{name}", str(tmp_path / "got.safetensors"))
         got, want = load_file(str(tmp_path / "got.safetensors")), load_file(str(tmp_path / "disk" / name))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
@@ -218,7 +259,9 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
         saved = dict(os.environ)  # run_training() sets the process group's variables (RANK, MASTER_PORT, ...)
         try:
             with pytest.raises(CheckpointError) as e:
-                run_training(parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]))
+                run_training(
+                    parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"])
+                )
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -226,8 +269,11 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
         return str(e.value)
 
     assert error("ckpt_save_path", "s3://no-such-bucket/run").startswith(
-        "--ckpt_save_path: cannot write s3://no-such-bucket/run (")
-    assert error("ckpt_load_path", "s3://runs/no-such-model") == "--ckpt_load_path: s3://runs/no-such-model does not exist"
+        "--ckpt_save_path: cannot write s3://no-such-bucket/run ("
+    )
+    assert (
+        error("ckpt_load_path", "s3://runs/no-such-model") == "--ckpt_load_path: s3://runs/no-such-model does not exist"
+    )
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     assert error("ckpt_save_path", "s3://runs/run").startswith("--ckpt_save_path: cannot write s3://runs/run (")

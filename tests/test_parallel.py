@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
 from fms_fsdp.models import build_model, get_model_config, init_weights
 from fms_fsdp.parallel import apply_activation_checkpointing, check_tensor_parallel, checkpointed_blocks, mesh_shape
 
@@ -47,29 +47,45 @@ def test_mesh_shapes():
     # tensor parallel innermost; data parallelism over the rest, HSDP's default group the node's share
     assert mesh_shape(cfg("--sharding_strategy=fsdp", "--tensor_parallel_size=4"), 16, 8) == (1, 4, 4)
     assert mesh_shape(cfg("--sharding_strategy=hsdp", "--tensor_parallel_size=4"), 16, 8) == (2, 2, 4)
-    assert mesh_shape(cfg("--sharding_strategy=hsdp", "--tensor_parallel_size=2", "--sharding_group_size=2"), 16, 8) \
-        == (4, 2, 2)
+    assert mesh_shape(
+        cfg("--sharding_strategy=hsdp", "--tensor_parallel_size=2", "--sharding_group_size=2"), 16, 8
+    ) == (4, 2, 2)
     assert mesh_shape(cfg("--sharding_strategy=ddp", "--tensor_parallel_size=8"), 16, 8).dp == 2
 
 
-@pytest.mark.parametrize("flags, world, match", [
-    (["--tensor_parallel_size=3"], (12, 4), r"--tensor_parallel_size=3 must divide the ranks per node \(4\)"),
-    (["--tensor_parallel_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=3"], (16, 8),
-     r"--sharding_group_size=3 does not divide the world size 16 / --tensor_parallel_size=4 = 4 data-parallel"),
-])
+@pytest.mark.parametrize(
+    "flags, world, match",
+    [
+        (["--tensor_parallel_size=3"], (12, 4), r"--tensor_parallel_size=3 must divide the ranks per node \(4\)"),
+        (
+            ["--tensor_parallel_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=3"],
+            (16, 8),
+            r"--sharding_group_size=3 does not divide the world size 16 / --tensor_parallel_size=4 = 4 data-parallel",
+        ),
+    ],
+)
 def test_tensor_parallel_size_that_does_not_fit_the_world_is_an_error(flags, world, match):
     with pytest.raises(ConfigError, match=match):
         mesh_shape(cfg(*flags), *world)
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--model_variant=tiny", "--tensor_parallel_size=4"], r"divide the model's KV heads, 2"),  # 4 heads, 2 KV heads
-    (["--model_variant=llama2_7b", "--tensor_parallel_size=64"], r"divide the model's attention heads, 32"),
-    (["--model_variant=llama2_13b", "--tensor_parallel_size=5"], r"divide the model's FFN width, 13824"),
-    (["--model_variant=tiny", "--tensor_parallel_size=2", "--vocab_size=4095"], r"vocabulary size, 4095"),
-    (["--model_variant=tiny", "--tensor_parallel_size=2", "--seq_length=63"], r"sequence length \(--seq_length\), 63"),
-    (["--model_variant=llama3_8b", "--tensor_parallel_size=2", "--float8=True"], r"does not combine with --float8"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (
+            ["--model_variant=tiny", "--tensor_parallel_size=4"],
+            r"divide the model's KV heads, 2",
+        ),  # 4 heads, 2 KV heads
+        (["--model_variant=llama2_7b", "--tensor_parallel_size=64"], r"divide the model's attention heads, 32"),
+        (["--model_variant=llama2_13b", "--tensor_parallel_size=5"], r"divide the model's FFN width, 13824"),
+        (["--model_variant=tiny", "--tensor_parallel_size=2", "--vocab_size=4095"], r"vocabulary size, 4095"),
+        (
+            ["--model_variant=tiny", "--tensor_parallel_size=2", "--seq_length=63"],
+            r"sequence length \(--seq_length\), 63",
+        ),
+        (["--model_variant=llama3_8b", "--tensor_parallel_size=2", "--float8=True"], r"does not combine with --float8"),
+    ],
+)
 def test_tensor_parallel_size_that_does_not_split_the_model_is_an_error(flags, match):
     c = cfg(*flags)
     with pytest.raises(ConfigError, match=match):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fms_fsdp.errors import ConfigError
 from fms_fsdp.cli import plot_metrics
+from fms_fsdp.errors import ConfigError
 from fms_fsdp.plot import plot_runs, read_metrics
 
 from conftest import train_here

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(script: str, *args: object, rc: int = 0) -> subprocess.CompletedProcess:
     """Run scripts/<script> with args; assert its exit status."""
-    proc = subprocess.run([sys.executable, f"scripts/{script}", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, f"scripts/{script}", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == rc, proc.stdout + proc.stderr
     return proc
 
@@ -56,8 +57,9 @@ def counts_rows(data: Path, dataset: str) -> list[list[str]]:
 
 def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
     """(mtime_ns, content) of every file under folder."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
-            for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def utf8(texts: list[str]) -> list[list[int]]:
@@ -67,8 +69,11 @@ def utf8(texts: list[str]) -> list[list[int]]:
 def test_byte_round_trip_of_mixed_inputs(tmp_path):
     raw, data = tmp_path / "raw", tmp_path / "data"
     write_jsonl(raw / "a.jsonl", [{"text": "hello"}, {"text": "naïve café ☕", "id": 2}])
-    pq.write_table(pa.table({"text": ["pq one", "", "pq three", "pq four"], "n": [1, 2, 3, 4]}), raw / "c.parquet",
-                   row_group_size=2)
+    pq.write_table(
+        pa.table({"text": ["pq one", "", "pq three", "pq four"], "n": [1, 2, 3, 4]}),
+        raw / "c.parquet",
+        row_group_size=2,
+    )
     (raw / "d.txt").write_text("plain text\nsecond line\n")
     (raw / "e.md").write_text("# Title\n")
     (raw / "sub").mkdir()
@@ -76,21 +81,34 @@ def test_byte_round_trip_of_mixed_inputs(tmp_path):
         f.write('{"text": "gz one"}\n{"text": "gz two"}\n')
     proc = prepare(raw, data / "ds", "--tokenizer=byte")
 
-    texts = ["hello", "naïve café ☕", "pq one", "pq three", "pq four", "plain text\nsecond line\n", "# Title\n",
-             "gz one", "gz two"]  # sorted inputs: a.jsonl, c.parquet, d.txt, e.md, sub/b.jsonl.gz
+    texts = [
+        "hello",
+        "naïve café ☕",
+        "pq one",
+        "pq three",
+        "pq four",
+        "plain text\nsecond line\n",
+        "# Title\n",
+        "gz one",
+        "gz two",
+    ]  # sorted inputs: a.jsonl, c.parquet, d.txt, e.md, sub/b.jsonl.gz
     tokens = sum(len(t.encode()) for t in texts)
     shards = read_shards(data / "ds")
     assert documents(data / "ds") == utf8(texts)
     assert counts_rows(data, "ds") == [["dataset/filename", "documents", "tokens"]] + [
-        [f"/ds/{name}", str(len(docs)), str(sum(map(len, docs)))] for name, docs in shards.items()]
+        [f"/ds/{name}", str(len(docs)), str(sum(map(len, docs)))] for name, docs in shards.items()
+    ]
     assert f"9 documents, {tokens} tokens, 5 shards" in proc.stdout
     assert "empty text 1" in proc.stdout
 
     report = run("inspect_data.py", f"--data_path={data}", "--vocab_size=256").stdout.splitlines()
     total = next(line for line in report if line.startswith("all "))
     assert total.split()[-3:-1] == ["9", str(tokens)]
-    assert {"counts CSV mismatches: 0", "empty documents: 0",
-            "documents with out-of-vocabulary ids (>= 256): 0"} <= set(report)
+    assert {
+        "counts CSV mismatches: 0",
+        "empty documents: 0",
+        "documents with out-of-vocabulary ids (>= 256): 0",
+    } <= set(report)
 
 
 def test_local_tokenizer_without_special_tokens(tmp_path):
@@ -126,26 +144,34 @@ def test_shard_tokens_splits_one_input(tmp_path):
 def test_bad_records_are_reported_and_counted(tmp_path):
     bad = tmp_path / "raw" / "a.jsonl"
     bad.parent.mkdir()
-    bad.write_bytes(b'{"text": "good one"}\n'
-                    b'{"text": "no closing quote}\n'
-                    b'{"title": "no text field"}\n'
-                    b'{"text": "bad \xff\xfe bytes"}\n'
-                    b'{"text": ""}\n'
-                    b'{"text": 5}\n'
-                    b'\n'
-                    b'{"text": "good two"}\n')
+    bad.write_bytes(
+        b'{"text": "good one"}\n'
+        b'{"text": "no closing quote}\n'
+        b'{"title": "no text field"}\n'
+        b'{"text": "bad \xff\xfe bytes"}\n'
+        b'{"text": ""}\n'
+        b'{"text": 5}\n'
+        b"\n"
+        b'{"text": "good two"}\n'
+    )
     write_jsonl(tmp_path / "raw" / "b.jsonl", [{"x": i} for i in range(25)] + [{"text": "good three"}])
     proc = prepare(tmp_path / "raw", tmp_path / "data" / "ds", "--tokenizer=byte")
 
     warnings = proc.stderr.splitlines()
-    for line, reason in [(2, "invalid JSON"), (3, "missing 'text'"), (4, "invalid UTF-8"), (5, "empty text"),
-                         (6, "'text' is not a string")]:
+    for line, reason in [
+        (2, "invalid JSON"),
+        (3, "missing 'text'"),
+        (4, "invalid UTF-8"),
+        (5, "empty text"),
+        (6, "'text' is not a string"),
+    ]:
         assert f"warning: {bad}:{line}: {reason}" in warnings
     assert f"warning: {tmp_path / 'raw' / 'b.jsonl'}:15: missing 'text'" in warnings  # the 20th, the last shown
     assert sum(w.startswith(f"warning: {tmp_path}") for w in warnings) == 20
     assert "warning: 10 more skipped records not shown" in warnings
-    assert ("skipped 30 records: 'text' is not a string 1, empty text 1, invalid JSON 1, invalid UTF-8 1, "
-            "missing 'text' 26") in proc.stdout
+    assert (
+        "skipped 30 records: 'text' is not a string 1, empty text 1, invalid JSON 1, invalid UTF-8 1, missing 'text' 26"
+    ) in proc.stdout
     assert documents(tmp_path / "data" / "ds") == utf8(["good one", "good two", "good three"])
 
 
@@ -190,16 +216,21 @@ def test_inspect_flags_problems_in_the_predecessor_layout(tmp_path):
     write_arrow_docs(tmp_path / "ds" / "a.arrow", [[5, 6, 7], [0, 8], [], [9, 500]])
     write_arrow_docs(tmp_path / "ds" / "sub" / "b.arrow", [[1, 2]])
     (tmp_path / "meta").mkdir()
-    (tmp_path / "meta" / "counts.csv").write_text("dataset/filename,documents,tokens\n/ds/a.arrow,4,9\n"
-                                                  "/ds/sub/b.arrow,1,2\n")
+    (tmp_path / "meta" / "counts.csv").write_text(
+        "dataset/filename,documents,tokens\n/ds/a.arrow,4,9\n/ds/sub/b.arrow,1,2\n"
+    )
     lines = run("inspect_data.py", f"--data_path={tmp_path}", "--vocab_size=100").stdout.splitlines()
     assert lines[1].split() == ["ds", "/ds/a.arrow", "4", "7", "500"]
     assert lines[2].split() == ["ds", "/ds/sub/b.arrow", "1", "2", "2"]
-    for flag, example in [("doubled separators", "/ds/a.arrow document 1: begins with 0"),
-                          ("empty documents", "/ds/a.arrow document 2"),
-                          ("documents with out-of-vocabulary ids (>= 100)", "/ds/a.arrow document 3: id 500"),
-                          ("counts CSV mismatches", "/ds/a.arrow: meta/*counts*.csv says 4 documents, 9 tokens; "
-                                                    "the file has 4 documents, 7 tokens")]:
+    for flag, example in [
+        ("doubled separators", "/ds/a.arrow document 1: begins with 0"),
+        ("empty documents", "/ds/a.arrow document 2"),
+        ("documents with out-of-vocabulary ids (>= 100)", "/ds/a.arrow document 3: id 500"),
+        (
+            "counts CSV mismatches",
+            "/ds/a.arrow: meta/*counts*.csv says 4 documents, 9 tokens; the file has 4 documents, 7 tokens",
+        ),
+    ]:
         i = next(i for i, line in enumerate(lines) if line.startswith(flag))
         assert lines[i].endswith(": 1") and lines[i + 1] == f"  {example}"
 
@@ -208,13 +239,21 @@ def test_inspect_flags_problems_in_rows_layout_parquet(tmp_path):
     rows = pa.array([[1, 2, 3], [], [4, 0], [7, 300], [8]], pa.list_(pa.int32()))
     (tmp_path / "rows").mkdir()
     pq.write_table(pa.table({"ids": rows}), tmp_path / "rows" / "a.parquet", row_group_size=2)
-    out = run("inspect_data.py", f"--data_path={tmp_path}", "--datasets=rows", "--col_name=ids", "--bos_token=1",
-              "--vocab_size=256").stdout
+    out = run(
+        "inspect_data.py",
+        f"--data_path={tmp_path}",
+        "--datasets=rows",
+        "--col_name=ids",
+        "--bos_token=1",
+        "--vocab_size=256",
+    ).stdout
     assert out.splitlines()[1].split() == ["rows", "/rows/a.parquet", "5", "8", "300"]
-    assert ("doubled separators (documents beginning or ending with eos 0 or bos 1; the loader adds one, so they "
-            "get two): 2\n  /rows/a.parquet document 0: begins with 1\n  /rows/a.parquet document 2: ends with 0\n"
-            "empty documents: 1\n  /rows/a.parquet document 1\n"
-            "documents with out-of-vocabulary ids (>= 256): 1\n  /rows/a.parquet document 3: id 300\n") in out
+    assert (
+        "doubled separators (documents beginning or ending with eos 0 or bos 1; the loader adds one, so they "
+        "get two): 2\n  /rows/a.parquet document 0: begins with 1\n  /rows/a.parquet document 2: ends with 0\n"
+        "empty documents: 1\n  /rows/a.parquet document 1\n"
+        "documents with out-of-vocabulary ids (>= 256): 1\n  /rows/a.parquet document 3: id 300\n"
+    ) in out
     assert "counts CSV: none for these datasets" in out
 
 
@@ -240,8 +279,9 @@ def error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
     return ["inspect_data.py", f"--data_path={data}"], str(shard)
 
 
-@pytest.mark.parametrize("case", ["no input", "no tokenizer", "bad shard_tokens", "no data_path", "no column",
-                                  "truncated shard"])
+@pytest.mark.parametrize(
+    "case", ["no input", "no tokenizer", "bad shard_tokens", "no data_path", "no column", "truncated shard"]
+)
 def test_errors_are_one_line_naming_the_culprit(tmp_path, case):
     args, culprit = error_case(tmp_path, case)
     proc = run(*args, rc=2)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
 from fms_fsdp.schedule import build_scheduler, lr_multiplier
 
 
@@ -45,11 +45,20 @@ def test_wsd():
     assert c(0) == c(99) == 1.0
 
 
-SCHEDULES = [(), ("--lr_schedule=wsd",), ("--training_stage=annealing",), ("--lr_schedule=constant",),
-             ("--lr_schedule=linear",), ("--lr_schedule=inv_sqrt",), ("--lr_cycles=2",)]
+SCHEDULES = [
+    (),
+    ("--lr_schedule=wsd",),
+    ("--training_stage=annealing",),
+    ("--lr_schedule=constant",),
+    ("--lr_schedule=linear",),
+    ("--lr_schedule=inv_sqrt",),
+    ("--lr_cycles=2",),
+]
 
 
-@pytest.mark.parametrize("n, flags", [(n, f) for n in (1, 5, 19) for f in SCHEDULES if n >= 2 or "--lr_cycles=2" not in f])
+@pytest.mark.parametrize(
+    "n, flags", [(n, f) for n in (1, 5, 19) for f in SCHEDULES if n >= 2 or "--lr_cycles=2" not in f]
+)
 def test_short_runs_work(n, flags):
     cfg = parse_args(["--use_dummy_dataset", f"--num_steps={n}", *flags])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

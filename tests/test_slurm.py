@@ -29,21 +29,38 @@ def _free_port() -> int:
 
 
 def _slurm_conf(folder: Path, host: str) -> str:
-    return "\n".join([
-        "ClusterName=test", f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-        "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={folder / 'munge.sock'}",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-        "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-        "JobCompType=jobcomp/none", "MpiDefault=none", "ReturnToService=2", "JobRequeue=1",
-        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
-        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd.pid'}",
-        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd.log'}",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP", "",
-    ])
+    return "\n".join(
+        [
+            "ClusterName=test",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={folder / 'munge.sock'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            f"StateSaveLocation={folder / 'state'}",
+            f"SlurmdSpoolDir={folder / 'spool'}",
+            f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
+            f"SlurmdPidFile={folder / 'slurmd.pid'}",
+            f"SlurmctldLogFile={folder / 'slurmctld.log'}",
+            f"SlurmdLogFile={folder / 'slurmd.log'}",
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, log: Optional[Path] = None) -> None:
@@ -61,8 +78,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     path = f"{os.environ.get('PATH', '')}:{SBIN}"
     missing = [b for b in NEEDED if shutil.which(b, path=path) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} not found); as root: "
-                    "apt-get install slurm-wlm munge (CI's .ci/run does this)")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)} not found); as root: "
+            "apt-get install slurm-wlm munge (CI's .ci/run does this)"
+        )
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld, slurmd and munged on localhost needs root")
     folder = tmp_path_factory.mktemp("slurm")
@@ -80,14 +99,25 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     except OSError:  # a machine whose own name does not resolve: rendezvous on the loopback address
         env["RDZV_HOST"] = "127.0.0.1"
     run = lambda *cmd: subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)  # noqa: E731
-    run("munged", "--force", f"--key-file={key}", f"--socket={folder / 'munge.sock'}",
-        f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
-        f"--seed-file={folder / 'munged.seed'}")
+    run(
+        "munged",
+        "--force",
+        f"--key-file={key}",
+        f"--socket={folder / 'munge.sock'}",
+        f"--pid-file={folder / 'munged.pid'}",
+        f"--log-file={folder / 'munged.log'}",
+        f"--seed-file={folder / 'munged.seed'}",
+    )
     try:
         run("slurmctld", "-f", str(conf))
         run("slurmd", "-f", str(conf))
-        idle = lambda: subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,  # noqa: E731
-                                      text=True).stdout.strip() == "idle"
+
+        def idle() -> bool:
+            return (
+                subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout.strip()
+                == "idle"
+            )
+
         _wait("the Slurm node to be idle", idle, 60, folder / "slurmctld.log")
         yield env
     finally:
@@ -107,18 +137,38 @@ def _records(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigterm(slurm: dict[str, str],
-                                                                                 tmp_path: Path):
+def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigterm(
+    slurm: dict[str, str], tmp_path: Path
+):
     run, log = tmp_path / "run", tmp_path / "job.out"
     metrics = run / "metrics.jsonl"
-    env = {**slurm, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}"}
+    env = {
+        **slurm,
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}",
+    }
     job = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}",
-         "--time=10", f"--output={log}", "scripts/train.slurm",
-         *TINY, "--report_interval=5", "--checkpoint_interval=100000", "--num_steps=100000",
-         f"--ckpt_save_path={run}"],
-        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--gres=none",
+            f"--cpus-per-task={os.cpu_count()}",
+            "--time=10",
+            f"--output={log}",
+            "scripts/train.slurm",
+            *TINY,
+            "--report_interval=5",
+            "--checkpoint_interval=100000",
+            "--num_steps=100000",
+            f"--ckpt_save_path={run}",
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
 

@@ -30,9 +30,16 @@ def epoch_stream(loader, docs: list[list[int]], seq_length: int) -> np.ndarray:
 def test_bad_records_are_skipped_and_counted_per_file(tmp_path, capsys):
     docs = make_docs(10, 30, 1)
     good = [json.dumps({"text": spell(d)}).encode() for d in docs]
-    bad = [b"{not json", json.dumps({"content": "t5"}).encode(), json.dumps({"text": 7}).encode(),
-           b'{"text": "t5 \xff t6"}', json.dumps({"text": ""}).encode(), b'"just a string"', b"   "]
-    lines = [line for pair in zip(good, bad * 4) for line in pair] + good[len(bad) * 4:]
+    bad = [
+        b"{not json",
+        json.dumps({"content": "t5"}).encode(),
+        json.dumps({"text": 7}).encode(),
+        b'{"text": "t5 \xff t6"}',
+        json.dumps({"text": ""}).encode(),
+        b'"just a string"',
+        b"   ",
+    ]
+    lines = [line for pair in zip(good, bad * 4) for line in pair] + good[len(bad) * 4 :]
     write_tokenizer(tmp_path / "tokenizer.json")
     (tmp_path / "web").mkdir()
     (tmp_path / "web" / "mixed.jsonl.gz").write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
@@ -41,8 +48,10 @@ def test_bad_records_are_skipped_and_counted_per_file(tmp_path, capsys):
     stream = epoch_stream(loader, docs + docs[:4], 15)
     assert Counter(stream.tolist()) == Counter([t for d in docs + docs[:4] for t in d] + [EOS] * (len(docs) + 4))
     log = capsys.readouterr().out
-    assert ("mixed.jsonl.gz: 24 bad records skipped ('text' is not a string 4, empty text 4, invalid JSON 4, "
-            "invalid UTF-8 4, missing 'text' 4, not a JSON object 4)") in log  # blank lines are not records
+    assert (
+        "mixed.jsonl.gz: 24 bad records skipped ('text' is not a string 4, empty text 4, invalid JSON 4, "
+        "invalid UTF-8 4, missing 'text' 4, not a JSON object 4)"
+    ) in log  # blank lines are not records
     assert "p.parquet: 2 bad records skipped (empty text 1, missing 'text' 1)" in log
 
 
@@ -83,14 +92,18 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
     write_text(data / "web" / "a.jsonl", make_docs(10, 20, 4))
     with open(data / "web" / "a.jsonl", "a") as f:
         f.write("\n")  # a blank line is no record: the file still has none with text
-    assert "no .arrow or .parquet files (--file_type=auto); raw text (.jsonl, .jsonl.gz, .json.gz) needs " \
-           "--tokenizer_path" in error(DataError)
+    assert (
+        "no .arrow or .parquet files (--file_type=auto); raw text (.jsonl, .jsonl.gz, .json.gz) needs "
+        "--tokenizer_path" in error(DataError)
+    )
     tok = write_tokenizer(tmp_path / "tok" / "tokenizer.json")
-    assert "none of its 20 records has text (missing 'content' 20); check --text_field (now 'content')" in \
-        error(DataError, tokenizer_path=str(tok), text_field="content")
+    assert "none of its 20 records has text (missing 'content' 20); check --text_field (now 'content')" in error(
+        DataError, tokenizer_path=str(tok), text_field="content"
+    )
     big = write_tokenizer(tmp_path / "big" / "tokenizer.json", vocab=5000)
-    assert "has 5001 tokens but tiny's vocabulary is 4096; set --vocab_size=5001" in \
-        error(ConfigError, tokenizer_path=str(big))
+    assert "has 5001 tokens but tiny's vocabulary is 4096; set --vocab_size=5001" in error(
+        ConfigError, tokenizer_path=str(big)
+    )
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "tokenizer.json").write_text("{not a tokenizer")
     assert "--tokenizer_path: cannot load" in error(ConfigError, tokenizer_path=str(tmp_path / "junk"))
@@ -118,9 +131,21 @@ def test_training_and_evaluation_on_raw_text(tmp_path):
     write_dataset(data, "web", make_docs(10, 200, 7), "jsonl.gz", files=2)
     write_dataset(held_out, "web", make_docs(10, 40, 8), "jsonl", files=1)
     tokenizer = write_tokenizer(tmp_path / "tokenizer.json", vocab=250)  # the tiny test model has 256 tokens
-    records = train_here(tmp_path, ["--use_dummy_dataset=False", f"--data_path={data}", f"--tokenizer_path={tokenizer}",
-                                    f"--eval_data_path={held_out}", "--eval_interval=6", "--num_steps=6",
-                                    "--report_interval=3", "--batch_size=4", "--num_workers=1", "--logical_shards=8"])
+    records = train_here(
+        tmp_path,
+        [
+            "--use_dummy_dataset=False",
+            f"--data_path={data}",
+            f"--tokenizer_path={tokenizer}",
+            f"--eval_data_path={held_out}",
+            "--eval_interval=6",
+            "--num_steps=6",
+            "--report_interval=3",
+            "--batch_size=4",
+            "--num_workers=1",
+            "--logical_shards=8",
+        ],
+    )
     train_losses = [r["loss"] for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert len(train_losses) == 2 and train_losses[1] < train_losses[0]

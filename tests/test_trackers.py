@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, launch, train
-from fms_fsdp.flags import parse_args
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
+
+from conftest import ROOT, TINY, launch, train
 
 
 def _tensorboard_scalars(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
@@ -80,13 +81,21 @@ def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
     for entry in site.iterdir():
         if not entry.name.startswith("wandb"):
             (without / entry.name).symlink_to(entry)
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
-            "from fms_fsdp.cli import train; train(sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-S", "-c", code, "--tracker=tensorboard,wandb"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
+        "from fms_fsdp.cli import train; train(sys.argv[1:])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code, "--tracker=tensorboard,wandb"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == ("error: --tracker=wandb: the wandb package is not installed; pip install wandb "
-                                   "(or drop wandb from --tracker)")
+    assert proc.stderr.strip() == (
+        "error: --tracker=wandb: the wandb package is not installed; pip install wandb (or drop wandb from --tracker)"
+    )
 
 
 def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
@@ -104,19 +113,28 @@ def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
 
 def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(tmp):
     """Rank 0 opens the trackers; its failure reaches rank 1 too, so no rank waits in a collective."""
-    proc = launch("main_training.py", [*TINY, "--tracker=aim", "--tracker_run_id=0123456789abcdef01234567",
-                                       f"--ckpt_save_path={tmp / 'run'}"], nproc=2, timeout=120)
+    proc = launch(
+        "main_training.py",
+        [*TINY, "--tracker=aim", "--tracker_run_id=0123456789abcdef01234567", f"--ckpt_save_path={tmp / 'run'}"],
+        nproc=2,
+        timeout=120,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert errors == [f"error: --tracker=aim: Cannot find Run 0123456789abcdef01234567 in aim Repo "
-                      f"{tmp / 'run' / 'tracker' / '.aim'}."], proc.stderr[-2000:]
+    assert errors == [
+        f"error: --tracker=aim: Cannot find Run 0123456789abcdef01234567 in aim Repo "
+        f"{tmp / 'run' / 'tracker' / '.aim'}."
+    ], proc.stderr[-2000:]
     assert not (tmp / "run" / "checkpoints").exists()  # stopped before training
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("tensorboard,mlflow", "--tracker: 'mlflow' is not one of tensorboard, wandb, aim"),
-    ("aim,aim", "--tracker: aim is named twice"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("tensorboard,mlflow", "--tracker: 'mlflow' is not one of tensorboard, wandb, aim"),
+        ("aim,aim", "--tracker: aim is named twice"),
+    ],
+)
 def test_unknown_or_repeated_tracker_is_a_config_error(flag, message):
     with pytest.raises(ConfigError) as e:
         parse_args([f"--tracker={flag}"])

@@ -14,20 +14,32 @@ import yaml
 from fms.models.llama import LLaMA
 from torch._dynamo.utils import counters
 
-from conftest import ROOT, TINY, inspect, launch, train, train_here
-from fms_fsdp.flags import parse_args
+from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.data.dummy import DummyDataLoader
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
-from fms_fsdp.models import get_model_config, init_weights
-from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.flags import parse_args
 from fms_fsdp.guard import StepGuard
+from fms_fsdp.models import get_model_config, init_weights
 from fms_fsdp.run import facts, started
+from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.train import out_of_memory_error, train_step
 
+from conftest import ROOT, TINY, inspect, launch, train, train_here
+
 STEPS = 10
-FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_seen", "step_time", "tokens_per_sec_per_gpu",
-          "overall_tokens_per_sec_per_gpu", "tokens_per_day", "data_wait", "max_rss_gb"}
+FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_seen",
+    "step_time",
+    "tokens_per_sec_per_gpu",
+    "overall_tokens_per_sec_per_gpu",
+    "tokens_per_day",
+    "data_wait",
+    "max_rss_gb",
+}
 
 
 def losses(records):
@@ -42,8 +54,12 @@ def one_rank(tmp_path_factory):
 
 def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_rank):
     logs = tmp / "logs"
-    two = train(tmp, [f"--num_steps={STEPS}", "--batch_size=2", "--sharding_strategy=fsdp"], nproc=2,
-                torchrun_args=(f"--log-dir={logs}", "--redirects=3"))
+    two = train(
+        tmp,
+        [f"--num_steps={STEPS}", "--batch_size=2", "--sharding_strategy=fsdp"],
+        nproc=2,
+        torchrun_args=(f"--log-dir={logs}", "--redirects=3"),
+    )
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     assert losses(two)[-1] < losses(two)[0] - 2.0, losses(two)
     for a, b in zip(losses(two), losses(one_rank)):
@@ -65,16 +81,32 @@ def test_gradient_accumulation_equals_the_bigger_batch(tmp, one_rank):
 
 @pytest.mark.parametrize("mode", ["block", "op"])
 def test_activation_checkpointing_keeps_the_losses(tmp, one_rank, mode):
-    ac = train_here(tmp, [f"--num_steps={STEPS}", "--batch_size=4", "--fsdp_activation_checkpointing=True",
-                          "--selective_checkpointing=1/2", f"--ac_mode={mode}"])
+    ac = train_here(
+        tmp,
+        [
+            f"--num_steps={STEPS}",
+            "--batch_size=4",
+            "--fsdp_activation_checkpointing=True",
+            "--selective_checkpointing=1/2",
+            f"--ac_mode={mode}",
+        ],
+    )
     for a, b in zip(losses(ac), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-5)
 
 
 def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
-    eager, meta, ddp = inspect(tmp, [], nproc=2, cases=[
-        ["--sharding_strategy=fsdp"], ["--sharding_strategy=fsdp", "--low_cpu_fsdp=True"], ["--sharding_strategy=ddp"]],
-        backward=True)
+    eager, meta, ddp = inspect(
+        tmp,
+        [],
+        nproc=2,
+        cases=[
+            ["--sharding_strategy=fsdp"],
+            ["--sharding_strategy=fsdp", "--low_cpu_fsdp=True"],
+            ["--sharding_strategy=ddp"],
+        ],
+        backward=True,
+    )
     full = eager[0]["full_numel"]
     for ranks in (eager, meta):
         assert sum(r["local_numel"] for r in ranks) == full
@@ -95,8 +127,17 @@ def test_bf16_mixed_precision_and_compile_with_per_op_checkpointing(tmp, one_ran
     compiles again."""
     torch._dynamo.reset()
     counters.clear()
-    records = train_here(tmp, ["--num_steps=4", "--batch_size=4", "--mixed_precision=True", "--use_torch_compile=True",
-                               "--fsdp_activation_checkpointing=True", "--ac_mode=op"])
+    records = train_here(
+        tmp,
+        [
+            "--num_steps=4",
+            "--batch_size=4",
+            "--mixed_precision=True",
+            "--use_torch_compile=True",
+            "--fsdp_activation_checkpointing=True",
+            "--ac_mode=op",
+        ],
+    )
     assert losses(records)[0] == pytest.approx(losses(one_rank)[0], abs=0.02)  # same weights, bf16 forward
     assert losses(records)[-1] < losses(records)[0] - 1.0
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
@@ -112,8 +153,14 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
     try:
         model = LLaMA(get_model_config(cfg.model_variant, cfg.vocab_size))
         init_weights(model, cfg.seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=True,
+        )
         scheduler = build_scheduler(optimizer, cfg)
         batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
         reference = []
@@ -155,7 +202,8 @@ def test_sequences_longer_than_the_variants_rotary_cache(tmp):
 def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags():
     error = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 15.66 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-        "3.12 GiB is free. Including non-PyTorch memory, this process has 76.06 GiB memory in use.")
+        "3.12 GiB is free. Including non-PyTorch memory, this process has 76.06 GiB memory in use."
+    )
     cfg = parse_args([*TINY, "--batch_size=8", "--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"])
     message = str(out_of_memory_error(12, error, cfg, torch.device("cpu")))
     assert "\n" not in message
@@ -166,8 +214,11 @@ def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags(
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
-    proc = launch("main_training.py", [*TINY, "--num_steps=30", "--learning_rate=1e30", "--grad_clip_thresh=0",
-                                       f"--ckpt_save_path={tmp}"], nproc=2)
+    proc = launch(
+        "main_training.py",
+        [*TINY, "--num_steps=30", "--learning_rate=1e30", "--grad_clip_thresh=0", f"--ckpt_save_path={tmp}"],
+        nproc=2,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
@@ -179,9 +230,20 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
     """3 profiled steps of 7, one trace per rank with --profiler_rank0_only=False. In those steps (no
     report, no clipping) every collective is FSDP's, but for at most one agreement on stop requests,
     which the ranks take only every AGREE_SECONDS of steps."""
-    train(tmp, ["--num_steps=7", "--batch_size=2", "--use_profiler=True", "--profiler_rank0_only=False",
-                f"--profiler_dir={tmp / 'prof'}", "--sharding_strategy=fsdp", "--grad_clip_thresh=0",
-                "--report_interval=100"], nproc=2)
+    train(
+        tmp,
+        [
+            "--num_steps=7",
+            "--batch_size=2",
+            "--use_profiler=True",
+            "--profiler_rank0_only=False",
+            f"--profiler_dir={tmp / 'prof'}",
+            "--sharding_strategy=fsdp",
+            "--grad_clip_thresh=0",
+            "--report_interval=100",
+        ],
+        nproc=2,
+    )
     for rank in (0, 1):
         traces = list((tmp / "prof").glob(f"rank{rank}.*.pt.trace.json"))
         assert len(traces) == 1, traces
@@ -220,8 +282,9 @@ def test_progress_bar_in_a_terminal(tmp):
 
 def launch_in_terminal(command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(["script", "-qec", command, "/dev/null"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        ["script", "-qec", command, "/dev/null"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: set_sync_debug_mode watches CUDA host syncs")
@@ -229,15 +292,27 @@ def launch_in_terminal(command: str) -> subprocess.CompletedProcess:
 def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
     """The per-step path (batch copy, forward, loss, backward, clipping, the bad-step guard, fused
     AdamW and the loss sum) under torch.cuda.set_sync_debug_mode('error'): any host sync raises."""
-    cfg = parse_args(["--model_variant=tiny", "--device=cuda", "--use_dummy_dataset=True", "--seq_length=256",
-                      "--batch_size=2", "--grad_accum_steps=2", "--ckpt_save_path=unused",
-                      f"--skip_bad_steps={skip_bad_steps}"])
+    cfg = parse_args(
+        [
+            "--model_variant=tiny",
+            "--device=cuda",
+            "--use_dummy_dataset=True",
+            "--seq_length=256",
+            "--batch_size=2",
+            "--grad_accum_steps=2",
+            "--ckpt_save_path=unused",
+            f"--skip_bad_steps={skip_bad_steps}",
+        ]
+    )
     with started(facts(cfg)) as run:
         info = run.info
         model = build_sharded_model(run)
         optimizer, scheduler = build_optimizer_and_schedule(run, model)
         batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
-        guard, total = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device), torch.zeros((), device=info.device)
+        guard, total = (
+            StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device),
+            torch.zeros((), device=info.device),
+        )
         train_step(model, optimizer, guard, 1, batches, cfg, info.device, global_norm=True)  # first step: lazy state
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

@@ -12,11 +12,16 @@ BASELINE = ROOT / "mypy-baseline.txt"
 
 
 def test_type_errors_only_shrink():
-    proc = subprocess.run([sys.executable, "-m", "mypy", "fms_fsdp"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "fms_fsdp"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     found = Counter(m.group(1) for m in re.finditer(r"^(\S+\.py):\d+: error:", proc.stdout, re.MULTILINE))
-    allowed = {path: int(n) for path, n in (line.split() for line in BASELINE.read_text().splitlines()
-                                            if line.strip() and not line.startswith("#"))}
+    allowed = {
+        path: int(n)
+        for path, n in (
+            line.split() for line in BASELINE.read_text().splitlines() if line.strip() and not line.startswith("#")
+        )
+    }
     grown = {path: (n, allowed.get(path, 0)) for path, n in found.items() if n > allowed.get(path, 0)}
     assert not grown, "new type errors (found, allowed):\n" + proc.stdout
     shrunk = {path: (found.get(path, 0), n) for path, n in allowed.items() if found.get(path, 0) < n}

@@ -33,8 +33,15 @@ from fms_fsdp.run import Run
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,16 @@ class ExportSettings:
 
     @staticmethod
     def of(cfg: train_config) -> "ExportSettings":
-        return ExportSettings(cfg.export_interval, cfg.export_format, cfg.export_keep, cfg.tokenizer_path,
-                              cfg.bos_token, cfg.eos_token, LoRASpec.of(cfg) if cfg.lora_rank else None,
-                              cfg.ckpt_load_path)
+        return ExportSettings(
+            cfg.export_interval,
+            cfg.export_format,
+            cfg.export_keep,
+            cfg.tokenizer_path,
+            cfg.bos_token,
+            cfg.eos_token,
+            LoRASpec.of(cfg) if cfg.lora_rank else None,
+            cfg.ckpt_load_path,
+        )
 
 
 def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> Path:
@@ -131,7 +145,9 @@ class PeriodicExporter:
         dist.barrier(group=agreement_group())
         state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))}  # float8's
         written = self.writer.write(state, shards)
-        self.pending = written if self.converter is None else self.converter.submit(self._convert, written, shards, step)
+        self.pending = (
+            written if self.converter is None else self.converter.submit(self._convert, written, shards, step)
+        )
 
     def finish(self) -> None:
         """Wait for the export being written; CheckpointError on every rank if it failed anywhere."""
@@ -180,8 +196,15 @@ class PeriodicExporter:
             remove_tree(self.root / f"step_{old}")
 
     def _write_hf(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
-        write_hf_folder(self.model.config, lambda keys: {k: state[k] for k in keys}, list(state), str(tmp),
-                        torch.bfloat16, self.settings.bos, self.settings.eos)
+        write_hf_folder(
+            self.model.config,
+            lambda keys: {k: state[k] for k in keys},
+            list(state),
+            str(tmp),
+            torch.bfloat16,
+            self.settings.bos,
+            self.settings.eos,
+        )
         tokenizer = Path(self.settings.tokenizer_path) if self.settings.tokenizer_path else None
         if tokenizer is not None and tokenizer.is_file():
             shutil.copy2(tokenizer, tmp / "tokenizer.json")

@@ -29,7 +29,6 @@ from fms_fsdp.models import fused_parts
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
 
 
-
 def fuse(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's {"model_state", "optimizer_state" (optional)} under fms's fused names: views of
     `state`'s tensors, or `state` itself for a model built fused."""
@@ -88,12 +87,17 @@ def fuse_optimizer_state(optim_state: dict[str, Any], groups: Groups) -> dict[st
         if members[0][0] not in state:
             continue
         first = state[members[0][0]]
-        fused_state[fused] = {key: _fused_view([(state[m][key], row) for m, row in members])
-                              if isinstance(value, DTensor) and value.dim() > 0 else value
-                              for key, value in first.items()}
+        fused_state[fused] = {
+            key: _fused_view([(state[m][key], row) for m, row in members])
+            if isinstance(value, DTensor) and value.dim() > 0
+            else value
+            for key, value in first.items()
+        }
     renamed = {members[0][0]: fused for fused, members in groups.items()}
-    param_groups = [{**g, "params": [renamed.get(p, p) for p in g["params"] if p not in parts or p in renamed]}
-                    for g in optim_state["param_groups"]]
+    param_groups = [
+        {**g, "params": [renamed.get(p, p) for p in g["params"] if p not in parts or p in renamed]}
+        for g in optim_state["param_groups"]
+    ]
     return {"state": fused_state, "param_groups": param_groups}
 
 
@@ -107,10 +111,13 @@ def unfuse_loaded_optimizer(loaded: dict[str, Any], optim_state: dict[str, Any],
                     optim_state["state"][m][key] = value.clone() if isinstance(value, torch.Tensor) else value
     # torch matches the loaded groups' parameters to the optimizer's by position: keep its own order
     if len(loaded["param_groups"]) != len(optim_state["param_groups"]):
-        raise RuntimeError(f"the checkpoint's optimizer has {len(loaded['param_groups'])} parameter groups, this run's "
-                       f"{len(optim_state['param_groups'])} (--weight_decay_norms_and_embeddings changed?)")
-    optim_state["param_groups"] = [{**g, "params": own["params"]}
-                                   for g, own in zip(loaded["param_groups"], optim_state["param_groups"])]
+        raise RuntimeError(
+            f"the checkpoint's optimizer has {len(loaded['param_groups'])} parameter groups, this run's "
+            f"{len(optim_state['param_groups'])} (--weight_decay_norms_and_embeddings changed?)"
+        )
+    optim_state["param_groups"] = [
+        {**g, "params": own["params"]} for g, own in zip(loaded["param_groups"], optim_state["param_groups"])
+    ]
 
 
 def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -132,21 +139,26 @@ def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
                 shards.append(Shard(part.to_local(), meta))
     properties = TensorProperties(dtype=first.dtype, requires_grad=False, pin_memory=first.to_local().is_pinned())
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(tiles, size, properties))
+        shards, ShardedTensorMetadata(tiles, size, properties)
+    )
 
 
 @lru_cache(maxsize=1024)
-def _tile_metadata(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int, row: int,
-                   device: str) -> list[tuple[int, ShardMetadata]]:
+def _tile_metadata(
+    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int, row: int, device: str
+) -> list[tuple[int, ShardMetadata]]:
     """_tiles as torch's shard metadata at `row` of the fused tensor, made once per save's shapes (at a
     thousand ranks, making them is most of the cost of a fused view)."""
-    return [(rank, ShardMetadata([row + offset[0], *offset[1:]], list(local), f"rank:{rank}/{device}"))
-            for rank, offset, local in _tiles(shape, mesh, placements, me)]
+    return [
+        (rank, ShardMetadata([row + offset[0], *offset[1:]], list(local), f"rank:{rank}/{device}"))
+        for rank, offset, local in _tiles(shape, mesh, placements, me)
+    ]
 
 
 @lru_cache(maxsize=256)
-def _tiles(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...],
-           me: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def _tiles(
+    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """(rank, offset, shape) of each distinct non-empty piece of a DTensor of `shape` over `mesh`:
     this rank's own piece under its own rank, every other under the first rank that holds it."""
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}

@@ -18,8 +18,8 @@ import io
 import json
 import os
 import shutil
-from pathlib import Path
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -38,7 +38,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
 
 
-def hf_config(model_config: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:
+def hf_config(
+    model_config: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]
+) -> dict:
     """config.json of the LlamaForCausalLM equivalent to an fms LLaMAConfig."""
     if model_config.rope_scaling:
         raise HFError(f"rope_scaling={model_config.rope_scaling} has no Hugging Face translation here")
@@ -70,9 +72,15 @@ def hf_config(model_config: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optio
 
 
 # Hugging Face's projection modules, under model.layers.<i>.
-HF_PROJECTIONS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                  "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-                  "down_proj": "mlp.down_proj"}
+HF_PROJECTIONS = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
 
 
 def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -82,8 +90,12 @@ def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 # fms's projections in a block -> Hugging Face's, in the order of their rows in the fms tensor
-FMS_PROJECTIONS = {"attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"), "attn.dense": ("o_proj",),
-                   "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"), "ff_sub_layer.w2": ("down_proj",)}
+FMS_PROJECTIONS = {
+    "attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"),
+    "attn.dense": ("o_proj",),
+    "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"),
+    "ff_sub_layer.w2": ("down_proj",),
+}
 
 
 def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -91,10 +103,15 @@ def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tenso
     weight, a bias, or LoRA's B): fused ones split, q and k rows put in HF's rotary order."""
     head_dim = model_config.emb_dim // model_config.nheads
     kv = (model_config.kvheads or model_config.nheads) * head_dim
-    sizes = {"attn.in_proj.qkv_fused": [model_config.emb_dim, kv, kv], "ff_sub_layer.wg1_fused": [hidden_dim(model_config)] * 2}
+    sizes = {
+        "attn.in_proj.qkv_fused": [model_config.emb_dim, kv, kv],
+        "ff_sub_layer.wg1_fused": [hidden_dim(model_config)] * 2,
+    }
     parts = torch.split(rows, sizes[fms_name], dim=0) if fms_name in sizes else (rows,)
-    return {name: rope_fms_to_hf(part, head_dim) if name in ("q_proj", "k_proj") else part
-            for name, part in zip(FMS_PROJECTIONS[fms_name], parts)}
+    return {
+        name: rope_fms_to_hf(part, head_dim) if name in ("q_proj", "k_proj") else part
+        for name, part in zip(FMS_PROJECTIONS[fms_name], parts)
+    }
 
 
 def _layer_to_hf(model_config: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -114,7 +131,10 @@ def _layer_to_hf(model_config: LLaMAConfig, i: int, sd: dict[str, torch.Tensor])
 def hf_tensors(model_config: LLaMAConfig, read: TensorReader, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """The HF tensors, one group at a time (embedding and head, then each block), reading only the fms
     tensors each group needs through `read(keys) -> {key: tensor}`."""
-    top = {"base_model.embedding.weight": "model.embed_tokens.weight", "base_model.dec_norm.weight": "model.norm.weight"}
+    top = {
+        "base_model.embedding.weight": "model.embed_tokens.weight",
+        "base_model.dec_norm.weight": "model.norm.weight",
+    }
     if not model_config.tie_heads:
         top["head.weight"] = "lm_head.weight"
     got = read([k for k in top if k in keys])
@@ -125,8 +145,16 @@ def hf_tensors(model_config: LLaMAConfig, read: TensorReader, keys: list[str]) -
         yield _layer_to_hf(model_config, i, {k.removeprefix(prefix): v for k, v in layer.items()})
 
 
-def write_hf_folder(model_config: LLaMAConfig, read: TensorReader, keys: list[str], out: str, dtype: torch.dtype,
-                    bos_token_id: Optional[int], eos_token_id: Optional[int], max_shard_bytes: int = SHARD_BYTES) -> Path:
+def write_hf_folder(
+    model_config: LLaMAConfig,
+    read: TensorReader,
+    keys: list[str],
+    out: str,
+    dtype: torch.dtype,
+    bos_token_id: Optional[int],
+    eos_token_id: Optional[int],
+    max_shard_bytes: int = SHARD_BYTES,
+) -> Path:
     """Write config.json and safetensors shards of at most max_shard_bytes (with an index when more
     than one) into `out`, atomically: a temporary folder renamed at the end."""
     target = Path(out).resolve()
@@ -162,11 +190,16 @@ def write_hf_folder(model_config: LLaMAConfig, read: TensorReader, keys: list[st
         renamed = {i: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))}
         for i, n in enumerate(names):
             os.replace(tmp / n, tmp / renamed[i])
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": {k: renamed[i] for k, i in sorted(index.items())}}, indent=2))
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": {k: renamed[i] for k, i in sorted(index.items())}},
+                indent=2,
+            )
+        )
     (tmp / "config.json").write_text(json.dumps(hf_config(model_config, dtype, bos_token_id, eos_token_id), indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2))
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2)
+    )
     if target.exists():  # an empty folder (callers refuse anything else)
         target.rmdir()
     os.replace(tmp, target)
@@ -184,16 +217,24 @@ def read_hf_config(folder: str | Path) -> dict:
 def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str) -> None:
     """HFError naming the first dimension where the folder's model and the fms config differ."""
     theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    pairs = {"vocab_size": (hf.get("vocab_size"), model_config.src_vocab_size), "hidden_size": (hf.get("hidden_size"), model_config.emb_dim),
-             "intermediate_size": (hf.get("intermediate_size"), hidden_dim(model_config)),
-             "num_hidden_layers": (hf.get("num_hidden_layers"), model_config.nlayers),
-             "num_attention_heads": (hf.get("num_attention_heads"), model_config.nheads),
-             "num_key_value_heads": (hf.get("num_key_value_heads", hf.get("num_attention_heads")), model_config.kvheads or model_config.nheads),
-             "rope_theta": (float(theta), float(model_config.rope_theta))}
+    pairs = {
+        "vocab_size": (hf.get("vocab_size"), model_config.src_vocab_size),
+        "hidden_size": (hf.get("hidden_size"), model_config.emb_dim),
+        "intermediate_size": (hf.get("intermediate_size"), hidden_dim(model_config)),
+        "num_hidden_layers": (hf.get("num_hidden_layers"), model_config.nlayers),
+        "num_attention_heads": (hf.get("num_attention_heads"), model_config.nheads),
+        "num_key_value_heads": (
+            hf.get("num_key_value_heads", hf.get("num_attention_heads")),
+            model_config.kvheads or model_config.nheads,
+        ),
+        "rope_theta": (float(theta), float(model_config.rope_theta)),
+    }
     for name, (theirs, ours) in pairs.items():
         if theirs != ours:
-            raise HFError(f"{folder}: {name} is {theirs} but the model variant has {ours}; "
-                          "choose the matching --model_variant (and --vocab_size)")
+            raise HFError(
+                f"{folder}: {name} is {theirs} but the model variant has {ours}; "
+                "choose the matching --model_variant (and --vocab_size)"
+            )
 
 
 def read_hf_model(folder: str, model_config: LLaMAConfig) -> dict[str, torch.Tensor]:
@@ -211,7 +252,9 @@ def read_hf_model(folder: str, model_config: LLaMAConfig) -> dict[str, torch.Ten
     return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": model_config}))
 
 
-def _variant(load_path: Path, model_variant: Optional[str], vocab_size: Optional[int]) -> tuple[str, Optional[int], dict]:
+def _variant(
+    load_path: Path, model_variant: Optional[str], vocab_size: Optional[int]
+) -> tuple[str, Optional[int], dict]:
     """(variant, vocab size, run config) from the flags, else from the checkpoint's metadata.pth."""
     meta_file = load_path / "metadata.pth" if load_path.is_dir() else None
     run = {}
@@ -224,8 +267,14 @@ def _variant(load_path: Path, model_variant: Optional[str], vocab_size: Optional
     return variant, vocab_size if vocab_size is not None else run.get("vocab_size"), run
 
 
-def convert(load_path: str, save_path: str, model_variant: Optional[str] = None, vocab_size: Optional[int] = None,
-            tokenizer_name_or_path: Optional[str] = None, dtype: str = "bf16") -> Path:
+def convert(
+    load_path: str,
+    save_path: str,
+    model_variant: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    tokenizer_name_or_path: Optional[str] = None,
+    dtype: str = "bf16",
+) -> Path:
     """Write the Hugging Face folder; HFError/CheckpointError/ConfigError with one line on bad input."""
     if dtype not in DTYPES:
         raise HFError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -235,8 +284,10 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
     if not src.exists():
         raise HFError(f"--load_path: {load_path} does not exist")
     if src.is_dir() and not (src / ".metadata").is_file():
-        raise HFError(f"--load_path: {load_path} is not a checkpoint folder (no .metadata): give a step_N_ckp "
-                      "folder or a .safetensors/.pth file")
+        raise HFError(
+            f"--load_path: {load_path} is not a checkpoint folder (no .metadata): give a step_N_ckp "
+            "folder or a .safetensors/.pth file"
+        )
     target = location(save_path, "save_path")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise HFError(f"--save_path: {save_path} exists and is not empty; choose a new folder (nothing is overwritten)")
@@ -245,21 +296,31 @@ def convert(load_path: str, save_path: str, model_variant: Optional[str] = None,
     variant, vocab, run = _variant(src, model_variant, vocab_size)
     model_config = get_model_config(variant, vocab)
     try:
-        with (local_copy(src) if src.is_file() else nullcontext(src)) as readable:  # a remote file: downloaded
+        with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)
     except CheckpointError as e:  # the checkpoint's files cannot be read (checkpoint/reader.py)
         raise CheckpointError(f"--load_path: {e}") from None
 
 
-def _convert(src: Path, target: Path, model_config: LLaMAConfig, variant: str, run: dict, load_path: str,
-             tokenizer_name_or_path: Optional[str], dtype: str) -> Path:
+def _convert(
+    src: Path,
+    target: Path,
+    model_config: LLaMAConfig,
+    variant: str,
+    run: dict,
+    load_path: str,
+    tokenizer_name_or_path: Optional[str],
+    dtype: str,
+) -> Path:
     keys, read = model_reader(src)
     expected = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
     found = {k: tuple(s) for k, s in keys.items()}
     for key, shape in expected.items():
         if found.get(key) != shape:
-            raise HFError(f"--model_variant={variant} does not match {load_path}: {key} is "
-                          f"{list(found[key]) if key in found else 'missing'} there, {list(shape)} for {variant}")
+            raise HFError(
+                f"--model_variant={variant} does not match {load_path}: {key} is "
+                f"{list(found[key]) if key in found else 'missing'} there, {list(shape)} for {variant}"
+            )
     bos, eos = run.get("bos_token"), run.get("eos_token")
     tokenizer = None
     if tokenizer_name_or_path is not None:
@@ -275,7 +336,9 @@ def _convert(src: Path, target: Path, model_config: LLaMAConfig, variant: str, r
     return target
 
 
-def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, spec: LoRASpec, base: str, out: Path) -> Path:
+def write_peft_adapter(
+    state: dict[str, torch.Tensor], config: LLaMAConfig, spec: LoRASpec, base: str, out: Path
+) -> Path:
     """A PEFT LoRA adapter folder for the Hugging Face form of the model (`base`, the --ckpt_load_path it
     adapts), from a full state with adapters."""
     tensors: dict[str, torch.Tensor] = {}
@@ -289,13 +352,24 @@ def write_peft_adapter(state: dict[str, torch.Tensor], config: LLaMAConfig, spec
             prefix = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[hf_name]}"
             tensors[f"{prefix}.lora_A.weight"] = a.clone()  # shared by the parts: one copy each
             tensors[f"{prefix}.lora_B.weight"] = part.contiguous()
-    targets = sorted({hf for path, names in FMS_PROJECTIONS.items() if path.rsplit(".", 1)[-1] in spec.targets
-                      for hf in names})
+    targets = sorted(
+        {hf for path, names in FMS_PROJECTIONS.items() if path.rsplit(".", 1)[-1] in spec.targets for hf in names}
+    )
     adapter_config: dict[str, Any] = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-        "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": base,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
     }
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

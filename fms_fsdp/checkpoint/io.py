@@ -32,7 +32,14 @@ from torch.utils._pytree import tree_map_only
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
 from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
-from fms_fsdp.checkpoint.layout import commit, complete_checkpoints, delete_checkpoint, start_save, step_folder, temp_folder
+from fms_fsdp.checkpoint.layout import (
+    commit,
+    complete_checkpoints,
+    delete_checkpoint,
+    start_save,
+    step_folder,
+    temp_folder,
+)
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import root_cause, safe_reader, storage_writer
 from fms_fsdp.checkpoint.weights import load_weights
@@ -59,8 +66,9 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
         local = plain_tensor(value._local_tensor)
         if local is value._local_tensor:
             return value
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
         names, _ = value.__tensor_flatten__()
         return getattr(value, names[0])
@@ -80,22 +88,28 @@ class CheckpointSettings:
 
     @staticmethod
     def of(cfg: train_config) -> "CheckpointSettings":
-        return CheckpointSettings(KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy),
-                                  cfg.async_checkpoint, cfg.on_checkpoint_error, cfg.ckpt_load_path, bool(cfg.lora_rank))
+        return CheckpointSettings(
+            KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy),
+            cfg.async_checkpoint,
+            cfg.on_checkpoint_error,
+            cfg.ckpt_load_path,
+            bool(cfg.lora_rank),
+        )
 
 
 class Checkpointer:
     """Saves the training state under <ckpt_save_path>/checkpoints and restores it."""
 
-    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 loader: Any):
+    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any):
         self.run, self.info, self.settings = run, run.info, CheckpointSettings.of(run.cfg)
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
         if is_remote(self.root):
-            run.log(f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
-                    "free space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps")
+            run.log(
+                f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
+                "free space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps"
+            )
         self.writer = BackgroundWriter(run.device) if self.settings.background else None
         # with LoRA the frozen base is not saved: it comes from --ckpt_load_path at every start
         # (the loaded state then lacks the frozen keys: DCP's load already refused a checkpoint lacking others)
@@ -132,8 +146,10 @@ class Checkpointer:
             needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
             free = self._on_main(lambda: prune_for(self.root, needed, self.settings.policy))
             if free < needed:
-                raise CheckpointError(f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
-                                      f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path")
+                raise CheckpointError(
+                    f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
+                    f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path"
+                )
             self._on_main(lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
             own = self._own_state()
@@ -192,8 +208,16 @@ class Checkpointer:
             if self.info.rank % self.info.tp == 0:  # a tensor-parallel group reads the same data: one file
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
-                _save_file({"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
-                            "world_size": self.info.world_size, "config": to_dict(self.run.cfg)}, tmp / "metadata.pth")
+                _save_file(
+                    {
+                        "step": step,
+                        "tokens_seen": tokens_seen,
+                        "scheduler": self.scheduler.state_dict(),
+                        "world_size": self.info.world_size,
+                        "config": to_dict(self.run.cfg),
+                    },
+                    tmp / "metadata.pth",
+                )
         except Exception as e:  # agreed first, so no rank is left waiting in the next collective
             error = e
         agree(error)
@@ -211,8 +235,11 @@ class Checkpointer:
             except Exception as e:
                 if not storage_error(e):
                     raise
-                print(f"warning: cannot delete an old checkpoint in {self.root} ({type(e).__name__}: "
-                      f"{first_line(e)}); it is kept", flush=True)
+                print(
+                    f"warning: cannot delete an old checkpoint in {self.root} ({type(e).__name__}: "
+                    f"{first_line(e)}); it is kept",
+                    flush=True,
+                )
 
         self._on_main(files)
 
@@ -222,8 +249,12 @@ class Checkpointer:
         if self.info.is_main:
             remove_tree(tmp)  # unmarked: in object storage the step folder itself
         cause = root_cause(error)
-        message = str(error) if isinstance(error, CheckpointError) else f"checkpoint save to {tmp.parent} failed: " + (
-            first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
+        message = (
+            str(error)
+            if isinstance(error, CheckpointError)
+            else f"checkpoint save to {tmp.parent} failed: "
+            + (first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
+        )
         if self.settings.on_error == "warn" and write_failure(error):
             self.run.log(f"warning: {message}; training goes on (--on_checkpoint_error=warn)")
             return
@@ -240,8 +271,11 @@ class Checkpointer:
         """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
         tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
         each attempt, so all resume from the same one."""
-        names = on_rank0(lambda: [p.name for _, p in reversed(complete_checkpoints(self.root))], Exception,
-                         lambda message: CheckpointError(f"cannot list the checkpoints in {self.root}: {message}"))
+        names = on_rank0(
+            lambda: [p.name for _, p in reversed(complete_checkpoints(self.root))],
+            Exception,
+            lambda message: CheckpointError(f"cannot list the checkpoints in {self.root}: {message}"),
+        )
         last_error = ""
         for k, path in enumerate(self.root / name for name in names):
             error: Optional[BaseException] = None
@@ -256,8 +290,10 @@ class Checkpointer:
             if k + 1 < len(names):
                 self.run.log(f"warning: cannot resume from {path} ({last_error}); trying an older one")
         if names:
-            raise CheckpointError(f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
-                                  "run's settings changed on purpose, start it with a new --ckpt_save_path")
+            raise CheckpointError(
+                f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
+                "run's settings changed on purpose, start it with a new --ckpt_save_path"
+            )
         return None
 
     def _load(self, path: Path) -> tuple[int, int]:
@@ -267,14 +303,21 @@ class Checkpointer:
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
-        set_state_dict(self.model, self.optimizer, model_state_dict=own["model_state"],
-                       optim_state_dict=own["optimizer_state"], options=self._options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=own["model_state"],
+            optim_state_dict=own["optimizer_state"],
+            options=self._options,
+        )
         keep_kernels(self.optimizer, *kernels)
         meta = _load_file(path / "metadata.pth")
         base = meta.get("config", {}).get("ckpt_load_path")
         if self.settings.lora and base != self.settings.load_path:
-            raise CheckpointError(f"{path} holds LoRA adapters of the base {base}, but --ckpt_load_path is now "
-                                  f"{self.settings.load_path}; give the same base, or a new --ckpt_save_path")
+            raise CheckpointError(
+                f"{path} holds LoRA adapters of the base {base}, but --ckpt_load_path is now "
+                f"{self.settings.load_path}; give the same base, or a new --ckpt_save_path"
+            )
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [_load_file(p) for p in ranks]
@@ -292,8 +335,11 @@ def agree(error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank failed (every rank calls it), an error of the same kind
     everywhere: a write failure (see write_failure) only when every failure was one; a rank that did
     not fail raises the failing rank's line."""
-    found = [(rank, f) for rank, f in enumerate(failures(error, lambda e: "write" if write_failure(e) else "other"))
-             if f is not None]
+    found = [
+        (rank, f)
+        for rank, f in enumerate(failures(error, lambda e: "write" if write_failure(e) else "other"))
+        if f is not None
+    ]
     if not found:
         return
     kind = "other" if any(f[0] == "other" for _, f in found) else "write"

@@ -92,8 +92,15 @@ def remove_stale(root: Path) -> None:
     step folders flagged SAVING without their COMPLETE marker in object storage (a step folder of
     another tool, without either, is left alone)."""
     if is_remote(root):
-        stale = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / SAVING).is_file()
-                 and not (p / COMPLETE).is_file()] if root.is_dir() else []
+        stale = (
+            [
+                p
+                for p in root.iterdir()
+                if _STEP_DIR.match(p.name) and (p / SAVING).is_file() and not (p / COMPLETE).is_file()
+            ]
+            if root.is_dir()
+            else []
+        )
     else:
         stale = [*root.glob(".step_*_ckp.tmp*"), *root.glob(".step_*_ckp.deleting")]
     for p in stale:

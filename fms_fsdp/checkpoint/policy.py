@@ -26,8 +26,10 @@ class KeepPolicy:
         for part in filter(None, (p.strip().removeprefix("then ").strip() for p in text.split(","))):
             m = _POLICY_PART.match(part)
             if not m or int(m.group(1)) < 1:
-                raise ConfigError(f"--checkpoint_keep_policy: cannot read {part!r}; write e.g. "
-                                  "'every 1000 until 10000, then every 5000'")
+                raise ConfigError(
+                    f"--checkpoint_keep_policy: cannot read {part!r}; write e.g. "
+                    "'every 1000 until 10000, then every 5000'"
+                )
             rules.append((int(m.group(1)), int(m.group(2)) if m.group(2) else None))
         return cls(latest, tuple(rules))
 
@@ -42,5 +44,5 @@ class KeepPolicy:
     def to_delete(self, steps: list[int]) -> list[int]:
         """Steps of complete checkpoints to delete (never the newest)."""
         ordered = sorted(steps)
-        keep = set(ordered[-max(1, self.latest):]) | {s for s in ordered if self.permanent(s)}
+        keep = set(ordered[-max(1, self.latest) :]) | {s for s in ordered if self.permanent(s)}
         return [s for s in ordered if s not in keep]

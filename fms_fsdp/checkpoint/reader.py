@@ -32,9 +32,14 @@ class RefusedPickle(pickle.UnpicklingError):
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP .metadata file, refusing every global but the plain data types it holds."""
 
-    _CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+    _CLASSES = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("builtins", "getattr"):  # some Python versions pickle enum members so
@@ -104,15 +109,21 @@ def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], TensorReader]:
     except RefusedPickle:
         raise
     except (EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"{folder}: its .metadata is damaged or truncated ({type(e).__name__}: "
-                              f"{first_line(e)})") from None
-    shapes = {key.removeprefix("model_state."): meta.size for key, meta in metadata.items()
-              if key.startswith("model_state.") and hasattr(meta, "size")}
+        raise CheckpointError(
+            f"{folder}: its .metadata is damaged or truncated ({type(e).__name__}: {first_line(e)})"
+        ) from None
+    shapes = {
+        key.removeprefix("model_state."): meta.size
+        for key, meta in metadata.items()
+        if key.startswith("model_state.") and hasattr(meta, "size")
+    }
     if not shapes:
         raise CheckpointError(f"{folder}: no model_state in this checkpoint")
     if all(key.endswith((".lora_A", ".lora_B")) for key in shapes):
-        raise CheckpointError(f"{folder} is a LoRA checkpoint: it holds the adapters only, not a model; use the "
-                              "run's exports (model_step_<N>.safetensors, exports/step_<N>)")
+        raise CheckpointError(
+            f"{folder} is a LoRA checkpoint: it holds the adapters only, not a model; use the "
+            "run's exports (model_step_<N>.safetensors, exports/step_<N>)"
+        )
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(shapes[k], dtype=metadata[f"model_state.{k}"].properties.dtype) for k in keys}
@@ -152,8 +163,9 @@ def unreadable(error: BaseException) -> bool:
     """Whether a failed read of a checkpoint means damaged or missing files (a truncated or corrupt
     shard, a file that cannot be opened), rather than a checkpoint of another model."""
     cause = root_cause(error)
-    return (isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle)) or (
-        isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
+    return (
+        isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle)
+    ) or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
 
 
 def damage(error: BaseException) -> str:

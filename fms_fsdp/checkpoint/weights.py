@@ -56,8 +56,10 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
     except (RuntimeError, KeyError, dcp.CheckpointException) as e:
         if unreadable(e):
             raise CheckpointError(f"--ckpt_load_path: {path}: {damage(e)}") from None
-        raise CheckpointError(f"--ckpt_load_path: {path} does not fit --model_variant={model_variant}"
-                              f" (vocab {model.config.src_vocab_size}): {first_line(root_cause(e))}") from None
+        raise CheckpointError(
+            f"--ckpt_load_path: {path} does not fit --model_variant={model_variant}"
+            f" (vocab {model.config.src_vocab_size}): {first_line(root_cause(e))}"
+        ) from None
 
 
 def _read_on_main(p: Path, path: str, read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -23,8 +23,11 @@ def staging_buffers(device: torch.device) -> DefaultStager:
     write and reused by every later one (cached by tensor storage), pinned and filled by non-blocking
     copies on CUDA, so a write stalls training for one device-to-host copy."""
     cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+    )
 
 
 class BackgroundWriter:
@@ -40,8 +43,9 @@ class BackgroundWriter:
         rank's part is written. Every rank calls it."""
         assert self.stager is not None, "the writer is closed"
         stager = FusingStager(self.stager) if fused_groups(state["model_state"]) else self.stager
-        return dcp.async_save(state, storage_writer=storage_writer(folder), process_group=self.group,
-                              async_stager=stager)
+        return dcp.async_save(
+            state, storage_writer=storage_writer(folder), process_group=self.group, async_stager=stager
+        )
 
     def close(self) -> None:
         """Free the staging buffers (a write under way keeps what it staged)."""

@@ -18,8 +18,9 @@ from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.storage import location
 
 
-def get_data_loader(cfg: train_config, rank: int, world_size: int,
-                    vocab_size: int) -> Union[StatefulLoader, DummyDataLoader]:
+def get_data_loader(
+    cfg: train_config, rank: int, world_size: int, vocab_size: int
+) -> Union[StatefulLoader, DummyDataLoader]:
     """The loader of data-parallel rank `rank` of `world_size`: synthetic lines with use_dummy_dataset,
     else the shards under data_path, their token ids checked against `vocab_size` (the run's: run.py).
     Bad data raises DataError (one line naming the file or flag)."""
@@ -27,23 +28,40 @@ def get_data_loader(cfg: train_config, rank: int, world_size: int,
         return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab_size, cfg.seed, rank, world_size)
     names = list_datasets(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
     if cfg.weights is not None and len(cfg.weights) != len(names):
-        raise DataError(f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
-                        f"{', '.join(names)}; give one weight per dataset or set --datasets", every_rank=True)
+        raise DataError(
+            f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
+            f"{', '.join(names)}; give one weight per dataset or set --datasets",
+            every_rank=True,
+        )
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     layout = layout_of(cfg)
-    entries = on_rank0(lambda: scan(cfg.data_path, names, layout), DataError,
-                       lambda message: DataError(message, every_rank=True), timeout=timedelta(hours=6))
+    entries = on_rank0(
+        lambda: scan(cfg.data_path, names, layout),
+        DataError,
+        lambda message: DataError(message, every_rank=True),
+        timeout=timedelta(hours=6),
+    )
     datasets = [Dataset(n, location(cfg.data_path, "data_path"), entries[n], layout) for n in names]
     weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
-    return StatefulLoader(datasets, weights, packing_of(cfg, vocab_size), cfg.batch_size, cfg.logical_shards,
-                          cfg.seed, rank, world_size, cfg.num_workers)
+    return StatefulLoader(
+        datasets,
+        weights,
+        packing_of(cfg, vocab_size),
+        cfg.batch_size,
+        cfg.logical_shards,
+        cfg.seed,
+        rank,
+        world_size,
+        cfg.num_workers,
+    )
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:
     """How documents become lines under cfg's separator, bos/bol/eol and strip tokens."""
     strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
-    return Packing(cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip),
-                   vocab_size)
+    return Packing(
+        cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip), vocab_size
+    )
 
 
 def layout_of(cfg: train_config) -> Layout:
@@ -58,14 +76,20 @@ def check_tokenizer(cfg: train_config, vocab: int) -> list[str]:
     tokenizer = load_tokenizer(cfg.tokenizer_path)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab:
-        raise ConfigError(f"--tokenizer_path: {cfg.tokenizer_path} has {size} tokens but {cfg.model_variant}'s "
-                          f"vocabulary is {vocab}; set --vocab_size={size} (or larger)")
+        raise ConfigError(
+            f"--tokenizer_path: {cfg.tokenizer_path} has {size} tokens but {cfg.model_variant}'s "
+            f"vocabulary is {vocab}; set --vocab_size={size} (or larger)"
+        )
     before, after = added_tokens(tokenizer)
     notes = []
     if after and cfg.eos_token not in after:
-        notes.append(f"warning: the tokenizer ends a text with token(s) {after}, but --eos_token={cfg.eos_token} "
-                     f"separates raw text documents; set --eos_token={after[-1]} if that is its end-of-text token")
+        notes.append(
+            f"warning: the tokenizer ends a text with token(s) {after}, but --eos_token={cfg.eos_token} "
+            f"separates raw text documents; set --eos_token={after[-1]} if that is its end-of-text token"
+        )
     if before and cfg.bos_token is None:
-        notes.append(f"note: the tokenizer starts a text with token(s) {before}; raw text documents get no bos "
-                     f"token unless --bos_token is set (e.g. --bos_token={before[0]})")
+        notes.append(
+            f"note: the tokenizer starts a text with token(s) {before}; raw text documents get no bos "
+            f"token unless --bos_token is set (e.g. --bos_token={before[0]})"
+        )
     return notes

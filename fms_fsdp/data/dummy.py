@@ -12,6 +12,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
+
 class DummyDataLoader:
     """Yields (inputs, labels) int64 batches of shape [batch_size, seq_length]; resumable."""
 

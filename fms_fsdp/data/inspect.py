@@ -77,8 +77,9 @@ class Checker:
     def __init__(self, separators: dict[str, int], vocab_size: Optional[int]):
         self.separators, self.vocab_size = separators, vocab_size
         names = " or ".join(f"{k} {v}" for k, v in separators.items())
-        self.doubled = Flag(f"doubled separators (documents beginning or ending with {names}; "
-                            "the loader adds one, so they get two)")
+        self.doubled = Flag(
+            f"doubled separators (documents beginning or ending with {names}; the loader adds one, so they get two)"
+        )
         self.empty = Flag("empty documents")
         self.oov = Flag(f"documents with out-of-vocabulary ids (>= {vocab_size})")
 
@@ -138,8 +139,10 @@ def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None
         if entry is None:
             unlisted += 1
         elif (entry.documents, entry.tokens) != (f.documents, f.tokens):
-            problems.append(f"{f.path}: meta/*counts*.csv says {entry.documents} documents, {entry.tokens} tokens; "
-                            f"the file has {f.documents} documents, {f.tokens} tokens")
+            problems.append(
+                f"{f.path}: meta/*counts*.csv says {entry.documents} documents, {entry.tokens} tokens; "
+                f"the file has {f.documents} documents, {f.tokens} tokens"
+            )
     problems += [f"{path}: listed in meta/*counts*.csv but not found" for path in sorted(listed)]
     mismatches = Flag("counts CSV mismatches")
     mismatches.add(len(problems), problems)
@@ -156,16 +159,23 @@ def print_table(rows: list[list[str]]) -> None:
 
 
 def report_row(name: str, label: str, files: list[FileStats]) -> list[str]:
-    return [name, label, str(sum(f.documents for f in files)), str(sum(f.tokens for f in files)),
-            str(max((f.max_id for f in files), default=-1))]
+    return [
+        name,
+        label,
+        str(sum(f.documents for f in files)),
+        str(sum(f.tokens for f in files)),
+        str(max((f.max_id for f in files), default=-1)),
+    ]
 
 
 def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> None:
     """Scan every shard of the datasets and print the table, the flags and the counts comparison."""
     paths = {name: shard_paths(root / name, "auto") for name in names}
     every = [p for ps in paths.values() for p in ps]
-    stats = {p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
-             for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)}
+    stats = {
+        p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
+        for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)
+    }
     rows = [["dataset", "file", "documents", "tokens", "max id"]]
     for name in names:
         files = [stats[p] for p in paths[name]]
@@ -186,8 +196,14 @@ def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> No
     compare_counts(root, names, list(stats.values()))
 
 
-def inspect_data(data_path: str = "", datasets: Optional[list[str]] = None, vocab_size: Optional[int] = None,
-                 eos_token: Optional[int] = 0, bos_token: Optional[int] = None, col_name: str = "tokens") -> None:
+def inspect_data(
+    data_path: str = "",
+    datasets: Optional[list[str]] = None,
+    vocab_size: Optional[int] = None,
+    eos_token: Optional[int] = 0,
+    bos_token: Optional[int] = None,
+    col_name: str = "tokens",
+) -> None:
     """Report documents and tokens per dataset and file of --data_path, and flag problems (the flags:
     fms_fsdp/cli.py)."""
     if not data_path:
@@ -195,7 +211,10 @@ def inspect_data(data_path: str = "", datasets: Optional[list[str]] = None, voca
     root = Path(data_path)
     if not root.is_dir():
         raise ConfigError(f"--data_path={data_path}: folder not found")
-    separators = {k: v for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
-                  if v is not None}
+    separators = {
+        k: v
+        for k, v in (("eos", as_id("eos_token", eos_token)), ("bos", as_id("bos_token", bos_token)))
+        if v is not None
+    }
     checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
     inspect(root, list_datasets(str(root), datasets), col_name, checker)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fms_fsdp.data.shards import Dataset
-from fms_fsdp.data.stream import POSITION, Packing, LineReader, n_logical_shards, shard_table
+from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
 from fms_fsdp.distributed import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.errors import DataError
 
@@ -29,8 +29,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
     """A reader state with its per-shard positions as int32 arrays."""
-    datasets = {name: {**d, **{k: np.asarray(d[k], np.int32) for k in POSITION}}
-                for name, d in reader_state["datasets"].items()}
+    datasets = {
+        name: {**d, **{k: np.asarray(d[k], np.int32) for k in POSITION}} for name, d in reader_state["datasets"].items()
+    }
     return {**reader_state, "datasets": datasets}
 
 
@@ -75,8 +76,16 @@ class _Workers(IterableDataset):
         info = get_worker_info()
         logical = ((info.id if info else 0) + self.rotation) % self.workers
         try:
-            reader = LineReader(self.datasets, self.weights, self.logical_shards, self.rank * self.workers + logical,
-                            self.consumers, self.seed, self.packing, self.states[logical])
+            reader = LineReader(
+                self.datasets,
+                self.weights,
+                self.logical_shards,
+                self.rank * self.workers + logical,
+                self.consumers,
+                self.seed,
+                self.packing,
+                self.states[logical],
+            )
             while True:
                 lines = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
                 for line in lines:
@@ -90,8 +99,18 @@ class StatefulLoader:
     """Iterable of (inputs, labels) [batch_size, seq_length] int64 batches for one rank, with
     state_dict() / load_state_dict()."""
 
-    def __init__(self, datasets: list[Dataset], weights: list[float], packing: Packing, batch_size: int,
-                 logical_shards: int, seed: int, rank: int, world_size: int, num_workers: int):
+    def __init__(
+        self,
+        datasets: list[Dataset],
+        weights: list[float],
+        packing: Packing,
+        batch_size: int,
+        logical_shards: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+    ):
         self.datasets, self.weights, self.packing = datasets, weights, packing
         self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
@@ -99,17 +118,31 @@ class StatefulLoader:
         readers = world_size * self.workers
         for ds in datasets:
             if n_logical_shards(logical_shards, ds.documents) < readers:
-                raise DataError(f"{ds.root / ds.name}: {ds.documents} documents and --logical_shards={logical_shards} "
-                                f"give fewer logical shards than the {readers} readers (data-parallel ranks x num_workers); "
-                                "add data or use fewer workers", every_rank=True)
+                raise DataError(
+                    f"{ds.root / ds.name}: {ds.documents} documents and --logical_shards={logical_shards} "
+                    f"give fewer logical shards than the {readers} readers (data-parallel ranks x num_workers); "
+                    "add data or use fewer workers",
+                    every_rank=True,
+                )
         self.states: list[Optional[dict[str, Any]]] = [None] * self.workers
         self.next_worker = 0
 
     def __iter__(self) -> Iterator[Batch]:
         source = _Workers(self)
-        it = iter(source) if self.num_workers == 0 else iter(
-            DataLoader(source, batch_size=None, num_workers=self.num_workers, prefetch_factor=2, collate_fn=_as_is,
-                       worker_init_fn=_init_worker))
+        it = (
+            iter(source)
+            if self.num_workers == 0
+            else iter(
+                DataLoader(
+                    source,
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    prefetch_factor=2,
+                    collate_fn=_as_is,
+                    worker_init_fn=_init_worker,
+                )
+            )
+        )
         try:
             for lines, state in it:
                 if "error" in state:
@@ -128,14 +161,23 @@ class StatefulLoader:
                 shutdown()
 
     def _fingerprint(self) -> dict[str, Any]:
-        return {"seed": self.seed, "logical_shards": self.logical_shards,
-                "documents": {d.name: d.documents for d in self.datasets}}
+        return {
+            "seed": self.seed,
+            "logical_shards": self.logical_shards,
+            "documents": {d.name: d.documents for d in self.datasets},
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: small (int32 arrays), picklable, no tokens."""
-        return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size,
-                "num_workers": self.num_workers, "next_worker": self.next_worker,
-                "readers": [None if r is None else _compact(r) for r in self.states], **self._fingerprint()}
+        return {
+            "version": STATE_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "next_worker": self.next_worker,
+            "readers": [None if r is None else _compact(r) for r in self.states],
+            **self._fingerprint(),
+        }
 
     def load_state_dict(self, state: Union[dict[str, Any], list[dict[str, Any]]]) -> None:
         """Resume from this rank's own state, or from the list of every rank's states of a run with
@@ -160,7 +202,9 @@ class StatefulLoader:
         old = [r for s in states for r in s["readers"]]
         consumers = self.world_size * self.workers
         ranks = {s["rank"] for s in states}
-        if len(ranks) != states[0]["world_size"] or len(old) != states[0]["world_size"] * max(1, states[0]["num_workers"]):
+        if len(ranks) != states[0]["world_size"] or len(old) != states[0]["world_size"] * max(
+            1, states[0]["num_workers"]
+        ):
             raise DataError(f"loader state of {len(ranks)} ranks given; the run had {states[0]['world_size']}")
         result: list[Optional[dict[str, Any]]] = []
         for logical in range(self.workers):

@@ -70,8 +70,13 @@ def find_inputs(spec: str) -> list[Path]:
     found: set[Path] = set()
     for match in [path] if path.is_dir() else map(Path, glob.glob(spec, recursive=True)):
         if match.is_dir():
-            found.update(p for p in match.rglob("*") if p.is_file() and is_supported(p)
-                         and not any(part.startswith(".") for part in p.relative_to(match).parts))
+            found.update(
+                p
+                for p in match.rglob("*")
+                if p.is_file()
+                and is_supported(p)
+                and not any(part.startswith(".") for part in p.relative_to(match).parts)
+            )
         elif match.is_file() and is_supported(match):
             found.add(match)
     if not found:
@@ -236,8 +241,14 @@ def process_input(job: tuple[int, Path, Path, dict]) -> tuple[int, dict, list[st
         writer.abandon()
         raise
     stat = path.stat()
-    marker = {"input": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-              "settings": settings, "shards": writer.finish(), "skipped": dict(sorted(skipped.items()))}
+    marker = {
+        "input": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "settings": settings,
+        "shards": writer.finish(),
+        "skipped": dict(sorted(skipped.items())),
+    }
     write_text_atomic(marker_path(output, index), json.dumps(marker, indent=1) + "\n")
     return index, marker, warnings
 
@@ -251,8 +262,10 @@ def finished(output: Path, index: int, path: Path, settings: dict) -> Optional[d
     except (OSError, ValueError, TypeError, KeyError):
         return None
     if made_from != str(path.resolve()):
-        raise DataError(f"--output={output} holds input {index:05d} made from {made_from}, but input {index:05d} is "
-                       f"now {path}; use a new --output or empty this one")
+        raise DataError(
+            f"--output={output} holds input {index:05d} made from {made_from}, but input {index:05d} is "
+            f"now {path}; use a new --output or empty this one"
+        )
     for flag, value in settings.items():
         if made_with.get(flag) != value:
             raise DataError(f"--output={output} was made with another --{flag}; use the same one or a new --output")
@@ -268,8 +281,10 @@ def check_no_stale(output: Path, n_inputs: int) -> None:
     """Refuse an output holding shards of more input files than --input matches now."""
     for path in [*output.glob("part-*.arrow"), *(output / ".done").glob("*.json")]:
         if shard_index(path) >= n_inputs:
-            raise DataError(f"--output={output} holds {path.name} but --input matches only {n_inputs} files; "
-                           "use a new --output or empty this one")
+            raise DataError(
+                f"--output={output} holds {path.name} but --input matches only {n_inputs} files; "
+                "use a new --output or empty this one"
+            )
 
 
 def counts_path(output: Path) -> Path:
@@ -302,19 +317,25 @@ def run(inputs: list[Path], output: Path, tok_file: Optional[Path], settings: di
     todo = [(i, path, output, settings) for i, path in enumerate(inputs) if i not in markers]
     sizes = {i: path.stat().st_size for i, path, *_ in todo}
     warnings: dict[int, list[str]] = {}
-    with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing", disable=None,
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
+    ) as bar:
         for i, marker, warned in tokenized(todo, tok_file, min(workers, len(todo))):
             markers[i], warnings[i] = marker, warned
             bar.update(sizes[i])
     counts = counts_path(output)
-    write_counts(counts, [FileEntry(f"/{output.name}/{s['name']}", s["documents"], s["tokens"])
-                          for i in sorted(markers) for s in markers[i]["shards"]])
+    write_counts(
+        counts,
+        [
+            FileEntry(f"/{output.name}/{s['name']}", s["documents"], s["tokens"])
+            for i in sorted(markers)
+            for s in markers[i]["shards"]
+        ],
+    )
     report(output, len(inputs), markers, {i: warnings[i] for i in sorted(warnings)}, counts)
 
 
-def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict[int, list[str]],
-           counts: Path) -> None:
+def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict[int, list[str]], counts: Path) -> None:
     """The first MAX_WARNINGS warnings of this run on stderr, the summary of the dataset on stdout."""
     shown = [line for lines in warnings.values() for line in lines][:MAX_WARNINGS]
     for line in shown:
@@ -326,17 +347,25 @@ def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict
     for m in markers.values():
         skipped.update(m["skipped"])
     shards = [s for m in markers.values() for s in m["shards"]]
-    print(f"{output}: {n_inputs} input files ({n_inputs - len(warnings)} done before), "
-          f"{sum(s['documents'] for s in shards)} documents, {sum(s['tokens'] for s in shards)} tokens, "
-          f"{len(shards)} shards")
+    print(
+        f"{output}: {n_inputs} input files ({n_inputs - len(warnings)} done before), "
+        f"{sum(s['documents'] for s in shards)} documents, {sum(s['tokens'] for s in shards)} tokens, "
+        f"{len(shards)} shards"
+    )
     if skipped:
         reasons = ", ".join(f"{why} {n}" for why, n in sorted(skipped.items()))
         print(f"skipped {sum(skipped.values())} records: {reasons}")
     print(f"counts: {counts}")
 
 
-def prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_field: str = "text",
-                 shard_tokens: int = 100_000_000, workers: Optional[int] = None) -> None:
+def prepare_data(
+    input: str = "",
+    output: str = "",
+    tokenizer: str = "",
+    text_field: str = "text",
+    shard_tokens: int = 100_000_000,
+    workers: Optional[int] = None,
+) -> None:
     """Tokenize --input into Arrow shards under --output (the flags: fms_fsdp/cli.py)."""
     inputs = find_inputs(input)
     if not output:
@@ -349,7 +378,10 @@ def prepare_data(input: str = "", output: str = "", tokenizer: str = "", text_fi
     tok_file = tokenizer_file(tokenizer)
     load_tokenizer(tok_file)  # fail now, not in every worker
     fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
-    settings = {"tokenizer": fingerprint, "text_field": text_field,
-                "shard_tokens": as_count("shard_tokens", shard_tokens)}
+    settings = {
+        "tokenizer": fingerprint,
+        "text_field": text_field,
+        "shard_tokens": as_count("shard_tokens", shard_tokens),
+    }
     workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
     run(inputs, out, tok_file, settings, workers)

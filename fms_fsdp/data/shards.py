@@ -89,8 +89,10 @@ class ShardFile:
             self._starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
             self.documents = int(self._starts[-1])
         else:
-            raise DataError(f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch "
-                            "per document, Arrow) or a list of integers (one row per document)")
+            raise DataError(
+                f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch "
+                "per document, Arrow) or a list of integers (one row per document)"
+            )
 
     @property
     def row_groups(self) -> Optional[np.ndarray]:
@@ -122,7 +124,7 @@ class ShardFile:
     def row(block: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
         """Tokens of row r of a block (rows layout)."""
         values, offsets = block
-        return values[offsets[r]: offsets[r + 1]]
+        return values[offsets[r] : offsets[r + 1]]
 
     def document(self, j: int) -> np.ndarray:
         """Tokens of document j, fms-fsdp's layout (a read-only view of the mapped file)."""
@@ -134,7 +136,7 @@ class ShardFile:
         if self.rows_layout:
             for b in range(len(self._starts) - 1):
                 values, offsets = self.block(b)
-                yield values[offsets[0]: offsets[-1]], np.diff(offsets).astype(np.int64)
+                yield values[offsets[0] : offsets[-1]], np.diff(offsets).astype(np.int64)
             return
         for start in range(0, self.documents, group):
             docs = [self.document(j) for j in range(start, min(self.documents, start + group))]
@@ -212,8 +214,9 @@ class Dataset:
         return {**self.__dict__, "_open": OrderedDict(), "_blocks": OrderedDict()}
 
 
-def list_datasets(data_path: str, datasets: Optional[list[str]], flag: str = "data_path",
-                  datasets_flag: str = "datasets") -> list[str]:
+def list_datasets(
+    data_path: str, datasets: Optional[list[str]], flag: str = "data_path", datasets_flag: str = "datasets"
+) -> list[str]:
     """The dataset folders to read: `datasets`, or every sub-folder of data_path but meta. Errors name
     the flags the user gave (--data_path and --datasets, or --eval_data_path and --eval_datasets)."""
     root = location(data_path, flag)
@@ -222,8 +225,9 @@ def list_datasets(data_path: str, datasets: Optional[list[str]], flag: str = "da
     except (FileNotFoundError, NotADirectoryError):
         raise DataError(f"--{flag}: folder not found: {data_path}", every_rank=True) from None
     except Exception as e:  # no endpoint, no access, ...
-        raise DataError(f"--{flag}: cannot read {data_path} ({type(e).__name__}: {first_line(e)})",
-                        every_rank=True) from None
+        raise DataError(
+            f"--{flag}: cannot read {data_path} ({type(e).__name__}: {first_line(e)})", every_rank=True
+        ) from None
     names = datasets or found
     if not names:
         raise DataError(f"--{flag}: {data_path} has no dataset sub-folders", every_rank=True)
@@ -271,12 +275,19 @@ def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ..
     """The shard files under a dataset folder, sorted; hidden files and folders (temporary files of a
     preparation in progress) are not shards."""
     extensions = extensions or EXTENSIONS[file_type]
-    files = sorted({p for ext in extensions for p in folder.rglob(f"*{ext}")
-                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)})
+    files = sorted(
+        {
+            p
+            for ext in extensions
+            for p in folder.rglob(f"*{ext}")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        }
+    )
     if not files:
         hint = "" if JSONL[0] in extensions else "; raw text (.jsonl, .jsonl.gz, .json.gz) needs --tokenizer_path"
-        raise DataError(f"{folder}: no {' or '.join(extensions)} files (--file_type={file_type}){hint}",
-                        every_rank=True)
+        raise DataError(
+            f"{folder}: no {' or '.join(extensions)} files (--file_type={file_type}){hint}", every_rank=True
+        )
     return files
 
 

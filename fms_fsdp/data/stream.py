@@ -117,8 +117,18 @@ class DatasetReader:
     """The logical shards of one dataset owned by one reader. Positions are plain Python ints on this
     hot path; state() copies them."""
 
-    def __init__(self, ds: Dataset, ds_index: int, n_shards: int, consumer: int, consumers: int, seed: int,
-                 packing: Packing, table: Optional[dict[int, tuple]] = None, next_shard: int = 0):
+    def __init__(
+        self,
+        ds: Dataset,
+        ds_index: int,
+        n_shards: int,
+        consumer: int,
+        consumers: int,
+        seed: int,
+        packing: Packing,
+        table: Optional[dict[int, tuple]] = None,
+        next_shard: int = 0,
+    ):
         self.ds, self.ds_index, self.n_shards, self.seed, self.packing = ds, ds_index, n_shards, seed, packing
         self.shards = list(range(consumer, n_shards, consumers))
         rows = [table[s] if table else (0, 0, 0, 0) for s in self.shards]
@@ -127,7 +137,9 @@ class DatasetReader:
         self._plans: dict[int, ShardPlan] = {}
         self._order: tuple[int, list[int], int] = (-1, [], 0)  # (round, shards by priority, finished prefix)
         self._active = self._window()
-        self._ahead: dict[int, tuple[int, int, list[tuple[int, int, int, int]]]] = {}  # shard -> (epoch, cursor, blocks)
+        self._ahead: dict[
+            int, tuple[int, int, list[tuple[int, int, int, int]]]
+        ] = {}  # shard -> (epoch, cursor, blocks)
         self._inner: dict[int, tuple[tuple[int, int], np.ndarray]] = {}  # shard -> ((epoch, cursor), order)
         self._current: tuple[tuple[int, ...], np.ndarray, int] = ((), np.empty(0, np.int64), 0)  # key, body, block size
         self.read_docs: list[tuple[int, int]] = []  # (file, index) of the documents read since the last check
@@ -217,8 +229,9 @@ class DatasetReader:
             if len(body) == 0:
                 empty_in_a_row += 1
                 if empty_in_a_row > self.ds.documents:
-                    raise DataError(f"{self.ds.root / self.ds.name}: every document is empty once stripped of "
-                                    "bos/eos/strip_tokens")
+                    raise DataError(
+                        f"{self.ds.root / self.ds.name}: every document is empty once stripped of bos/eos/strip_tokens"
+                    )
                 self._finish_document(i)
                 continue
             empty_in_a_row = 0
@@ -227,7 +240,7 @@ class DatasetReader:
                 out[filled] = bos
                 filled, o = filled + 1, o + 1
             k = min(n - filled, len(body) + first - o)
-            out[filled: filled + k] = body[o - first: o - first + k]
+            out[filled : filled + k] = body[o - first : o - first + k]
             filled, o = filled + k, o + k
             if filled < n and o == len(body) + first:
                 out[filled] = eos
@@ -242,23 +255,41 @@ class DatasetReader:
             for file, j in self.read_docs:
                 doc = self.ds.read(file, j)
                 if len(doc) and int(doc.max()) >= self.packing.vocab_size:
-                    raise DataError(f"{self.ds.path(file)}: document {j} has token id {int(doc.max())} >= vocab_size "
-                                    f"{self.packing.vocab_size}; set --vocab_size or fix the data")
-            raise DataError(f"token id {int(tokens.max())} >= vocab_size {self.packing.vocab_size} in "
-                            f"--bos/eos/bol/eol tokens; set --vocab_size")
+                    raise DataError(
+                        f"{self.ds.path(file)}: document {j} has token id {int(doc.max())} >= vocab_size "
+                        f"{self.packing.vocab_size}; set --vocab_size or fix the data"
+                    )
+            raise DataError(
+                f"token id {int(tokens.max())} >= vocab_size {self.packing.vocab_size} in "
+                f"--bos/eos/bol/eol tokens; set --vocab_size"
+            )
         self.read_docs.clear()
 
     def state(self) -> dict[str, Any]:
         """Copies of the positions (lists: cheap enough to take at every batch)."""
-        return {"epoch": self.epoch[:], "cursor": self.cursor[:], "inner": self.inner[:], "offset": self.offset[:],
-                "next": self.next}
+        return {
+            "epoch": self.epoch[:],
+            "cursor": self.cursor[:],
+            "inner": self.inner[:],
+            "offset": self.offset[:],
+            "next": self.next,
+        }
 
 
 class LineReader:
     """Lines of seq_length + 1 tokens for one reader (consumer) over all datasets."""
 
-    def __init__(self, datasets: list[Dataset], weights: list[float], logical_shards: int, consumer: int,
-                 consumers: int, seed: int, packing: Packing, state: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        datasets: list[Dataset],
+        weights: list[float],
+        logical_shards: int,
+        consumer: int,
+        consumers: int,
+        seed: int,
+        packing: Packing,
+        state: Optional[dict[str, Any]] = None,
+    ):
         self.consumer, self.consumers, self.seed, self.packing = consumer, consumers, seed, packing
         self.names = [d.name for d in datasets]
         self.p = np.asarray(weights, dtype=np.float64) / sum(weights)
@@ -268,8 +299,11 @@ class LineReader:
             n = n_logical_shards(logical_shards, ds.documents)
             ds_state = None if state is None else state["datasets"][ds.name]
             table = None if ds_state is None else shard_table(ds_state, consumer, consumers, n)
-            self.readers.append(DatasetReader(ds, k, n, consumer, consumers, seed, packing, table,
-                                              0 if ds_state is None else ds_state["next"]))
+            self.readers.append(
+                DatasetReader(
+                    ds, k, n, consumer, consumers, seed, packing, table, 0 if ds_state is None else ds_state["next"]
+                )
+            )
         self._choices: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
     def _dataset_for_line(self, line: int) -> int:
@@ -296,5 +330,9 @@ class LineReader:
         self.lines += 1
 
     def state(self) -> dict[str, Any]:
-        return {"consumer": self.consumer, "consumers": self.consumers, "lines": self.lines,
-                "datasets": {name: r.state() for name, r in zip(self.names, self.readers)}}
+        return {
+            "consumer": self.consumer,
+            "consumers": self.consumers,
+            "lines": self.lines,
+            "datasets": {name: r.state() for name, r in zip(self.names, self.readers)},
+        }

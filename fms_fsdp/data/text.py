@@ -155,8 +155,8 @@ def added_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     full = tokenizer.encode("a", add_special_tokens=True).ids
     for start in range(len(full) - len(plain) + 1):
-        if full[start: start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
     return [], []
 
 
@@ -196,8 +196,10 @@ class _Tally:
         record has text (often a wrong --text_field)."""
         if self.bad and sum(self.bad.values()) == self.records:
             reasons = ", ".join(f"{why} {n}" for why, n in self.bad.most_common())
-            raise DataError(f"{path}: none of its {self.records} records has text ({reasons}); check --text_field "
-                            f"(now {spec.text_field!r}) and the file")
+            raise DataError(
+                f"{path}: none of its {self.records} records has text ({reasons}); check --text_field "
+                f"(now {spec.text_field!r}) and the file"
+            )
         tokens = sum(len(t) for t in tokenizer.encode_batch(self.sample, add_special_tokens=False))
         estimate = round(tokens * self.text_bytes / self.sample_bytes) if self.sample_bytes else 0
         return TextIndex(documents, estimate, offsets, dict(self.bad))
@@ -219,11 +221,15 @@ def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
     """Refuse a Parquet file without a text column named --text_field."""
     schema = pf.schema_arrow
     if text_field not in schema.names:
-        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); set --text_field "
-                        "(raw text) or --col_name (token ids)")
+        raise DataError(
+            f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); set --text_field "
+            "(raw text) or --col_name (token ids)"
+        )
     ctype = schema.field(text_field).type
-    if not any(check(ctype) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
-                                          pa.types.is_large_binary)):
+    if not any(
+        check(ctype)
+        for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    ):
         raise DataError(f"{path}: column {text_field!r} has type {ctype}, not text; set --text_field")
 
 
@@ -261,8 +267,13 @@ class IndexCache:
         if not self.changed:
             print(f"note: indexing raw text files (once: cached in {self.path})", flush=True)
         index = index_file(path, self.spec)
-        self.files[rel] = {**key, "documents": index.documents, "tokens": index.tokens, "offsets": index.offsets,
-                           "bad": index.bad}
+        self.files[rel] = {
+            **key,
+            "documents": index.documents,
+            "tokens": index.tokens,
+            "offsets": index.offsets,
+            "bad": index.bad,
+        }
         self.changed = True
         return index
 
