@@ -28,6 +28,7 @@ from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model  
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
+from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.guard import StepGuard  # noqa: E402
@@ -37,6 +38,7 @@ from fms_fsdp.train import train_step  # noqa: E402
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(["--use_dummy_dataset=True", "--ckpt_save_path=/tmp/ckpt_bench", "--checkpoint_keep=5", *argv])
+    quiet_library_noise()
     with started(facts(cfg)) as run:
         bench(run)
 

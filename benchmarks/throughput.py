@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.cli import USER_ERRORS, fail  # noqa: E402
+from fms_fsdp.cli import USER_ERRORS, fail, quiet_library_noise  # noqa: E402
 from fms_fsdp.config import train_config  # noqa: E402
 from fms_fsdp.errors import ConfigError  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
@@ -150,6 +150,7 @@ def main(argv: list[str]) -> None:
             timeout = float(value)
         else:
             flags.append(arg)
+    quiet_library_noise()
     try:
         if sweep is not None:
             for setting in sweep_settings(sweep):  # a typo fails once, before any setting runs

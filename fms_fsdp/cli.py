@@ -28,15 +28,15 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
 from fms_fsdp.flags import format_help, parse_args, parse_call
 
-# 2: the input is wrong (a flag, a file, the data): fix it and run again; 1: the work could not be
-# done (a checkpoint or file that cannot be written or read, a diverged or lost run, a tracker)
+# 2: the input is wrong (a flag, a file, the data, a tracker's setup): fix it and run again; 1: the
+# work could not be done (a checkpoint or file that cannot be written or read, a diverged or lost run)
 EXIT_STATUS: dict[type[Exception], int] = {
     ConfigError: 2,
     DataError: 2,
     HFError: 2,
+    TrackerError: 2,
     CheckpointError: 1,
     TrainingError: 1,
-    TrackerError: 1,
 }
 USER_ERRORS = tuple(EXIT_STATUS)
 STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
@@ -80,7 +80,8 @@ def guarded(work: Callable[[], Any]) -> None:
 
         if not storage_error(e):
             raise
-        print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(STORAGE_STATUS) from None
 
 

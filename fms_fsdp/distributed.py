@@ -133,21 +133,25 @@ def start_process_group(device: torch.device, timeout_minutes: Optional[float] =
 
 
 # ------------------------------------------------------------------------------------------ agreement
-# Ranks agree on failures and share rank 0's file work over one gloo group (under NCCL too), made at
-# the first agreement of a process group, which every rank reaches at start-up (writing config.yaml).
+# Ranks agree on failures and share rank 0's file work over gloo groups of their own (under NCCL too):
+# one per wait they allow, made at the first agreement of a process group that needs it, which every
+# rank reaches together at start-up (config.yaml, the data scan; the first save in a benchmark).
 
 AGREEMENT_TIMEOUT = timedelta(minutes=30)
-_AGREEMENT: list[Any] = []  # [the default group it belongs to, the agreement group]
+_AGREEMENT: dict[Any, Any] = {}  # "world": the default group they belong to; timeout -> its group
 
 
-def agreement_group() -> Optional[dist.ProcessGroup]:
-    """The gloo group of this process group's agreements (every rank calls it alike); None without a
-    process group."""
+def agreement_group(timeout: timedelta = AGREEMENT_TIMEOUT) -> Optional[dist.ProcessGroup]:
+    """The gloo group of this process group's agreements whose collectives wait up to `timeout` (every
+    rank calls it alike); None without a process group."""
     if not dist.is_initialized():
         return None
-    if not _AGREEMENT or _AGREEMENT[0] is not dist.group.WORLD:
-        _AGREEMENT[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)]
-    return _AGREEMENT[1]
+    if _AGREEMENT.get("world") is not dist.group.WORLD:
+        _AGREEMENT.clear()
+        _AGREEMENT["world"] = dist.group.WORLD
+    if timeout not in _AGREEMENT:
+        _AGREEMENT[timeout] = dist.new_group(backend="gloo", timeout=timeout)
+    return _AGREEMENT[timeout]
 
 
 def failures(
@@ -182,10 +186,8 @@ def on_rank0(
         except Exception as e:
             error = e
     failure = None if error is None else first_line(error)
-    group = agreement_group()
+    group = agreement_group(timeout)
     if group is not None:
-        if timeout > AGREEMENT_TIMEOUT:  # the others wait longer than the group's timeout for rank 0
-            dist.monitored_barrier(group=group, timeout=timeout)
         box = [(failure, result)]
         dist.broadcast_object_list(box, src=0, group=group)
         failure, result = box[0]

@@ -172,6 +172,16 @@ def load_config_file(path: str) -> dict[str, Any]:
     return flat
 
 
+def _short(arg: str) -> bool:
+    """A one-letter flag: -o, -o=value."""
+    return len(arg) >= 2 and arg[0] == "-" and arg[1].isalpha() and (len(arg) == 2 or arg[2] == "=")
+
+
+def _written(name: str) -> str:
+    """A flag as the command line writes it: -o, --name."""
+    return f"-{name}" if len(name) == 1 else f"--{name}"
+
+
 def _split_argv(
     argv: Sequence[str], hints: Mapping[str, Any], positional: bool = False
 ) -> tuple[list[str], list[tuple[str, Optional[str]]]]:
@@ -183,8 +193,7 @@ def _split_argv(
     i = 0
     while i < len(argv):
         arg = argv[i]
-        short = len(arg) == 2 and arg[0] == "-" and arg[1] != "-"
-        if not (arg.startswith("--") and len(arg) > 2) and not short:
+        if not (arg.startswith("--") and len(arg) > 2) and not _short(arg):
             if not positional:
                 raise ConfigError(f"unexpected argument {arg!r}: flags are written --name=value")
             args.append(arg)
@@ -194,7 +203,7 @@ def _split_argv(
         name = name.replace("-", "_")
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and not nxt.startswith("-"):
+            if nxt is not None and not nxt.startswith("--") and not _short(nxt):  # --seed -1 takes -1
                 value, i = nxt, i + 1
             elif name.startswith("no") and hints.get(name[2:]) is bool:
                 name, value = name[2:], "false"
@@ -257,7 +266,7 @@ def parse_call(func: Callable[..., Any], argv: Sequence[str]) -> tuple[list[Any]
         if name not in flags:
             raise _unknown(name, "", flags, where="--help")
         if value is None:
-            raise ConfigError(f"--{name} needs a value: --{name}=...")
+            raise ConfigError(f"{_written(name)} needs a value: {_written(name)}=...")
         kwargs[name] = coerce_to(name, hints.get(name, str), value)
     return [coerce_to(star, hints.get(star, str), a) for a in args] if star else [], kwargs
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -74,10 +75,15 @@ class Run:
     cfg: train_config
     info: DistInfo
     shape: MeshShape
-    paths: Paths
     model_config: LLaMAConfig
     notes: tuple[str, ...] = ()  # start-up notes for rank 0's log (how raw text is framed)
     mesh: Optional[DeviceMesh] = None  # once the process group is up (`started`)
+
+    @cached_property
+    def paths(self) -> Paths:
+        """Resolved at first use: a dry run or an evaluation, which write nothing there, need no
+        object-storage package for an s3:// --ckpt_save_path."""
+        return Paths.of(self.cfg.ckpt_save_path)
 
     @property
     def vocab_size(self) -> int:
@@ -124,7 +130,7 @@ def facts(cfg: train_config) -> Run:
     check_lora(cfg)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp)
-    return Run(cfg, info, shape, Paths.of(cfg.ckpt_save_path), model_config, notes)
+    return Run(cfg, info, shape, model_config, notes)
 
 
 def with_mesh(run: Run) -> Run:

@@ -185,44 +185,44 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
         stack.callback(reporter.close)
         triggers = StepTriggers(cfg, info, stop, start)
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
-        batches = stack.enter_context(closing(iter(loader)))  # the loader's workers stop with the loop
-        prof = stack.enter_context(maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root))
         model.train()
         step, stopped = start, None
-        for step in range(start + 1, cfg.num_steps + 1):
-            report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
-            try:
-                loss, norm, wait = train_step(
-                    model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step
-                )
-            except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
-                raise out_of_memory_error(step, e, cfg, info.device) from None
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            reporter.step_done(loss, wait, guard.kept)
-            boundary = triggers.poll(step, writing=checkpointer.writing())
-            if boundary.written:
-                checkpointer.commit_pending()
-            export, evaluate = exporter.due(step), evaluator.due(step)
-            if boundary.save or report_step or boundary.stop or export or evaluate:
-                guard.check()  # never save, export, evaluate or report a diverged model
-            if boundary.save:
-                stall = checkpointer.save(step, reporter.tokens_seen)
-                reporter.checkpoint_saved(stall)
-                triggers.saved(stall)
-            if export:
-                exporter.export(step)
-            if evaluate:
-                reporter.evaluated(evaluator.evaluate(model, step))
-            if report_step or boundary.stop:
-                global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
-                skipped = guard.skipped_since_report() if guard.skipping else None
-                records.append(reporter.report(step, lr, norm if global_norm else None, skipped))
-            if boundary.stop is not None:
-                stopped = boundary.stop
-                break
-            if prof is not None:
-                prof.step()
+        # the loader's workers and the profiler stop with the loop, before the last commit
+        with closing(iter(loader)) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
+            for step in range(start + 1, cfg.num_steps + 1):
+                report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
+                try:
+                    loss, norm, wait = train_step(
+                        model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step
+                    )
+                except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
+                    raise out_of_memory_error(step, e, cfg, info.device) from None
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                reporter.step_done(loss, wait, guard.kept)
+                boundary = triggers.poll(step, writing=checkpointer.writing())
+                if boundary.written:
+                    checkpointer.commit_pending()
+                export, evaluate = exporter.due(step), evaluator.due(step)
+                if boundary.save or report_step or boundary.stop or export or evaluate:
+                    guard.check()  # never save, export, evaluate or report a diverged model
+                if boundary.save:
+                    stall = checkpointer.save(step, reporter.tokens_seen)
+                    reporter.checkpoint_saved(stall)
+                    triggers.saved(stall)
+                if export:
+                    exporter.export(step)
+                if evaluate:
+                    reporter.evaluated(evaluator.evaluate(model, step))
+                if report_step or boundary.stop:
+                    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
+                    skipped = guard.skipped_since_report() if guard.skipping else None
+                    records.append(reporter.report(step, lr, norm if global_norm else None, skipped))
+                if boundary.stop is not None:
+                    stopped = boundary.stop
+                    break
+                if prof is not None:
+                    prof.step()
         checkpointer.finish()
         exporter.finish()
     if stopped is not None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,6 @@ for _ in range(5):
     next(it)
 print("workers", *[p.pid for p in multiprocessing.active_children()], flush=True)
 """
-
-ENDINGS = {
-    "sys_exit": ("sys.exit(3)", 3),
-    "exception_in_the_loop": ("for i, batch in enumerate(it):\n    if i == 2:\n        raise RuntimeError('boom')", 1),
-}
 
 # the process goes on after dropping iterators: a generator that finished, then the held one, collected
 DROPPED = """
@@ -85,41 +81,48 @@ def _workers(stdout: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("ending", ENDINGS)
-def test_the_process_ends_and_leaves_no_worker(shards, ending):
-    code, status = ENDINGS[ending]
-    proc = subprocess.run(
-        [sys.executable, "-c", _setup(shards) + code], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
-    assert proc.returncode == status, proc.stderr[-2000:]
-    assert _gone(_workers(proc.stdout))
-
-
-def test_dropped_iterators_stop_their_workers_at_once(shards):
-    proc = subprocess.run(
-        [sys.executable, "-c", _setup(shards) + DROPPED], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "after the generator 0\nafter collection 0\n" in proc.stdout, proc.stdout
-    assert _gone(_workers(proc.stdout), within_s=0.5)
-
-
-def test_a_repl_that_ends_holding_the_iterator(shards):
-    """`python -i`: the script's globals (the iterator among them) live until the REPL reads end of input."""
-    proc = subprocess.run(
-        [sys.executable, "-i", "-c", _setup(shards)],
-        input="print('in the repl', next(it)[0].shape)\n",
+def _python(shards: Path, code: str, *flags: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """The setup, then `code`, in a new interpreter under a time limit."""
+    return subprocess.run(
+        [sys.executable, *flags, "-c", _setup(shards) + code],
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=60,
         cwd=ROOT,
     )
+
+
+def sys_exit(shards: Path) -> None:
+    proc = _python(shards, "sys.exit(3)")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert _gone(_workers(proc.stdout))
+
+
+def exception_in_the_loop(shards: Path) -> None:
+    proc = _python(shards, "for i, batch in enumerate(it):\n    if i == 2:\n        raise RuntimeError('boom')")
+    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr, proc.stderr[-2000:]
+    assert _gone(_workers(proc.stdout))
+
+
+def dropped_iterators(shards: Path) -> None:
+    """The process goes on: the workers of a finished generator's iterator, then of a collected one,
+    are gone at once."""
+    proc = _python(shards, DROPPED)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "after the generator 0\nafter collection 0\n" in proc.stdout, proc.stdout
+    assert _gone(_workers(proc.stdout), within_s=0.5)
+
+
+def repl(shards: Path) -> None:
+    """`python -i`: the script's globals (the iterator among them) live until the REPL reads end of input."""
+    proc = _python(shards, "", "-i", stdin="print('in the repl', next(it)[0].shape)\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "in the repl torch.Size([2, 16])" in proc.stdout
     assert _gone(_workers(proc.stdout))
 
 
-def test_ctrl_c_ends_the_process_and_its_workers(shards):
+def ctrl_c(shards: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the loop waits."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _setup(shards) + "print('ready', flush=True)\ntime.sleep(60)"],
@@ -141,22 +144,23 @@ def test_ctrl_c_ends_the_process_and_its_workers(shards):
     assert _gone(_workers("".join(lines)))
 
 
-def test_a_stop_signal_for_the_job_does_not_end_the_workers(shards):
+def a_stop_signal_for_the_job(shards: Path) -> None:
     """SIGTERM sent to a worker by anyone but its rank (Slurm signals every process of a job step) is
     left to the rank: the workers keep delivering batches."""
     code = (
-        "for p in multiprocessing.active_children():\n    os.kill(p.pid, signal.SIGTERM)\n"
-        "time.sleep(1)\n"
+        "import subprocess\nfor p in multiprocessing.active_children():\n"
+        "    subprocess.run(['kill', '-TERM', str(p.pid)], check=True)\ntime.sleep(1)\n"
         "print('alive', len(multiprocessing.active_children()), next(it)[0].shape, flush=True)"
     )
-    # the signal comes from another process (kill(1)), not the rank: spawn it from the script
-    code = code.replace("os.kill(p.pid, signal.SIGTERM)", "subprocess.run(['kill', '-TERM', str(p.pid)], check=True)")
-    proc = subprocess.run(
-        [sys.executable, "-c", "import subprocess\n" + _setup(shards) + code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    proc = _python(shards, code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "alive 2 torch.Size([2, 16])" in proc.stdout
+
+
+def test_no_ending_hangs_or_leaves_a_worker(shards):
+    """Each ending in its own interpreter, a few at a time; an assertion names its ending."""
+    endings = (sys_exit, exception_in_the_loop, dropped_iterators, repl, ctrl_c, a_stop_signal_for_the_job)
+    with ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(ending, shards) for ending in endings]
+    for result in running:
+        result.result()

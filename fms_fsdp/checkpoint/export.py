@@ -227,5 +227,10 @@ def export_checkpoint(load_path: str, save_path: str) -> str:
         raise CheckpointError(f"--load_path: {e}") from None
     except (RuntimeError, OSError, dcp.CheckpointException) as e:
         raise CheckpointError(f"--load_path: cannot read {load_path}: {first_line(e)}") from None
-    target = write_safetensors(state, location(save_path, "save_path"))
+    try:
+        target = write_safetensors(state, location(save_path, "save_path"))
+    except Exception as e:  # a full disk; object storage: no endpoint, refused credentials
+        if not storage_error(e):
+            raise
+        raise CheckpointError(f"--save_path: cannot write {save_path} ({type(e).__name__}: {first_line(e)})") from None
     return f"wrote {target}: {len(state)} tensors, {sum(v.numel() for v in state.values()) / 1e6:.1f}M parameters"

@@ -261,9 +261,17 @@ class Checkpointer:
         raise CheckpointError(message) from None
 
     def _on_main(self, work: Callable[[], Any]) -> float:
-        """work() on rank 0 (file work: one writer), its numeric result on every rank; a storage error
-        there (storage.storage_error) is raised on every rank as an OSError (a write failure)."""
-        return on_rank0(lambda: float(work() or 0), storage_error, OSError)
+        """work() on rank 0 (file work: one writer), its numeric result on every rank; a failure there
+        is raised on every rank, of its kind (agree: a storage error is a write failure)."""
+        result, error = torch.zeros(1, dtype=torch.float64), None
+        if self.info.is_main:
+            try:
+                result[0] = float(work() or 0)
+            except Exception as e:
+                error = e
+        agree(error)
+        dist.broadcast(result, src=0, group=agreement_group())
+        return float(result[0])
 
     # ---------------------------------------------------------------- load
 

@@ -15,15 +15,10 @@ import re
 from pathlib import Path
 
 from fms_fsdp.atomic import fsync_path
-from fms_fsdp.storage import COMPLETE, is_remote, location, remove_tree
+from fms_fsdp.storage import COMPLETE, is_remote, remove_tree
 
 SAVING = "SAVING"  # object storage: a step folder this package is writing
 _STEP_DIR = re.compile(r"^step_(\d+)_ckp$")
-
-
-def checkpoint_root(ckpt_save_path: str) -> Path:
-    """The folder holding a run's step folders (a local Path or a URL's UPath)."""
-    return location(ckpt_save_path, "ckpt_save_path") / "checkpoints"
 
 
 def step_folder(root: Path, step: int) -> Path:

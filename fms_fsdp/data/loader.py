@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from functools import partial
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
@@ -35,17 +36,17 @@ def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
     return {**reader_state, "datasets": datasets}
 
 
-def _init_worker(worker_id: int) -> None:
+def _init_worker(worker_id: int, rank_pid: int) -> None:
     """Workers leave the stop signals to their rank, which checkpoints and then ends them: a stop signal
     sent to every process of a job (Slurm signals a whole job step) is ignored, but a SIGTERM from the
     rank itself (multiprocessing's terminate, which ends daemonic children when the rank's interpreter
-    exits, or DataLoader's shutdown) ends the worker. Workers also die with their rank, whatever
-    killed it."""
+    exits, or DataLoader's shutdown) ends the worker. Workers also die with their parent process (the
+    rank, or a forkserver that dies with it), whatever killed it."""
     for sig in STOP_SIGNALS:
         if sig != signal.SIGTERM:
             signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, and only there
-    threading.Thread(target=_end_on_rank_sigterm, args=(os.getppid(),), daemon=True, name="sigterm").start()
+    threading.Thread(target=_end_on_rank_sigterm, args=(rank_pid,), daemon=True, name="sigterm").start()
     exit_with_parent(signal.SIGKILL)
 
 
@@ -139,7 +140,7 @@ class StatefulLoader:
                     num_workers=self.num_workers,
                     prefetch_factor=2,
                     collate_fn=_as_is,
-                    worker_init_fn=_init_worker,
+                    worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
                 )
             )
         )
