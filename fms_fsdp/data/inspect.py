@@ -197,12 +197,12 @@ def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> No
 
 
 def inspect_data(
-    data_path: str = "",
-    datasets: Optional[list[str]] = None,
-    vocab_size: Optional[int] = None,
-    eos_token: Optional[int] = 0,
-    bos_token: Optional[int] = None,
-    col_name: str = "tokens",
+    data_path: str,
+    datasets: Optional[list[str]],
+    vocab_size: Optional[int],
+    eos_token: Optional[int],
+    bos_token: Optional[int],
+    col_name: str,
 ) -> None:
     """Report documents and tokens per dataset and file of --data_path, and flag problems (the flags:
     fms_fsdp/cli.py)."""

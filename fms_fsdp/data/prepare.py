@@ -359,12 +359,7 @@ def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict
 
 
 def prepare_data(
-    input: str = "",
-    output: str = "",
-    tokenizer: str = "",
-    text_field: str = "text",
-    shard_tokens: int = 100_000_000,
-    workers: Optional[int] = None,
+    input: str, output: str, tokenizer: str, text_field: str, shard_tokens: int, workers: Optional[int]
 ) -> None:
     """Tokenize --input into Arrow shards under --output (the flags: fms_fsdp/cli.py)."""
     inputs = find_inputs(input)
