@@ -16,7 +16,7 @@ from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
 from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize
 from fms_fsdp.run import Run
-from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 
 
 def build_sharded_model(run: Run) -> CausalLM:
@@ -73,4 +73,4 @@ def build_optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim
     assert run.mesh is not None
     if float8 is not None and float8.all_gather(run.mesh["shard"].size() > 1):
         optimizer.register_step_post_hook(scale_hook(model))
-    return optimizer, build_scheduler(optimizer, run.cfg)
+    return optimizer, build_scheduler(optimizer, ScheduleSettings.of(run.cfg))

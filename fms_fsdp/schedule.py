@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -28,25 +29,51 @@ def default_warmup(num_steps: int) -> int:
     return min(2000, num_steps // 20)
 
 
-def lr_multiplier(cfg: train_config) -> Callable[[int], float]:
-    """The schedule chosen by cfg as a function of the 0-based step."""
-    n = cfg.num_steps
-    if cfg.training_stage == "annealing":
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The learning-rate flags: --training_stage, --lr_schedule, --num_steps, --lr_cycles,
+    --warmup_steps, --decay_steps, --min_lr_ratio."""
+
+    stage: str
+    schedule: str
+    steps: int
+    cycles: int
+    warmup: Optional[int]
+    decay: Optional[int]
+    min_ratio: float
+
+    @staticmethod
+    def of(cfg: train_config) -> "ScheduleSettings":
+        return ScheduleSettings(
+            cfg.training_stage,
+            cfg.lr_schedule,
+            cfg.num_steps,
+            cfg.lr_cycles,
+            cfg.warmup_steps,
+            cfg.decay_steps,
+            cfg.min_lr_ratio,
+        )
+
+
+def lr_multiplier(settings: ScheduleSettings) -> Callable[[int], float]:
+    """The schedule the settings choose, as a function of the 0-based step."""
+    n = settings.steps
+    if settings.stage == "annealing":
         return lambda x: 1 - min(x, n) / n
-    starts = [i * n // cfg.lr_cycles for i in range(cfg.lr_cycles)] + [n]
+    starts = [i * n // settings.cycles for i in range(settings.cycles)] + [n]
 
     def multiplier(x: int) -> float:
-        i = bisect.bisect_right(starts, x, hi=cfg.lr_cycles) - 1
-        return _one_cycle(cfg, starts[i + 1] - starts[i])(x - starts[i])
+        i = bisect.bisect_right(starts, x, hi=settings.cycles) - 1
+        return _one_cycle(settings, starts[i + 1] - starts[i])(x - starts[i])
 
     return multiplier
 
 
-def _one_cycle(cfg: train_config, n: int) -> Callable[[int], float]:
+def _one_cycle(settings: ScheduleSettings, n: int) -> Callable[[int], float]:
     """The initial stage's schedule over one cycle of n steps."""
-    warmup = default_warmup(n) if cfg.warmup_steps is None else cfg.warmup_steps
-    r = cfg.min_lr_ratio
-    decay = max(1, n // 5 if cfg.decay_steps is None else cfg.decay_steps)
+    warmup = default_warmup(n) if settings.warmup is None else settings.warmup
+    r = settings.min_ratio
+    decay = max(1, n // 5 if settings.decay is None else settings.decay)
     timescale = max(1, warmup)
 
     def warm(x: int) -> float:
@@ -58,10 +85,10 @@ def _one_cycle(cfg: train_config, n: int) -> Callable[[int], float]:
         "inv_sqrt": lambda x: max(r, math.sqrt(timescale / max(x, timescale))),
         "wsd": lambda x: 1 - (1 - r) * min(1.0, max(0, x - (n - decay)) / decay),
         "constant": lambda x: 1.0,
-    }[cfg.lr_schedule]
+    }[settings.schedule]
     return lambda x: min(warm(x), after_warmup(x))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: train_config) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, settings: ScheduleSettings) -> LambdaLR:
     """A LambdaLR stepping once per optimizer step."""
-    return LambdaLR(optimizer, lr_multiplier(cfg))
+    return LambdaLR(optimizer, lr_multiplier(settings))

@@ -41,7 +41,7 @@ from fms_fsdp.profiling import ProfilerSettings, maybe_profiler
 from fms_fsdp.run import Run, facts, started
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
-from fms_fsdp.triggers import StepTriggers, StopRequest
+from fms_fsdp.triggers import StepTriggers, StopRequest, TriggerSettings
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -183,7 +183,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
             )
         reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers)
         stack.callback(reporter.close)
-        triggers = StepTriggers(cfg, info, stop, start)
+        triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         model.train()
         step, stopped = start, None

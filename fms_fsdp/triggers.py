@@ -19,7 +19,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,21 +50,41 @@ class StopRequest:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
+@dataclass(frozen=True)
+class TriggerSettings:
+    """The flags of step boundaries: --num_steps, --checkpoint_interval (steps, 0 or auto),
+    --checkpoint_minutes, --expected_hours_between_failures, --collective_timeout_minutes."""
+
+    num_steps: int
+    interval: Union[int, str]
+    minutes: Optional[float]
+    hours_between_failures: Optional[float]
+    timeout_minutes: Optional[float]
+
+    @staticmethod
+    def of(cfg: train_config) -> "TriggerSettings":
+        return TriggerSettings(
+            cfg.num_steps,
+            cfg.checkpoint_interval,
+            cfg.checkpoint_minutes,
+            cfg.expected_hours_between_failures,
+            cfg.collective_timeout_minutes,
+        )
+
+
 class SaveClock:
     """The seconds between time-based saves: --checkpoint_minutes, or with --checkpoint_interval=auto
     the interval that loses least to failures plus saving, Young's sqrt(2 x stall x MTBF), from the
     mean training stall of the saves measured so far (AUTO_FIRST_STALL_S until one is) and
     --expected_hours_between_failures."""
 
-    def __init__(self, cfg: train_config, info: DistInfo):
+    def __init__(self, settings: TriggerSettings, info: DistInfo):
         self.info = info
-        self.auto = cfg.checkpoint_interval == "auto"
-        hours = cfg.expected_hours_between_failures
+        self.auto = settings.interval == "auto"
+        hours = settings.hours_between_failures
         self.mtbf_s = 3600 * (default_hours_between_failures(info.world_size) if hours is None else hours)
         self.stalls: list[float] = []
-        self.every_s = (
-            self._young() if self.auto else None if cfg.checkpoint_minutes is None else 60 * cfg.checkpoint_minutes
-        )
+        self.every_s = self._young() if self.auto else None if settings.minutes is None else 60 * settings.minutes
         if self.auto:
             self._log("an assumed stall until a save is measured")
 
@@ -114,11 +134,11 @@ class Boundary:
 class StepTriggers:
     """Polled once per step by every rank; collective only at agreement steps."""
 
-    def __init__(self, cfg: train_config, info: DistInfo, stop: StopRequest, start_step: int = 0):
-        self.cfg, self.info, self.stop = cfg, info, stop
-        self.clock = SaveClock(cfg, info)
+    def __init__(self, settings: TriggerSettings, info: DistInfo, stop: StopRequest, start_step: int = 0):
+        self.settings, self.info, self.stop = settings, info, stop
+        self.clock = SaveClock(settings, info)
         # the agreement is a training collective: it fails after --collective_timeout_minutes, as FSDP's do
-        self.group = dist.new_group(backend="gloo", timeout=collective_timeout(cfg.collective_timeout_minutes))
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout(settings.timeout_minutes))
         self.last_save = time.monotonic()
         self.last_agreement = (start_step, time.monotonic())
         self.next_agreement = start_step + 1  # the first step agrees, and measures the step time
@@ -126,9 +146,10 @@ class StepTriggers:
     def poll(self, step: int, writing: bool) -> Boundary:
         """The decisions after `step`: agreed with the other ranks when `step` is an agreement step,
         else only the step-count saves; `writing`: this rank's background save is not done yet."""
-        steps, saves = self.cfg.checkpoint_interval, self.cfg.checkpoint_interval != 0
-        interval = saves and (step == self.cfg.num_steps or (isinstance(steps, int) and step % steps == 0))
-        if step < self.next_agreement and step != self.cfg.num_steps:
+        steps, last = self.settings.interval, self.settings.num_steps
+        saves = steps != 0
+        interval = saves and (step == last or (isinstance(steps, int) and step % steps == 0))
+        if step < self.next_agreement and step != last:
             return Boundary(stop=None, save=interval, written=False)
         now = time.monotonic()
         every_s = self.clock.every_s

@@ -21,7 +21,7 @@ from fms_fsdp.flags import parse_args
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.models import get_model_config, init_weights
 from fms_fsdp.run import facts, started
-from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 from fms_fsdp.train import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, inspect, launch, train, train_here
@@ -161,7 +161,7 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
             weight_decay=cfg.weight_decay,
             foreach=True,
         )
-        scheduler = build_scheduler(optimizer, cfg)
+        scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
         batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
         reference = []
         for _ in range(STEPS):
