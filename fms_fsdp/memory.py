@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 from fms.models.llama import LLaMAConfig
 
+from fms_fsdp.compat import mem_tracker
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
@@ -96,8 +97,7 @@ class Shape:
 def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int, int]:
     """(activation bytes alive after forward outside the loss, loss bytes saved, loss transient peak) of
     a `blocks`-block copy of the model at micro-batch `batch`, on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    FakeTensorMode, MemTracker, _ModState = mem_tracker()
 
     config = get_model_config(shape.variant, shape.vocab_size, shape.seq_length).updated(nlayers=blocks)
     dtype = torch.get_default_dtype()

@@ -24,8 +24,8 @@ from fms.models.llama import LLaMA, LLaMAConfig
 from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
 
@@ -241,12 +241,22 @@ def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
     return 6 * n + 12 * model_config.nlayers * model_config.nheads * head_dim * seq_length
 
 
+def trunc_normal_(t: torch.Tensor, std: float, g: torch.Generator, bound: float = 2.0) -> torch.Tensor:
+    """nn.init.trunc_normal_(t, 0, std, -bound, bound) drawn by the inverse CDF (uniform, then erfinv),
+    as torch drew it before 2.13: its draws changed between releases (2.11's and 2.13's differ), these
+    are the same on every release, so a seed gives one model on any supported torch."""
+    edge = math.erf(bound / std / math.sqrt(2.0))
+    t.uniform_(-edge, edge, generator=g)
+    t.erfinv_()
+    return t.mul_(std * math.sqrt(2.0)).clamp_(-bound, bound)
+
+
 def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generator], Any]]:
     """Per parameter name, the fill fms's reset_parameters applies to it."""
     model_config = model.config
 
     def trunc_normal(std: float) -> Callable[[torch.Tensor, torch.Generator], Any]:
-        return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, generator=g)
+        return lambda t, g: trunc_normal_(t, std, g)
 
     rules: dict[str, Callable[[torch.Tensor, torch.Generator], Any]] = {}
     for mod_name, module in model.named_modules():

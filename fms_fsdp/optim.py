@@ -116,7 +116,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor
         by_copies[copies].append(g.to_local())
     squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     for copies, tensors in by_copies.items():
-        squares += torch.stack(torch._foreach_norm(tensors, 2.0)).float().square().sum() / copies
+        squares += get_total_norm(tensors, 2.0).float().square() / copies
     dist.all_reduce(squares)
     return squares.sqrt()
 

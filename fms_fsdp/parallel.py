@@ -17,7 +17,6 @@ import torch
 from fms.models.llama import LLaMA, LLaMAConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -29,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from fms_fsdp.compat import set_group_timeout
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
@@ -113,7 +113,7 @@ def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional
     timeout = collective_timeout(timeout_minutes)
     if timeout is not None:
         for dim in range(mesh.ndim):
-            _set_pg_timeout(timeout, mesh.get_group(dim))
+            set_group_timeout(timeout, mesh.get_group(dim))
     return mesh
 
 

@@ -3,7 +3,7 @@
 #   bash scripts/setup.sh           runtime dependencies
 #   bash scripts/setup.sh test      runtime + test dependencies
 # Without a GPU, torch's CPU build is installed first ($TORCH_CPU_SPEC, default torch==2.13.0), so pip
-# never pulls the multi-GB CUDA build; with one, torch>=2.8 comes from your index as usual.
+# never pulls the multi-GB CUDA build; with one, torch>=2.11 comes from your index as usual.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -13,7 +13,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    python -m pip install -q "torch>=2.8"
+    python -m pip install -q "torch>=2.11"
   else
     python -m pip install -q "${TORCH_CPU_SPEC:-torch==2.13.0}"
   fi

@@ -138,7 +138,7 @@ def test_training_and_evaluation_on_raw_text(tmp_path):
             f"--data_path={data}",
             f"--tokenizer_path={tokenizer}",
             f"--eval_data_path={held_out}",
-            "--eval_interval=6",
+            "--eval_interval=3",
             "--num_steps=6",
             "--report_interval=3",
             "--batch_size=4",
@@ -148,6 +148,7 @@ def test_training_and_evaluation_on_raw_text(tmp_path):
     )
     train_losses = [r["loss"] for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
-    assert len(train_losses) == 2 and train_losses[1] < train_losses[0]
-    assert len(evals) == 1 and math.isfinite(evals[0]["eval_loss"])
+    assert len(train_losses) == 2 and all(math.isfinite(x) for x in train_losses)
+    # it learns: the held-out loss (the same lines each time; training batches differ) goes down
+    assert [r["step"] for r in evals] == [3, 6] and evals[1]["eval_loss"] < evals[0]["eval_loss"], evals
     assert 0 < evals[0]["eval_tokens"] <= sum(len(d) + 1 for d in make_docs(10, 40, 8))

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils._pytree import tree_map_only
 
 from fms_fsdp.checkpoint.hf import write_hf_folder, write_peft_adapter
 from fms_fsdp.checkpoint.io import plain_tensor
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.checkpoint.writer import BackgroundWriter
+from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import agreement_group, failures
 from fms_fsdp.errors import CheckpointError, first_line

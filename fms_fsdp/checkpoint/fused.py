@@ -16,14 +16,18 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from fms_fsdp.compat import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    local_shape_and_offset_at,
+)
 from fms_fsdp.models import fused_parts
 
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
@@ -164,7 +168,7 @@ def _tiles(
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     rank_at = {coordinate: int(mesh.mesh[coordinate]) for coordinate in itertools.product(*map(range, mesh.shape))}
     for coordinate in sorted(rank_at, key=lambda c: rank_at[c] != me):
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
+        local, offset = local_shape_and_offset_at(shape, mesh.shape, list(coordinate), placements)
         if all(local):
             held.setdefault((tuple(offset), tuple(local)), rank_at[coordinate])
     return [(rank, offset, local) for (offset, local), rank in held.items()]

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
 from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
@@ -44,6 +43,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import root_cause, safe_reader, storage_writer
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.checkpoint.writer import BackgroundWriter
+from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line

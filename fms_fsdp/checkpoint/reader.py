@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from fms_fsdp.compat import fsspec_storage
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.storage import is_remote
 
@@ -86,9 +87,9 @@ def safe_reader(folder: Any) -> dcp.FileSystemReader:
     """The safe reader of a checkpoint folder, on disk or in object storage."""
     if not is_remote(folder):
         return SafeReader(str(folder))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    FsspecReader, _ = fsspec_storage()
 
-    class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    class SafeFsspecReader(_SafeMetadata, FsspecReader):  # type: ignore[valid-type, misc]
         pass
 
     return SafeFsspecReader(str(folder))
@@ -98,8 +99,7 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
     """DCP's writer of a checkpoint folder, on disk or in object storage."""
     if not is_remote(folder):
         return dcp.FileSystemWriter(str(folder))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+    _, FsspecWriter = fsspec_storage()
     return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fms_fsdp.checkpoint.fused import FusingStager, fused_groups
 from fms_fsdp.checkpoint.reader import storage_writer
+from fms_fsdp.compat import reusable_stager
 
 
 def staging_buffers(device: torch.device) -> DefaultStager:
@@ -35,6 +36,7 @@ class BackgroundWriter:
     start-up on every rank (a group made later would need the launcher's store, gone if it died)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stager: DefaultStager | None = staging_buffers(device)
         self.group = dist.new_group(backend="gloo")
 
@@ -42,6 +44,8 @@ class BackgroundWriter:
         """Stage `state` now and write it to `folder` in the background; the future completes when this
         rank's part is written. Every rank calls it."""
         assert self.stager is not None, "the writer is closed"
+        if not reusable_stager():  # torch < 2.13: a stager stages once (compat.py)
+            self.stager = staging_buffers(self.device)
         stager = FusingStager(self.stager) if fused_groups(state["model_state"]) else self.stager
         return dcp.async_save(
             state, storage_writer=storage_writer(folder), process_group=self.group, async_stager=stager

@@ -1,0 +1,79 @@
+"""Where this package leans on torch beyond its public API, or where supported torch releases (2.11 to
+2.14) differ: one place, each entry saying what it is for and, for a difference, the releases it is
+for. tests/test_compat.py imports every name here, so a torch release that moves one fails loudly
+there, not in the middle of a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# the oldest torch this package is tested on (requirements.txt, pyproject.toml and docs say the same)
+OLDEST_TORCH = (2, 11)
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+# ----------------------------------------------------------------------------------- private APIs
+# DTensor's placement arithmetic: which rows and columns of a parameter a mesh coordinate holds
+# (models.init_weights draws each rank's own block; checkpoint/fused.py tiles fused tensors)
+# ShardedTensor: fms's fused keys for a model built unfused under tensor parallelism, which DCP saves
+# and loads in place (a DTensor cannot place three pieces of one tensor on a rank)
+from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
+
+# a mesh's groups get the --collective_timeout_minutes of the default group (torchtitan does the same)
+from torch.distributed.distributed_c10d import _set_pg_timeout as set_group_timeout  # noqa: E402
+from torch.distributed.tensor._utils import (  # noqa: E402
+    _compute_local_shape_and_global_offset as local_shape_and_offset_at,
+)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+# maps the tensors of a nested state dict (checkpoints save float8's wrapped weights as plain tensors)
+from torch.utils._pytree import tree_map_only  # noqa: E402
+
+
+def mem_tracker() -> tuple[Any, Any, Any]:
+    """(FakeTensorMode, MemTracker, _ModState): the memory plan traces activations on fake tensors with
+    torch's module memory tracker (imported when a plan is made)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    return FakeTensorMode, MemTracker, _ModState
+
+
+def fsspec_storage() -> tuple[Any, Any]:
+    """(FsspecReader, FsspecWriter): DCP's reader and writer of fsspec filesystems, for checkpoints in
+    object storage (imported when one is used: they need fsspec, an optional extra)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecReader, FsspecWriter
+
+
+# ----------------------------------------------------------------------------------- differences
+
+
+def reusable_stager() -> bool:
+    """Whether one DefaultStager stages every background save: torch 2.11 and 2.12 free its CPU buffers
+    at the end of each stage and cannot stage with it again (its copier table is cleared: "KeyError:
+    <class 'type'>"), so there each save takes a new one and allocates its buffers anew."""
+    return TORCH >= (2, 13)
+
+
+__all__ = [
+    "OLDEST_TORCH",
+    "TORCH",
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "compute_local_shape_and_global_offset",
+    "fsspec_storage",
+    "local_shape_and_offset_at",
+    "mem_tracker",
+    "reusable_stager",
+    "set_group_timeout",
+    "tree_map_only",
+]

@@ -1,0 +1,42 @@
+"""The torch this package runs on: every private torch API it uses still stands where compat.py takes
+it from (a release that moves one fails here, not in a run), no other module reaches into torch's
+private modules, and the version facts compat.py acts on are right."""
+
+import ast
+import re
+
+import torch
+
+from fms_fsdp import compat
+
+from conftest import ROOT
+
+
+def test_every_private_torch_api_is_where_compat_takes_it_from():
+    for name in compat.__all__:
+        assert getattr(compat, name) is not None, name
+    fake_mode, mem_tracker, mod_state = compat.mem_tracker()
+    assert callable(fake_mode) and callable(mem_tracker) and hasattr(mod_state, "POST_FW")
+    reader, writer = compat.fsspec_storage()
+    assert hasattr(reader, "read_metadata") and hasattr(writer, "write_data")
+    local, offset = compat.local_shape_and_offset_at((8, 4), (2,), [1], [torch.distributed.tensor.Shard(0)])
+    assert (tuple(local), tuple(offset)) == ((4, 4), (4, 0))
+
+
+def test_no_other_module_imports_a_private_torch_module_or_name():
+    private = re.compile(r"(^|\.)_[a-z]")
+    for path in (ROOT / "fms_fsdp").rglob("*.py"):
+        if path.name == "compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                assert not any(private.search(n.removeprefix("torch.")) for n in names), (path.name, node.lineno, names)
+
+
+def test_the_torch_version_is_read_and_supported():
+    assert compat.TORCH == tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert compat.TORCH >= compat.OLDEST_TORCH
+    floor = ".".join(map(str, compat.OLDEST_TORCH))
+    assert f"torch>={floor}" in (ROOT / "requirements.txt").read_text()
+    assert f'"torch>={floor}"' in (ROOT / "pyproject.toml").read_text()
