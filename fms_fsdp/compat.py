@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from fms_fsdp.errors import ConfigError
+
 # the oldest torch this package is tested on (requirements.txt, pyproject.toml and docs say the same)
 OLDEST_TORCH = (2, 11)
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -54,6 +56,17 @@ def fsspec_storage() -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------------- differences
 
 
+def check_torch() -> None:
+    """ConfigError, at start-up, on a torch older than the oldest release the package is tested on
+    (installed past requirements.txt, e.g. with --no-deps)."""
+    if TORCH < OLDEST_TORCH:
+        floor = ".".join(map(str, OLDEST_TORCH))
+        raise ConfigError(
+            f"torch {torch.__version__} is older than {floor}, the oldest release this package "
+            f"supports; pip install 'torch>={floor}'"
+        )
+
+
 def reusable_stager() -> bool:
     """Whether one DefaultStager stages every background save: torch 2.11 and 2.12 free its CPU buffers
     at the end of each stage and cannot stage with it again (its copier table is cleared: "KeyError:
@@ -64,6 +77,7 @@ def reusable_stager() -> bool:
 __all__ = [
     "OLDEST_TORCH",
     "TORCH",
+    "check_torch",
     "Shard",
     "ShardMetadata",
     "ShardedTensor",

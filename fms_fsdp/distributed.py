@@ -154,6 +154,14 @@ def agreement_group(timeout: timedelta = AGREEMENT_TIMEOUT) -> Optional[dist.Pro
     return _AGREEMENT[timeout]
 
 
+def stop_process_group() -> None:
+    """Tear down the process group and the agreement groups made for it, dropped first: a group still
+    referenced here would end its gloo threads only at interpreter exit, where that can abort the
+    process ("terminate called without an active exception")."""
+    _AGREEMENT.clear()
+    dist.destroy_process_group()
+
+
 def failures(
     error: Optional[BaseException], kind: Callable[[BaseException], str] = lambda e: "error"
 ) -> list[Optional[tuple[str, str]]]:

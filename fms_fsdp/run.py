@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from fms.models.llama import LLaMAConfig
 from torch.distributed.device_mesh import DeviceMesh
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.compat import check_torch
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import check_tokenizer
-from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, world_from_env
+from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
 from fms_fsdp.float8 import check_float8
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
@@ -111,6 +111,7 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
 def facts(cfg: train_config) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
     data or model is touched."""
+    check_torch()
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
     device = (
@@ -145,4 +146,4 @@ def started(run: Run) -> Iterator[Run]:
     try:
         yield with_mesh(run)
     finally:
-        dist.destroy_process_group()
+        stop_process_group()

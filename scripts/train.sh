@@ -51,8 +51,7 @@ fi
 # Preemption and scancel send SIGTERM to every process of the job, and train.slurm passes its
 # time-limit warning on as SIGUSR1 to every process of the job's steps. The training processes
 # answer both by saving a checkpoint and exiting; torchrun must not cut that short, so it ignores
-# both and waits for them. (torch before 2.9 has no --signals_to_handle: its torchrun forwards
-# SIGTERM and kills the workers after 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT where that is known.)
+# both and waits for them (torchrun's --signals_to_handle, through PET_SIGNALS_TO_HANDLE).
 trap '' TERM USR1
 export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import start_process_group
+from fms_fsdp.distributed import start_process_group, stop_process_group
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel import set_gradient_sync
 from fms_fsdp.run import facts, with_mesh
@@ -73,4 +73,4 @@ for k, extra in enumerate(cases):
     record = inspect(parse_args([*common, *extra]))
     (out / f"rank{first.info.rank}.{k}.json").write_text(json.dumps(record))
 dist.barrier()
-dist.destroy_process_group()
+stop_process_group()

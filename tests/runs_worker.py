@@ -7,9 +7,7 @@ run's flags."""
 import json
 import os
 
-import torch.distributed as dist
-
-from fms_fsdp.distributed import start_process_group
+from fms_fsdp.distributed import start_process_group, stop_process_group
 from fms_fsdp.flags import parse_args
 from fms_fsdp.run import facts, with_mesh
 from fms_fsdp.train import train
@@ -24,4 +22,4 @@ try:
         train(with_mesh(run), stop)
 finally:
     stop.restore()
-    dist.destroy_process_group()
+    stop_process_group()

@@ -5,9 +5,11 @@ private modules, and the version facts compat.py acts on are right."""
 import ast
 import re
 
+import pytest
 import torch
 
 from fms_fsdp import compat
+from fms_fsdp.errors import ConfigError
 
 from conftest import ROOT
 
@@ -34,9 +36,13 @@ def test_no_other_module_imports_a_private_torch_module_or_name():
                 assert not any(private.search(n.removeprefix("torch.")) for n in names), (path.name, node.lineno, names)
 
 
-def test_the_torch_version_is_read_and_supported():
+def test_the_torch_version_is_read_and_supported(monkeypatch):
     assert compat.TORCH == tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert compat.TORCH >= compat.OLDEST_TORCH
+    compat.check_torch()
+    monkeypatch.setattr(compat, "TORCH", (2, 8))  # as an older torch reads
+    with pytest.raises(ConfigError, match=r"torch .* is older than 2.11, the oldest release .* 'torch>=2.11'"):
+        compat.check_torch()
     floor = ".".join(map(str, compat.OLDEST_TORCH))
     assert f"torch>={floor}" in (ROOT / "requirements.txt").read_text()
     assert f'"torch>={floor}"' in (ROOT / "pyproject.toml").read_text()
