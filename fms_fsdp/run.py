@@ -4,9 +4,9 @@ shape and, once the process group is up, the mesh, the model config and its voca
 receive the `Run` or the part they need; none derives these again.
 
 `facts` also runs every start-up check that needs more than the flags (config.validate judged the
-flags alone): the model variant, the mesh, what tensor parallelism must divide, the keep policy, the
-device for float8, the profiler and the optimizer's kernels, LoRA, and the tokenizer, each by the
-module that uses it. All of it happens before any process group, data or model.
+flags alone): the torch release, the model variant, the mesh, what tensor parallelism must divide,
+the keep policy, the device for float8, the profiler and the optimizer's kernels, LoRA, and the
+tokenizer, each by the module that uses it. All of it happens before any process group, data or model.
 """
 
 from __future__ import annotations
