@@ -123,13 +123,20 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     """`fms-train`, main_training.py: flags -> config -> the run (or --dry_run's memory plan). A rank
     started by torchrun stops (saving, as on a preemption, then failing) if torchrun dies."""
     cfg = training_config(argv)
-    from fms_fsdp.distributed import LAUNCHER_DIED, exit_with_parent
-    from fms_fsdp.train import dry_run, run_training
 
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        exit_with_parent(LAUNCHER_DIED)
-    quiet_library_noise()
-    guarded(lambda: dry_run(cfg) if cfg.dry_run else run_training(cfg))
+    def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
+        from fms_fsdp.distributed import LAUNCHER_DIED, exit_with_parent
+        from fms_fsdp.train import dry_run, run_training
+
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            exit_with_parent(LAUNCHER_DIED)
+        quiet_library_noise()
+        if cfg.dry_run:
+            dry_run(cfg)
+        else:
+            run_training(cfg)
+
+    guarded(work)
 
 
 def evaluate(argv: Optional[Sequence[str]] = None) -> None:
@@ -138,10 +145,14 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     if any(a.startswith("--eval_data_path") for a in args):
         args = ["--eval_interval=1", *args]  # evaluating is the point; a given --eval_interval still wins
     cfg = training_config(args)
-    from fms_fsdp.evaluate import evaluate_checkpoint
 
-    quiet_library_noise()
-    guarded(lambda: evaluate_checkpoint(cfg))
+    def work() -> None:
+        from fms_fsdp.evaluate import evaluate_checkpoint
+
+        quiet_library_noise()
+        evaluate_checkpoint(cfg)
+
+    guarded(work)
 
 
 # ------------------------------------------------------------------------------------ tools

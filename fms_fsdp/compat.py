@@ -16,11 +16,29 @@ from fms_fsdp.errors import ConfigError
 OLDEST_TORCH = (2, 11)
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
+
+def check_torch() -> None:
+    """ConfigError on a torch older than the oldest release the package is tested on (installed past
+    requirements.txt, e.g. with --no-deps); run when this module is imported, before the private
+    imports below, so an older torch ends in this one line, not an ImportError."""
+    if TORCH < OLDEST_TORCH:
+        floor = ".".join(map(str, OLDEST_TORCH))
+        raise ConfigError(
+            f"torch {torch.__version__} is older than {floor}, the oldest release this package "
+            f"supports; pip install 'torch>={floor}'"
+        )
+
+
+check_torch()
+
 # ----------------------------------------------------------------------------------- private APIs
 # DTensor's placement arithmetic: which rows and columns of a parameter a mesh coordinate holds
 # (models.init_weights draws each rank's own block; checkpoint/fused.py tiles fused tensors)
 # ShardedTensor: fms's fused keys for a model built unfused under tensor parallelism, which DCP saves
 # and loads in place (a DTensor cannot place three pieces of one tensor on a rank)
+# the CUDA allocator's history, for --profiler_memory_snapshot
+from torch.cuda.memory import _record_memory_history as record_cuda_memory_history  # noqa: E402
+from torch.cuda.memory import _snapshot as cuda_memory_snapshot  # noqa: E402
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
@@ -56,15 +74,16 @@ def fsspec_storage() -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------------- differences
 
 
-def check_torch() -> None:
-    """ConfigError, at start-up, on a torch older than the oldest release the package is tested on
-    (installed past requirements.txt, e.g. with --no-deps)."""
-    if TORCH < OLDEST_TORCH:
-        floor = ".".join(map(str, OLDEST_TORCH))
-        raise ConfigError(
-            f"torch {torch.__version__} is older than {floor}, the oldest release this package "
-            f"supports; pip install 'torch>={floor}'"
-        )
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """A DTensor's local tensor itself (to_local() makes a new autograd view each call; a checkpoint's
+    float8 unwrapping needs the object the DTensor holds)."""
+    return dtensor._local_tensor
+
+
+def reduce_scatter_op() -> Any:
+    """The functional reduce-scatter op that --ac_mode=op keeps under tensor parallelism (torchtitan's
+    policy)."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
 def reusable_stager() -> bool:
@@ -86,7 +105,11 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "fsspec_storage",
     "local_shape_and_offset_at",
+    "local_tensor",
     "mem_tracker",
+    "cuda_memory_snapshot",
+    "record_cuda_memory_history",
+    "reduce_scatter_op",
     "reusable_stager",
     "set_group_timeout",
     "tree_map_only",

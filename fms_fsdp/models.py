@@ -244,9 +244,10 @@ def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
 def trunc_normal_(t: torch.Tensor, std: float, g: torch.Generator, bound: float = 2.0) -> torch.Tensor:
     """nn.init.trunc_normal_(t, 0, std, -bound, bound) drawn by the inverse CDF (uniform, then erfinv),
     as torch drew it before 2.13: its draws changed between releases (2.11's and 2.13's differ), these
-    are the same on every release, so a seed gives one model on any supported torch."""
+    are the same on every release, so a seed gives one model on any supported torch. `t` is fp32 (the
+    init draws into fp32 buffers); unlike torch's old draws, never -bound from a uniform draw of -1."""
     edge = math.erf(bound / std / math.sqrt(2.0))
-    t.uniform_(-edge, edge, generator=g)
+    t.uniform_(-edge, edge, generator=g).clamp_(-(1 - 2**-24), 1 - 2**-24)  # erfinv(+-1) is +-inf
     t.erfinv_()
     return t.mul_(std * math.sqrt(2.0)).clamp_(-bound, bound)
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from fms_fsdp.compat import set_group_timeout
+from fms_fsdp.compat import reduce_scatter_op, set_group_timeout
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
@@ -186,7 +186,7 @@ _OP_MODE_SAVED = [
         "_scaled_dot_product_flash_attention_for_cpu",
     )
     if hasattr(torch.ops.aten, name)
-] + [torch.ops._c10d_functional.reduce_scatter_tensor.default]
+] + [reduce_scatter_op()]
 _CONTEXTS: dict[str, Callable[[], Any]] = {
     "block": noop_context_fn,
     "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED),

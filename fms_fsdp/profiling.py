@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from fms_fsdp.compat import cuda_memory_snapshot, record_cuda_memory_history
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError
@@ -57,9 +58,9 @@ def _with_memory_snapshot(handler: Callable[[profile], None], path: Path) -> Cal
         handler(prof)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(cuda_memory_snapshot(), f)
         os.replace(tmp, path)
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_cuda_memory_history(enabled=None)
 
     return on_trace_ready
 
@@ -76,7 +77,7 @@ def maybe_profiler(settings: ProfilerSettings, info: DistInfo, run_folder: Path)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     handler: Any = tensorboard_trace_handler(str(folder), worker_name=f"rank{info.rank}")
     if settings.memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        record_cuda_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         handler = _with_memory_snapshot(handler, folder / f"memory_snapshot_rank{info.rank}.pickle")
     try:
         with profile(
@@ -90,4 +91,4 @@ def maybe_profiler(settings: ProfilerSettings, info: DistInfo, run_folder: Path)
             yield prof
     finally:
         if settings.memory_snapshot:  # a run that ended before the profiled steps stops recording too
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_cuda_memory_history(enabled=None)

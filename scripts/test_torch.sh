@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 version="${1:?usage: bash scripts/test_torch.sh <torch version, e.g. 2.11.0> [pytest arguments]}"
 shift
 venv=".venv-torch${version}"
-[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip --version >/dev/null 2>&1 || "${PYTHON:-python3}" -m venv --clear "$venv"  # new, or half made
 "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null \
   || "$venv/bin/python" -m pip install -q "torch==$version"
 "$venv/bin/python" -m pip install -q -r requirements-test.txt

@@ -25,15 +25,22 @@ def test_every_private_torch_api_is_where_compat_takes_it_from():
     assert (tuple(local), tuple(offset)) == ((4, 4), (4, 0))
 
 
-def test_no_other_module_imports_a_private_torch_module_or_name():
-    private = re.compile(r"(^|\.)_[a-z]")
+def test_no_other_module_reaches_into_torch_privately():
+    """No `import torch._x`, `from torch.x._y import z`, `from torch import _x`, nor a `torch.x._y`
+    attribute outside compat.py (dunder names are public)."""
+    private = re.compile(r"(^|\.)_(?!_)")
     for path in (ROOT / "fms_fsdp").rglob("*.py"):
         if path.name == "compat.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
                 names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                assert not any(private.search(n.removeprefix("torch.")) for n in names), (path.name, node.lineno, names)
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+            elif isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch."):
+                names = [ast.unparse(node)]
+            assert not any(private.search(n) for n in names), (path.name, node.lineno, names)
 
 
 def test_the_torch_version_is_read_and_supported(monkeypatch):

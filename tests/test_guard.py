@@ -12,6 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import fms_fsdp.train
+from fms_fsdp.distributed import stop_process_group
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
@@ -25,7 +26,7 @@ from conftest import TINY, records, run_here
 def one_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    stop_process_group()
 
 
 def test_a_bad_step_leaves_the_weights_and_adam_state_as_they_were(one_process_group):

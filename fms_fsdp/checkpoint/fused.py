@@ -137,7 +137,9 @@ def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     shards, tiles = [], []
     for part, row in parts:
         assert isinstance(part, DTensor)
-        for rank, meta in _tile_metadata(part.shape, part.device_mesh, tuple(part.placements), me, row, str(device)):
+        for rank, meta in _tile_metadata(
+            part.shape, _grid(part.device_mesh), tuple(part.placements), me, row, str(device)
+        ):
             tiles.append(meta)
             if rank == me:
                 shards.append(Shard(part.to_local(), meta))
@@ -147,28 +149,38 @@ def _fused_view(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     )
 
 
+Grid = tuple[tuple[int, ...], tuple[int, ...]]  # a mesh's shape and its ranks in row-major order
+
+
+def _grid(mesh: DeviceMesh) -> Grid:
+    """The mesh's geometry, the key of the caches below (a DeviceMesh would keep its process groups
+    alive in them past the end of the process group)."""
+    return tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
 @lru_cache(maxsize=1024)
 def _tile_metadata(
-    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int, row: int, device: str
+    shape: torch.Size, grid: Grid, placements: tuple[Placement, ...], me: int, row: int, device: str
 ) -> list[tuple[int, ShardMetadata]]:
     """_tiles as torch's shard metadata at `row` of the fused tensor, made once per save's shapes (at a
     thousand ranks, making them is most of the cost of a fused view)."""
     return [
         (rank, ShardMetadata([row + offset[0], *offset[1:]], list(local), f"rank:{rank}/{device}"))
-        for rank, offset, local in _tiles(shape, mesh, placements, me)
+        for rank, offset, local in _tiles(shape, grid, placements, me)
     ]
 
 
 @lru_cache(maxsize=256)
 def _tiles(
-    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...], me: int
+    shape: torch.Size, grid: Grid, placements: tuple[Placement, ...], me: int
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """(rank, offset, shape) of each distinct non-empty piece of a DTensor of `shape` over `mesh`:
-    this rank's own piece under its own rank, every other under the first rank that holds it."""
+    """(rank, offset, shape) of each distinct non-empty piece of a DTensor of `shape` over the mesh
+    `grid`: this rank's own piece under its own rank, every other under the first rank that holds it."""
+    mesh_shape, ranks = grid
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    rank_at = {coordinate: int(mesh.mesh[coordinate]) for coordinate in itertools.product(*map(range, mesh.shape))}
+    rank_at = dict(zip(itertools.product(*map(range, mesh_shape)), ranks))
     for coordinate in sorted(rank_at, key=lambda c: rank_at[c] != me):
-        local, offset = local_shape_and_offset_at(shape, mesh.shape, list(coordinate), placements)
+        local, offset = local_shape_and_offset_at(shape, mesh_shape, list(coordinate), placements)
         if all(local):
             held.setdefault((tuple(offset), tuple(local)), rank_at[coordinate])
     return [(rank, offset, local) for (offset, local), rank in held.items()]

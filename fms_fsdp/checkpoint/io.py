@@ -43,7 +43,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import root_cause, safe_reader, storage_writer
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.checkpoint.writer import BackgroundWriter
-from fms_fsdp.compat import tree_map_only
+from fms_fsdp.compat import local_tensor, tree_map_only
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
@@ -63,8 +63,8 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     with float8 all-gather) becomes the plain tensor it wraps, sharing its storage, so a checkpoint is
     the same with and without float8 and loads into either."""
     if isinstance(value, DTensor):
-        local = plain_tensor(value._local_tensor)
-        if local is value._local_tensor:
+        local = plain_tensor(local_tensor(value))
+        if local is local_tensor(value):
             return value
         return DTensor.from_local(
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
