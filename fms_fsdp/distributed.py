@@ -2,8 +2,8 @@
 
 torchrun's environment gives the ranks; without it (plain `python main_training.py`) a
 single-process group on localhost is started. GPUs use NCCL, CPUs gloo. Failures, small CPU objects
-and rank 0's file work travel over one gloo group of their own (`agreement_group`), so a long wait
-for rank 0 is fine under NCCL's watchdog.
+and rank 0's file work travel over gloo groups of their own, one per wait they allow
+(`agreement_group`), so a long wait for rank 0 is fine under NCCL's watchdog.
 """
 
 from __future__ import annotations
