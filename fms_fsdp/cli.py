@@ -18,10 +18,12 @@ docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sys
+import time
 import warnings
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
@@ -48,12 +50,24 @@ def exit_status(error: Exception) -> int:
 
 def fail(error: Exception) -> NoReturn:
     """End the command on a user error: one line from rank 0 (or from the rank that alone found it)."""
+    say(f"error: {error}", alone=getattr(error, "every_rank", True) is False)
+    raise SystemExit(exit_status(error)) from None
+
+
+def say(line: str, alone: bool = False) -> None:
+    """Print a command's one error line on rank 0 (`alone`: on the rank that alone found it), and give
+    it to torchrun on every failing rank, whose summary then shows it as the root cause."""
     rank = os.environ.get("RANK", "0")
     if rank == "0":
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    elif getattr(error, "every_rank", True) is False:
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
-    raise SystemExit(exit_status(error)) from None
+        print(line, file=sys.stderr, flush=True)
+    elif alone:
+        line = line.replace("error: ", f"error (rank {rank}): ", 1)
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # torch.distributed.elastic's error-file format
+    if error_file:
+        with open(error_file, "w") as f:
+            said = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+            json.dump({"message": said}, f)
 
 
 def guarded(work: Callable[[], Any]) -> None:
@@ -80,8 +94,7 @@ def guarded(work: Callable[[], Any]) -> None:
 
         if not storage_error(e):
             raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
+        say(f"error: {type(e).__name__}: {first_line(e)}")
         raise SystemExit(STORAGE_STATUS) from None
 
 

@@ -119,8 +119,7 @@ def _read_yaml(path: Path, includers: tuple[Path, ...]) -> Any:
     where = f" (included from {includers[-1]})" if includers else ""
     if path in includers:
         raise ConfigError(f"--config: {path} includes itself: {' -> '.join(map(str, (*includers, path)))}")
-    if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}{where}")
+    _check_file(path, where)
 
     class Loader(yaml.SafeLoader):
         pass
@@ -133,6 +132,13 @@ def _read_yaml(path: Path, includers: tuple[Path, ...]) -> Any:
         return yaml.load(path.read_text(), Loader=Loader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config: cannot parse {path}{where}: {first_line(e)}") from None
+
+
+def _check_file(path: Path, where: str) -> None:
+    if path.is_dir():
+        raise ConfigError(f"--config: {path}{where} is a folder, not a config file")
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}{where}")
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +156,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     winning. fms-fsdp's ignored flags are dropped with a note, as on the command line."""
     p = Path(path).resolve()
     if p.suffix == ".json":
-        if not p.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
+        _check_file(p, "")
         try:
             data = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -335,7 +335,15 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
         f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within {HEADROOM:.0%})"
     )
     largest = planner.largest_batch(setting)
-    more_ranks = "none: shard over more ranks (--sharding_strategy=fsdp, a larger --sharding_group_size)"
+    state = plan.params + plan.grads + plan.optimizer  # divided among the ranks sharing the model
+    room = HEADROOM * plan.device - plan.gathered
+    state_alone = state >= room  # no micro-batch fits, however small
+    sharing = planner.mesh.shard * planner.mesh.tp
+    need = f"at least {math.ceil(sharing * state / room)} " if room > 0 else ""
+    more_ranks = (
+        f"none: the model's state alone takes {_gib(state).strip()} per rank; shard it over {need}ranks "
+        "(--sharding_strategy=fsdp, a larger --sharding_group_size, or --tensor_parallel_size)"
+    )
     lines.append(
         "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none")
     )
@@ -346,7 +354,7 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
             least.flags().split(" ", 1)[1]
             if least
             else "none does: lower --batch_size"
-            if cfg.batch_size > 1
+            if cfg.batch_size > 1 and not state_alone
             else more_ranks
         )
     )

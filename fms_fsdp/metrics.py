@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fms_fsdp.errors import first_line
+from fms_fsdp.errors import ConfigError, first_line
 from fms_fsdp.run import Run
 from fms_fsdp.storage import is_remote, storage_error
 from fms_fsdp.trackers import Trackers
@@ -85,6 +85,8 @@ class MetricsReporter:
         self.steps = 0
         self.data_wait = 0.0
         self.checkpoint_stall: Optional[float] = None
+        self.export_time: Optional[float] = None
+        self.paused = 0.0  # seconds of the interval spent saving, exporting, evaluating: not steps
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -104,7 +106,13 @@ class MetricsReporter:
         """Record the seconds training waited for a checkpoint save (reported with the interval); the
         log so far is uploaded (object storage), so it keeps what the checkpoint covers."""
         self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
+        self.paused += stall_s
         self.log.flush()
+
+    def exported(self, seconds: float) -> None:
+        """Record the seconds a periodic export took (reported with the interval, not in step_time)."""
+        self.export_time = (self.export_time or 0.0) + seconds
+        self.paused += seconds
 
     def report(
         self, step: int, lr: float, grad_norm: Optional[torch.Tensor], skipped_steps: Optional[int] = None
@@ -119,7 +127,7 @@ class MetricsReporter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        step_time = (now - self.interval_start) / max(1, self.steps)
+        step_time = (now - self.interval_start - self.paused) / max(1, self.steps)
         tps = self.tokens_per_step / step_time
         overall_tps = self.tokens_per_step * (step - self.start_step) / (now - self.run_start)
         record: dict[str, Any] = {
@@ -139,6 +147,8 @@ class MetricsReporter:
             record["skipped_steps"] = skipped_steps
         if self.checkpoint_stall is not None:
             record["checkpoint_stall_s"] = self.checkpoint_stall
+        if self.export_time is not None:
+            record["export_s"] = self.export_time
         if self.peak is not None:
             record["mfu"] = tps * self.flops_per_token / self.peak
         if self.device.type == "cuda":
@@ -159,7 +169,9 @@ class MetricsReporter:
         self._write(record, format_record(record))
 
     def evaluated(self, record: dict[str, Any]) -> None:
-        """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers."""
+        """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers (its
+        eval_seconds are not counted in step_time)."""
+        self.paused += record["eval_seconds"]
         if not self.info.is_main:
             return
         per_dataset = ", ".join(
@@ -205,8 +217,13 @@ class MetricsLog:
 
     def append(self, line: str) -> None:
         if not self.remote:
-            with open(self.path, "a") as f:
-                f.write(line)
+            try:
+                with open(self.path, "a") as f:
+                    f.write(line)
+            except OSError as e:  # a disk gone full or read-only: the records stay in the log
+                self._warn(
+                    f"cannot append to {self.path} ({type(e).__name__}: {first_line(e)}); records go on to the log only"
+                )
             return
         self.lines.append(line)
         self.dirty = True
@@ -223,15 +240,27 @@ class MetricsLog:
         except Exception as e:
             if not storage_error(e):
                 raise
-            if not self.warned:
-                print(
-                    f"warning: cannot upload {self.path} ({type(e).__name__}: {first_line(e)}); trying again later",
-                    flush=True,
-                )
-                self.warned = True
+            self._warn(f"cannot upload {self.path} ({type(e).__name__}: {first_line(e)}); trying again later")
             self.uploaded = time.monotonic()
             return
         self.uploaded, self.dirty = time.monotonic(), False
+
+    def _warn(self, message: str) -> None:
+        """Warn of a failed write once: training goes on."""
+        if not self.warned:
+            print(f"warning: {message}", flush=True)
+            self.warned = True
+
+
+def check_metrics_file(path: Path) -> None:
+    """ConfigError when <ckpt_save_path>/metrics.jsonl cannot be appended to (a start-up check)."""
+    if is_remote(path):
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--ckpt_save_path: cannot append to {path} ({type(e).__name__}: {first_line(e)})") from None
 
 
 def format_record(r: dict[str, Any]) -> str:
@@ -257,4 +286,6 @@ def format_record(r: dict[str, Any]) -> str:
         parts.append(f"skipped {r['skipped_steps']}")
     if "checkpoint_stall_s" in r:
         parts.append(f"ckpt_stall {r['checkpoint_stall_s']:.2f}s")
+    if "export_s" in r:
+        parts.append(f"export {r['export_s']:.2f}s")
     return " | ".join(parts)

@@ -5,8 +5,9 @@ receive the `Run` or the part they need; none derives these again.
 
 `facts` also runs every start-up check that needs more than the flags (config.validate judged the
 flags alone): the torch release, the model variant, the mesh, what tensor parallelism must divide,
-the keep policy, the device for float8, the profiler and the optimizer's kernels, LoRA, and the
-tokenizer, each by the module that uses it. All of it happens before any process group, data or model.
+the keep policy, the device for float8, the profiler and the optimizer's kernels, LoRA, what
+--ckpt_load_path names, and the tokenizer, each by the module that uses it. All of it happens before
+any process group, data or model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fms.models.llama import LLaMAConfig
 from torch.distributed.device_mesh import DeviceMesh
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import check_tokenizer
@@ -129,7 +131,15 @@ def facts(cfg: train_config) -> Run:
         check_profiler(cfg, device)
     adamw_kernels(cfg.optimizer_impl, device, cfg.skip_bad_steps)
     check_lora(cfg)
+    if cfg.ckpt_load_path is not None:
+        check_load_path(cfg.ckpt_load_path)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
+    positions = get_model_config(cfg.model_variant).max_expected_seq_len
+    if cfg.seq_length > positions:
+        notes += (
+            f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions: the model "
+            f"trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
+        )
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp)
     return Run(cfg, info, shape, model_config, notes)
 

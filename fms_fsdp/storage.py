@@ -79,8 +79,8 @@ def remove_tree(path: Path) -> None:
                 pass
     elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    elif path.exists() or path.is_symlink():  # unlink of a missing name fails on a read-only disk too
+        path.unlink()
 
 
 def make_folder(path: Path) -> None:
@@ -100,6 +100,9 @@ def publish(target: Path) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             yield tmp
+            for path in [tmp, *tmp.rglob("*")] if tmp.is_dir() else [tmp]:
+                if path.is_file():  # some writers (safetensors) create their files 0600
+                    os.chmod(path, 0o666 & ~umask())
             if target.is_dir():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -121,6 +124,19 @@ def publish(target: Path) -> Iterator[Path]:
             if key.removeprefix(target.path.rstrip("/") + "/") not in names:
                 fs.rm(key)
         (target / COMPLETE).write_text("ok\n")
+
+
+def umask() -> int:
+    """This process's umask (read without changing it, where Linux shows it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def upload(local: Path, target: Path) -> None:

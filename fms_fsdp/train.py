@@ -29,11 +29,12 @@ from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.config import parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
-from fms_fsdp.errors import CheckpointError, TrainingError, first_line
+from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
+from fms_fsdp.lease import RunLease
 from fms_fsdp.memory import report as memory_report
-from fms_fsdp.metrics import MetricsReporter
+from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.models import CausalLM, flops_per_token
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel import set_gradient_sync
@@ -134,26 +135,34 @@ def train(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     tracked them). Every rank calls it, with the process group up."""
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
-    on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
-    run.log("resolved config:\n" + to_yaml(cfg).rstrip())
-    for note in run.notes:
-        run.log(note)
-    if run.device.type == "cpu" and cfg.mixed_precision:
-        run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
-    trackers = start_trackers(cfg, run.paths.root)
-    failed = True
+    lease = RunLease(run.paths.root)
+    note = on_rank0(lease.acquire, ConfigError, ConfigError)  # before any write there
     try:
-        records = _train(run, stop, trackers)
-        failed = False
-        return records
+        on_rank0(lambda: check_metrics_file(run.paths.metrics), ConfigError, ConfigError)
+        if note:
+            run.log(note)
+        run.log("resolved config:\n" + to_yaml(cfg).rstrip())
+        for line in run.notes:
+            run.log(line)
+        if run.device.type == "cpu" and cfg.mixed_precision:
+            run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
+        trackers = start_trackers(cfg, run.paths.root)
+        failed = True
+        try:
+            records = _train(run, stop, trackers, lease)
+            failed = False
+            return records
+        finally:
+            trackers.close(failed)
     finally:
-        trackers.close(failed)
+        if run.info.is_main:
+            lease.release()
 
 
 def write_run_config(run: Run) -> None:
-    """<ckpt_save_path>/config.yaml (an earlier, different one is kept as config.<n>.yaml). The first
-    write of a run: a path that cannot be written (a read-only disk; a missing bucket, no endpoint or
-    no access in object storage) is a CheckpointError naming it, before any work."""
+    """<ckpt_save_path>/config.yaml (an earlier, different one is kept as config.<n>.yaml), written once
+    the run has started (a start that failed leaves none); CheckpointError naming the path when it
+    cannot be written."""
     try:
         make_folder(run.paths.root)
         write_text_keeping_old(run.paths.config, to_yaml(run.cfg))
@@ -163,7 +172,7 @@ def write_run_config(run: Run) -> None:
         ) from None
 
 
-def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, Any]]:
+def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
     cfg, info = run.cfg, run.info
     loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)  # bad data fails here, before the model
     evaluator = Evaluator(run)
@@ -171,11 +180,12 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     records: list[dict[str, Any]] = []
     with ExitStack() as stack:  # closed on the way out, an exception too
-        checkpointer = Checkpointer(run, model, optimizer, scheduler, loader)
+        checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease)
         stack.callback(checkpointer.release)
         exporter = PeriodicExporter(run, model)
         stack.callback(exporter.release)
         start, tokens_seen = checkpointer.start()
+        on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
         if start >= cfg.num_steps:
             run.log(
                 f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
@@ -211,7 +221,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
                     reporter.checkpoint_saved(stall)
                     triggers.saved(stall)
                 if export:
-                    exporter.export(step)
+                    reporter.exported(exporter.export(step))
                 if evaluate:
                     reporter.evaluated(evaluator.evaluate(model, step))
                 if report_step or boundary.stop:
@@ -235,7 +245,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers) -> list[dict[str, An
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, run.paths.model_file(step), step, info.is_main, ExportSettings.of(cfg))
+        export_trained_model(model, run.paths.model_file(step), step, ExportSettings.of(cfg))
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=agreement_group())

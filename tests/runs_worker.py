@@ -13,13 +13,15 @@ from fms_fsdp.run import facts, with_mesh
 from fms_fsdp.train import train
 from fms_fsdp.triggers import StopRequest
 
-# every run's flags before any process group, as run_training checks them
-runs = [facts(parse_args(flags)) for flags in json.loads(os.environ["RUNS"])]
-start_process_group(runs[0].device, runs[0].cfg.collective_timeout_minutes)
+# every run's flags before any process group; each run's facts just before it (a run may load what an
+# earlier one wrote)
+configs = [parse_args(flags) for flags in json.loads(os.environ["RUNS"])]
+first = facts(configs[0])
+start_process_group(first.device, first.cfg.collective_timeout_minutes)
 stop = StopRequest()
 try:
-    for run in runs:
-        train(with_mesh(run), stop)
+    for cfg in configs:
+        train(with_mesh(facts(cfg)), stop)
 finally:
     stop.restore()
     stop_process_group()

@@ -82,8 +82,8 @@ def test_only_the_command_layer_sets_warning_filters_and_logger_levels():
 
 
 def test_scripts_are_entry_points_of_a_few_lines():
-    """Their logic lives in fms_fsdp/ (scripts/gen_config_docs.py, a docs tool, aside)."""
-    scripts = [p for p in (ROOT / "scripts").glob("*.py") if p.name != "gen_config_docs.py"]
+    """Their logic lives in fms_fsdp/ (scripts/gen_docs.py, a docs tool, aside)."""
+    scripts = [p for p in (ROOT / "scripts").glob("*.py") if p.name != "gen_docs.py"]
     for script in [*scripts, ROOT / "fms_to_hf.py", ROOT / "main_training.py"]:
         tree = ast.parse(script.read_text())
         assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body), script.name

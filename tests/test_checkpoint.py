@@ -25,7 +25,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
-from conftest import ROOT, STEPS, TINY, flags, launch, resume_from, run_here, train_here
+from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
 
 
 def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
@@ -190,20 +190,6 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)])
 
 
-def test_full_disk_stops_with_a_clear_error(small_disk):
-    out = small_disk / "run"  # a checkpoint of tiny is about 37 MB
-    proc = run([*TINY, "--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}"], nproc=2, ok=False)
-    assert proc.returncode == 1
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "not enough space in" in errors[0] and str(out / "checkpoints") in errors[0]
-    assert "GiB needed; free space or set --ckpt_save_path" in errors[0]
-    assert (out / "metrics.jsonl").read_text().count("\n") == 1  # stopped at the first save, step 2, before its report
-    output = run_here(
-        ["--num_steps=4", "--checkpoint_interval=2", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"]
-    )
-    assert "training goes on (--on_checkpoint_error=warn)" in output
-
-
 def test_on_checkpoint_error_warn_skips_write_failures_only(small_disk, tmp_path, monkeypatch):
     """Real DCP failures: a full disk is a write failure; an object that cannot be pickled (a bug)
     is not, and stops even a --on_checkpoint_error=warn run."""
@@ -242,17 +228,6 @@ def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path)
         )
         got = load_file(str(out / "model_step_1.safetensors"))
         assert all(torch.equal(got[k], reference[k]) for k in reference), path
-
-
-def test_a_wrong_or_missing_checkpoint_is_a_clear_error(data, uninterrupted, tmp_path):
-    src = uninterrupted / "checkpoints" / "step_12_ckp"
-    with pytest.raises(CheckpointError) as e:
-        run_here(flags(data, tmp_path / "a", f"--ckpt_load_path={src}", "--vocab_size=2048", "--num_workers=0"))
-    assert str(e.value).startswith(f"--ckpt_load_path: {src} does not fit --model_variant=tiny (vocab 2048)")
-    assert "\n" not in str(e.value)
-    proc = run(flags(data, tmp_path / "b", f"--ckpt_load_path={tmp_path / 'nothing'}"), nproc=None, ok=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: --ckpt_load_path: {tmp_path / 'nothing'} does not exist")
 
 
 def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninterrupted, tmp_path):
@@ -399,7 +374,10 @@ def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
     out = tmp_path / "run"
     args = flags(data, out, "--num_steps=400", "--checkpoint_interval=1000", "--num_workers=2")
     proc = start(args)
-    wait_for(out / "metrics.jsonl", proc)
+    deadline = time.time() + 240
+    while not (out / "metrics.jsonl").exists() or not losses(out):  # training: the loader workers are up
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
     tree = descendants(proc.pid)
     assert len(tree) >= 6, tree  # 2 ranks, 2 loader workers each
     os.kill(proc.pid, signal.SIGKILL)

@@ -5,15 +5,25 @@ import importlib.util
 from conftest import ROOT
 
 
-def test_configuration_doc_is_in_sync_with_the_dataclass():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+def test_generated_docs_are_in_sync_with_the_code_and_the_fault_matrix():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    text = (ROOT / "docs" / "configuration.md").read_text()
-    assert gen.render(text) == text, "run: python scripts/gen_config_docs.py"
+    for name in gen.DOCS:
+        text = (ROOT / "docs" / name).read_text()
+        assert gen.render(name, text) == text, f"docs/{name} is out of date: run python scripts/gen_docs.py"
 
 
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "bash scripts/test.sh" in readme and "bash scripts/quickstart.sh" in readme
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_test_extra_is_requirements_test_txt():
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    lines = (ROOT / "requirements-test.txt").read_text().splitlines()
+    listed = [line for line in lines if line.strip() and not line.startswith(("#", "-r"))]
+    assert sorted(extra) == sorted(listed)

@@ -2,6 +2,7 @@
 (tiny and small, every checkpointing mode, a micro-batch it did not trace), the dry run's output, its
 suggestions and the start-up warning."""
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -110,9 +111,12 @@ def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsy
     assert int(fields["params_bytes"]) == pytest.approx(70.6e9 * 4 / 512, rel=0.01)  # fp32 shards of 70.6B
     assert int(fields["optimizer_bytes"]) == 2 * int(fields["params_bytes"])
     assert any(line.strip().startswith("activations saved for backward") for line in out)
-    main([*flags, "--sharding_strategy=hsdp"])  # sharded over a node of 8 only: 16 bytes x 70B / 8 > 80 GiB
+    # sharded over a node of 8 only: 16 bytes x 70B / 8 > 80 GiB, whatever the batch
+    main([*flags, "--sharding_strategy=hsdp", "--batch_size=4"])
     out = capsys.readouterr().out
-    assert "fits=false" in out and "does NOT fit" in out and "shard over more ranks" in out
+    assert "fits=false" in out and "does NOT fit" in out and "lower --batch_size" not in out
+    assert re.search(r"the model's state alone takes [\d.]+ GiB per rank; shard it over at least (\d+) ranks", out)
+    assert int(re.search(r"at least (\d+) ranks", out).group(1)) in range(16, 25)  # 1.1 TB / (72 GiB - gathered)
 
 
 def test_suggestions_are_the_edge_of_what_fits():

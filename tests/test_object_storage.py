@@ -258,7 +258,7 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
         s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again
         saved = dict(os.environ)  # run_training() sets the process group's variables (RANK, MASTER_PORT, ...)
         try:
-            with pytest.raises(CheckpointError) as e:
+            with pytest.raises(ConfigError) as e:
                 run_training(
                     parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"])
                 )

@@ -49,10 +49,11 @@ def test_bad_records_are_skipped_and_counted_per_file(tmp_path, capsys):
     assert Counter(stream.tolist()) == Counter([t for d in docs + docs[:4] for t in d] + [EOS] * (len(docs) + 4))
     log = capsys.readouterr().out
     assert (
-        "mixed.jsonl.gz: 24 bad records skipped ('text' is not a string 4, empty text 4, invalid JSON 4, "
-        "invalid UTF-8 4, missing 'text' 4, not a JSON object 4)"
+        "mixed.jsonl.gz: 24 bad records skipped ('text' is not a string 4, first at line 6, empty text 4, first at "
+        "line 10, invalid JSON 4, first at line 2, invalid UTF-8 4, first at line 8, missing 'text' 4, first at "
+        "line 4, not a JSON object 4, first at line 12)"
     ) in log  # blank lines are not records
-    assert "p.parquet: 2 bad records skipped (empty text 1, missing 'text' 1)" in log
+    assert "p.parquet: 2 bad records skipped (empty text 1, first at row 5, missing 'text' 1, first at row 4)" in log
 
 
 @pytest.mark.parametrize("appends", [[], [EOS], [5]])

@@ -22,9 +22,10 @@ from fms_fsdp.guard import StepGuard
 from fms_fsdp.models import get_model_config, init_weights
 from fms_fsdp.run import facts, started
 from fms_fsdp.schedule import ScheduleSettings, build_scheduler
+from fms_fsdp.storage import umask
 from fms_fsdp.train import out_of_memory_error, train_step
 
-from conftest import ROOT, TINY, inspect, launch, train, train_here
+from conftest import ROOT, TINY, inspect, launch, run_here, train, train_here
 
 STEPS = 10
 FIELDS = {
@@ -194,9 +195,18 @@ def test_a_run_called_from_python_leaves_the_signal_handlers_as_it_found_them(tm
 
 
 def test_sequences_longer_than_the_variants_rotary_cache(tmp):
-    """tiny's rotary cache holds 1024 positions: a 2048-token run sizes it to --seq_length."""
-    (record,) = train_here(tmp, ["--num_steps=1", "--batch_size=1", "--seq_length=2048"])
+    """tiny's rotary cache holds 1024 positions: a 2048-token run sizes it to --seq_length, says so at
+    start, and its Hugging Face export records the trained length."""
+    from fms_fsdp.checkpoint.hf import convert
+
+    out = tmp / "run"
+    said = run_here(["--num_steps=1", "--batch_size=1", "--seq_length=2048", f"--ckpt_save_path={out}"])
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(record["loss"]) and record["tokens_seen"] == 2048
+    assert "note: --seq_length=2048 is beyond tiny's 1024 positions" in said
+    hf = convert(str(out / "checkpoints" / "step_1_ckp"), str(tmp / "hf"), dtype="fp32")
+    assert json.loads((hf / "config.json").read_text())["max_position_embeddings"] == 2048
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask() for p in hf.iterdir())  # as any file: the umask
 
 
 def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags():

@@ -8,6 +8,7 @@ under a temporary name and renamed; in object storage uploaded, a folder marked 
 from __future__ import annotations
 
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import train_config
-from fms_fsdp.distributed import agreement_group, failures
+from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import LoRASpec, merged
 from fms_fsdp.models import CausalLM, fuse_full
@@ -81,17 +82,26 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
     return target
 
 
-def export_trained_model(model: CausalLM, target: Path, step: int, is_main: bool, settings: ExportSettings) -> Path:
+def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
     """Gather the sharded model to rank 0's CPU one tensor at a time and write it there (with LoRA: the
-    merged model, and the PEFT adapter folder adapter_step_<N> next to it). Every rank calls it; the
-    others do not wait for the write."""
+    merged model, and the PEFT adapter folder adapter_step_<N> next to it). Every rank calls it and
+    waits for the write: a failed one (a full disk) is one CheckpointError on every rank."""
     full = fuse_full(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-    if is_main:
+
+    def write() -> None:
         write_safetensors(merged(full, settings.lora) if settings.lora else full, target, metadata={"step": str(step)})
         print(f"checkpoint: exported the model to {target}", flush=True)
         if settings.lora:
             adapter = write_adapter_folder(full, model.config, settings, target.with_name(f"adapter_step_{step}"))
             print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
+
+    on_rank0(
+        write,
+        lambda e: storage_error(e) or type(e).__module__.startswith("safetensors"),  # its writer's I/O errors
+        lambda message: CheckpointError(
+            f"export to {target} failed: {message}; the run's checkpoints are kept: export one with fms-export-model"
+        ),
+    )
     return target
 
 
@@ -135,9 +145,11 @@ class PeriodicExporter:
     def due(self, step: int) -> bool:
         return self.settings.interval > 0 and step % self.settings.interval == 0
 
-    def export(self, step: int) -> None:
-        """Stage this rank's shards and start writing the export of `step`. Every rank calls it."""
+    def export(self, step: int) -> float:
+        """Stage this rank's shards and start writing the export of `step`; returns the seconds training
+        waited for it. Every rank calls it."""
         assert self.writer is not None, "exports are off (--export_interval=0)"
+        start = time.monotonic()
         self.finish()
         shards = self.root / f".step_{step}.shards"
         if self.info.is_main:
@@ -148,6 +160,7 @@ class PeriodicExporter:
         self.pending = (
             written if self.converter is None else self.converter.submit(self._convert, written, shards, step)
         )
+        return time.monotonic() - start
 
     def finish(self) -> None:
         """Wait for the export being written; CheckpointError on every rank if it failed anywhere."""

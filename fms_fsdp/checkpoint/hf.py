@@ -294,7 +294,7 @@ def convert(
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
-    model_config = get_model_config(variant, vocab)
+    model_config = get_model_config(variant, vocab, run.get("seq_length"))  # the trained length
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)

@@ -19,6 +19,7 @@ import pickle
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,18 +36,20 @@ from fms_fsdp.checkpoint.layout import (
     commit,
     complete_checkpoints,
     delete_checkpoint,
+    set_aside,
     start_save,
     step_folder,
     temp_folder,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import root_cause, safe_reader, storage_writer
+from fms_fsdp.checkpoint.reader import damage, root_cause, safe_reader, storage_writer, unreadable
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import local_tensor, tree_map_only
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import agreement_group, failures, on_rank0
-from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.errors import CheckpointError, TrainingError, first_line
+from fms_fsdp.lease import RunLease
 from fms_fsdp.optim import keep_kernels
 from fms_fsdp.run import Run
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
@@ -55,7 +58,7 @@ from fms_fsdp.storage import is_remote, remove_tree, storage_error
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
 _SAVE_ERRORS = (Exception, dcp.CheckpointException)
 _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
-_LOAD_ERRORS = (OSError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
+_LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -100,8 +103,17 @@ class CheckpointSettings:
 class Checkpointer:
     """Saves the training state under <ckpt_save_path>/checkpoints and restores it."""
 
-    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any):
+    def __init__(
+        self,
+        run: Run,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loader: Any,
+        lease: Optional[RunLease] = None,
+    ):
         self.run, self.info, self.settings = run, run.info, CheckpointSettings.of(run.cfg)
+        self.lease = lease  # confirmed (on rank 0) before each save
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
@@ -141,6 +153,8 @@ class Checkpointer:
         background: commit_pending() commits them once no rank is writing() any more."""
         start = time.monotonic()
         self.commit_pending()
+        if self.lease is not None:  # a run whose folder was taken over stops without touching it
+            on_rank0(self.lease.confirm, TrainingError, TrainingError)
         tmp = temp_folder(self.root, step)
         try:
             needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
@@ -247,7 +261,11 @@ class Checkpointer:
         """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn when the
         save failed to write (any other failure, a bug or a lost peer, stops the run)."""
         if self.info.is_main:
-            remove_tree(tmp)  # unmarked: in object storage the step folder itself
+            try:
+                remove_tree(tmp)  # unmarked: in object storage the step folder itself
+            except Exception as e:  # the disk that failed the save may fail this too: the next save retries
+                if not storage_error(e):
+                    raise
         cause = root_cause(error)
         message = (
             str(error)
@@ -293,10 +311,11 @@ class Checkpointer:
                 error = e
             found = [(rank, f[1]) for rank, f in enumerate(failures(error)) if f is not None]
             if not found:
+                self._on_main(partial(self._set_aside, names[:k]))
                 return result
             last_error = first_line(error) if error is not None else f"rank {found[0][0]}: {found[0][1]}"
             if k + 1 < len(names):
-                self.run.log(f"warning: cannot resume from {path} ({last_error}); trying an older one")
+                self.run.log(f"warning: cannot resume from {path} ({last_error}); trying {self.root / names[k + 1]}")
         if names:
             raise CheckpointError(
                 f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
@@ -304,10 +323,23 @@ class Checkpointer:
             )
         return None
 
+    def _set_aside(self, names: list[str]) -> None:
+        """Rename the newer checkpoints that could not be read, so that the keep policy never deletes
+        the one resumed from in their favour (kept whole, for a look)."""
+        for name in names:
+            moved = set_aside(self.root / name)
+            if moved is not None:
+                print(f"checkpoint: {self.root / name} cannot be read: kept as {moved}", flush=True)
+
     def _load(self, path: Path) -> tuple[int, int]:
         own = self._own_state()
         state = fuse(own)
-        dcp.load(state, storage_reader=safe_reader(path), process_group=agreement_group())  # into `own` too
+        try:
+            dcp.load(state, storage_reader=safe_reader(path), process_group=agreement_group())  # into `own` too
+        except _LOAD_ERRORS as e:
+            if not unreadable(e):
+                raise
+            raise CheckpointError(damage(e, path)) from None
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
@@ -391,6 +423,12 @@ def _save_file(obj: Any, path: Path) -> None:
 
 
 def _load_file(path: Path) -> Any:
-    """torch.load of a small file of the run state, local or in object storage, without running code."""
-    with path.open("rb") as f:
-        return torch.load(io.BytesIO(f.read()), weights_only=True)
+    """torch.load of a small file of the run state, local or in object storage, without running code;
+    CheckpointError naming it when it is missing or damaged."""
+    try:
+        with path.open("rb") as f:
+            return torch.load(io.BytesIO(f.read()), weights_only=True)
+    except _LOAD_ERRORS as e:
+        if not unreadable(e):
+            raise
+        raise CheckpointError(f"{path}: {damage(e)}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 from fms_fsdp.atomic import fsync_path
 from fms_fsdp.storage import COMPLETE, is_remote, remove_tree
@@ -80,6 +81,20 @@ def delete_checkpoint(path: Path) -> None:
     doomed = path.with_name(f".{path.name}.deleting")
     os.replace(path, doomed)
     remove_tree(doomed)
+
+
+def set_aside(path: Path) -> Optional[Path]:
+    """Rename a checkpoint that cannot be read to <name>.unreadable[.<n>], kept whole but no longer a
+    checkpoint (never resumed from, replaced or counted by the keep policy); returns the new path. Object
+    storage cannot rename: there it stays (None)."""
+    if is_remote(path):
+        return None
+    target, n = path.with_name(f"{path.name}.unreadable"), 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}.unreadable.{n}"), n + 1
+    os.replace(path, target)
+    fsync_path(path.parent)
+    return target
 
 
 def remove_stale(root: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -103,7 +103,8 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
     return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 
-def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], TensorReader]:
+def _folder_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
+    folder = str(path)
     try:
         metadata = safe_reader(folder).read_metadata().state_dict_metadata
     except RefusedPickle:
@@ -133,7 +134,7 @@ def _folder_reader(folder: str) -> tuple[dict[str, torch.Size], TensorReader]:
                 try:
                     dcp.load({"model_state": state}, storage_reader=safe_reader(folder), no_dist=True)
                 except dcp.CheckpointException as e:
-                    raise CheckpointError(f"{folder}: {damage(e)}") from None
+                    raise CheckpointError(f"{folder}: {damage(e, path)}") from None
         return state
 
     return shapes, read
@@ -164,23 +165,51 @@ def unreadable(error: BaseException) -> bool:
     shard, a file that cannot be opened), rather than a checkpoint of another model."""
     cause = root_cause(error)
     return (
-        isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle)
-    ) or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
+        (isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle))
+        or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
+        or type(cause).__module__.startswith("safetensors")  # a truncated or corrupt header
+    )
 
 
-def damage(error: BaseException) -> str:
-    """What a failed read says, in one line, for an error message."""
+def damage(error: BaseException, folder: Optional[Path] = None) -> str:
+    """What a failed read says, in one line, for an error message: the checkpoint `folder`'s files that
+    are shorter than its .metadata says, or missing, when there are; else the reader's error."""
+    short = short_files(folder) if folder is not None else []
+    if short:
+        return short[0] + (f" (and {len(short) - 1} more)" if len(short) > 1 else "") + "; the checkpoint is damaged"
     cause = root_cause(error)
     what = "a file is damaged or truncated" if unreadable(error) else "cannot be read"
     said = first_line(cause).split(". ")[0]  # torch's zip reader goes on for three more sentences
     return f"{what} ({type(cause).__name__}" + ("" if said == type(cause).__name__ else f": {said}") + ")"
 
 
+def short_files(folder: Path) -> list[str]:
+    """'<file> is truncated (n of m bytes)' or '<file> is missing' for each data file of a checkpoint
+    folder that is shorter than its .metadata says or absent ([] when .metadata cannot be read)."""
+    try:
+        storage = safe_reader(folder).read_metadata().storage_data
+    except Exception:
+        return []
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    found = []
+    for name, size in sorted(needed.items()):
+        try:
+            have = (folder / name).stat().st_size
+        except FileNotFoundError:
+            found.append(f"{folder / name} is missing")
+            continue
+        if have < size:
+            found.append(f"{folder / name} is truncated ({have:,} of {size:,} bytes)")
+    return found
+
+
 def model_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
     """(tensor names and shapes, reader of some tensors) of a checkpoint folder or a .safetensors / .pth
     model file. Folders and .safetensors files are read lazily; a .pth file is mapped whole."""
     if path.is_dir():
-        return _folder_reader(str(path))
+        return _folder_reader(path)
     if path.suffix == ".safetensors":
         return _safetensors_reader(path)
     obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")

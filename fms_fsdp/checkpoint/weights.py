@@ -18,13 +18,48 @@ from fms_fsdp.checkpoint.fused import fuse
 from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config, read_hf_model
 from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
 from fms_fsdp.distributed import agreement_group, on_rank0
-from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.errors import CheckpointError, ConfigError, first_line
 from fms_fsdp.lora import is_adapter
 from fms_fsdp.models import split_full
 from fms_fsdp.storage import local_copy, location, storage_error
 
 # a whole model from one file: read on rank 0 only, each rank receives its shards
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+MODEL_FILES = (".safetensors", ".pth", ".pt")
+
+
+def check_load_path(path: str) -> None:
+    """--ckpt_load_path names something to load: a checkpoint folder (.metadata), a Hugging Face folder
+    (config.json) or a model file; ConfigError otherwise. A start-up check: a few file-system calls."""
+    p = location(path, "ckpt_load_path")
+    try:
+        if p.is_dir():
+            if (p / ".metadata").is_file() or (p / "config.json").is_file():
+                return
+            if (p / "checkpoints").is_dir():
+                raise ConfigError(
+                    f"--ckpt_load_path: {path} is a run folder: give one of its checkpoints, "
+                    f"{p / 'checkpoints'}/step_<N>_ckp, or one of its exports"
+                )
+            raise ConfigError(
+                f"--ckpt_load_path: {path} is neither a checkpoint folder (no .metadata) nor a Hugging Face "
+                "folder (no config.json)"
+            )
+        if not p.exists():
+            raise ConfigError(f"--ckpt_load_path: {path} does not exist")
+        if p.suffix not in MODEL_FILES:
+            raise ConfigError(
+                f"--ckpt_load_path: {path} is not a model file ({', '.join(MODEL_FILES)}), a checkpoint folder "
+                "or a Hugging Face folder"
+            )
+        if p.stat().st_size == 0:
+            raise ConfigError(f"--ckpt_load_path: {path} is empty (0 bytes)")
+    except ConfigError:
+        raise
+    except Exception as e:  # object storage: no endpoint, no access
+        raise ConfigError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
 
 
 def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
@@ -43,7 +78,10 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
             full = _read_on_main(p, path, lambda local: read_hf_model(str(local), model.config))
             _set(model, full, _FROM_RANK0)
         elif p.is_dir():
-            model_reader(p)  # a folder without a whole model (a LoRA run's) is refused in one line
+            try:  # a folder without a whole model (a LoRA run's), or a damaged .metadata, is refused in one line
+                model_reader(p)
+            except CheckpointError as e:
+                raise CheckpointError(f"--ckpt_load_path: {e}") from None
             own = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
             dcp.load(fuse({"model_state": own}), storage_reader=safe_reader(p), process_group=agreement_group())
             _set(model, own, StateDictOptions())
@@ -55,7 +93,7 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
         raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
     except (RuntimeError, KeyError, dcp.CheckpointException) as e:
         if unreadable(e):
-            raise CheckpointError(f"--ckpt_load_path: {path}: {damage(e)}") from None
+            raise CheckpointError(f"--ckpt_load_path: {path}: {damage(e, p if p.is_dir() else None)}") from None
         raise CheckpointError(
             f"--ckpt_load_path: {path} does not fit --model_variant={model_variant}"
             f" (vocab {model.config.src_vocab_size}): {first_line(root_cause(e))}"
@@ -73,6 +111,8 @@ def _read_on_main(p: Path, path: str, read: Callable[[Path], dict[str, torch.Ten
             with local_copy(p) as local:
                 box[0] = read(local)
         except Exception as e:
+            if unreadable(e):
+                raise CheckpointError(damage(e)) from None
             if not (storage_error(e) or isinstance(e, (ValueError, pickle.UnpicklingError, CheckpointError))):
                 raise
             raise CheckpointError(first_line(e)) from None

@@ -223,6 +223,8 @@ def list_datasets(
     try:  # listed first: object storage says here whether the bucket, the endpoint and the access are right
         found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "meta" and not p.name.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
+        if not is_remote(root) and root.is_file():
+            raise DataError(f"--{flag}: {data_path} is a file, not a folder of datasets", every_rank=True) from None
         raise DataError(f"--{flag}: folder not found: {data_path}", every_rank=True) from None
     except Exception as e:  # no endpoint, no access, ...
         raise DataError(
@@ -311,7 +313,10 @@ def scan(data_path: str, names: list[str], layout: Layout, flag: str = "data_pat
                 index = texts.get(rel, path)
                 entries.append(FileEntry(rel, index.documents, index.tokens, index))
                 if index.bad:
-                    reasons = ", ".join(f"{why} {n}" for why, n in sorted(index.bad.items()))
+                    reasons = ", ".join(
+                        f"{why} {n}" + (f", first at {index.first_bad[why]}" if why in index.first_bad else "")
+                        for why, n in sorted(index.bad.items())
+                    )
                     print(f"note: {path}: {sum(index.bad.values())} bad records skipped ({reasons})", flush=True)
                 continue
             shard = ShardFile(path, layout.col_name)

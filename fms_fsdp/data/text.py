@@ -38,7 +38,7 @@ JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
 BLOCK_DOCS = 256  # documents per block of a JSON-lines file
 _SAMPLE_BYTES = 32768  # text tokenized per file (its first documents) to estimate its tokens
 _STREAMS = 8  # open forward-only streams per gzipped file
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class TextIndex:
     tokens: int  # estimated from the first documents
     offsets: list[int] = field(default_factory=list)  # byte offset of each block (plain .jsonl only)
     bad: dict[str, int] = field(default_factory=dict)  # skipped records by reason
+    first_bad: dict[str, str] = field(default_factory=dict)  # where each reason's first one is ("line 12")
 
 
 # ---------------------------------------------------------------- records
@@ -178,13 +179,16 @@ class _Tally:
 
     def __init__(self) -> None:
         self.bad: Counter[str] = Counter()
+        self.first_bad: dict[str, str] = {}
         self.sample: list[str] = []
         self.sample_bytes = self.text_bytes = self.records = 0
 
-    def add(self, text: Optional[str], reason: Optional[str], size: int) -> None:
+    def add(self, text: Optional[str], reason: Optional[str], size: int, where: str) -> None:
         self.records += 1
         if text is None:
+            assert reason is not None
             self.bad[reason] += 1
+            self.first_bad.setdefault(reason, where)
             return
         self.text_bytes += size
         if self.sample_bytes < _SAMPLE_BYTES:
@@ -202,7 +206,7 @@ class _Tally:
             )
         tokens = sum(len(t) for t in tokenizer.encode_batch(self.sample, add_special_tokens=False))
         estimate = round(tokens * self.text_bytes / self.sample_bytes) if self.sample_bytes else 0
-        return TextIndex(documents, estimate, offsets, dict(self.bad))
+        return TextIndex(documents, estimate, offsets, dict(self.bad), self.first_bad)
 
 
 def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
@@ -213,7 +217,7 @@ def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
                 offsets.append(offset)
             documents, offset = documents + 1, offset + len(line)
             if line.strip():  # blank lines are no records
-                tally.add(*parse_line(line, spec.text_field), len(line))
+                tally.add(*parse_line(line, spec.text_field), len(line), f"line {documents}")
     return tally.index(path, documents, [] if is_gzip(path) else offsets, spec, tokenizer)
 
 
@@ -236,11 +240,12 @@ def text_column(pf: pq.ParquetFile, path: Path, text_field: str) -> None:
 def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
     pf = pq.ParquetFile(open_random(path))
     text_column(pf, path, spec.text_field)
-    tally = _Tally()
+    tally, row = _Tally(), 0
     for g in range(pf.num_row_groups):
         for value in pf.read_row_group(g, columns=[spec.text_field]).column(0).to_pylist():
             text, reason = check_text(value, spec.text_field)
-            tally.add(text, reason, len(text or ""))
+            tally.add(text, reason, len(text or ""), f"row {row}")
+            row += 1
     return tally.index(path, pf.metadata.num_rows, [], spec, tokenizer)
 
 
@@ -263,7 +268,9 @@ class IndexCache:
         key = {**self.key, "size": path.stat().st_size, "mtime_ns": mtime_ns(path)}
         known = self.files.get(rel)
         if known is not None and all(known.get(k) == v for k, v in key.items()):
-            return TextIndex(known["documents"], known["tokens"], known["offsets"], known["bad"])
+            return TextIndex(
+                known["documents"], known["tokens"], known["offsets"], known["bad"], known.get("first_bad", {})
+            )
         if not self.changed:
             print(f"note: indexing raw text files (once: cached in {self.path})", flush=True)
         index = index_file(path, self.spec)
@@ -273,6 +280,7 @@ class IndexCache:
             "tokens": index.tokens,
             "offsets": index.offsets,
             "bad": index.bad,
+            "first_bad": index.first_bad,
         }
         self.changed = True
         return index

@@ -1,0 +1,927 @@
+"""The fault matrix: every way a run or a command can meet bad input or a failing disk, driven for real
+(installed commands, real ranks, real tmpfs mounts gone full or read-only, real signals), each asserting
+the one line it ends in (or the warning it goes on with), its exit status, and that every checkpoint
+that was there before is byte-identical after. docs/troubleshooting.md's table is generated from FAULTS
+(scripts/gen_docs.py), so the docs say what the tests saw.
+
+A case's line is a template: `{name}` stands for a value the case knows (a path: matched exactly) or,
+when it gives none, for any text (an errno's wording). Cases run a few at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from conftest import ROOT, TINY, flags
+
+BIN = Path(sys.executable).parent
+COMMANDS = (
+    "fms-train",
+    "fms-evaluate",
+    "fms-prepare-data",
+    "fms-inspect-data",
+    "fms-plot-metrics",
+    "fms-export-model",
+    "fms-to-hf",
+)
+DUMMY = [*TINY, "--num_steps=4"]  # a run on synthetic data
+LONG = [*TINY, "--num_steps=60", "--checkpoint_interval=2", "--checkpoint_keep=100"]  # stopped before its end
+
+
+@dataclass
+class Job:
+    """One launch: a command (a console script) and its flags, on `nproc` ranks (None: one plain
+    process; with torchrun=True under torchrun), and what happens to it while it runs."""
+
+    argv: list[str]
+    nproc: Optional[int] = None
+    env: dict[str, str] = field(default_factory=dict)
+    torchrun: bool = False
+    during: Optional[Callable[[list["Proc"]], bool]] = None  # polled until it returns True
+    values: dict[str, str] = field(default_factory=dict)  # the template's known values
+    keep: list[Path] = field(default_factory=list)  # folders whose files must be byte-identical after
+    prelude: Optional["Job"] = None  # run (to its end, any status) before this one
+    after: Optional[Callable[[], None]] = None  # more assertions once it ended
+    cleanup: Optional[Callable[[], None]] = None
+
+
+@dataclass(frozen=True)
+class Fault:
+    what: str  # the fault, as docs/troubleshooting.md lists it
+    says: str  # the line: on stderr, the only one, when status != 0; a line of stdout otherwise
+    status: int
+    make: Callable[["Bench"], Job]
+
+
+FAULTS: list[Fault] = []
+
+
+def fault(what: str, says: str, status: int) -> Callable[[Callable[["Bench"], Job]], Callable[["Bench"], Job]]:
+    def register(make: Callable[[Bench], Job]) -> Callable[[Bench], Job]:
+        FAULTS.append(Fault(what, says, status, make))
+        return make
+
+    return register
+
+
+@dataclass
+class Bench:
+    """A case's own folder, the shared data and a finished two-rank run to copy checkpoints from."""
+
+    tmp: Path
+    data: Path
+    source: Path  # the run folder of `uninterrupted`: checkpoints of steps 6 and 12
+
+    @property
+    def good(self) -> Path:
+        return self.source / "checkpoints" / "step_12_ckp"
+
+    def run_with_checkpoints(self, name: str = "run") -> Path:
+        out = self.tmp / name
+        shutil.copytree(self.source / "checkpoints", out / "checkpoints")
+        return out
+
+    def damaged(self, keep_fraction: float = 0.25, name: str = "damaged") -> Path:
+        """A copy of the step-12 checkpoint whose shards lost the rest after `keep_fraction`."""
+        folder = self.tmp / name / "step_12_ckp"
+        shutil.copytree(self.good, folder)
+        for shard in folder.glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[: int(shard.stat().st_size * keep_fraction)])
+        return folder
+
+    def mount(self, name: str, size: str) -> Path:
+        """A real filesystem of `size` (tmpfs), unmounted by the case's cleanup."""
+        mount = self.tmp / name
+        mount.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+        return mount
+
+
+def when(ready: Callable[[], bool], act: Callable[[list["Proc"]], None]) -> Callable[[list["Proc"]], bool]:
+    def poll(procs: list[Proc]) -> bool:
+        if not ready():
+            return False
+        act(procs)
+        return True
+
+    return poll
+
+
+def signal_all(sig: signal.Signals) -> Callable[[list["Proc"]], None]:
+    return lambda procs: [p.send_signal(sig) for p in procs]
+
+
+def unmount(mount: Path) -> Callable[[], None]:
+    return lambda: subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def owner_record(folder: Path, **fields: object) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "job": "", "started": now - 60, "heartbeat": now}
+    (folder / "owner.json").write_text(json.dumps({**record, "token": "0" * 32, **fields}))
+
+
+# ------------------------------------------------------------------------------- flags and files
+
+
+@fault("a misspelt flag", "error: unknown flag --lerning_rate; did you mean --learning_rate?", 2)
+def _typo(b: Bench) -> Job:
+    return Job(["fms-train", "--lerning_rate=1"])
+
+
+@fault("--config names a folder", "error: --config: {config} is a folder, not a config file", 2)
+def _config_folder(b: Bench) -> Job:
+    (b.tmp / "configs").mkdir()
+    return Job(["fms-train", f"--config={b.tmp / 'configs'}"], values={"config": str(b.tmp / "configs")})
+
+
+@fault("--config holds bytes that are not UTF-8", "error: --config: cannot parse {config}: 'utf-8' codec {why}", 2)
+def _config_bytes(b: Bench) -> Job:
+    config = b.tmp / "run.yaml"
+    config.write_bytes(b"model_variant: tiny\nlearning_rate: \xff\xfe\n")
+    return Job(["fms-train", f"--config={config}"], values={"config": str(config)})
+
+
+@fault(
+    "--tokenizer_path is a folder without tokenizer.json",
+    "error: --tokenizer_path={tok}: no tokenizer.json there (give a Hugging Face tokenizer folder or file)",
+    2,
+)
+def _tokenizer_folder(b: Bench) -> Job:
+    (b.tmp / "tok").mkdir()
+    (b.tmp / "tok" / "vocab.txt").write_text("a\n")
+    return Job(
+        ["fms-train", *DUMMY, f"--tokenizer_path={b.tmp / 'tok'}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"tok": str(b.tmp / "tok")},
+    )
+
+
+@fault("--data_path names a file", "error: --data_path: {path} is a file, not a folder of datasets", 2)
+def _data_file(b: Bench) -> Job:
+    path = next(b.data.rglob("*.arrow"))
+    return Job(["fms-train", *flags(path, b.tmp / "run")], values={"path": str(path)})
+
+
+@fault("--eval_data_path does not exist", "error: --eval_data_path: folder not found: {path}", 2)
+def _eval_missing(b: Bench) -> Job:
+    path = b.tmp / "missing"
+    return Job(
+        [
+            "fms-evaluate",
+            *DUMMY,
+            f"--ckpt_load_path={b.good}",
+            "--vocab_size=1024",
+            f"--eval_data_path={path}",
+            f"--ckpt_save_path={b.tmp / 'eval'}",
+        ],
+        values={"path": str(path)},
+    )
+
+
+@fault("--ckpt_save_path names a file", "error: --ckpt_save_path: {path} is a file, not a folder", 2)
+def _save_file(b: Bench) -> Job:
+    path = b.tmp / "run.txt"
+    path.write_text("notes\n")
+    return Job(["fms-train", *DUMMY, f"--ckpt_save_path={path}"], values={"path": str(path)})
+
+
+@fault("--ckpt_save_path on a read-only disk", "error: --ckpt_save_path: cannot write {path} (OSError: {why})", 2)
+def _save_read_only(b: Bench) -> Job:
+    mount = b.mount("ro", "1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_save_path={mount / 'run'}"],
+        values={"path": str(mount / "run")},
+        cleanup=unmount(mount),
+    )
+
+
+@fault(
+    "metrics.jsonl cannot be appended to",
+    "error: --ckpt_save_path: cannot append to {path} (IsADirectoryError: {why})",
+    2,
+)
+def _metrics_folder(b: Bench) -> Job:
+    out = b.run_with_checkpoints()
+    (out / "metrics.jsonl").mkdir()
+    return Job(
+        ["fms-train", *flags(b.data, out, "--num_steps=13")],
+        values={"path": str(out / "metrics.jsonl")},
+        keep=[out / "checkpoints"],
+    )
+
+
+@fault("--ckpt_load_path does not exist", "error: --ckpt_load_path: {path} does not exist", 2)
+def _load_missing(b: Bench) -> Job:
+    path = b.tmp / "nothing"
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"path": str(path)},
+        after=lambda: _nothing_written(b.tmp / "run"),
+    )
+
+
+def _nothing_written(out: Path) -> None:
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+
+
+@fault(
+    "--ckpt_load_path is a file of another kind",
+    "error: --ckpt_load_path: {path} is not a model file (.safetensors, .pth, .pt), a checkpoint folder or a "
+    "Hugging Face folder",
+    2,
+)
+def _load_text(b: Bench) -> Job:
+    path = b.tmp / "weights.txt"
+    path.write_text("0.1 0.2\n")
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"path": str(path)},
+    )
+
+
+@fault(
+    "--ckpt_load_path is a run folder",
+    "error: --ckpt_load_path: {path} is a run folder: give one of its checkpoints, {path}/checkpoints/step_<N>_ckp, "
+    "or one of its exports",
+    2,
+)
+def _load_run_folder(b: Bench) -> Job:
+    return Job(
+        ["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={b.source}")], values={"path": str(b.source)}
+    )
+
+
+@fault(
+    "--ckpt_load_path is an empty folder",
+    "error: --ckpt_load_path: {path} is neither a checkpoint folder (no .metadata) nor a Hugging Face folder "
+    "(no config.json)",
+    2,
+)
+def _load_empty_folder(b: Bench) -> Job:
+    (b.tmp / "empty").mkdir()
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_load_path={b.tmp / 'empty'}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"path": str(b.tmp / "empty")},
+    )
+
+
+@fault("--ckpt_load_path is a zero-byte .safetensors", "error: --ckpt_load_path: {path} is empty (0 bytes)", 2)
+def _load_zero_safetensors(b: Bench) -> Job:
+    path = b.tmp / "model.safetensors"
+    path.write_bytes(b"")
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"path": str(path)},
+    )
+
+
+@fault(
+    "--tokenizer_path is a file that is not a tokenizer",
+    "error: --tokenizer_path: cannot load {path} ({why})",
+    2,
+)
+def _tokenizer_file(b: Bench) -> Job:
+    path = b.tmp / "tokenizer.json"
+    path.write_text("not json\n")
+    return Job(
+        ["fms-train", *DUMMY, f"--tokenizer_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        values={"path": str(path)},
+    )
+
+
+@fault("--eval_data_path names a file", "error: --eval_data_path: {path} is a file, not a folder of datasets", 2)
+def _eval_file(b: Bench) -> Job:
+    path = next(b.data.rglob("*.arrow"))
+    return Job(
+        ["fms-train", *flags(b.data, b.tmp / "run", f"--eval_data_path={path}", "--eval_interval=2")],
+        values={"path": str(path)},
+    )
+
+
+# ------------------------------------------------------------------------------- damaged checkpoints
+
+
+@fault(
+    "--ckpt_load_path: a checkpoint with truncated shards",
+    "error: --ckpt_load_path: {path}: {shard} is truncated ({n} of {m} bytes) (and 1 more); the checkpoint is damaged",
+    1,
+)
+def _load_truncated(b: Bench) -> Job:
+    path = b.damaged()
+    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+
+
+@fault(
+    "--ckpt_load_path: a checkpoint with a zero-byte .metadata",
+    "error: --ckpt_load_path: {path}: its .metadata is damaged or truncated (EOFError: Ran out of input)",
+    1,
+)
+def _load_zero_metadata(b: Bench) -> Job:
+    path = b.damaged(1.0)
+    (path / ".metadata").write_bytes(b"")
+    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+
+
+@fault(
+    "--ckpt_load_path: a truncated .safetensors",
+    "error: --ckpt_load_path: {path}: a file is damaged or truncated (SafetensorError: {why})",
+    1,
+)
+def _load_truncated_safetensors(b: Bench) -> Job:
+    from safetensors.torch import save_file
+
+    from fms_fsdp.checkpoint.reader import read_model
+
+    path = b.tmp / "model.safetensors"
+    save_file(read_model(b.good), str(path))
+    path.write_bytes(path.read_bytes()[:5000])
+    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+
+
+@fault(
+    "--ckpt_load_path: a truncated .pth",
+    "error: --ckpt_load_path: {path}: a file is damaged or truncated ({why})",
+    1,
+)
+def _load_truncated_pth(b: Bench) -> Job:
+    import torch
+
+    from fms_fsdp.checkpoint.reader import read_model
+
+    path = b.tmp / "model.pth"
+    torch.save({"model_state": read_model(b.good)}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+
+
+@fault(
+    "--ckpt_load_path: a checkpoint of another model",
+    "error: --ckpt_load_path: {path} does not fit --model_variant=tiny (vocab 2048): {why}",
+    1,
+)
+def _load_other_model(b: Bench) -> Job:
+    return Job(
+        ["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={b.good}", "--vocab_size=2048")],
+        values={"path": str(b.good)},
+    )
+
+
+@fault(
+    "a checkpoint with truncated shards given to fms-export-model",
+    "error: --load_path: {path}: {shard} is truncated ({n} of {m} bytes) (and 1 more); the checkpoint is damaged",
+    1,
+)
+def _export_truncated(b: Bench) -> Job:
+    path = b.damaged()
+    return Job(
+        ["fms-export-model", f"--load_path={path}", f"--save_path={b.tmp / 'model.safetensors'}"],
+        values={"path": str(path)},
+        after=lambda: _absent(b.tmp / "model.safetensors"),
+    )
+
+
+def _absent(path: Path) -> None:
+    assert not path.exists(), path
+
+
+@fault(
+    "a checkpoint with truncated shards given to fms-to-hf",
+    "error: --load_path: {path}: {shard} is truncated ({n} of {m} bytes) (and 1 more); the checkpoint is damaged",
+    1,
+)
+def _hf_truncated(b: Bench) -> Job:
+    path = b.damaged()
+    return Job(
+        ["fms-to-hf", f"--load_path={path}", f"--save_path={b.tmp / 'hf'}"],
+        values={"path": str(path)},
+        after=lambda: _absent(b.tmp / "hf"),
+    )
+
+
+@fault(
+    "the newest checkpoint's metadata.pth is zero bytes: the run resumes from the one before",
+    "warning: cannot resume from {newest} ({newest}/metadata.pth: {why}); trying {older}",
+    0,
+)
+def _resume_zero_metadata(b: Bench) -> Job:
+    out = b.run_with_checkpoints()
+    newest = out / "checkpoints" / "step_12_ckp"
+    (newest / "metadata.pth").write_bytes(b"")
+    return Job(
+        ["fms-train", *flags(b.data, out, "--num_steps=7", "--checkpoint_interval=100")],
+        nproc=2,
+        values={"newest": str(newest), "older": str(out / "checkpoints" / "step_6_ckp")},
+        keep=[out / "checkpoints" / "step_6_ckp"],
+        after=lambda: _present(out / "checkpoints" / "step_12_ckp.unreadable" / "COMPLETE"),
+    )
+
+
+def _present(path: Path) -> None:
+    assert path.exists(), path
+
+
+@fault(
+    "every checkpoint is damaged (a truncated loader state, a truncated shard)",
+    "error: no checkpoint under {ckpts} can be read (last error: {shard} is truncated ({n} of {m} bytes); the "
+    "checkpoint is damaged); "
+    "if this run's settings changed on purpose, start it with a new --ckpt_save_path",
+    1,
+)
+def _resume_all_damaged(b: Bench) -> Job:
+    out = b.run_with_checkpoints()
+    ckpts = out / "checkpoints"
+    state = ckpts / "step_12_ckp" / "loader_state_1.pth"
+    state.write_bytes(state.read_bytes()[:100])
+    shard = next((ckpts / "step_6_ckp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return Job(
+        ["fms-train", *flags(b.data, out, "--num_steps=13")], nproc=2, values={"ckpts": str(ckpts)}, keep=[ckpts]
+    )
+
+
+# ------------------------------------------------------------------------------- data
+
+
+@fault("a data shard that is not Arrow", "error: {path}: not a readable arrow shard{why}", 2)
+def _bad_shard(b: Bench) -> Job:
+    data = b.tmp / "data"
+    for name in ("code", "web"):
+        (data / name).mkdir(parents=True)
+        (data / name / "part0.arrow").write_bytes(b"ARROW1 but not really")
+    return Job(["fms-train", *flags(data, b.tmp / "run")], values={"path": str(data / "code" / "part0.arrow")})
+
+
+@fault("a zero-byte data shard", "error: {path}: not a readable arrow shard{why}", 2)
+def _zero_shard(b: Bench) -> Job:
+    data = b.tmp / "data"
+    shutil.copytree(b.data, data)
+    path = next((data / "web").rglob("*.arrow"))
+    path.write_bytes(b"")
+    return Job(["fms-train", *flags(data, b.tmp / "run")], values={"path": str(path)})
+
+
+@fault(
+    "the data is deleted mid-run (two loader workers): the files they opened stay readable, the run ends well",
+    "step 8 | loss {rest}",
+    0,
+)
+def _data_gone(b: Bench) -> Job:
+    data = b.tmp / "data"
+    shutil.copytree(b.data, data)
+    out = b.tmp / "run"
+    return Job(
+        ["fms-train", *flags(data, out, "--num_steps=8", "--num_workers=2", "--checkpoint_interval=2")],
+        during=when(lambda: (out / "checkpoints" / "step_2_ckp").exists(), lambda procs: shutil.rmtree(data)),
+        keep=[out / "checkpoints" / "step_2_ckp"],
+    )
+
+
+# ------------------------------------------------------------------------------- disks that fail mid-run
+
+
+@fault(
+    "the disk fills up at a save",
+    "error: not enough space in {ckpts} for a checkpoint: {free} GiB free, about {need} GiB needed; free space or "
+    "set --ckpt_save_path",
+    1,
+)
+def _full_disk(b: Bench) -> Job:
+    mount = b.mount("disk", "24m")  # a checkpoint of tiny is about 37 MB
+    out = mount / "run"
+    return Job(
+        ["fms-train", *DUMMY, "--checkpoint_interval=2", f"--ckpt_save_path={out}"],
+        nproc=2,
+        values={"ckpts": str(out / "checkpoints")},
+        cleanup=unmount(mount),
+    )
+
+
+@fault(
+    "the disk fills up during the export at the end",
+    "error: export to {target} failed: Error while serializing: I/O error: No space left on device (os error 28); "
+    "the run's checkpoints are kept: export one with fms-export-model",
+    1,
+)
+def _full_disk_export(b: Bench) -> Job:
+    mount = b.mount("disk", "8m")  # tiny's weights are 12 MB
+    out = mount / "run"
+    return Job(
+        [
+            "fms-train",
+            *DUMMY,
+            "--num_steps=2",
+            "--checkpoint_interval=0",
+            "--export_model_at_end=True",
+            f"--ckpt_save_path={out}",
+        ],
+        values={"target": str(out / "model_step_2.safetensors")},
+        cleanup=unmount(mount),
+        after=lambda: _absent(out / "model_step_2.safetensors"),
+    )
+
+
+@fault(
+    "the disk turns read-only mid-run",
+    "error: checkpoint save to {ckpts} failed: [Errno 30] Read-only file system: {why}",
+    1,
+)
+def _read_only_mid_run(b: Bench) -> Job:
+    mount = b.mount("disk", "200m")
+    out = mount / "run"
+    return Job(
+        ["fms-train", *LONG, f"--ckpt_save_path={out}"],
+        nproc=2,
+        values={"ckpts": str(out / "checkpoints")},
+        during=when(
+            lambda: (out / "checkpoints" / "step_2_ckp").exists(),
+            lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True),
+        ),
+        cleanup=unmount(mount),
+    )
+
+
+@fault(
+    "the disk turns read-only mid-run, with --on_checkpoint_error=warn",
+    "warning: checkpoint save to {ckpts} failed: [Errno 30] Read-only file system: {why}; training goes on "
+    "(--on_checkpoint_error=warn)",
+    0,
+)
+def _read_only_warn(b: Bench) -> Job:
+    mount = b.mount("disk", "200m")
+    out = mount / "run"
+    return Job(
+        ["fms-train", *LONG, "--num_steps=6", "--on_checkpoint_error=warn", f"--ckpt_save_path={out}"],
+        nproc=2,
+        values={"ckpts": str(out / "checkpoints")},
+        during=when(
+            lambda: (out / "checkpoints" / "step_2_ckp").exists(),
+            lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True),
+        ),
+        keep=[out / "checkpoints" / "step_2_ckp"],
+        cleanup=unmount(mount),
+    )
+
+
+# ------------------------------------------------------------------------------- signals
+
+
+@fault(
+    "SIGTERM during a save (a preemption)",
+    "stopping after step {n} on SIGTERM: the checkpoint is saved, resume by running the same command",
+    0,
+)
+def _sigterm_in_save(b: Bench) -> Job:
+    out = b.tmp / "run"
+    ckpts = out / "checkpoints"
+    return Job(
+        ["fms-train", *LONG, f"--ckpt_save_path={out}"],
+        nproc=2,
+        during=when(lambda: (ckpts / ".step_4_ckp.tmp").exists(), signal_all(signal.SIGTERM)),
+        after=lambda: _resumable(ckpts),
+    )
+
+
+def _resumable(ckpts: Path) -> None:
+    from fms_fsdp.checkpoint.layout import complete_checkpoints
+
+    steps = [s for s, _ in complete_checkpoints(ckpts)]
+    assert steps and steps[-1] >= 4 and not list(ckpts.glob(".*.tmp")), sorted(p.name for p in ckpts.iterdir())
+
+
+@fault(
+    "kill -9 during an async save: the next start resumes from the last complete checkpoint",
+    "checkpoint: resumed from {ckpts}/step_{n}_ckp at step {n}",
+    0,
+)
+def _kill_in_async_save(b: Bench) -> Job:
+    out = b.tmp / "run"
+    ckpts = out / "checkpoints"
+    argv = ["fms-train", *LONG, "--async_checkpoint=True", f"--ckpt_save_path={out}"]
+    killed = Job(argv, nproc=2, during=when(lambda: (ckpts / ".step_4_ckp.tmp").exists(), signal_all(signal.SIGKILL)))
+    resume = [*argv[:-1], "--num_steps=5", f"--ckpt_save_path={out}"]
+    return Job(resume, nproc=2, prelude=killed, values={"ckpts": str(ckpts)})
+
+
+# ------------------------------------------------------------------------------- the run lease
+
+
+@fault(
+    "a second run into the folder of a running one",
+    "error: --ckpt_save_path: {path} belongs to a running run (pid {pid} on {host}, started {t}, heartbeat {s} s ago); "
+    "give this run another --ckpt_save_path, or stop that run first",
+    2,
+)
+def _second_run(b: Bench) -> Job:
+    out = b.tmp / "run"
+    ckpts = out / "checkpoints"
+    first = start(["fms-train", *LONG, f"--ckpt_save_path={out}"], None, b.tmp)
+    deadline = time.monotonic() + 120
+    while not (ckpts / "step_2_ckp").exists():
+        assert first[0].poll() is None and time.monotonic() < deadline, "the first run did not save"
+        time.sleep(0.05)
+
+    def stop_first() -> None:
+        signal_all(signal.SIGTERM)(first)
+        assert first[0].wait(60) == 0
+
+    return Job(
+        ["fms-train", *LONG, "--learning_rate=1e-4", f"--ckpt_save_path={out}"],
+        values={"path": str(out)},
+        keep=[ckpts / "step_2_ckp"],
+        after=stop_first,
+        cleanup=lambda: [p.kill() for p in first],
+    )
+
+
+@fault(
+    "a lease left by a run killed on this host",
+    "note: took over {lease} from a run that ended without releasing it (pid {pid} on {host} is gone)",
+    0,
+)
+def _dead_owner(b: Bench) -> Job:
+    out = b.run_with_checkpoints()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    owner_record(out, pid=gone.pid)
+    return Job(
+        ["fms-train", *flags(b.data, out, "--num_steps=13")],
+        values={"lease": str(out / "owner.json")},
+        keep=[out / "checkpoints" / "step_12_ckp"],
+        after=lambda: _absent(out / "owner.json"),
+    )
+
+
+@fault(
+    "a lease of another host whose heartbeat stopped",
+    "note: took over {lease} from a run that ended without releasing it (no heartbeat for {s} s)",
+    0,
+)
+def _stale_owner(b: Bench) -> Job:
+    out = b.tmp / "run"
+    owner_record(out, host="node-that-died", heartbeat=time.time() - 3600)
+    return Job(["fms-train", *DUMMY, f"--ckpt_save_path={out}"], values={"lease": str(out / "owner.json")})
+
+
+@fault(
+    "a live lease of a run on another host",
+    "error: --ckpt_save_path: {path} belongs to a running run (pid {pid} on other-node, started {t}, heartbeat {s} s "
+    "ago); give this run another --ckpt_save_path, or stop that run first",
+    2,
+)
+def _live_owner_elsewhere(b: Bench) -> Job:
+    out = b.tmp / "run"
+    owner_record(out, host="other-node")
+    return Job(["fms-train", *DUMMY, f"--ckpt_save_path={out}"], values={"path": str(out)})
+
+
+@fault(
+    "a Slurm requeue of the same job takes its lease back at once",
+    "note: took over {lease} from a run that ended without releasing it (Slurm job 4242 started again (a requeue))",
+    0,
+)
+def _requeue(b: Bench) -> Job:
+    out = b.tmp / "run"
+    owner_record(out, host="node-before-requeue", job="4242")
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_save_path={out}"],
+        env={"SLURM_JOB_ID": "4242"},
+        values={"lease": str(out / "owner.json")},
+    )
+
+
+# ------------------------------------------------------------------------------- torchrun
+
+
+@fault(
+    "any of these under torchrun: the rank's line is torchrun's root cause; torchrun exits 1",
+    "error: --ckpt_load_path: {path} does not exist",
+    1,
+)
+def _torchrun(b: Bench) -> Job:
+    path = b.tmp / "nothing"
+    return Job(
+        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
+        nproc=2,
+        torchrun=True,
+        values={"path": str(path)},
+    )
+
+
+# ------------------------------------------------------------------------------- running the matrix
+
+
+# the commands run in processes forked from a server that imported the package once (as a process
+# started by torchrun or the console script, from its first line: no import time per launch); the
+# torchrun case runs the installed command under torchrun itself
+SERVER = multiprocessing.get_context("forkserver")
+SERVER.set_forkserver_preload(["fms_fsdp.cli", "fms_fsdp.train", "fms_fsdp.evaluate", "fms_fsdp.checkpoint.hf"])
+LAUNCHED = itertools.count()  # names the processes' output files
+ENTRY_POINTS = {e.name: e.value for e in entry_points(group="console_scripts") if e.value.startswith("fms_fsdp.")}
+
+
+def _command(name: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """A command's process: its environment, stdout and stderr, then its console script's function."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    import torch
+
+    torch.set_num_threads(1)
+    module, function = ENTRY_POINTS[name].split(":")
+    getattr(importlib.import_module(module), function)(args)
+
+
+class Proc:
+    """One process of a launch: a forked command, or torchrun."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], folder: Path, torchrun: Optional[int] = None):
+        self.out = folder / f"{next(LAUNCHED)}.out"
+        self.err = self.out.with_suffix(".err")
+        if torchrun:
+            runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+            with self.out.open("w") as o, self.err.open("w") as e:
+                self.popen: Optional[subprocess.Popen] = subprocess.Popen(
+                    [*runner, str(BIN / argv[0]), *argv[1:]], env=env, cwd=ROOT, stdout=o, stderr=e
+                )
+            self.pid = self.popen.pid
+            return
+        self.popen = None
+        self.process = SERVER.Process(target=_command, args=(argv[0], argv[1:], env, str(self.out), str(self.err)))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> Optional[int]:
+        return self.popen.poll() if self.popen else self.process.exitcode
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        if self.popen:
+            return self.popen.wait(timeout)
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def output(self) -> tuple[str, str]:
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+
+def start(
+    argv: list[str], nproc: Optional[int], folder: Path, env: Optional[dict[str, str]] = None, torchrun: bool = False
+) -> list[Proc]:
+    """The processes of a launch: one, or `nproc` ranks started as torchrun starts them (or torchrun)."""
+    from fms_fsdp.distributed import free_port
+
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        base.pop(name, None)
+    if nproc is None or torchrun:
+        return [Proc(argv, base, folder, torchrun=nproc if torchrun else None)]
+    world = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    return [Proc(argv, {**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, folder) for r in range(nproc)]
+
+
+def finish(job: Job, folder: Path, timeout: float = 90) -> tuple[int, str, str]:
+    """Run a job to its end: (status, stdout, stderr); a failed rank ends the others, as torchrun does."""
+    procs = start(job.argv, job.nproc, folder, job.env, job.torchrun)
+    deadline, acted, failed_at = time.monotonic() + timeout, job.during is None, None
+    while any(p.poll() is None for p in procs):
+        if not acted:
+            acted = job.during(procs)
+        if failed_at is None and (any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 2:
+            for p in procs:
+                p.kill()
+        time.sleep(0.02)
+    codes = [p.wait() for p in procs]
+    status = next((c for c in codes if c != 0), 0)
+    outputs = [p.output() for p in procs]
+    return status, "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+
+
+def pattern(says: str, values: dict[str, str]) -> re.Pattern:
+    """The template as a regex: known values exactly, other {names} as any text."""
+    parts = re.split(r"(\{\w+\})", says)
+    regex = "".join(
+        (re.escape(values[p[1:-1]]) if p[1:-1] in values else ".+?") if re.fullmatch(r"\{\w+\}", p) else re.escape(p)
+        for p in parts
+    )
+    return re.compile(regex)
+
+
+def hashes(folders: list[Path]) -> dict[str, str]:
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+        for folder in folders
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def check(f: Fault, b: Bench) -> Optional[str]:
+    """Run one case; a description of what did not hold, or None."""
+    job = f.make(b)
+    try:
+        if job.prelude is not None:
+            finish(job.prelude, b.tmp)
+        before = hashes(job.keep)
+        status, out, err = finish(job, b.tmp)
+        if job.after is not None:
+            job.after()
+    finally:
+        if job.cleanup is not None:
+            job.cleanup()
+    regex = pattern(f.says, job.values)
+    if job.torchrun:
+        cause = err.split("Root Cause (first observed failure):", 1)[-1]
+        ok = (
+            status == f.status
+            and re.search(r"exitcode\s*: 2 ", cause)
+            and re.search("traceback : " + regex.pattern, cause)
+        )
+        return None if ok else f"status {status}, root cause:\n{cause[-2000:]}"
+    if f.status != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        ok = status == f.status and len(lines) == 1 and regex.fullmatch(lines[0])
+    else:  # and nothing on stderr: no traceback, no warning of a library
+        ok = status == 0 and any(regex.fullmatch(line) for line in out.splitlines()) and not err.strip()
+    if not ok:
+        return f"status {status}\n--- stdout\n{out[-600:]}\n--- stderr\n{err[-3000:]}"
+    after = hashes(job.keep)
+    changed = [p for p in before if before[p] != after.get(p)]
+    return f"changed or lost: {changed}" if changed else None
+
+
+@pytest.fixture
+def server():
+    """The fork server, stopped after the matrix (no process of this test outlives it)."""
+    yield SERVER
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # Python has no public way
+    if stop is not None:
+        stop()
+
+
+def test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint(server, data, uninterrupted, tmp_path):
+    assert {p.name for p in BIN.iterdir()} >= set(COMMANDS), "the package's commands are installed (scripts/setup.sh)"
+    assert len(FAULTS) >= 25
+
+    def one(k: int) -> Optional[str]:
+        folder = tmp_path / f"case{k}"
+        folder.mkdir()
+        t = time.monotonic()
+        try:
+            return check(FAULTS[k], Bench(folder, data, uninterrupted))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            print(f"{time.monotonic() - t:6.1f}s  {FAULTS[k].what}", flush=True)
+
+    chosen = [k for k, f in enumerate(FAULTS) if os.environ.get("FMS_FAULTS", "") in f.what]  # FMS_FAULTS=<text>: some
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(one, chosen))
+    failed = [f"{FAULTS[k].what}: {r}" for k, r in zip(chosen, results) if r is not None]
+    assert not failed, "\n\n".join(failed)
+
+
+def troubleshooting_table() -> str:
+    """The markdown table of docs/troubleshooting.md (scripts/gen_docs.py)."""
+    rows = ["| what happened | what you see | exit status |", "|---|---|---|"]
+    for f in FAULTS:
+        line = re.sub(r"\{(\w+)\}", r"<\1>", f.says).replace("|", "\\|")
+        rows.append(f"| {f.what} | `{line}` | {f.status} |")
+    return "\n".join(rows)
