@@ -69,13 +69,19 @@ class Owner:
 
 
 def _running(pid: int) -> bool:
+    """Whether process `pid` of this host is alive: a zombie (killed, not reaped yet: in a container
+    whose first process reaps nothing, never) is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (not Linux), or it just ended
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 class RunLease:

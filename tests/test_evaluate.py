@@ -16,7 +16,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluate import eval_lines
 from fms_fsdp.flags import parse_args
 
-from conftest import TINY, here, run_here
+from conftest import TINY, here, records, run_here
 from test_checkpoint import flags, losses, run
 
 
@@ -31,6 +31,9 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     assert losses(evaluated) == losses(plain)  # the training loader, RNG and steps are untouched
     four, six = evals(evaluated)
     assert (four["step"], six["step"]) == (4, 6) and "eval step 6 | loss" in output
+    # an evaluation's time is its own (eval_seconds), not in the step time of the interval it fell in
+    steps = {r["step"]: r for r in records(evaluated) if "loss" in r}
+    assert steps[4]["step_time"] < max(steps[s]["step_time"] for s in (2, 3, 5)) + 0.5 * four["eval_seconds"]
     assert six["eval_loss/web"] != six["eval_loss/code"] and six["eval_ppl"] == pytest.approx(
         math.exp(six["eval_loss"])
     )

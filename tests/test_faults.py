@@ -332,6 +332,22 @@ def _eval_file(b: Bench) -> Job:
 )
 def _load_truncated(b: Bench) -> Job:
     path = b.damaged()
+    out = b.tmp / "run"
+    return Job(  # and a start that failed leaves no config.yaml
+        ["fms-train", *flags(b.data, out, f"--ckpt_load_path={path}")],
+        values={"path": str(path)},
+        after=lambda: _absent(out / "config.yaml"),
+    )
+
+
+@fault(
+    "--ckpt_load_path: a checkpoint with a zero-byte shard",
+    "error: --ckpt_load_path: {path}: {shard} is truncated (0 of {m} bytes); the checkpoint is damaged",
+    1,
+)
+def _load_zero_shard(b: Bench) -> Job:
+    path = b.damaged(1.0)
+    (path / "__1_0.distcp").write_bytes(b"")
     return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
 
 
@@ -473,6 +489,15 @@ def _bad_shard(b: Bench) -> Job:
         (data / name).mkdir(parents=True)
         (data / name / "part0.arrow").write_bytes(b"ARROW1 but not really")
     return Job(["fms-train", *flags(data, b.tmp / "run")], values={"path": str(data / "code" / "part0.arrow")})
+
+
+@fault("a truncated data shard", "error: {path}: not a readable arrow shard{why}", 2)
+def _truncated_shard(b: Bench) -> Job:
+    data = b.tmp / "data"
+    shutil.copytree(b.data, data)
+    path = next((data / "web").rglob("*.arrow"))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return Job(["fms-train", *flags(data, b.tmp / "run")], values={"path": str(path)})
 
 
 @fault("a zero-byte data shard", "error: {path}: not a readable arrow shard{why}", 2)
@@ -658,20 +683,23 @@ def _second_run(b: Bench) -> Job:
 
 
 @fault(
-    "a lease left by a run killed on this host",
+    "a lease left by a run killed on this host (its process gone, or a zombie not reaped yet)",
     "note: took over {lease} from a run that ended without releasing it (pid {pid} on {host} is gone)",
     0,
 )
 def _dead_owner(b: Bench) -> Job:
     out = b.run_with_checkpoints()
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    owner_record(out, pid=gone.pid)
+    killed = subprocess.Popen(["sleep", "60"])
+    killed.kill()  # and not reaped until the case ends: a zombie, as a killed rank whose parent died
+    while Path(f"/proc/{killed.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    owner_record(out, pid=killed.pid)
     return Job(
         ["fms-train", *flags(b.data, out, "--num_steps=13")],
         values={"lease": str(out / "owner.json")},
         keep=[out / "checkpoints" / "step_12_ckp"],
         after=lambda: _absent(out / "owner.json"),
+        cleanup=killed.wait,
     )
 
 

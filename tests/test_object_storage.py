@@ -274,6 +274,14 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
     assert (
         error("ckpt_load_path", "s3://runs/no-such-model") == "--ckpt_load_path: s3://runs/no-such-model does not exist"
     )
+    # the run lease holds in a bucket too: a live owner's marker refuses a second run
+    beat = time.time()
+    (location("s3://runs/leased", "ckpt_save_path") / "owner.json").write_text(
+        json.dumps(dict(host="other-node", pid=1, job="", started=beat, heartbeat=beat, token="0" * 32))
+    )
+    assert error("ckpt_save_path", "s3://runs/leased").startswith(
+        "--ckpt_save_path: s3://runs/leased belongs to a running run (pid 1 on other-node"
+    )
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     assert error("ckpt_save_path", "s3://runs/run").startswith("--ckpt_save_path: cannot write s3://runs/run (")
