@@ -131,7 +131,7 @@ def facts(cfg: train_config) -> Run:
         check_profiler(cfg, device)
     adamw_kernels(cfg.optimizer_impl, device, cfg.skip_bad_steps)
     check_lora(cfg)
-    if cfg.ckpt_load_path is not None:
+    if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
     positions = get_model_config(cfg.model_variant).max_expected_seq_len

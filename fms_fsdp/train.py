@@ -1,9 +1,10 @@
 """The training loop, top to bottom.
 
 `run_training`: the run's facts and start-up checks (run.py), the process group and mesh, then
-`train`: config.yaml and the trackers, the data loader first (bad data fails before the model is
-built), the model parallelised and its optimizer (builder.py), the start (checkpoint/io.py: resume
-from the newest checkpoint, else --ckpt_load_path's weights); then step. A step reads nothing back
+`train`: the run lease on --ckpt_save_path (lease.py; before any write there) and the trackers, the
+data loader first (bad data fails before the model is built), the model parallelised and its
+optimizer (builder.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
+--ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
 every few seconds the ranks agree on stop requests and time-based saves (triggers.py). Bad steps are
 judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
