@@ -16,6 +16,7 @@ import itertools
 import json
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -917,11 +918,13 @@ def check(f: Fault, b: Bench) -> Optional[str]:
 
 @pytest.fixture
 def server():
-    """The fork server, stopped after the matrix (no process of this test outlives it)."""
+    """The fork server, stopped after the matrix with the resource tracker it started (no process of
+    this test outlives it)."""
     yield SERVER
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # Python has no public way
-    if stop is not None:
-        stop()
+    for helper in (multiprocessing.forkserver._forkserver, multiprocessing.resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)  # Python has no public way
+        if stop is not None:
+            stop()
 
 
 def test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint(server, data, uninterrupted, tmp_path):
