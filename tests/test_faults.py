@@ -32,19 +32,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+from test_commands import BIN, COMMANDS
 
 from conftest import ROOT, TINY, flags
 
-BIN = Path(sys.executable).parent
-COMMANDS = (
-    "fms-train",
-    "fms-evaluate",
-    "fms-prepare-data",
-    "fms-inspect-data",
-    "fms-plot-metrics",
-    "fms-export-model",
-    "fms-to-hf",
-)
 DUMMY = [*TINY, "--num_steps=4"]  # a run on synthetic data
 LONG = [*TINY, "--num_steps=60", "--checkpoint_interval=2", "--checkpoint_keep=100"]  # stopped before its end
 
