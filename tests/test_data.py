@@ -214,6 +214,7 @@ def test_exact_resume(tmp_path, workers, text):
         for _ in range(5):
             next(it)
         state = pickle.loads(pickle.dumps(first.state_dict()))
+        it.close()  # its workers end, as a stopped run's do
         again = data_loader(c, rank, 2)
         again.load_state_dict(state)
         rest = take(again, 8)

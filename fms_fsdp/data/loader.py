@@ -9,6 +9,7 @@ worker whose batch was due next delivers first, and the batch sequence continues
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -41,7 +42,9 @@ def _init_worker(worker_id: int, rank_pid: int) -> None:
     sent to every process of a job (Slurm signals a whole job step) is ignored, but a SIGTERM from the
     rank itself (multiprocessing's terminate, which ends daemonic children when the rank's interpreter
     exits, or DataLoader's shutdown) ends the worker. Workers also die with their parent process (the
-    rank, or a forkserver that dies with it), whatever killed it."""
+    rank, or a forkserver that dies with it), whatever killed it. A worker that crashes in native code
+    prints its Python stack (faulthandler) before DataLoader's own line."""
+    faulthandler.enable(all_threads=True)
     for sig in STOP_SIGNALS:
         if sig != signal.SIGTERM:
             signal.signal(sig, signal.SIG_IGN)
