@@ -54,8 +54,10 @@ def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str
     )
     line = (
         f"model {cfg.model_variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
-        f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}, "
-        f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, bf16: {cfg.mixed_precision}"
+        f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}"
+        f"{' (one rank: no FSDP)' if run.shape.whole else ''}, "
+        f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, "
+        f"bf16: {cfg.mixed_precision}{' (autocast)' if cfg.mixed_precision and run.shape.whole else ''}"
     )
     if cfg.float8:
         line += f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers"

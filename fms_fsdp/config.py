@@ -77,7 +77,7 @@ class train_config:
     )
     sharding_strategy: str = _f(
         "hsdp",
-        "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only.",
+        "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only. A run of one rank trains the module itself, without FSDP's parameter copies.",
         choices=("fsdp", "hsdp", "ddp"),
     )
     sharding_group_size: Optional[int] = _f(
@@ -99,7 +99,10 @@ class train_config:
         "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).",
         choices=("block", "op"),
     )
-    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights, gradient reduction and optimizer state.")
+    mixed_precision: bool = _f(
+        True,
+        "bf16 compute with fp32 master weights, gradient reduction and optimizer state (FSDP2's bf16 parameters; on one rank, without FSDP, bf16 autocast).",
+    )
     float8: bool = _f(
         False,
         "Float8 matmuls in the blocks' Linear layers through torchao (extra float8; a GPU of compute capability 8.9+, emulated on CPU); checkpoints and exports stay the same.",

@@ -16,6 +16,10 @@ The predicted peak is params + optimizer + in-flight blocks + the larger of (act
 the end of forward and the gradient shards at the end of backward, plus one block's recomputation
 when blocks are checkpointed. A plan fits when the peak is at most 90% of the device's memory (the
 rest for the CUDA context, communication buffers and allocator fragmentation).
+
+One rank trains the plain module (parallel.py): its parameters, gradients and optimizer state are
+whole and nothing is gathered; in bf16 the traces run under autocast over fp32 weights, so the bf16
+copies of the weights that autograd keeps count among the activations.
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
 from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, MeshShape, apply_activation_checkpointing, checkpointed_blocks
+from fms_fsdp.parallel import (
+    TP_COLWISE,
+    TP_ROWWISE,
+    MeshShape,
+    apply_activation_checkpointing,
+    apply_autocast,
+    checkpointed_blocks,
+)
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
@@ -91,6 +102,7 @@ class Shape:
     mixed_precision: bool
     gpu: bool  # the loss's chunks are sized for a GPU
     lora: Optional[LoRASpec]  # adapters, the base frozen
+    autocast: bool = False  # bf16 through autocast over fp32 weights (one rank, no FSDP)
 
 
 @lru_cache(maxsize=64)
@@ -101,7 +113,7 @@ def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int,
 
     config = get_model_config(shape.variant, shape.vocab_size, shape.seq_length).updated(nlayers=blocks)
     dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if shape.mixed_precision else torch.float32)
+    torch.set_default_dtype(torch.bfloat16 if shape.mixed_precision and not shape.autocast else torch.float32)
     try:
         with FakeTensorMode():
             model = build_model(config, torch.device("cpu"))
@@ -111,6 +123,8 @@ def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int,
                 model.requires_grad_(True)
             if mode != "none":
                 apply_activation_checkpointing(model, Fraction(1), mode)
+            if shape.autocast:
+                apply_autocast(model)
             tokens = torch.zeros(batch, shape.seq_length, dtype=torch.long)
             tracker = MemTracker()
             tracker.track_external(model)
@@ -225,10 +239,16 @@ class Planner:
         self.compute = 2 if cfg.mixed_precision else 4
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * trained
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
-        # block's unsharded gradients
-        self.gathered = self.compute * (4 * block + head)
+        # block's unsharded gradients; none on one rank, which has no FSDP
+        self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
         self.shape = Shape(
-            cfg.model_variant, cfg.vocab_size, cfg.seq_length, cfg.mixed_precision, cfg.device != "cpu", self.lora
+            cfg.model_variant,
+            cfg.vocab_size,
+            cfg.seq_length,
+            cfg.mixed_precision,
+            cfg.device != "cpu",
+            self.lora,
+            shape.whole and cfg.mixed_precision,
         )
 
     def plan(self, setting: Setting) -> Plan:
@@ -308,12 +328,14 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     plan = planner.plan(setting)
     compute = "bf16" if cfg.mixed_precision else "fp32"
     chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
+    whole = planner.mesh.whole
+    copies = ", bf16 weight copies included" if planner.shape.autocast else ""
     rows = [
-        ("parameters (fp32 master shards)", plan.params),
-        ("gradients (fp32 shards)", plan.grads),
+        ("parameters (fp32)" if whole else "parameters (fp32 master shards)", plan.params),
+        ("gradients (fp32)" if whole else "gradients (fp32 shards)", plan.grads),
         ("optimizer state (AdamW, 2 x fp32)", plan.optimizer),
-        (f"blocks gathered in flight ({compute}, prefetch included)", plan.gathered),
-        ("activations saved for backward", plan.activations),
+        *([] if whole else [(f"blocks gathered in flight ({compute}, prefetch included)", plan.gathered)]),
+        (f"activations saved for backward{copies}", plan.activations),
         ("loss working set", plan.loss),
         ("predicted peak", plan.peak),
         (f"device ({device_name})", plan.device),
@@ -330,6 +352,10 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
     if dims == 3:
         lines.append("  (tensor parallel: activations and loss estimated from the unsplit model's traces)")
+    if whole:
+        lines.append(
+            f"  (one rank: the module itself, no FSDP{', bf16 through autocast' if cfg.mixed_precision else ''})"
+        )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(
         f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within {HEADROOM:.0%})"

@@ -190,7 +190,11 @@ class LMHead(LinearClassificationHead):
             return self._vocab_parallel(x, labels)
         if labels is None:
             return super().forward(x)
-        return chunked_cross_entropy(x, self.weight, labels, self.chunk_fn, self.max_chunk_bytes)
+        weight, device = self.weight, x.device.type
+        if torch.is_autocast_enabled(device):  # the loss's own gradient matmuls run in bf16 too, as under FSDP
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return chunked_cross_entropy(x, weight, labels, self.chunk_fn, self.max_chunk_bytes)
 
     def _vocab_parallel(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Tensor parallel: this rank's weight is a slice of the vocabulary, the hidden states arrive

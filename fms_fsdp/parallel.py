@@ -3,7 +3,9 @@ float8 Linear layers (float8.py), selective activation checkpointing, per-block 
 compiled loss), FSDP2 (fully_shard) with bf16 mixed precision, and gradient sync under accumulation.
 fsdp, hsdp and ddp are all FSDP2 over a (replicate, shard) mesh of different shapes; with
 --tensor_parallel_size=T a third, innermost dimension 'tp' holds the T ranks (of one node) that split
-every layer, and data parallelism runs over the other two.
+every layer, and data parallelism runs over the other two. A run of one rank trains the plain module
+(as torchtitan does on one GPU): no FSDP parameter copies in and out, bf16 through autocast over fp32
+master weights.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class MeshShape(NamedTuple):
     @property
     def dp(self) -> int:
         return self.replicate * self.shard
+
+    @property
+    def whole(self) -> bool:
+        """One rank: the plain module is trained, without FSDP."""
+        return self.dp * self.tp == 1
 
 
 def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
@@ -248,6 +255,24 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+class Autocast(nn.Module):
+    """Mixed into the model's class where no FSDP casts its parameters (one rank): its forward, the
+    loss included, runs under bf16 autocast while the parameters stay fp32, the optimizer's master
+    weights. Each weight's bf16 copy is made at its use and kept only where autograd saves it (no cast
+    cache: a checkpointed block's copies are freed with its activations and made again in backward)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next(self.parameters()).device.type
+        with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+            return super().forward(*args, **kwargs)
+
+
+def apply_autocast(model: nn.Module) -> None:
+    """bf16 compute for a model without FSDP (see Autocast)."""
+    cls = type(model)
+    model.__class__ = type(f"Autocast{cls.__name__}", (Autocast, cls), {})
+
+
 def apply_compile(model: LLaMA) -> None:
     """torch.compile every block whole (fullgraph: a graph break is an error, not a slow step) and the
     loss's chunk function (its fp32 upcast, log-softmax and gradient fused)."""
@@ -286,7 +311,7 @@ class Parallelized(NamedTuple):
 
 def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> Parallelized:
     """Tensor parallelism, float8 conversion, activation checkpointing, then compile, then FSDP2, in
-    torchtitan's order."""
+    torchtitan's order; on a mesh of one rank no FSDP, bf16 through autocast (`Autocast`)."""
     if "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model, mesh["tp"])
     n_float8 = 0
@@ -297,15 +322,21 @@ def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> P
         n_ckpt = apply_activation_checkpointing(model, settings.checkpointing, settings.ac_mode)
     if settings.compile:
         apply_compile(model)
-    apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision)
+    if mesh.size() > 1:
+        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision)
+    elif settings.mixed_precision:
+        apply_autocast(model)
     return Parallelized(n_ckpt, n_float8)
 
 
-def set_gradient_sync(model: FSDPModule, last_micro_batch: bool) -> None:
+def set_gradient_sync(model: nn.Module, last_micro_batch: bool) -> None:
     """Before each micro-batch's backward. Sharded gradients are reduce-scattered every micro-batch, so
     accumulation holds one micro-batch's unsharded gradients at a time; only HSDP's all-reduce across
     replicas waits for the last (the shards accumulate in FSDP's buffer meanwhile). Without sharding
-    (ddp) the gradients are whole anyway: they accumulate locally and are all-reduced once."""
+    (ddp) the gradients are whole anyway: they accumulate locally and are all-reduced once. A model
+    without FSDP (one rank) has nothing to sync."""
+    if not isinstance(model, FSDPModule):
+        return
     mesh = next(p for p in model.parameters()).device_mesh
     if mesh["shard"].size() == 1:
         model.set_requires_gradient_sync(last_micro_batch)

@@ -54,7 +54,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
       shard by shard on the meta device), 4 steps; gqa_tp2_ac with per-op activation checkpointing;
       gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
     - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, and dp2_ref
-      the same global batch on one rank (the synthetic data does not depend on the world size);
+      the same global batch on one rank (the synthetic data does not depend on the world size), which
+      trains the module itself (no FSDP) and checkpoints at step 2: dp2_fsdp resumes that on 2 ranks;
     - hsdp2x2: 2 replicas of a 2-way sharded model, 2 micro-batches a step, and hsdp2x2_ref the same
       global batch of 8 on one rank; resumed_4: `uninterrupted`'s 2-rank checkpoint of step 6 resumed
       on 4 ranks (HSDP 2 x 2) and exported;
@@ -74,6 +75,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "gqa_tp1_bf16",
             "gqa_tp2_bf16",
             "dp2_ref",
+            "dp2_fsdp",
             "fsdp_tp2",
             "hsdp_tp2",
             "hsdp2x2_ref",
@@ -104,9 +106,10 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
-    run_here(
-        [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"]
+    out["log1"] = run_here(
+        [*TINY, "--num_steps=4", "--checkpoint_interval=2", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"]
     )
+    resume_from(out["dp2_ref"], 2, out["dp2_fsdp"])
     run_here(
         [*TINY, "--num_steps=6", "--checkpoint_interval=0", "--batch_size=8", f"--ckpt_save_path={out['hsdp2x2_ref']}"]
     )
@@ -128,6 +131,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
                 "--ac_mode=op",
             ],
             [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
+            [*gqa, f"--ckpt_save_path={out['dp2_fsdp']}", "--sharding_strategy=fsdp"],
             flags(
                 data,
                 out["tp2"],
@@ -210,6 +214,16 @@ def test_a_2_rank_checkpoint_resumes_on_4_ranks(runs, uninterrupted):
     assert f"checkpoint: resumed from {runs['resumed_4'] / 'checkpoints' / 'step_6_ckp'} at step 6" in runs["log4"]
     assert "nothing to train: the checkpoint is at step 6" in runs["log4"]
     assert_exported_step_6(uninterrupted, runs["resumed_4"])
+
+
+def test_a_checkpoint_of_the_module_itself_resumes_under_fsdp(runs):
+    """One rank's checkpoint (the plain module, no FSDP) resumed on 2 ranks sharding the model: the
+    curve goes on (the way back, 2 ranks to 1: tests/test_checkpoint.py)."""
+    assert "mesh (replicate, shard) = (1, 1) on cpu (one rank: no FSDP)" in model_line(runs["log1"], runs["dp2_ref"])
+    assert "mesh (replicate, shard) = (1, 2) on cpu, " in model_line(runs["log2"], runs["dp2_fsdp"])
+    assert f"resumed from {runs['dp2_fsdp'] / 'checkpoints' / 'step_2_ckp'} at step 2" in runs["log2"]
+    got, want = losses(runs["dp2_fsdp"]), losses(runs["dp2_ref"])
+    assert sorted(got) == [3, 4] and close(got, {s: want[s] for s in got}, DP_TOL), (got, want)
 
 
 def test_tp2_gives_the_tp1_loss_step_for_step(runs):

@@ -21,9 +21,9 @@ _MARGIN = 1.05  # a checkpoint's files take a little more than its tensors
 def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> int:
     """Bytes of one checkpoint: the model and optimizer shards of one replica (DCP writes each once).
     Every rank calls it."""
-    mesh = next(model.parameters()).device_mesh
+    mesh = getattr(next(model.parameters()), "device_mesh", None)  # None: one rank, no FSDP
     local = 0
-    if mesh.get_coordinate()[0] == 0:  # the first replica along the mesh's 'replicate' dimension
+    if mesh is None or mesh.get_coordinate()[0] == 0:  # the first replica along the mesh's 'replicate' dimension
         local = sum(t.numel() * t.element_size() for t in _tensors(model.state_dict()))
         local += sum(t.numel() * t.element_size() for t in _tensors(optimizer.state_dict()))
     total = torch.tensor([local], dtype=torch.float64)

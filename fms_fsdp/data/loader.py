@@ -44,7 +44,7 @@ def _init_worker(worker_id: int, rank_pid: int) -> None:
     exits, or DataLoader's shutdown) ends the worker. Workers also die with their parent process (the
     rank, or a forkserver that dies with it), whatever killed it. A worker that crashes in native code
     prints its Python stack (faulthandler) before DataLoader's own line."""
-    faulthandler.enable(all_threads=True)
+    faulthandler.enable(file=2, all_threads=True)  # the process's stderr, whatever sys.stderr is now
     for sig in STOP_SIGNALS:
         if sig != signal.SIGTERM:
             signal.signal(sig, signal.SIG_IGN)
