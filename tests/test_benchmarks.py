@@ -1,16 +1,27 @@
-"""benchmarks/throughput.py: settings of a sweep, and a sweep run whose failing setting is one line."""
+"""benchmarks/throughput.py: settings of a sweep, and a sweep run whose failing setting is one line;
+benchmarks/gpu_check.py's table of goals from real BENCH lines, and its one line without a GPU."""
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from fms_fsdp.errors import ConfigError
 
 from conftest import ROOT, TINY
 
-spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
-throughput = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(throughput)
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+throughput, gpu_check = load("throughput"), load("gpu_check")
 
 
 def test_sweep_settings_are_every_combination_with_checkpointing_switched_by_its_fraction():
@@ -48,3 +59,30 @@ def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint
     assert "--sharding_group_size=3 does not divide the world size 1" in lines[1]
     assert lines[2] == "BEST " + lines[0].split(" ", 1)[1]
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    # gpu_check's table of this BENCH line as each of its settings: a figure per goal, met or not
+    bench = gpu_check.parse_bench(lines[0])
+    tps = float(bench["tokens_per_sec_per_gpu"])
+    results = {b.name: {**bench, "mfu": "0.6"} for b in gpu_check.BENCHES}
+    results[gpu_check.BENCHES[3].name]["tokens_per_sec_per_gpu"] = str(1.3 * tps)  # float8 1.3x
+    log = (
+        "memory plan ['--ac']: planned 10.5 GiB, measured 10.0 GiB\nmemory plan ['--x']: planned 9 GiB, measured 10 GiB"
+    )
+    text = gpu_check.table(results, {}, gpu_check.plan_errors(log), "cpu")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["tokens/s/GPU, llama3_1.8b_4k bs 2 compile (torchtitan 0.2.2: 38,592; before: 30,553)"].endswith(
+        f"| {tps:,.0f} | >= 41,000 | NO |"
+    )
+    assert rows["best llama3_1.8b_4k MFU"].endswith("| 0.600 | >= 0.55 | yes |")
+    assert rows["float8 / bf16 tokens/s, llama3_3.2b_4k op AC"].endswith("| 1.300 | >= 1.25 | yes |")
+    assert rows["memory plan's error vs torch.cuda.max_memory_allocated, worst of 3"].endswith(
+        "| 0.100 | <= 0.1 | yes |"
+    )
+    missing = gpu_check.table({}, {gpu_check.BENCHES[0].name: "error: out of memory"}, [], "cpu")
+    assert f"| {gpu_check.BENCHES[0].name} | error: out of memory |" in missing and "| no figure |" in missing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    assert proc.stderr.startswith("gpu_check: no CUDA GPU is visible to torch") and proc.stderr.count("\n") == 1

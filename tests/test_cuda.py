@@ -1,0 +1,214 @@
+"""The CUDA tier: what only a GPU can show, on one GPU (`pytest -m cuda`, or `bash scripts/gpu_check.sh`).
+Every test skips without CUDA. They train in this process, one rank (the module itself, bf16 through
+autocast), or in a process of their own where the exit matters."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
+from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.data import get_data_loader
+from fms_fsdp.flags import parse_args
+from fms_fsdp.guard import StepGuard
+from fms_fsdp.memory import GIB, Planner, setting_of
+from fms_fsdp.run import facts, started
+from fms_fsdp.train import train_step
+
+from conftest import here, launch, records, run_here
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU tier (pytest -m cuda)"),
+]
+
+# a small bf16 run on the GPU: synthetic data, no checkpoint unless asked
+GPU = [
+    "--model_variant=tiny",
+    "--device=cuda",
+    "--use_dummy_dataset=True",
+    "--mixed_precision=True",
+    "--use_torch_compile=False",
+    "--seq_length=256",
+    "--batch_size=4",
+    "--vocab_size=32000",
+    "--report_interval=1",
+    "--checkpoint_interval=0",
+]
+
+
+def train_gpu(out: Path, *flags: str) -> list[dict]:
+    """A GPU run in this process, written to `out`; its metrics records."""
+    run_here([*GPU, f"--ckpt_save_path={out}", *flags])
+    return records(out)
+
+
+def losses(recs: list[dict]) -> list[float]:
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+@pytest.mark.parametrize("skip_bad_steps", [0, 3])
+def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
+    """The per-step path (pinned batch copy, forward, loss, backward, clipping, the bad-step guard, fused
+    AdamW and the loss sum) under torch.cuda.set_sync_debug_mode('error'): any host sync raises."""
+    cfg = parse_args([*GPU, "--grad_accum_steps=2", "--ckpt_save_path=unused", f"--skip_bad_steps={skip_bad_steps}"])
+    with here(), started(facts(cfg)) as run:
+        info = run.info
+        model = build_sharded_model(run)
+        optimizer, scheduler = build_optimizer_and_schedule(run, model)
+        batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
+        guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
+        total = torch.zeros((), device=info.device)
+        train_step(model, optimizer, guard, 1, batches, cfg, info.device, global_norm=True)  # first step: lazy state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(2, 6):
+                loss, _, _ = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=False)
+                scheduler.step()
+                total += loss
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        guard.check()
+        assert math.isfinite(total.item())
+
+
+def test_a_real_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags(tmp_path):
+    """A micro-batch far too big for the GPU: one error line and status 1, no traceback."""
+    proc = launch(
+        "main_training.py",
+        [
+            *GPU,
+            "--model_variant=llama3_1.8b_4k",
+            "--seq_length=4096",
+            "--batch_size=256",
+            "--num_steps=2",
+            f"--ckpt_save_path={tmp_path}",
+        ],
+        None,
+    )
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.match(r"error: step 1: out of memory (allocating [\d.]+ [KMGT]?i?B|out of memory) on .+GiB", errors[0])
+    assert "--batch_size (now 256)" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_bf16_compile_fullgraph_on_cuda_without_graph_breaks_or_recompiles(tmp_path):
+    """bf16 (autocast on one rank) with per-op checkpointing: one graph for every block, one for the
+    loss's chunk, and no step after the first compiles again."""
+    torch._dynamo.reset()
+    counters.clear()
+    recs = train_gpu(
+        tmp_path, "--num_steps=6", "--use_torch_compile=True", "--fsdp_activation_checkpointing=True", "--ac_mode=op"
+    )
+    assert losses(recs)[-1] < losses(recs)[0]
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"] and not counters["recompiles"], (counters["graph_break"], counters["recompiles"])
+
+
+def test_attention_runs_a_fused_sdpa_kernel_not_the_math_fallback():
+    cfg = parse_args([*GPU, "--ckpt_save_path=unused"])
+    with here(), started(facts(cfg)) as run:
+        model = build_sharded_model(run)
+        tokens = torch.randint(0, 32000, (2, 256), device=run.device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(tokens, labels=tokens).backward()
+    ops = {e.key for e in prof.key_averages()}
+    fused = {
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+    }
+    assert ops & fused, sorted(o for o in ops if "attention" in o)
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_float8_trains_within_1_percent_of_bf16_and_its_checkpoint_resumes_in_bf16(tmp_path):
+    """50 steps of `small` in bf16, float8 tensorwise and float8 rowwise: mean losses over the last 10
+    steps within 1% of bf16's; the tensorwise run's checkpoint goes on without float8."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9 or newer")
+    common = ["--model_variant=small", "--num_steps=50", "--learning_rate=6e-4", "--seq_length=512", "--batch_size=8"]
+    float8 = ["--float8=True", "--float8_min_size=16"]
+    curves = {
+        "bf16": losses(train_gpu(tmp_path / "bf16", *common)),
+        "tensorwise": losses(train_gpu(tmp_path / "tensorwise", *common, *float8, "--checkpoint_interval=50")),
+        "rowwise": losses(train_gpu(tmp_path / "rowwise", *common, *float8, "--float8_recipe=rowwise")),
+    }
+    tail = {name: sum(c[-10:]) / 10 for name, c in curves.items()}
+    assert tail["bf16"] < curves["bf16"][0] - 1.0, curves["bf16"]
+    for name in ("tensorwise", "rowwise"):
+        assert abs(tail[name] - tail["bf16"]) < 0.01 * tail["bf16"], tail
+        assert curves[name] != curves["bf16"]  # the matmuls really were float8
+    out = run_here([*GPU, *common, "--num_steps=52", f"--ckpt_save_path={tmp_path / 'tensorwise'}"])
+    assert "at step 50" in out
+    resumed = {r["step"]: r["loss"] for r in records(tmp_path / "tensorwise") if "loss" in r}
+    last = curves["tensorwise"][-1]
+    assert abs(resumed[51] - last) < 0.1 * last + 0.05, (resumed[51], last)  # the trained weights go on
+
+
+@pytest.mark.parametrize(
+    "ac",
+    [
+        ["--fsdp_activation_checkpointing=False"],
+        ["--fsdp_activation_checkpointing=True", "--ac_mode=block"],
+        ["--fsdp_activation_checkpointing=True", "--ac_mode=op"],
+    ],
+)
+def test_the_memory_plan_is_within_10_percent_of_the_peak(tmp_path, ac):
+    """llama3_1.8b_4k, micro-batch 2 x 4096, bf16, one GPU: the plan's peak against
+    torch.cuda.max_memory_allocated over the steps after the first."""
+    flags = ["--model_variant=llama3_1.8b_4k", "--seq_length=4096", "--batch_size=2", "--num_steps=3", *ac]
+    torch.cuda.empty_cache()
+    recs = train_gpu(tmp_path, *flags)
+    peak = max(r["peak_memory_allocated_gb"] for r in recs if r["step"] > 1) * GIB
+    cfg = parse_args([*GPU, *flags, "--ckpt_save_path=unused"])
+    run = facts(cfg)
+    device_bytes = torch.cuda.get_device_properties(0).total_memory
+    planned = Planner(cfg, run.shape, run.model_config, device_bytes).plan(setting_of(cfg))
+    print(f"memory plan {ac}: planned {planned.peak / GIB:.2f} GiB, measured {peak / GIB:.2f} GiB")
+    assert abs(planned.peak - peak) <= 0.1 * peak, (planned, peak / GIB)
+
+
+def test_an_async_checkpoint_of_cuda_tensors_equals_a_synchronous_one_and_stalls_less(tmp_path):
+    flags = ["--model_variant=small", "--num_steps=4", "--checkpoint_interval=4"]
+    stalls = {}
+    for mode in ("sync", "async"):
+        recs = train_gpu(tmp_path / mode, *flags, f"--async_checkpoint={mode == 'async'}")
+        stalls[mode] = next(r["checkpoint_stall_s"] for r in recs if "checkpoint_stall_s" in r)
+    print(f"checkpoint stall of `small` on {torch.cuda.get_device_name()}: {stalls}")
+    a, b = (read_model(tmp_path / mode / "checkpoints" / "step_4_ckp") for mode in ("sync", "async"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert stalls["async"] < stalls["sync"], stalls
+
+
+def _trace(folder: Path) -> list[dict]:
+    (path,) = folder.glob("*.pt.trace.json*")
+    text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(text)["traceEvents"]
+
+
+def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the_snapshot_is_written(tmp_path):
+    """The profiled steps' host-to-device copies are all from pinned memory, launched asynchronously
+    (the host goes on launching kernels while they run); the allocator snapshot is written."""
+    # steps 4-6 are profiled; the only report (a read of the device) is at step 8
+    train_gpu(
+        tmp_path, "--num_steps=8", "--report_interval=8", "--use_profiler=True", "--profiler_memory_snapshot=True"
+    )
+    events = _trace(tmp_path / "profiler")
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "Memcpy") and "HtoD" in e.get("name", "")]
+    assert len(copies) >= 2 * 3, [e.get("name") for e in copies]  # inputs and labels of 3 profiled steps
+    assert all("Pinned" in e["name"] for e in copies), {e["name"] for e in copies}
+    runtime = {e.get("name") for e in events if e.get("cat") == "cuda_runtime"}
+    assert "cudaMemcpyAsync" in runtime  # host syncs: test_steps_between_reports_never_wait_for_the_gpu
+    snapshot = pickle.loads((tmp_path / "profiler" / "memory_snapshot_rank0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"]
