@@ -205,7 +205,14 @@ def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the
         tmp_path, "--num_steps=8", "--report_interval=8", "--use_profiler=True", "--profiler_memory_snapshot=True"
     )
     events = _trace(tmp_path / "profiler")
-    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "Memcpy") and "HtoD" in e.get("name", "")]
+    batch_bytes = 4 * 256 * 8  # GPU's --batch_size x --seq_length int64 tokens
+    copies = [
+        e
+        for e in events
+        if e.get("cat") in ("gpu_memcpy", "Memcpy")
+        and "HtoD" in e.get("name", "")
+        and e.get("args", {}).get("bytes") == batch_bytes
+    ]
     assert len(copies) >= 2 * 3, [e.get("name") for e in copies]  # inputs and labels of 3 profiled steps
     assert all("Pinned" in e["name"] for e in copies), {e["name"] for e in copies}
     runtime = {e.get("name") for e in events if e.get("cat") == "cuda_runtime"}
