@@ -29,6 +29,7 @@ def build_sharded_model(run: Run) -> CausalLM:
             run.log(warning)
     model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
     n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
+    model.head.z_loss_weight = cfg.z_loss_weight
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
     done = parallelize(model, ParallelSettings.of(cfg), run.mesh)

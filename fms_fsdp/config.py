@@ -140,6 +140,11 @@ class train_config:
     adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0)
     adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
+    z_loss_weight: float = _f(
+        0.0,
+        "z-loss: add this weight x logsumexp(logits)^2 per token to the training loss (1e-4 in PaLM and OLMo), which keeps the output logits from drifting; the term is reported as z_loss and included in loss. Evaluation reports cross entropy alone.",
+        min=0.0,
+    )
     optimizer_impl: str = _f(
         "auto",
         "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.",

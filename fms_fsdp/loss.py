@@ -6,7 +6,10 @@ of the logits are computed for one chunk of tokens at a time, in the forward pas
 linear cross entropy does): each chunk's gradient w.r.t. the hidden states and the head weight is
 kept, its logits are dropped, and backward only scales them. The head weight's gradient sums the
 chunks' products (each in the hidden states' dtype) in fp32. `chunk_loss` is what torch.compile
-fuses when the run compiles. Without gradients (evaluation) only the loss is computed.
+fuses when the run compiles. Without gradients (evaluation) only the cross entropy is computed.
+
+z-loss (--z_loss_weight w, PaLM's and OLMo's): w * logsumexp(logits)^2 per token is added to the
+cross entropy, inside the same chunks; its gradient w.r.t. the logits is 2 w lse * softmax.
 
 Under tensor parallelism (loss parallel) each rank's head holds a slice of the vocabulary
 (`VocabShard`): per chunk, the maximum and the sum of exponentials are all-reduced over the group,
@@ -30,7 +33,7 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 1 << 27
 CUDA_CHUNK_BYTES = 1 << 30
 
-ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class VocabShard(NamedTuple):
@@ -86,23 +89,39 @@ def _parallel_summed_loss(
     return logits, lse, valid, target, owned, torch.where(valid, lse - sums[:, 1:], 0.0).sum()
 
 
+def _z_terms(lse: torch.Tensor, valid: torch.Tensor, z_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed lse^2 over valid rows, and the factor (1 + 2 w lse) that turns softmax into the
+    gradient of cross entropy + w lse^2 (before the one-hot is subtracted)."""
+    return torch.where(valid, lse.square(), 0.0).sum(), 1.0 + 2.0 * z_weight * lse
+
+
 def parallel_chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk_loss over a slice of the vocabulary: the summed cross entropy (the same on every rank of
-    the group) and the gradient w.r.t. this slice's logits."""
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_weight: float, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_loss over a slice of the vocabulary: the summed cross entropy and lse^2 (the same on every
+    rank of the group) and the gradient w.r.t. this slice's logits."""
     logits, lse, valid, target, owned, loss = _parallel_summed_loss(hidden, weight, labels, shard)
-    grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.where(owned, -1.0, 0.0)).masked_fill_(~valid, 0.0)
-    return loss, grad.to(hidden.dtype)
+    z, factor = _z_terms(lse, valid, z_weight)
+    grad = logits.sub_(lse).exp_()
+    if z_weight:
+        grad.mul_(factor)
+    grad = grad.scatter_add_(1, target, torch.where(owned, -1.0, 0.0)).masked_fill_(~valid, 0.0)
+    return loss, z, grad.to(hidden.dtype)
 
 
-def chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For one chunk: the summed cross entropy over labels != IGNORE_INDEX (fp32) and its gradient
-    w.r.t. the logits (softmax - one-hot, zero on ignored rows), in the hidden states' dtype."""
+def chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_weight: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one chunk: the summed cross entropy and lse^2 over labels != IGNORE_INDEX (fp32) and the
+    gradient of cross entropy + z_weight * lse^2 w.r.t. the logits (softmax (1 + 2 w lse) - one-hot,
+    zero on ignored rows), in the hidden states' dtype."""
     logits, lse, valid, target, loss = _summed_loss(hidden, weight, labels)
-    # in place: one chunk of logits becomes its gradient
-    grad = logits.sub_(lse).exp_().scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)
-    return loss, grad.to(hidden.dtype)
+    z, factor = _z_terms(lse, valid, z_weight)
+    grad = logits.sub_(lse).exp_()  # in place: one chunk of logits becomes its gradient
+    if z_weight:
+        grad.mul_(factor)
+    grad = grad.scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)
+    return loss, z, grad.to(hidden.dtype)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -114,16 +133,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,  # type: ignore[override]
         fn: ChunkFn,
         max_bytes: int,
-    ) -> torch.Tensor:
+        z_weight: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         step = chunk_tokens(n, weight.shape[0], max_bytes)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, step):
             h, y = hidden[start : start + step], labels[start : start + step]
-            loss, grad = fn(h, weight, y)
+            loss, z, grad = fn(h, weight, y, z_weight)
             total += loss
+            z_total += z
             if grad_h is not None:
                 torch.mm(grad, weight, out=grad_h[start : start + step])
             if grad_w is not None:
@@ -135,16 +157,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None), scale)
         ctx.has = (grad_h is not None, grad_w is not None)
         ctx.weight_dtype = weight.dtype
-        return total * scale
+        z_loss = z_total * (z_weight * scale)
+        ctx.mark_non_differentiable(z_loss)
+        return total * scale + z_loss, z_loss
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor, _grad_z: Optional[torch.Tensor]):  # type: ignore[override]
         *grads, scale = ctx.saved_tensors
         it = iter(grads)
         factor = grad_out * scale
         grad_h = next(it).mul(factor) if ctx.has[0] else None  # a 0-dim fp32 factor keeps bf16 bf16
         grad_w = next(it).mul_(factor).to(ctx.weight_dtype) if ctx.has[1] else None  # in place: once only
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -154,9 +178,12 @@ def chunked_cross_entropy(
     fn: Optional[ChunkFn] = None,
     max_chunk_bytes: Optional[int] = None,
     shard: Optional[VocabShard] = None,
-) -> torch.Tensor:
-    """Mean cross entropy of `hidden @ weight.T` against `labels` over labels != -100, without the full
-    logits: at most `max_chunk_bytes` of fp32 logits exist at once (default: by device). hidden: [..., D];
+    z_weight: float = 0.0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(loss, z-loss): the mean cross entropy of `hidden @ weight.T` against `labels` over labels !=
+    -100, plus `z_weight` times the mean lse^2 when training, without the full logits: at most
+    `max_chunk_bytes` of fp32 logits exist at once (default: by device); and that z-loss term alone
+    (detached; None without gradients, where only the cross entropy is computed). hidden: [..., D];
     labels: [...]; fn: chunk_loss or a compiled copy of it. With `shard`, `weight` is a slice of the
     vocabulary (loss parallel) and the returned gradient of `hidden` is this slice's partial sum."""
     if max_chunk_bytes is None:
@@ -170,7 +197,8 @@ def chunked_cross_entropy(
             functools.partial(_parallel_summed_loss, shard=shard),
         )
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes)
+        loss, z_loss = _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes, z_weight)
+        return loss, z_loss
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
     total = sum(summed(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1), None

@@ -82,6 +82,7 @@ class MetricsReporter:
         self.loss_sum = torch.zeros((), device=self.device)
         self.kept_loss_sum = torch.zeros((), device=self.device)
         self.kept_steps = torch.zeros((), device=self.device)
+        self.z_loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
         self.data_wait = 0.0
         self.checkpoint_stall: Optional[float] = None
@@ -90,10 +91,18 @@ class MetricsReporter:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def step_done(self, loss: torch.Tensor, data_wait_s: float, kept: Optional[torch.Tensor] = None) -> None:
-        """Record one optimizer step's loss (a detached scalar; no device sync) and data wait; a step
-        `kept` false (skipped by --skip_bad_steps) is left out of the reported loss."""
+    def step_done(
+        self,
+        loss: torch.Tensor,
+        data_wait_s: float,
+        kept: Optional[torch.Tensor] = None,
+        z_loss: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Record one optimizer step's loss (a detached scalar; no device sync), its z-loss term if any,
+        and data wait; a step `kept` false (skipped by --skip_bad_steps) is left out of the reported loss."""
         self.loss_sum += loss
+        if z_loss is not None:
+            self.z_loss_sum = z_loss if self.z_loss_sum is None else self.z_loss_sum + z_loss
         self.kept_loss_sum += loss if kept is None else torch.where(kept, loss, 0.0)
         self.kept_steps += 1 if kept is None else kept
         self.steps += 1
@@ -120,7 +129,8 @@ class MetricsReporter:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
         metrics.jsonl. `grad_norm`: the global norm of this step, if known; `skipped_steps`: steps of
         the interval left out by --skip_bad_steps. Every rank must call it (it all-reduces)."""
-        sums = torch.stack([self.loss_sum, self.kept_loss_sum])
+        z_sum = self.z_loss_sum if self.z_loss_sum is not None else torch.zeros((), device=self.device)
+        sums = torch.stack([self.loss_sum, self.kept_loss_sum, z_sum])
         dist.all_reduce(sums)  # gloo has no AVG; every rank kept the same steps
         kept = int(self.kept_steps)
         loss_value = float(sums[1]) / kept if kept else float(sums[0]) / max(1, self.steps)
@@ -141,6 +151,8 @@ class MetricsReporter:
             "tokens_per_day": overall_tps * self.info.world_size * 86400,
             "data_wait": self.data_wait / (now - self.interval_start),
         }
+        if self.z_loss_sum is not None:
+            record["z_loss"] = float(sums[2]) / max(1, self.steps) / self.info.world_size
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         if skipped_steps is not None:
@@ -269,6 +281,7 @@ def format_record(r: dict[str, Any]) -> str:
         f"step {r['step']}",
         f"loss {r['loss']:.4f}",
         f"lr {r['lr']:.3e}",
+        *([f"z_loss {r['z_loss']:.4f}"] if "z_loss" in r else []),
         *([f"grad_norm {r['grad_norm']:.3f}"] if "grad_norm" in r else []),
         f"tokens {r['tokens_seen']:,}",
         f"step_time {r['step_time']:.3f}s",

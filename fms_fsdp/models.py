@@ -179,11 +179,15 @@ def hidden_dim(model_config: LLaMAConfig) -> int:
 
 class LMHead(LinearClassificationHead):
     """fms's output head; called with labels it returns the mean cross entropy (chunked, see loss.py)
-    instead of the logits. `chunk_fn` is replaced by a compiled copy when the run compiles;
-    `max_chunk_bytes` (default: by device) is set by the memory plan to trace a GPU's chunks on the CPU."""
+    instead of the logits, plus `z_loss_weight` x the mean lse^2 when training (--z_loss_weight; that
+    term of the last forward, detached, in `z_loss`). `chunk_fn` is replaced by a compiled copy when
+    the run compiles; `max_chunk_bytes` (default: by device) is set by the memory plan to trace a GPU's
+    chunks on the CPU."""
 
     chunk_fn: ChunkFn = staticmethod(chunk_loss)
     max_chunk_bytes: Optional[int] = None
+    z_loss_weight: float = 0.0
+    z_loss: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
@@ -194,7 +198,10 @@ class LMHead(LinearClassificationHead):
         if torch.is_autocast_enabled(device):  # the loss's own gradient matmuls run in bf16 too, as under FSDP
             dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
-        return chunked_cross_entropy(x, weight, labels, self.chunk_fn, self.max_chunk_bytes)
+        loss, self.z_loss = chunked_cross_entropy(
+            x, weight, labels, self.chunk_fn, self.max_chunk_bytes, z_weight=self.z_loss_weight
+        )
+        return loss
 
     def _vocab_parallel(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """Tensor parallel: this rank's weight is a slice of the vocabulary, the hidden states arrive
@@ -207,9 +214,16 @@ class LMHead(LinearClassificationHead):
             return F.linear(hidden, weight).full_tensor()
         local = weight.to_local()
         shard = VocabShard(mesh.get_group(), mesh.get_local_rank() * local.shape[0])
-        return chunked_cross_entropy(
-            hidden.to_local(grad_placements=[Partial()]), local, labels, None, self.max_chunk_bytes, shard
+        loss, self.z_loss = chunked_cross_entropy(
+            hidden.to_local(grad_placements=[Partial()]),
+            local,
+            labels,
+            None,
+            self.max_chunk_bytes,
+            shard,
+            self.z_loss_weight,
         )
+        return loss
 
 
 class CausalLM(LLaMA):

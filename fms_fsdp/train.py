@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import ExitStack, closing
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,15 @@ from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.triggers import StepTriggers, StopRequest, TriggerSettings
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepResult(NamedTuple):
+    """What train_step leaves on the device (detached), and the host's wait for data."""
+
+    loss: torch.Tensor  # the objective: cross entropy, plus the z-loss term under --z_loss_weight
+    grad_norm: torch.Tensor
+    data_wait: float
+    z_loss: Optional[torch.Tensor]  # the z-loss term (None without --z_loss_weight)
 
 
 def run_training(cfg: train_config) -> list[dict[str, Any]]:
@@ -83,12 +92,13 @@ def train_step(
     cfg: train_config,
     device: torch.device,
     global_norm: bool,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+) -> StepResult:
     """Optimizer step `step` over grad_accum_steps micro-batches, without a host sync; `guard` judges
-    it before the update (and may leave it out). Returns the detached loss, the gradient norm before
-    clipping (global when clipping, skipping bad steps or `global_norm`, else this rank's) and the
-    seconds spent waiting for data."""
+    it before the update (and may leave it out). Returns the detached loss (and its z-loss term), the
+    gradient norm before clipping (global when clipping, skipping bad steps or `global_norm`, else this
+    rank's) and the seconds spent waiting for data."""
     total = torch.zeros((), device=device)
+    z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
     wait = 0.0
     for micro in range(cfg.grad_accum_steps):
         t = time.perf_counter()
@@ -98,11 +108,13 @@ def train_step(
         loss = model(to_device(inputs, device), labels=to_device(labels, device))
         (loss / cfg.grad_accum_steps).backward()
         total += loss.detach() / cfg.grad_accum_steps
+        if z_total is not None and model.head.z_loss is not None:
+            z_total += model.head.z_loss / cfg.grad_accum_steps
     norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
     guard.judge(step, total, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, norm, wait
+    return StepResult(total, norm, wait, z_total)
 
 
 def out_of_memory_error(
@@ -203,14 +215,12 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             for step in range(start + 1, cfg.num_steps + 1):
                 report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
                 try:
-                    loss, norm, wait = train_step(
-                        model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step
-                    )
+                    done = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step)
                 except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
                     raise out_of_memory_error(step, e, cfg, info.device) from None
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
-                reporter.step_done(loss, wait, guard.kept)
+                reporter.step_done(done.loss, done.data_wait, guard.kept, done.z_loss)
                 boundary = triggers.poll(step, writing=checkpointer.writing())
                 if boundary.written:
                     checkpointer.commit_pending()
@@ -228,7 +238,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 if report_step or boundary.stop:
                     global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
                     skipped = guard.skipped_since_report() if guard.skipping else None
-                    records.append(reporter.report(step, lr, norm if global_norm else None, skipped))
+                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped))
                 if boundary.stop is not None:
                     stopped = boundary.stop
                     break

@@ -73,9 +73,9 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(2, 6):
-                loss, _, _ = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=False)
+                done = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=False)
                 scheduler.step()
-                total += loss
+                total += done.loss
         finally:
             torch.cuda.set_sync_debug_mode(0)
         guard.check()

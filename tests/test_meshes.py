@@ -23,6 +23,7 @@ from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses
 
 TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
+Z_LOSS = "--z_loss_weight=1e-3"  # gqa_tp1, gqa_tp2 and gqa_tp2_ac: z-loss under loss parallel too
 DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with each step
 
 
@@ -51,7 +52,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     """Every run of this file, in three launches and two runs in this process (start-ups are most of
     their time):
     - gqa_tp1 / gqa_tp2: `tiny` (4 heads, 2 KV heads) at T=1 and T=2 from scratch (T=2 initialised
-      shard by shard on the meta device), 4 steps; gqa_tp2_ac with per-op activation checkpointing;
+      shard by shard on the meta device), 4 steps, with z-loss; gqa_tp2_ac with per-op activation checkpointing;
       gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
     - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, and dp2_ref
       the same global batch on one rank (the synthetic data does not depend on the world size), which
@@ -104,7 +105,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         "--eval_batches=2",
     ]
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
-    run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1']}"])
+    run_here([*gqa, Z_LOSS, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
     out["log1"] = run_here(
         [*TINY, "--num_steps=4", "--checkpoint_interval=2", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"]
@@ -118,6 +119,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         [
             [
                 *gqa,
+                Z_LOSS,
                 f"--ckpt_save_path={out['gqa_tp2']}",
                 "--tensor_parallel_size=2",
                 "--low_cpu_fsdp=True",
@@ -125,6 +127,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             ],
             [
                 *gqa,
+                Z_LOSS,
                 f"--ckpt_save_path={out['gqa_tp2_ac']}",
                 "--tensor_parallel_size=2",
                 "--fsdp_activation_checkpointing=True",
@@ -228,13 +231,15 @@ def test_a_checkpoint_of_the_module_itself_resumes_under_fsdp(runs):
 
 def test_tp2_gives_the_tp1_loss_step_for_step(runs):
     """Grouped-query attention (4 heads, 2 KV heads) split over 2 ranks, every layer, from the same
-    initial weights: the same losses, gradient norms and token counts."""
+    initial weights: the same losses, z-losses (loss parallel: the log-sum-exp over the vocabulary's
+    slices), gradient norms and token counts."""
     assert "mesh (replicate, shard, tp) = (1, 1, 2)" in runs["log2"]
     one, two = records(runs["gqa_tp1"]), records(runs["gqa_tp2"])
     flops = flops_per_token(get_model_config("tiny", 256), 64)
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < TOL and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert 0 < a["z_loss"] < 0.1 * a["loss"] and abs(a["z_loss"] - b["z_loss"]) < TOL
         assert a["tokens_seen"] == b["tokens_seen"] == a["step"] * 2 * 64  # 2 GPUs trained on one batch
         assert b["tokens_per_sec_per_gpu"] * b["step_time"] == pytest.approx(64)  # half of it per GPU
         assert b["mfu"] == pytest.approx(b["tokens_per_sec_per_gpu"] * flops / 1e12)  # the whole model's FLOPs
