@@ -233,9 +233,23 @@ class train_config:
         "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).",
         min=0.0,
     )
+    max_run_minutes: Optional[float] = _f(
+        None,
+        "End the run with a checkpoint once this many minutes have passed since it started, start-up included (HyperPod's time_limit); the same command resumes it.",
+        min=0.0,
+    )
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
     checkpoint_keep_policy: str = _f(
         "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'."
+    )
+    checkpoint_keep_best: int = _f(
+        0,
+        "Also keep the this many best checkpoints by --checkpoint_monitor, measured by evaluation at their steps (needs --eval_data_path and an --eval_interval that is a multiple of --checkpoint_interval).",
+        min=0,
+    )
+    checkpoint_monitor: str = _f(
+        "eval_loss",
+        "The evaluation metric --checkpoint_keep_best ranks by: eval_loss, eval_ppl or eval_loss/<dataset> (lower is better for a loss or a perplexity, higher for anything else).",
     )
     async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.")
     on_checkpoint_error: str = _f(
@@ -372,6 +386,7 @@ def validate(cfg: train_config) -> None:
         )
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
         raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")
+    _check_keep_best(cfg)
     if cfg.checkpoint_interval == "auto" and cfg.checkpoint_minutes is not None:
         raise ConfigError("--checkpoint_interval=auto chooses the time between saves: drop --checkpoint_minutes")
     if cfg.checkpoint_interval == 0 and cfg.checkpoint_minutes is not None:
@@ -395,6 +410,25 @@ def validate(cfg: train_config) -> None:
                     f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
                     "storage, where these files cannot be written as they grow"
                 )
+
+
+def _check_keep_best(cfg: train_config) -> None:
+    """--checkpoint_keep_best ranks the checkpoints of eval steps: evaluation on, every eval step a
+    checkpoint step, and an evaluation metric to rank by."""
+    if not cfg.checkpoint_keep_best:
+        return
+    if not cfg.checkpoint_monitor.startswith("eval_"):
+        raise ConfigError(
+            f"--checkpoint_monitor={cfg.checkpoint_monitor!r}: name an evaluation metric "
+            "(eval_loss, eval_ppl or eval_loss/<dataset>)"
+        )
+    interval = cfg.checkpoint_interval
+    if cfg.eval_interval <= 0 or not isinstance(interval, int) or interval <= 0 or cfg.eval_interval % interval:
+        raise ConfigError(
+            f"--checkpoint_keep_best={cfg.checkpoint_keep_best} ranks checkpoints by {cfg.checkpoint_monitor} measured "
+            f"at their steps: set --eval_data_path and an --eval_interval (now {cfg.eval_interval}) that is a "
+            f"multiple of --checkpoint_interval (now {interval})"
+        )
 
 
 def _in_object_storage(path: str) -> bool:

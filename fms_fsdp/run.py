@@ -12,9 +12,12 @@ any process group, data or model.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -37,6 +40,7 @@ from fms_fsdp.profiling import check_profiler
 from fms_fsdp.storage import location
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
+RECORDED_ENV = ("NCCL_", "TORCH_", "CUDA_")  # environment variables a run record keeps
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ def facts(cfg: train_config) -> Run:
     shape = mesh_shape(cfg, world_size, local_world_size)
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
     check_tensor_parallel(cfg, model_config)
-    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy)
+    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if cfg.float8:
             check_float8(device)
@@ -147,6 +151,43 @@ def facts(cfg: train_config) -> Run:
 def with_mesh(run: Run) -> Run:
     """The run with its DeviceMesh (the process group must be up; every rank calls it)."""
     return replace(run, mesh=build_mesh(run.shape, run.device, run.cfg.collective_timeout_minutes))
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _commit() -> str:
+    """The git commit of the code that runs (with '+ changes' when its tracked files differ from it)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return "unknown (not a git checkout)" if not commit else commit + (" + changes" if changed else "")
+
+
+def record(run: Run) -> str:
+    """What ran, as YAML comments at the head of config.yaml (--config reads only the flags below them):
+    the package's version and git commit, torch, ibm-fms and torchao, the world and mesh, and the
+    environment variables that change how it runs (NCCL_*, TORCH_*, CUDA_*)."""
+    names = ("replicate", "shard", "tp") if run.shape.tp > 1 else ("replicate", "shard")
+    lines = [
+        "run record (comments: --config reads only the flags below)",
+        f"fms-fsdp {_version('fms-fsdp')}, git {_commit()}",
+        f"torch {torch.__version__}, ibm-fms {_version('ibm-fms')}, torchao {_version('torchao')}",
+        f"world {run.info.world_size}, mesh ({', '.join(names)}) = {tuple(run.shape)[: len(names)]}",
+        *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
+    ]
+    return "".join(f"# {line}\n" for line in lines)
 
 
 @contextmanager

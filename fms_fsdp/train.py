@@ -40,7 +40,7 @@ from fms_fsdp.models import CausalLM, flops_per_token
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel import set_gradient_sync
 from fms_fsdp.profiling import ProfilerSettings, maybe_profiler
-from fms_fsdp.run import Run, facts, started
+from fms_fsdp.run import Run, facts, record, started
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.triggers import StepTriggers, StopRequest, TriggerSettings
@@ -173,12 +173,12 @@ def train(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
 
 
 def write_run_config(run: Run) -> None:
-    """<ckpt_save_path>/config.yaml (an earlier, different one is kept as config.<n>.yaml), written once
-    the run has started (a start that failed leaves none); CheckpointError naming the path when it
-    cannot be written."""
+    """<ckpt_save_path>/config.yaml: the run record (run.record), then the flags (an earlier, different
+    one is kept as config.<n>.yaml), written once the run has started (a start that failed leaves none);
+    CheckpointError naming the path when it cannot be written."""
     try:
         make_folder(run.paths.root)
-        write_text_keeping_old(run.paths.config, to_yaml(run.cfg))
+        write_text_keeping_old(run.paths.config, record(run) + to_yaml(run.cfg))
     except Exception as e:  # fsspec filesystems raise their clients' own errors too
         raise CheckpointError(
             f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} ({type(e).__name__}: {first_line(e)})"
@@ -234,7 +234,9 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 if export:
                     reporter.exported(exporter.export(step))
                 if evaluate:
-                    reporter.evaluated(evaluator.evaluate(model, step))
+                    result = evaluator.evaluate(model, step)
+                    reporter.evaluated(result)
+                    checkpointer.scored(step, result)  # --checkpoint_keep_best ranks this step's checkpoint
                 if report_step or boundary.stop:
                     global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
                     skipped = guard.skipped_since_report() if guard.skipping else None

@@ -1,7 +1,7 @@
 """What else happens at a step boundary: stop requests and time-based saves, owned by the loop.
 
 SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
-stop after the current step; so does LAUNCHER_DIED (distributed.py), which Linux sends a rank when
+stop after the current step, as does --max_run_minutes once that time has passed since the run started; so does LAUNCHER_DIED (distributed.py), which Linux sends a rank when
 its torchrun dies, after which the run ends in an error (on every node, so no launcher waits for the
 dead one).
 --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto after the time between
@@ -34,10 +34,12 @@ GPU_HOURS_BETWEEN_FAILURES = 50000.0
 
 
 class StopRequest:
-    """Records a STOP_SIGNALS signal; created at the start of a run, so a signal during start-up counts.
-    `restore` puts back the handlers it found (a run called from Python leaves the process as it was)."""
+    """Records a STOP_SIGNALS signal; created at the start of a run, so a signal during start-up counts
+    (and --max_run_minutes counts from then). `restore` puts back the handlers it found (a run called
+    from Python leaves the process as it was)."""
 
     def __init__(self) -> None:
+        self.started = time.monotonic()
         self.signal = 0
         self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
@@ -53,13 +55,15 @@ class StopRequest:
 @dataclass(frozen=True)
 class TriggerSettings:
     """The flags of step boundaries: --num_steps, --checkpoint_interval (steps, 0 or auto),
-    --checkpoint_minutes, --expected_hours_between_failures, --collective_timeout_minutes."""
+    --checkpoint_minutes, --expected_hours_between_failures, --collective_timeout_minutes,
+    --max_run_minutes."""
 
     num_steps: int
     interval: Union[int, str]
     minutes: Optional[float]
     hours_between_failures: Optional[float]
     timeout_minutes: Optional[float]
+    max_run_minutes: Optional[float] = None
 
     @staticmethod
     def of(cfg: train_config) -> "TriggerSettings":
@@ -69,6 +73,7 @@ class TriggerSettings:
             cfg.checkpoint_minutes,
             cfg.expected_hours_between_failures,
             cfg.collective_timeout_minutes,
+            cfg.max_run_minutes,
         )
 
 
@@ -142,6 +147,8 @@ class StepTriggers:
         self.last_save = time.monotonic()
         self.last_agreement = (start_step, time.monotonic())
         self.next_agreement = start_step + 1  # the first step agrees, and measures the step time
+        limit = settings.max_run_minutes
+        self.deadline = math.inf if limit is None else stop.started + 60 * limit
 
     def poll(self, step: int, writing: bool) -> Boundary:
         """The decisions after `step`: agreed with the other ranks when `step` is an agreement step,
@@ -155,10 +162,20 @@ class StepTriggers:
         every_s = self.clock.every_s
         until_save = math.inf if every_s is None else every_s - (now - self.last_save)
         clock = every_s is not None and self.info.is_main and until_save <= 0
+        until_end = self.deadline - now
+        ended = self.info.is_main and until_end <= 0
         last_step, last_time = self.last_agreement
-        # one MAX all-reduce; the seconds to the next time-based save travel negated, to get their minimum
+        # one MAX all-reduce; the seconds to the next time-based save (or the end) travel negated, to get
+        # their minimum
         flags = torch.tensor(
-            [float(self.stop.signal), float(clock), float(writing), now - last_time, -min(until_save, AGREE_SECONDS)]
+            [
+                float(self.stop.signal),
+                float(clock),
+                float(writing),
+                now - last_time,
+                -min(until_save, until_end, AGREE_SECONDS),
+                float(ended),
+            ]
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         step_time = float(flags[3]) / max(1, step - last_step)  # the same on every rank
@@ -166,6 +183,8 @@ class StepTriggers:
         every = min(MAX_STEPS_BETWEEN_AGREEMENTS, max(1, int(horizon / max(step_time, 1e-9))))
         self.last_agreement, self.next_agreement = (step, now), step + every
         stop = signal.Signals(int(flags[0])).name if flags[0] else None
+        if stop is None and flags[5]:
+            stop = f"--max_run_minutes={self.settings.max_run_minutes:g}"
         return Boundary(
             stop=stop, save=saves and (stop is not None or bool(flags[1]) or interval), written=not flags[2]
         )

@@ -143,6 +143,42 @@ def test_an_unfinished_or_unreadable_newest_checkpoint_is_not_resumed(data, unin
     assert not (ckpts / ".step_18_ckp.tmp").exists()  # cleaned at the next save
 
 
+def test_the_best_checkpoints_by_the_monitored_metric_are_kept_too():
+    policy = KeepPolicy.parse(1, "", best=2, monitor="eval_loss")
+    assert policy.to_delete([2, 4, 6, 8, 10], {2: 3.0, 4: 2.5, 6: 2.7, 8: 2.9}) == [2, 8]  # 10 latest, 4 and 6 best
+    assert policy.to_delete([2, 4, 6], {}) == [2, 4]  # nothing measured: nothing ranked
+    higher = KeepPolicy.parse(1, "", best=1, monitor="eval_accuracy")  # higher is better but for losses and ppl
+    assert higher.to_delete([2, 4, 6], {2: 0.3, 4: 0.5, 6: 0.1}) == [2]
+
+
+def test_keep_best_ranks_checkpoints_by_their_evaluation_across_a_resume(data, tmp_path):
+    """Learning rate 0: every evaluation is the same, so the earliest checkpoint is the best (a tie goes
+    to the earlier step); the resumed run ranks by the evaluations before it too (metrics.jsonl)."""
+    out = tmp_path / "run"
+    best = ["--checkpoint_interval=2", "--checkpoint_keep=1", "--checkpoint_keep_best=1", "--learning_rate=0"]
+    evals = [f"--eval_data_path={data}", "--eval_interval=2", "--eval_batches=1"]
+    run_here(flags(data, out, "--num_steps=4", *best, *evals))
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
+    run_here(flags(data, out, "--num_steps=6", *best, *evals))
+    scores = [
+        r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r
+    ]
+    assert len(scores) == 3 and len(set(scores)) == 1
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 6]
+
+
+def test_max_run_minutes_ends_the_run_with_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    limit = ["--num_steps=100000", "--checkpoint_interval=100000", "--max_run_minutes=0.04"]  # 2.4 s
+    log = run_here([*limit, f"--ckpt_save_path={out}"])
+    stopped = re.search(r"stopping after step (\d+) on --max_run_minutes=0.04: the checkpoint is saved", log)
+    assert stopped, log[-2000:]
+    step = int(stopped.group(1))
+    assert 1 <= step < 100000 and [s for s, _ in complete_checkpoints(out / "checkpoints")] == [step]
+    again = run_here([f"--num_steps={step + 2}", f"--ckpt_save_path={out}"])
+    assert f"at step {step}" in again and sorted(losses(out))[-2:] == [step + 1, step + 2]
+
+
 def test_keep_policy():
     policy = KeepPolicy.parse(2, "every 9 until 18, then every 15")
     assert [s for s in range(1, 61) if policy.permanent(s)] == [9, 18, 30, 45, 60]

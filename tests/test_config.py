@@ -129,6 +129,20 @@ def test_weights_and_datasets_lengths_must_agree():
         parse("--datasets=a,b", "--weights=1")
 
 
+def test_keeping_the_best_checkpoints_needs_an_evaluation_at_their_steps():
+    for flags in (
+        ["--checkpoint_keep_best=2"],
+        ["--checkpoint_keep_best=2", "--eval_data_path=x", "--eval_interval=150", "--checkpoint_interval=100"],
+    ):
+        with pytest.raises(
+            ConfigError, match=r"--checkpoint_keep_best=2 ranks checkpoints by eval_loss .*--eval_data_path"
+        ):
+            parse(*flags)
+    with pytest.raises(ConfigError, match=r"--checkpoint_monitor='loss': name an evaluation metric"):
+        parse("--checkpoint_keep_best=1", "--checkpoint_monitor=loss")
+    parse("--checkpoint_keep_best=2", "--eval_data_path=x", "--eval_interval=200", "--checkpoint_interval=100")
+
+
 def test_file_then_flags_override(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"batch_size": 3, "learning_rate": "1/1000", "seq_length": 128}))
     (tmp_path / "run.json").write_text(json.dumps({"batch_size": 5, "use_dummy_dataset": True}))

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
         [f"--num_steps={STEPS}", "--batch_size=2", "--sharding_strategy=fsdp"],
         nproc=2,
         torchrun_args=(f"--log-dir={logs}", "--redirects=3"),
+        extra_env={"NCCL_DEBUG": "WARN"},
     )
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     assert losses(two)[-1] < losses(two)[0] - 2.0, losses(two)
@@ -69,7 +71,13 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
         assert a == pytest.approx(b, rel=1e-4)
     assert all(FIELDS <= set(r) for r in two)
     assert two[-1]["tokens_seen"] == STEPS * 4 * 64
-    assert yaml.safe_load((tmp / "run" / "config.yaml").read_text())["batch_size"] == 2
+    saved = (tmp / "run" / "config.yaml").read_text()
+    assert yaml.safe_load(saved)["batch_size"] == 2 and parse_args([f"--config={tmp / 'run' / 'config.yaml'}"])
+    # the run record heads it: what ran, where, with which environment
+    head = [line for line in saved.splitlines() if line.startswith("# ")]
+    assert head[0].startswith("# run record") and re.match(r"# fms-fsdp \S+, git [0-9a-f]{40}", head[1]), head
+    assert f"torch {torch.__version__}, ibm-fms " in head[2] and "# world 2, mesh (replicate, shard) = (1, 2)" in head
+    assert "# NCCL_DEBUG=WARN" in head
     # rank 0 speaks, rank 1 stays silent
     out0, out1 = (next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in (0, 1))
     assert f"step {STEPS} | loss" in out0 and "resolved config" in out0

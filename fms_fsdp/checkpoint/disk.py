@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,17 +31,17 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, g
     return int(total.item() * _MARGIN)
 
 
-def prune_for(root: Path, needed: int, policy: KeepPolicy) -> float:
-    """Delete unfinished saves, what the keep policy would delete, then the oldest checkpoints, until
-    `needed` bytes are free or only the newest complete checkpoint is left; returns the bytes free.
-    One rank runs it."""
+def prune_for(root: Path, needed: int, policy: KeepPolicy, scores: Mapping[int, float]) -> float:
+    """Delete unfinished saves, what the keep policy would delete (`scores`: its monitored metric by
+    step), then the oldest checkpoints, until `needed` bytes are free or only the newest complete
+    checkpoint is left; returns the bytes free. One rank runs it."""
     make_folder(root)
     remove_stale(root)
     if is_remote(root):
         return float("inf")
     free = shutil.disk_usage(root).free
     complete = complete_checkpoints(root)
-    doomed = set(policy.to_delete([s for s, _ in complete]))
+    doomed = set(policy.to_delete([s for s, _ in complete], scores))
     deletable = [p for s, p in complete if s in doomed] + [p for s, p in complete[:-1] if s not in doomed]
     for path in deletable:
         if free >= needed:

@@ -14,6 +14,7 @@ adapters).
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import time
@@ -92,12 +93,35 @@ class CheckpointSettings:
     @staticmethod
     def of(cfg: train_config) -> "CheckpointSettings":
         return CheckpointSettings(
-            KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy),
+            KeepPolicy.parse(
+                cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
+            ),
             cfg.async_checkpoint,
             cfg.on_checkpoint_error,
             cfg.ckpt_load_path,
             bool(cfg.lora_rank),
         )
+
+
+def earlier_scores(metrics: Path, monitor: str, until: int) -> dict[int, float]:
+    """`monitor` by step from a resumed run's metrics.jsonl, up to step `until` (unreadable lines and a
+    missing file give nothing)."""
+    try:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+    except Exception as e:  # fsspec filesystems raise their clients' own errors too
+        if not storage_error(e):
+            raise
+        lines = []
+    scores = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, value = int(record["step"]), float(record[monitor])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step <= until:
+            scores[step] = value
+    return scores
 
 
 class Checkpointer:
@@ -117,6 +141,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
+        self.scores: dict[int, float] = {}  # --checkpoint_monitor by step (rank 0; --checkpoint_keep_best)
         if is_remote(self.root):
             run.log(
                 f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
@@ -137,7 +162,24 @@ class Checkpointer:
         resumed = self.resume()
         if resumed is None and self.settings.load_path and not self.settings.lora:
             self.load_weights()
+        if resumed is not None and self.settings.policy.best and self.info.is_main:
+            self.scores = earlier_scores(self.run.paths.metrics, self.settings.policy.monitor, resumed[0])
         return resumed or (0, 0)
+
+    def scored(self, step: int, record: dict[str, Any]) -> None:
+        """An evaluation at `step`: its --checkpoint_monitor ranks that step's checkpoint (rank 0)."""
+        monitor = self.settings.policy.monitor
+        if not self.settings.policy.best or not self.info.is_main:
+            return
+        if monitor not in record:
+            if not self.scores:
+                names = ", ".join(k for k in record if k.startswith(("eval_loss", "eval_ppl")))
+                self.run.log(
+                    f"warning: --checkpoint_monitor={monitor} is not among the evaluation's metrics ({names}): "
+                    "no checkpoint is kept as best"
+                )
+            return
+        self.scores[step] = float(record[monitor])
 
     def load_weights(self) -> None:
         """The model's weights from --ckpt_load_path (weights.py)."""
@@ -158,7 +200,7 @@ class Checkpointer:
         tmp = temp_folder(self.root, step)
         try:
             needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
-            free = self._on_main(lambda: prune_for(self.root, needed, self.settings.policy))
+            free = self._on_main(lambda: prune_for(self.root, needed, self.settings.policy, self.scores))
             if free < needed:
                 raise CheckpointError(
                     f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
@@ -244,7 +286,8 @@ class Checkpointer:
             commit(tmp, step_folder(self.root, step))
             print(f"checkpoint: saved {step_folder(self.root, step)}", flush=True)
             try:  # the new checkpoint is complete: a failure to delete an old one only warns
-                for s in self.settings.policy.to_delete([s for s, _ in complete_checkpoints(self.root)]):
+                steps = [s for s, _ in complete_checkpoints(self.root)]
+                for s in self.settings.policy.to_delete(steps, self.scores):
                     delete_checkpoint(step_folder(self.root, s))
             except Exception as e:
                 if not storage_error(e):

@@ -1,11 +1,12 @@
 """Which complete checkpoints survive: the latest --checkpoint_keep, plus those kept for good by
---checkpoint_keep_policy, e.g. 'every 1000 until 10000, then every 5000' (Levanter's keep list)."""
+--checkpoint_keep_policy, e.g. 'every 1000 until 10000, then every 5000' (Levanter's keep list), plus
+the --checkpoint_keep_best best by --checkpoint_monitor (HyperPod's save_top_k and monitor)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from fms_fsdp.errors import ConfigError
 
@@ -14,13 +15,17 @@ _POLICY_PART = re.compile(r"^every (\d+)(?: until (\d+))?$")
 
 @dataclass(frozen=True)
 class KeepPolicy:
-    """The latest `latest` checkpoints, plus permanent ones by step: rules of (every, until)."""
+    """The latest `latest` checkpoints, plus permanent ones by step (rules of (every, until)), plus the
+    `best` best by the evaluation metric `monitor` (lower is better for a loss or a perplexity, higher
+    for anything else; a tie goes to the earlier step)."""
 
     latest: int
     rules: tuple[tuple[int, Optional[int]], ...] = ()
+    best: int = 0
+    monitor: str = "eval_loss"
 
     @classmethod
-    def parse(cls, latest: int, text: str) -> "KeepPolicy":
+    def parse(cls, latest: int, text: str, best: int = 0, monitor: str = "eval_loss") -> "KeepPolicy":
         """The policy of --checkpoint_keep and --checkpoint_keep_policy; ConfigError naming the part it cannot read."""
         rules = []
         for part in filter(None, (p.strip().removeprefix("then ").strip() for p in text.split(","))):
@@ -31,7 +36,7 @@ class KeepPolicy:
                     "'every 1000 until 10000, then every 5000'"
                 )
             rules.append((int(m.group(1)), int(m.group(2)) if m.group(2) else None))
-        return cls(latest, tuple(rules))
+        return cls(latest, tuple(rules), best, monitor)
 
     def permanent(self, step: int) -> bool:
         start = 0
@@ -41,8 +46,16 @@ class KeepPolicy:
             start = until
         return False
 
-    def to_delete(self, steps: list[int]) -> list[int]:
-        """Steps of complete checkpoints to delete (never the newest)."""
+    def best_of(self, steps: list[int], scores: Mapping[int, float]) -> set[int]:
+        """The `best` steps among `steps` by their scores (steps without one are not ranked)."""
+        sign = 1.0 if "loss" in self.monitor or "ppl" in self.monitor else -1.0
+        ranked = sorted((s for s in steps if s in scores), key=lambda s: (sign * scores[s], s))
+        return set(ranked[: self.best])
+
+    def to_delete(self, steps: list[int], scores: Mapping[int, float] = {}) -> list[int]:
+        """Steps of complete checkpoints to delete (never the newest); `scores`: the monitored metric
+        by step, where it was measured."""
         ordered = sorted(steps)
         keep = set(ordered[-max(1, self.latest) :]) | {s for s in ordered if self.permanent(s)}
+        keep |= self.best_of(ordered, scores)
         return [s for s in ordered if s not in keep]
