@@ -6,11 +6,14 @@ beside its goal, as markdown. Everything it writes goes under one folder:
     python benchmarks/gpu_check.py [--out=output/gpu_check/<date-time>] [--steps=20] [--skip=8] [--tier=False]
 
 <out>/cuda_tier.log and cuda_tier.xml (the tier), bench_<n>.log (each setting's output), table.md.
-Without a GPU it says so in one line and exits with status 1.
+Without a GPU it says so in one line and exits with status 1. Packages the tier needs and the machine
+lacks are installed first, from $WHEELS (default wheels/) when that folder exists, else the index.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +69,28 @@ GOALS = (
     Goal("memory plan's error vs torch.cuda.max_memory_allocated, worst of 3", 0.10, at_most=True),
 )
 OPTIONS = {"out": None, "steps": "20", "skip": "8", "tier": "True"}
+# what the tier and the benchmarks import beside torch: module -> package
+NEEDED = {
+    "fms": "ibm-fms",
+    "torchao": "torchao",
+    "pytest": "pytest",
+    "pyarrow": "pyarrow",
+    "numpy": "numpy",
+    "safetensors": "safetensors",
+    "yaml": "pyyaml",
+    "tqdm": "tqdm",
+}
+
+
+def install_missing() -> None:
+    """pip install the packages of NEEDED that are not importable (none: nothing runs)."""
+    missing = [package for module, package in NEEDED.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return
+    wheels = Path(os.environ.get("WHEELS", ROOT / "wheels"))
+    source = ["--no-index", "--find-links", str(wheels)] if wheels.is_dir() else []
+    print(f"gpu_check: installing {', '.join(missing)}" + (f" from {wheels}" if source else ""), flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *source, *missing], check=True)
 
 
 def parse_bench(output: str) -> dict[str, str]:
@@ -181,6 +206,7 @@ def main(argv: list[str]) -> int:
         return 1
     out = Path(opts.get("out") or f"output/gpu_check/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     steps, skip = int(opts["steps"]), int(opts["skip"])
+    install_missing()
     out.mkdir(parents=True, exist_ok=True)
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     summary, tier_log = ("CUDA tier: not run (--tier=False)", "")
