@@ -191,21 +191,36 @@ class train_config:
     )
     lr_schedule: str = _f(
         "cosine",
-        "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).",
-        choices=("cosine", "linear", "inv_sqrt", "wsd", "constant"),
+        "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; inv: warmup then 1 / (1 + (1/min_lr_ratio - 1) t / decay), reaching min_lr_ratio after the decay steps (Levanter's inv); wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).",
+        choices=("cosine", "linear", "inv_sqrt", "inv", "wsd", "constant"),
     )
     lr_cycles: int = _f(
         1,
         "Run the schedule this many times over num_steps, each cycle warming up again (Levanter's cycles); warmup_steps and decay_steps then count per cycle.",
         min=1,
     )
-    warmup_steps: Optional[int] = _f(
+    lr_cycle_length: Optional[str] = _f(
         None,
-        "Quadratic warmup steps (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).",
+        "Cycles of this many steps (1000), this fraction of num_steps (0.25), or these lengths one after another (1000,2000,4000; steps left after them make one more cycle). Instead of --lr_cycles.",
+    )
+    lr_cycle_ends: Optional[list[int]] = _f(
+        None,
+        "Cycles that end at these steps (e.g. 1000,3000,10000); the last cycle runs to num_steps. Instead of --lr_cycles.",
+    )
+    warmup_steps: Optional[float] = _f(
+        None,
+        "Quadratic warmup: steps, or a fraction of the run (of each cycle) when below 1 (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).",
         min=0,
     )
-    decay_steps: Optional[int] = _f(
-        None, "wsd only: steps of the final decay (default: a fifth of the run or cycle).", min=0
+    lr_rewarmup: Optional[float] = _f(
+        None,
+        "Warmup of every cycle after the first: steps, or a fraction of the cycle when below 1 (default: --warmup_steps; 0 goes straight on at the peak, Levanter's default).",
+        min=0,
+    )
+    decay_steps: Optional[float] = _f(
+        None,
+        "wsd: steps of the final decay (default: a fifth of the run or cycle); inv: steps to reach min_lr_ratio (default: the rest of the cycle). A fraction of the cycle when below 1.",
+        min=0,
     )
     min_lr_ratio: float = _f(
         0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0
@@ -366,13 +381,16 @@ def validate(cfg: train_config) -> None:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
     if cfg.lr_cycles > cfg.num_steps:
         raise ConfigError(f"--lr_cycles={cfg.lr_cycles} is more than --num_steps={cfg.num_steps}")
-    if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps // cfg.lr_cycles:
-        raise ConfigError(
-            f"--decay_steps={cfg.decay_steps} is more than --num_steps={cfg.num_steps}"
-            + ("" if cfg.lr_cycles == 1 else f" / --lr_cycles={cfg.lr_cycles}, the steps of a cycle")
-        )
     if cfg.min_lr_ratio > 1:
         raise ConfigError(f"--min_lr_ratio: must be <= 1, got {cfg.min_lr_ratio}")
+    if cfg.lr_schedule == "inv" and cfg.min_lr_ratio == 0:
+        raise ConfigError("--lr_schedule=inv decays towards --min_lr_ratio: give it a value above 0 (e.g. 0.1)")
+    if cfg.decay_steps is not None and cfg.decay_steps > cfg.num_steps:  # per cycle: schedule.ScheduleSettings
+        raise ConfigError(f"--decay_steps={cfg.decay_steps:g} is more than --num_steps={cfg.num_steps}")
+    for flag in ("warmup_steps", "lr_rewarmup", "decay_steps"):
+        value = getattr(cfg, flag)
+        if value is not None and value >= 1 and value != int(value):
+            raise ConfigError(f"--{flag}={value:g}: give a number of steps (an integer) or a fraction below 1")
     parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
     if cfg.weights is not None and any(w <= 0 for w in cfg.weights):
         raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")

@@ -37,6 +37,7 @@ from fms_fsdp.models import get_model_config
 from fms_fsdp.optim import adamw_kernels
 from fms_fsdp.parallel import MeshShape, build_mesh, check_tensor_parallel, mesh_shape
 from fms_fsdp.profiling import check_profiler
+from fms_fsdp.schedule import ScheduleSettings
 from fms_fsdp.storage import location
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
@@ -129,6 +130,7 @@ def facts(cfg: train_config) -> Run:
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
     check_tensor_parallel(cfg, model_config)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
+    ScheduleSettings.of(cfg)  # the cycles and decay the flags give
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if cfg.float8:
             check_float8(device)

@@ -4,11 +4,16 @@
   (0.1 gives exactly fms-fsdp's min(1 - (1 - x/w)^2, 0.1 + 0.45 (1 + cos(pi x / N)))).
 - initial + linear: warmup, then a straight line from 1 to min_lr_ratio at the last step.
 - initial + inv_sqrt: warmup, then sqrt(warmup / x), not below min_lr_ratio (Levanter's inv_sqrt).
+- initial + inv: warmup, then 1 / (1 + (1/r - 1) t / decay) t steps after it, reaching r =
+  min_lr_ratio after the decay steps (Levanter's inv).
 - initial + wsd: warmup, stable at 1, linear decay to min_lr_ratio over the last decay_steps.
 - initial + constant: warmup, then 1.
 - annealing: fms-fsdp's annealing stage, 1 - x/N.
-With --lr_cycles=K the initial stage's schedule runs K times over num_steps, each cycle warming up
-again (Levanter's cycles). Any num_steps >= 1 works (fms-fsdp divided by zero below 20 steps).
+With --lr_cycles=K the initial stage's schedule runs K times over num_steps (or cycles of
+--lr_cycle_length steps, a fraction of the run or a list of lengths, or cycles ending at
+--lr_cycle_ends), each cycle warming up again, by --lr_rewarmup after the first (Levanter's cycles and
+rewarmup). Warmup and decay are steps, or fractions of a cycle below 1. Any num_steps >= 1 works
+(fms-fsdp divided by zero below 20 steps).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError
 
 
 def default_warmup(num_steps: int) -> int:
@@ -31,28 +37,92 @@ def default_warmup(num_steps: int) -> int:
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    """The learning-rate flags: --training_stage, --lr_schedule, --num_steps, --lr_cycles,
-    --warmup_steps, --decay_steps, --min_lr_ratio."""
+    """The learning-rate flags: --training_stage, --lr_schedule, --num_steps, the cycles (--lr_cycles,
+    --lr_cycle_length or --lr_cycle_ends, as the steps they start at), --warmup_steps, --lr_rewarmup,
+    --decay_steps, --min_lr_ratio."""
 
     stage: str
     schedule: str
     steps: int
-    cycles: int
-    warmup: Optional[int]
-    decay: Optional[int]
+    starts: tuple[int, ...]
+    warmup: Optional[float]
+    rewarmup: Optional[float]
+    decay: Optional[float]
     min_ratio: float
 
     @staticmethod
     def of(cfg: train_config) -> "ScheduleSettings":
-        return ScheduleSettings(
+        """The settings; ConfigError naming the flag whose cycles or decay cannot be."""
+        settings = ScheduleSettings(
             cfg.training_stage,
             cfg.lr_schedule,
             cfg.num_steps,
-            cfg.lr_cycles,
+            cycle_starts(cfg),
             cfg.warmup_steps,
+            cfg.lr_rewarmup,
             cfg.decay_steps,
             cfg.min_lr_ratio,
         )
+        shortest = min(b - a for a, b in zip(settings.starts, [*settings.starts[1:], cfg.num_steps]))
+        if cfg.decay_steps is not None and cfg.decay_steps >= 1 and cfg.decay_steps > shortest:
+            raise ConfigError(f"--decay_steps={cfg.decay_steps:g} is more than the {shortest} steps of a cycle")
+        return settings
+
+
+def cycle_starts(cfg: train_config) -> tuple[int, ...]:
+    """The steps the schedule's cycles start at (0 first): --lr_cycles equal cycles, --lr_cycle_length
+    (steps, a fraction of the run, or a list of lengths) or --lr_cycle_ends; ConfigError naming the
+    flag for a form it cannot read or more than one of them."""
+    n = cfg.num_steps
+    given = [
+        f
+        for f, on in (
+            ("--lr_cycles", cfg.lr_cycles > 1),
+            ("--lr_cycle_length", cfg.lr_cycle_length),
+            ("--lr_cycle_ends", cfg.lr_cycle_ends),
+        )
+        if on
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} both set the cycles: give one")
+    if cfg.lr_cycle_ends is not None:
+        ends = list(cfg.lr_cycle_ends)
+        if not ends or ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > n:
+            raise ConfigError(
+                f"--lr_cycle_ends={','.join(map(str, ends))}: give increasing steps from 1 to --num_steps={n}"
+            )
+        return (0, *(e for e in ends if e < n))
+    if cfg.lr_cycle_length is not None:
+        return _starts_of_lengths(cfg.lr_cycle_length, n)
+    return tuple(i * n // cfg.lr_cycles for i in range(cfg.lr_cycles))
+
+
+def _starts_of_lengths(text: str, n: int) -> tuple[int, ...]:
+    """Cycle starts for --lr_cycle_length: '1000' (steps), '0.25' (of the run) or '1000,2000' (lengths)."""
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 or (v >= 1 and v != int(v)) for v in values) or (len(values) > 1 and min(values) < 1):
+        raise ConfigError(
+            f"--lr_cycle_length={text}: give steps (1000), a fraction of the run below 1 (0.25) or lengths (1000,2000)"
+        )
+    if len(values) == 1:
+        length = int(values[0]) if values[0] >= 1 else max(1, round(values[0] * n))
+        return tuple(range(0, n, length))
+    starts, at = [0], 0
+    for value in values:  # steps left after them: one more cycle to the end
+        at += int(value)
+        if at < n:
+            starts.append(at)
+    return tuple(starts)
+
+
+def _steps(value: Optional[float], n: int, default: int) -> int:
+    """A warmup or decay flag in steps: a step count, or a fraction of the n steps of a cycle below 1."""
+    if value is None:
+        return default
+    return int(value) if value >= 1 else int(value * n)
 
 
 def lr_multiplier(settings: ScheduleSettings) -> Callable[[int], float]:
@@ -60,20 +130,24 @@ def lr_multiplier(settings: ScheduleSettings) -> Callable[[int], float]:
     n = settings.steps
     if settings.stage == "annealing":
         return lambda x: 1 - min(x, n) / n
-    starts = [i * n // settings.cycles for i in range(settings.cycles)] + [n]
+    starts = [*settings.starts, n]
+    cycles = len(settings.starts)
 
     def multiplier(x: int) -> float:
-        i = bisect.bisect_right(starts, x, hi=settings.cycles) - 1
-        return _one_cycle(settings, starts[i + 1] - starts[i])(x - starts[i])
+        i = bisect.bisect_right(starts, x, hi=cycles) - 1
+        return _one_cycle(settings, starts[i + 1] - starts[i], first=i == 0)(x - starts[i])
 
     return multiplier
 
 
-def _one_cycle(settings: ScheduleSettings, n: int) -> Callable[[int], float]:
-    """The initial stage's schedule over one cycle of n steps."""
-    warmup = default_warmup(n) if settings.warmup is None else settings.warmup
+def _one_cycle(settings: ScheduleSettings, n: int, first: bool = True) -> Callable[[int], float]:
+    """The initial stage's schedule over one cycle of n steps (a later one warms up by --lr_rewarmup)."""
+    warmup = _steps(settings.warmup, n, default_warmup(n))
+    if not first and settings.rewarmup is not None:
+        warmup = _steps(settings.rewarmup, n, warmup)
     r = settings.min_ratio
-    decay = max(1, n // 5 if settings.decay is None else settings.decay)
+    decay = max(1, _steps(settings.decay, n, n // 5))
+    inv_decay = max(1, _steps(settings.decay, n, n - warmup))
     timescale = max(1, warmup)
 
     def warm(x: int) -> float:
@@ -83,6 +157,7 @@ def _one_cycle(settings: ScheduleSettings, n: int) -> Callable[[int], float]:
         "cosine": lambda x: r + (1 - r) / 2 * (1 + math.cos(math.pi * min(x, n) / n)),
         "linear": lambda x: 1 - (1 - r) * min(1.0, max(0, x - warmup) / max(1, n - warmup)),
         "inv_sqrt": lambda x: max(r, math.sqrt(timescale / max(x, timescale))),
+        "inv": lambda x: max(r, 1 / (1 + (1 / max(r, 1e-12) - 1) * max(0, x - warmup) / inv_decay)),
         "wsd": lambda x: 1 - (1 - r) * min(1.0, max(0, x - (n - decay)) / decay),
         "constant": lambda x: 1.0,
     }[settings.schedule]

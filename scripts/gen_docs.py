@@ -62,10 +62,13 @@ def render(name: str, text: str) -> str:
 # what docs/lr_schedules.png draws: a title and the flags of each panel's schedules
 SCHEDULE_PLOTS = {
     "--lr_schedule (warmup 100 of 1000 steps, min_lr_ratio 0.1)": {
-        name: [f"--lr_schedule={name}"] for name in ("cosine", "linear", "inv_sqrt", "wsd", "constant")
+        name: [f"--lr_schedule={name}"] for name in ("cosine", "linear", "inv_sqrt", "inv", "wsd", "constant")
     },
     "--lr_cycles=3 (each cycle warms up again)": {
         name: [f"--lr_schedule={name}", "--lr_cycles=3"] for name in ("cosine", "linear", "wsd")
+    },
+    "--lr_cycle_ends=200,500 --lr_rewarmup=0 (Levanter's)": {
+        name: [f"--lr_schedule={name}", "--lr_cycle_ends=200,500", "--lr_rewarmup=0"] for name in ("cosine", "inv")
     },
 }
 
@@ -77,7 +80,7 @@ def plot_lr_schedules(path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SCHEDULE_PLOTS), figsize=(11, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(SCHEDULE_PLOTS), figsize=(15, 3.6), sharey=True)
     for ax, (title, schedules) in zip(axes, SCHEDULE_PLOTS.items()):
         for name, flags in schedules.items():
             f = lr_multiplier(ScheduleSettings.of(parse_args(["--num_steps=1000", "--warmup_steps=100", *flags])))

@@ -52,6 +52,7 @@ SCHEDULES = [
     ("--lr_schedule=constant",),
     ("--lr_schedule=linear",),
     ("--lr_schedule=inv_sqrt",),
+    ("--lr_schedule=inv",),
     ("--lr_cycles=2",),
 ]
 
@@ -89,5 +90,43 @@ def test_linear_inverse_square_root_and_cycles():
     assert [uneven(x) for x in (0, 3, 6)] == [1.0, 1.0, 1.0]  # cycles start at 0, 3 and 6
     with pytest.raises(ConfigError, match="--lr_cycles=20 is more than --num_steps=10"):
         schedule("--num_steps=10", "--lr_cycles=20")
-    with pytest.raises(ConfigError, match="--decay_steps=40 is more than --num_steps=100 / --lr_cycles=3"):
+    with pytest.raises(ConfigError, match="--decay_steps=40 is more than the 33 steps of a cycle"):
         schedule("--num_steps=100", "--lr_cycles=3", "--decay_steps=40")
+
+
+def test_levanter_forms_inv_fractions_cycle_lengths_and_ends_and_rewarmup():
+    inv = schedule("--num_steps=100", "--lr_schedule=inv", "--warmup_steps=0", "--min_lr_ratio=0.1")
+    assert inv(0) == 1.0 and inv(50) == pytest.approx(1 / 5.5) and inv(100) == pytest.approx(0.1)  # 1/(1 + 9t/100)
+    half = schedule(
+        "--num_steps=100", "--lr_schedule=inv", "--warmup_steps=10", "--decay_steps=0.5", "--min_lr_ratio=0.5"
+    )
+    assert half(10) == 1.0 and half(35) == pytest.approx(1 / 1.5) and half(60) == half(99) == 0.5  # decay: 50 steps
+    steps, fraction = (
+        schedule("--num_steps=1000", "--warmup_steps=100"),
+        schedule("--num_steps=1000", "--warmup_steps=0.1"),
+    )
+    assert all(steps(x) == fraction(x) for x in range(0, 1001, 7))
+    # four cycles of 100 steps, written five ways
+    forms = [
+        ["--lr_cycles=4"],
+        ["--lr_cycle_length=100"],
+        ["--lr_cycle_length=0.25"],
+        ["--lr_cycle_length=100,100,100"],
+        ["--lr_cycle_ends=100,200,300,400"],
+    ]
+    curves = [[schedule("--num_steps=400", "--warmup_steps=10", *f)(x) for x in range(400)] for f in forms]
+    assert all(c == curves[0] for c in curves) and curves[0][100] == curves[0][300] == 0.0
+    one_long = schedule("--num_steps=300", "--warmup_steps=10", "--lr_cycle_ends=100")  # then 200 steps to the end
+    long = schedule("--num_steps=200", "--warmup_steps=10")
+    assert all(one_long(100 + x) == pytest.approx(long(x)) for x in range(200))
+    rewarm = schedule("--num_steps=300", "--lr_cycles=3", "--warmup_steps=10", "--lr_rewarmup=0")
+    assert rewarm(0) == 0.0 and rewarm(100) == rewarm(200) == 1.0  # later cycles start at the peak
+    for flags, message in [
+        (["--lr_cycles=2", "--lr_cycle_length=10"], "--lr_cycles and --lr_cycle_length both set the cycles"),
+        (["--lr_cycle_length=often"], "--lr_cycle_length=often: give steps"),
+        (["--lr_cycle_ends=50,20"], "--lr_cycle_ends=50,20: give increasing steps from 1 to --num_steps=100"),
+        (["--warmup_steps=1.5"], r"--warmup_steps=1.5: give a number of steps \(an integer\) or a fraction"),
+        (["--lr_schedule=inv", "--min_lr_ratio=0"], "--lr_schedule=inv decays towards --min_lr_ratio"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            schedule("--num_steps=100", *flags)
