@@ -50,6 +50,18 @@ from torch.distributed.tensor._utils import (  # noqa: E402
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
+# Muon's Newton-Schulz orthogonalisation and learning-rate adjustment, as torch.optim.Muon computes them
+# (optim.MuonWithAdamW runs them on whole matrices gathered from their shards)
+from torch.optim._muon import (  # noqa: E402
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _zeropower_via_newtonschulz,
+)
+from torch.optim._muon import _adjust_lr as muon_adjusted_lr  # noqa: E402
+
 # maps the tensors of a nested state dict (checkpoints save float8's wrapped weights as plain tensors)
 from torch.utils._pytree import tree_map_only  # noqa: E402
 
@@ -72,6 +84,11 @@ def fsspec_storage() -> tuple[Any, Any]:
 
 
 # ----------------------------------------------------------------------------------- differences
+
+
+def muon_orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of one matrix, with its default coefficients and steps."""
+    return _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:
@@ -107,6 +124,8 @@ __all__ = [
     "local_shape_and_offset_at",
     "local_tensor",
     "mem_tracker",
+    "muon_adjusted_lr",
+    "muon_orthogonalize",
     "cuda_memory_snapshot",
     "record_cuda_memory_history",
     "reduce_scatter_op",

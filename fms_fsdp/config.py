@@ -145,6 +145,17 @@ class train_config:
         "z-loss: add this weight x logsumexp(logits)^2 per token to the training loss (1e-4 in PaLM and OLMo), which keeps the output logits from drifting; the term is reported as z_loss and included in loss. Evaluation reports cross entropy alone.",
         min=0.0,
     )
+    optimizer: str = _f(
+        "adamw",
+        "adamw; or muon: torch.optim.Muon's update (momentum, Newton-Schulz orthogonalisation) for the blocks' matrices, each orthogonalised whole however it is sharded, and AdamW for the embedding, head and norms (the Muon papers' split).",
+        choices=("adamw", "muon"),
+    )
+    muon_momentum: float = _f(0.95, "--optimizer=muon: the momentum of the matrices' updates (Nesterov).", min=0.0)
+    muon_adjust_lr: str = _f(
+        "match_rms_adamw",
+        "--optimizer=muon: how --learning_rate scales for a matrix of A x B: match_rms_adamw, 0.2 sqrt(max(A, B)), gives updates of AdamW's size so one learning rate serves both (Moonlight's); original, sqrt(max(1, A/B)) (Keller Jordan's, which wants a learning rate near 0.02).",
+        choices=("match_rms_adamw", "original"),
+    )
     optimizer_impl: str = _f(
         "auto",
         "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.",

@@ -99,6 +99,17 @@ FUSED = {"attn.in_proj": ("qkv_fused", ("query", "key", "value")), "ff_sub_layer
 _PART = re.compile(r"^(.*\.)(attn\.in_proj|ff_sub_layer)\.(query|key|value|wg|w1)\.(weight|bias)$")
 
 
+def part_rows(model: LLaMA) -> dict[str, tuple[int, ...]]:
+    """For a model built fused: each fused weight's name -> the rows its parts start at, and its rows
+    (q, k, v; gate, up), so that what works on whole matrices (Muon) treats the parts as the unfused
+    model's separate weights. Empty for a model built unfused."""
+    config = model.config
+    head_dim = config.emb_dim // config.nheads
+    q, kv, ffn = config.nheads * head_dim, config.kvheads * head_dim, hidden_dim(config)
+    rows = {"qkv_fused": (0, q, q + kv, q + 2 * kv), "wg1_fused": (0, ffn, 2 * ffn)}
+    return {name: rows[name.split(".")[-2]] for name, _ in model.named_parameters() if name.split(".")[-2] in rows}
+
+
 def fused_parts(shapes: Mapping[str, Sequence[int]]) -> dict[str, list[tuple[str, int]]]:
     """For the parameters of a model built unfused (name -> global shape), each fused name as
     checkpoints hold it -> its parts' names and their first rows in it, in fms's order (q, k, v;
@@ -302,7 +313,7 @@ def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generat
     return rules
 
 
-def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offset, shape) of this rank's part of the full parameter (FSDP's rows, TP's rows or columns)."""
     if not isinstance(param, DTensor):
         return (0,) * param.dim(), tuple(param.shape)
@@ -322,7 +333,7 @@ def init_weights(model: LLaMA, seed: int) -> None:
         origin.update({m: (fused, row, total) for m, row in members})
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        offset, shape = _local_box(param)
+        offset, shape = local_box(param)
         if tuple(local.shape) != shape:
             raise RuntimeError(f"{name}: local shard is {tuple(local.shape)}, expected {shape}")
         # an unfused part draws the rows of the fused weight it is cut from: the same values at any T

@@ -34,7 +34,7 @@ from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, 
 from fms_fsdp.float8 import check_float8
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
-from fms_fsdp.optim import adamw_kernels
+from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel import MeshShape, build_mesh, check_tensor_parallel, mesh_shape
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.schedule import ScheduleSettings
@@ -131,6 +131,7 @@ def facts(cfg: train_config) -> Run:
     check_tensor_parallel(cfg, model_config)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     ScheduleSettings.of(cfg)  # the cycles and decay the flags give
+    check_optimizer(cfg)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if cfg.float8:
             check_float8(device)

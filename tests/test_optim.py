@@ -1,12 +1,20 @@
-"""The optimizer: AdamW kernels by device, weight-decay groups, clipping by the global norm."""
+"""The optimizer: AdamW kernels by device, weight-decay groups, clipping by the global norm, Muon."""
 
 import pytest
 import torch
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.optim import OptimizerSettings, build_optimizer, clip_gradients, keep_kernels
+from fms_fsdp.models import build_model, get_model_config, init_weights
+from fms_fsdp.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    check_optimizer,
+    clip_gradients,
+    decay_groups,
+    keep_kernels,
+    muon_params,
+)
 
 from conftest import TINY
 
@@ -66,3 +74,47 @@ def test_clipping_scales_to_the_threshold_and_returns_the_norm_before(model):
     after = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
     assert after.item() == pytest.approx(1.0, rel=1e-3)
     model.zero_grad(set_to_none=True)
+
+
+def test_muon_takes_torch_muons_steps_on_the_blocks_matrices_and_adamw_on_the_rest():
+    """--optimizer=muon on a model built unfused (q, k, v, gate, up: matrices of their own) equals
+    torch.optim.Muon on the blocks' matrices plus AdamW on the rest, step for step, bit for bit."""
+    cpu = torch.device("cpu")
+    ours, theirs = (build_model(get_model_config("tiny", 256, tensor_parallel=2), cpu) for _ in range(2))
+    init_weights(ours, 0)
+    theirs.load_state_dict(ours.state_dict())
+    cfg = parse_args([*TINY, "--optimizer=muon", "--learning_rate=0.01", "--weight_decay=0.1"])
+    optimizer = build_optimizer(ours, OptimizerSettings.of(cfg), cpu)
+    matrices = {n for n, p in ours.named_parameters() if p in muon_params(ours)}
+    assert len(matrices) == 4 * 7  # q, k, v, dense, gate, up, down in each of tiny's 4 blocks
+    mine = [p for n, p in theirs.named_parameters() if n in matrices]
+    muon = torch.optim.Muon(mine, lr=0.01, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    rest = [
+        {**g, "params": [p for p in g["params"] if all(p is not m for m in mine)]}
+        for g in decay_groups(theirs, 0.1, True)
+    ]
+    adamw = torch.optim.AdamW(rest, lr=0.01, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for model in (ours, theirs):
+            model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+        for step in (optimizer, muon, adamw):
+            step.step()
+            step.zero_grad()
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(
+        a["base_model.layers.0.attn.in_proj.query.weight"],
+        init_state(0)["base_model.layers.0.attn.in_proj.query.weight"],
+    )
+
+
+def init_state(seed: int) -> dict:
+    model = build_model(get_model_config("tiny", 256, tensor_parallel=2), torch.device("cpu"))
+    init_weights(model, seed)
+    return model.state_dict()
+
+
+def test_muon_does_not_combine_with_skipping_bad_steps():
+    with pytest.raises(ConfigError, match="--skip_bad_steps leaves steps out inside AdamW's fused kernels"):
+        check_optimizer(parse_args([*TINY, "--optimizer=muon", "--skip_bad_steps=3"]))
