@@ -62,6 +62,10 @@ class train_config:
     weights: Optional[list[float]] = _f(
         None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens)."
     )
+    weights_schedule: Optional[str] = _f(
+        None,
+        "Weights that change at given steps (Levanter's stage weights): step:weights;step:weights, the first at step 0, e.g. '0:3,1,1;20000:1,1,2' (from the 20001st step on); instead of --weights.",
+    )
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
     bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
     eos_token: int = _f(0, "Token id separating documents.", min=0)
@@ -407,6 +411,8 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")
     if cfg.weights is not None and cfg.datasets is not None and len(cfg.weights) != len(cfg.datasets):
         raise ConfigError(f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets")
+    if cfg.weights is not None and cfg.weights_schedule is not None:
+        raise ConfigError("--weights and --weights_schedule both give the weights: put them in --weights_schedule")
     _check_trackers(cfg)
     if (cfg.eval_interval > 0) != (cfg.eval_data_path is not None):
         raise ConfigError(

@@ -9,7 +9,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,10 @@ class MetricsReporter:
         start_step: int = 0,
         tokens_seen: int = 0,
         trackers: Optional[Trackers] = None,
+        dataset_lines: Optional[Callable[[], dict[str, int]]] = None,
     ):
         cfg, info = run.cfg, run.info
+        self.dataset_lines, self.seq_length = dataset_lines, cfg.seq_length  # tokens per dataset, reported
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
@@ -153,6 +155,13 @@ class MetricsReporter:
         }
         if self.z_loss_sum is not None:
             record["z_loss"] = float(sums[2]) / max(1, self.steps) / self.info.world_size
+        if self.dataset_lines is not None:
+            lines = self.dataset_lines()
+            counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
+            dist.all_reduce(counts)  # a tensor-parallel group reads one rank's data: counted once
+            record.update(
+                {f"tokens/{name}": n * self.seq_length // self.info.tp for name, n in zip(lines, counts.tolist())}
+            )
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         if skipped_steps is not None:

@@ -30,6 +30,7 @@ from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import check_tokenizer
+from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
 from fms_fsdp.float8 import check_float8
 from fms_fsdp.lora import check_lora
@@ -132,6 +133,8 @@ def facts(cfg: train_config) -> Run:
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     ScheduleSettings.of(cfg)  # the cycles and decay the flags give
     check_optimizer(cfg)
+    if cfg.weights_schedule is not None:
+        MixtureSchedule.parse(cfg.weights_schedule)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if cfg.float8:
             check_float8(device)

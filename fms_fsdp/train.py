@@ -204,7 +204,14 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
                 "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
             )
-        reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers)
+        reporter = MetricsReporter(
+            run,
+            flops_per_token(model.config, cfg.seq_length),
+            start,
+            tokens_seen,
+            trackers,
+            getattr(loader, "lines_by_dataset", None),  # the synthetic loader has no datasets
+        )
         stack.callback(reporter.close)
         triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)

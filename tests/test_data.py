@@ -161,6 +161,44 @@ def test_weights_are_token_proportions(tmp_path):
     assert from_a.mean() == pytest.approx(0.75, abs=0.01)
 
 
+def sources(batches) -> list[str]:
+    """Which dataset each batch came from: a (tokens 10..69), b (100..139) or both."""
+    kinds = []
+    for x, _ in batches:
+        ids = x[x > EOS]
+        kinds.append("a" if (ids < 100).all() else "b" if (ids >= 100).all() else "both")
+    return kinds
+
+
+def test_a_weights_schedule_switches_at_its_step_on_every_rank_and_worker_and_resumes_exactly(tmp_path):
+    """--weights_schedule='0:1,0;3:0,1': dataset a alone for three steps of two micro-batches, then b
+    alone; two ranks of two workers each switch at that step, a resume before, at or after the switch
+    goes on exactly, and a rescale to one rank switches at the same step."""
+    write_dataset(tmp_path, "a", make_docs(10, 60, 5))
+    write_dataset(tmp_path, "b", make_docs(100, 40, 6))
+    c = cfg(tmp_path, num_workers=2, weights_schedule="0:1,0;3:0,1", grad_accum_steps=2)
+    full = {rank: take(data_loader(c, rank, 2), 10) for rank in (0, 1)}
+    assert all(sources(batches) == ["a"] * 6 + ["b"] * 4 for batches in full.values())
+    states = {}
+    for n in (4, 6, 8):  # checkpoints at steps 2, 3 and 4
+        for rank in (0, 1):
+            first = data_loader(c, rank, 2)
+            it = iter(first)
+            for _ in range(n):
+                next(it)
+            states[n, rank] = pickle.loads(pickle.dumps(first.state_dict()))
+            it.close()
+        again = data_loader(c, 0, 2)
+        again.load_state_dict(states[n, 0])
+        rest = take(again, 10 - n)
+        assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[0][n:], rest))
+    one = data_loader(cfg(tmp_path, num_workers=1, weights_schedule="0:1,0;3:0,1", grad_accum_steps=2), 0, 1)
+    one.load_state_dict([states[4, 0], states[4, 1]])  # at step 2: one step of a, then b
+    assert sources(take(one, 4)) == ["a", "a", "b", "b"]
+    # lines per dataset: the job's 2 steps x 2 micro-batches x 2 lines x 2 ranks before, then this rank's
+    assert one.lines_by_dataset() == {"a": 16 + 4, "b": 4}
+
+
 def test_packing_format_and_shift(tmp_path):
     docs = make_docs(10, 20, 3)
     write_dataset(tmp_path, "web", docs)

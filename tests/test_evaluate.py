@@ -29,6 +29,9 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     run_here(flags(data, plain, "--num_steps=6"))
     output = run_here(flags(data, evaluated, "--num_steps=6", f"--eval_data_path={data}", "--eval_interval=4"))
     assert losses(evaluated) == losses(plain)  # the training loader, RNG and steps are untouched
+    last = [r for r in records(plain) if "loss" in r][-1]  # and the tokens each dataset gave
+    assert last["tokens/web"] > 0 and last["tokens/code"] > 0
+    assert last["tokens/web"] + last["tokens/code"] == last["tokens_seen"]
     four, six = evals(evaluated)
     assert (four["step"], six["step"]) == (4, 6) and "eval step 6 | loss" in output
     # an evaluation's time is its own (eval_seconds), not in the step time of the interval it fell in

@@ -10,6 +10,7 @@ from typing import Union
 from fms_fsdp.config import train_config
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
+from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset, Layout, list_datasets, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
@@ -27,9 +28,12 @@ def get_data_loader(
     if cfg.use_dummy_dataset:
         return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab_size, cfg.seed, rank, world_size)
     names = list_datasets(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
-    if cfg.weights is not None and len(cfg.weights) != len(names):
+    schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
+    given = cfg.weights if schedule is None else schedule.stages[0][1]
+    if given is not None and len(given) != len(names):
+        flag = "--weights" if schedule is None else "--weights_schedule"
         raise DataError(
-            f"--weights has {len(cfg.weights)} values but {cfg.data_path} has {len(names)} datasets: "
+            f"{flag} has {len(given)} values but {cfg.data_path} has {len(names)} datasets: "
             f"{', '.join(names)}; give one weight per dataset or set --datasets",
             every_rank=True,
         )
@@ -42,7 +46,7 @@ def get_data_loader(
         timeout=timedelta(hours=6),
     )
     datasets = [Dataset(n, location(cfg.data_path, "data_path"), entries[n], layout) for n in names]
-    weights = cfg.weights or [float(d.tokens) for d in datasets]  # default: the natural mixture
+    weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(
         datasets,
         weights,
@@ -53,6 +57,8 @@ def get_data_loader(
         rank,
         world_size,
         cfg.num_workers,
+        schedule,
+        cfg.grad_accum_steps,
     )
 
 

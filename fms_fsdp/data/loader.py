@@ -4,7 +4,9 @@ every delivered batch tracked for exact resume and regrouped for rescaling.
 As in torchdata's StatefulDataLoader, each worker sends its state with every batch, so the saved
 state is that of the batches the trainer has taken, not of those prefetched. The DataLoader hands
 out batches from workers 0, 1, ..., W-1 in turn; on resume, worker roles are rotated so that the
-worker whose batch was due next delivers first, and the batch sequence continues exactly.
+worker whose batch was due next delivers first, and the batch sequence continues exactly. Each rank
+counts the batches it took: with --weights_schedule a worker knows the optimizer step of every batch
+it makes (batch index // grad_accum_steps), and sets that step's weights before its lines.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
 from fms_fsdp.distributed import STOP_SIGNALS, exit_with_parent
@@ -75,6 +78,7 @@ class _Workers(IterableDataset):
         self.rank, self.workers = loader.rank, loader.workers
         self.consumers = loader.world_size * self.workers
         self.states, self.rotation = list(loader.states), loader.next_worker
+        self.schedule, self.accum, self.first = loader.schedule, loader.grad_accum, loader.batches
 
     def __iter__(self) -> Iterator[tuple[Optional[np.ndarray], dict]]:
         info = get_worker_info()
@@ -90,7 +94,12 @@ class _Workers(IterableDataset):
                 self.packing,
                 self.states[logical],
             )
+            # this worker makes the rank's batches first, first + W, ...: DataLoader takes them in turn
+            batch = self.first + (info.id if info else 0)
             while True:
+                if self.schedule is not None:
+                    reader.set_weights(self.schedule.weights_at(batch // self.accum))
+                batch += self.workers
                 lines = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
                 for line in lines:
                     reader.next_line(line)
@@ -114,8 +123,12 @@ class StatefulLoader:
         rank: int,
         world_size: int,
         num_workers: int,
+        schedule: Optional[MixtureSchedule] = None,
+        grad_accum: int = 1,
     ):
         self.datasets, self.weights, self.packing = datasets, weights, packing
+        self.schedule, self.grad_accum = schedule, grad_accum
+        self.batches = 0  # taken by this rank: every rank takes grad_accum per step
         self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.workers = max(1, num_workers)  # readers per rank; 0 workers = one reader in this process
@@ -154,6 +167,7 @@ class StatefulLoader:
                 logical = state["consumer"] - self.rank * self.workers
                 self.states[logical] = state
                 self.next_worker = (logical + 1) % self.workers
+                self.batches += 1
                 batch = torch.from_numpy(lines)
                 yield batch[:, :-1], batch[:, 1:]
         finally:
@@ -179,6 +193,7 @@ class StatefulLoader:
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "next_worker": self.next_worker,
+            "batches": self.batches,
             "readers": [None if r is None else _compact(r) for r in self.states],
             **self._fingerprint(),
         }
@@ -194,6 +209,7 @@ class StatefulLoader:
                 if s[key] != value:
                     raise DataError(f"the data changed since this state was saved: {key} was {s[key]}, is {value}")
         own = states[self.rank] if isinstance(state, list) and len(states) == self.world_size else states[0]
+        self.batches = int(own.get("batches", 0))  # the same on every rank: grad_accum_steps per step
         if (own["rank"], own["world_size"], own["num_workers"]) == (self.rank, self.world_size, self.num_workers):
             self.states, self.next_worker = list(own["readers"]), own["next_worker"]
         elif not isinstance(state, list):
@@ -224,4 +240,19 @@ class StatefulLoader:
                 datasets[ds.name] = {key: np.array([x[k] for x in rows], np.int32) for k, key in enumerate(POSITION)}
                 datasets[ds.name]["next"] = 0
             result.append({"consumer": consumer, "consumers": consumers, "lines": 0, "datasets": datasets})
+        if self.rank == 0:  # the job's lines per dataset so far, kept on its first reader
+            used = [r.get("used", [0] * len(self.datasets)) for r in old if r is not None]
+            first = result[0]
+            assert first is not None
+            first["used"] = [int(sum(u[k] for u in used)) for k in range(len(self.datasets))]
         return result
+
+    def lines_by_dataset(self) -> dict[str, int]:
+        """Lines this rank took from each dataset since the run began (a rescaled run counts the job's
+        earlier lines on rank 0)."""
+        totals = [0] * len(self.datasets)
+        for state in self.states:
+            if state is not None:
+                for k, n in enumerate(state.get("used", ())):
+                    totals[k] += int(n)
+        return {d.name: n for d, n in zip(self.datasets, totals)}

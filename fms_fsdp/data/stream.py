@@ -294,6 +294,8 @@ class LineReader:
         self.names = [d.name for d in datasets]
         self.p = np.asarray(weights, dtype=np.float64) / sum(weights)
         self.lines = 0 if state is None else int(state["lines"])
+        # lines taken from each dataset, for the metrics (a state without them: none yet)
+        self.used = [0] * len(datasets) if state is None else [int(n) for n in state.get("used", [0] * len(datasets))]
         self.readers = []
         for k, ds in enumerate(datasets):
             n = n_logical_shards(logical_shards, ds.documents)
@@ -305,6 +307,13 @@ class LineReader:
                 )
             )
         self._choices: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+
+    def set_weights(self, weights: tuple[float, ...]) -> None:
+        """The weights of the lines from here on (--weights_schedule): the same draws for a line, given
+        the weights, so a resume anywhere repeats them."""
+        p = np.asarray(weights, dtype=np.float64) / sum(weights)
+        if not np.array_equal(p, self.p):
+            self.p, self._choices = p, (-1, self._choices[1])
 
     def _dataset_for_line(self, line: int) -> int:
         if len(self.readers) == 1:
@@ -324,15 +333,18 @@ class LineReader:
             line[0] = p.bol
         if p.eol is not None:
             line[-1] = p.eol
-        reader = self.readers[self._dataset_for_line(self.lines)]
+        k = self._dataset_for_line(self.lines)
+        reader = self.readers[k]
         reader.fill(line[start:stop])
         reader.check_vocab(line)
         self.lines += 1
+        self.used[k] += 1
 
     def state(self) -> dict[str, Any]:
         return {
             "consumer": self.consumer,
             "consumers": self.consumers,
             "lines": self.lines,
+            "used": self.used[:],
             "datasets": {name: r.state() for name, r in zip(self.names, self.readers)},
         }
