@@ -58,7 +58,10 @@ class train_config:
     text_field: str = _f(
         "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path)."
     )
-    datasets: Optional[list[str]] = _f(None, "Comma list of dataset sub-folders (default: all but meta).")
+    datasets: Optional[list[str]] = _f(
+        None,
+        "Comma list of datasets: sub-folders of data_path (default: all but meta), or name=pattern|pattern entries whose files are anywhere, with brace ranges and globs, e.g. web=s3://b/web-{000..127}.jsonl.gz|s3://b/more/*.jsonl.gz (brace lists {a,b} in a config file's list, where commas do not split).",
+    )
     weights: Optional[list[float]] = _f(
         None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens)."
     )
@@ -185,7 +188,9 @@ class train_config:
         None,
         "Held-out data, laid out as --data_path (every sub-folder is an eval dataset unless --eval_datasets names them).",
     )
-    eval_datasets: Optional[list[str]] = _f(None, "Eval dataset folders under eval_data_path (default: all).")
+    eval_datasets: Optional[list[str]] = _f(
+        None, "Eval datasets as --datasets gives them: folders under eval_data_path (default: all), or name=patterns."
+    )
     eval_interval: int = _f(
         0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0
     )

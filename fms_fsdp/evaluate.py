@@ -25,7 +25,7 @@ from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import layout_of, packing_of
-from fms_fsdp.data.shards import Dataset, list_datasets, scan
+from fms_fsdp.data.shards import Dataset, dataset_sources, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
@@ -90,18 +90,20 @@ class Evaluator:
             return
         path = cfg.eval_data_path
         assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
-        names = list_datasets(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
+        sources = dataset_sources(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
         layout = layout_of(cfg)
         entries = on_rank0(
-            lambda: scan(path, names, layout, "eval_data_path"),
+            lambda: scan(sources, layout, "eval_data_path", "eval_datasets"),
             DataError,
             lambda message: DataError(message, every_rank=True),
             timeout=timedelta(hours=1),
         )
         packing = packing_of(cfg, run.vocab_size)
         limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
-        for name in names:
-            lines = eval_lines(Dataset(name, location(path, "eval_data_path"), entries[name], layout), packing, limit)
+        for source in sources:
+            name = source.name
+            dataset = Dataset(name, location(source.root, "eval_data_path"), entries[name], layout)
+            lines = eval_lines(dataset, packing, limit)
             self.lines[name] = lines[info.dp_rank :: info.dp_size]
             self.forwards[name] = -(-len(lines) // (info.dp_size * self.batch))
 

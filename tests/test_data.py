@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fms_fsdp.data import DataError
+from fms_fsdp.data.sources import expand_braces
 from fms_fsdp.data.stream import ShardPlan, n_logical_shards
 from fms_fsdp.flags import make_config
 
@@ -197,6 +198,31 @@ def test_a_weights_schedule_switches_at_its_step_on_every_rank_and_worker_and_re
     assert sources(take(one, 4)) == ["a", "a", "b", "b"]
     # lines per dataset: the job's 2 steps x 2 micro-batches x 2 lines x 2 ranks before, then this rank's
     assert one.lines_by_dataset() == {"a": 16 + 4, "b": 4}
+
+
+def test_brace_ranges_and_lists_spell_every_path():
+    assert expand_braces("s3://b/web-{000..002}.jsonl.gz") == [f"s3://b/web-00{i}.jsonl.gz" for i in range(3)]
+    assert expand_braces("{a,b}/x{1..2}") == ["a/x1", "a/x2", "b/x1", "b/x2"]
+    assert expand_braces("{9..11}") == ["9", "10", "11"] and expand_braces("{08..10}") == ["08", "09", "10"]
+    assert expand_braces("part-*.arrow") == ["part-*.arrow"]  # globs are matched later, by the file system
+
+
+def test_datasets_given_by_patterns_read_what_their_folders_give(tmp_path):
+    """--datasets name=pattern|pattern (Levanter's data forms: brace ranges, globs, several patterns a
+    dataset, files anywhere) gives the batches of the same files as folders under --data_path."""
+    write_dataset(tmp_path, "a", make_docs(10, 60, 5))  # a/sub0/part0.arrow, a/sub0/part2.arrow, a/sub1/part1.arrow
+    write_dataset(tmp_path, "b", make_docs(100, 40, 6), layout="parquet")  # b/part0..2.parquet
+    folders = take(data_loader(cfg(tmp_path, weights=[2, 1]), 0, 1), 12)
+    patterns = [f"a={tmp_path}/a/sub{{0..1}}/*.arrow", f"b={tmp_path}/b/part{{0..1}}.parquet|{tmp_path}/b/part2.*"]
+    given = take(data_loader(cfg(tmp_path / "elsewhere", datasets=patterns, weights=[2, 1]), 0, 1), 12)
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(folders, given))
+    for datasets, message in [
+        ([f"a={tmp_path}/a/sub{{5..6}}/*.arrow"], r"--datasets: a=.*sub\{5..6\}/\*.arrow matches no file"),
+        ([f"a={tmp_path}/b/*"], r"part0.parquet \(a\) is not one of .arrow"),
+        (["a="], "--datasets: 'a=' is not name=pattern"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            data_loader(cfg(tmp_path, datasets=datasets, file_type="arrow"), 0, 1)
 
 
 def test_packing_format_and_shift(tmp_path):

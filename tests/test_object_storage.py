@@ -93,6 +93,15 @@ def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
     assert [d.tokens for d in remote.datasets] == [d.tokens for d in on_disk.datasets]
     for (x1, y1), (x2, y2) in zip(take(remote, 12), take(on_disk, 12)):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # the same files named by patterns (brace ranges, globs), as Levanter's configs name them
+    patterns = [
+        "code=s3://data/corpus/code/part{0..2}.parquet",
+        "text=s3://data/corpus/text/*.jsonl.gz",
+        "web=s3://data/corpus/web/sub*/*.arrow",
+    ]
+    given = data_loader(cfg(local, data_path="s3://nowhere", datasets=patterns, num_workers=2), 1, 2)
+    for (x1, y1), (x2, y2) in zip(take(given, 12), take(data_loader(cfg(local, num_workers=2), 1, 2), 12)):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 def test_training_and_evaluation_from_a_bucket_keep_no_credentials(s3, tmp_path):

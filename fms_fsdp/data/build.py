@@ -11,7 +11,7 @@ from fms_fsdp.config import train_config
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.mixture import MixtureSchedule
-from fms_fsdp.data.shards import Dataset, Layout, list_datasets, scan
+from fms_fsdp.data.shards import Dataset, Layout, dataset_sources, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
 from fms_fsdp.distributed import on_rank0
@@ -27,7 +27,8 @@ def get_data_loader(
     Bad data raises DataError (one line naming the file or flag)."""
     if cfg.use_dummy_dataset:
         return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab_size, cfg.seed, rank, world_size)
-    names = list_datasets(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
+    sources = dataset_sources(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
+    names = [s.name for s in sources]
     schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
     given = cfg.weights if schedule is None else schedule.stages[0][1]
     if given is not None and len(given) != len(names):
@@ -40,12 +41,12 @@ def get_data_loader(
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     layout = layout_of(cfg)
     entries = on_rank0(
-        lambda: scan(cfg.data_path, names, layout),
+        lambda: scan(sources, layout),
         DataError,
         lambda message: DataError(message, every_rank=True),
         timeout=timedelta(hours=6),
     )
-    datasets = [Dataset(n, location(cfg.data_path, "data_path"), entries[n], layout) for n in names]
+    datasets = [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layout) for s in sources]
     weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(
         datasets,

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.data.sources import Source, common_folder, matched_files
 from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
 from fms_fsdp.errors import DataError, first_line
 from fms_fsdp.storage import is_remote, location, open_random
@@ -239,6 +240,27 @@ def list_datasets(
     return names
 
 
+def dataset_sources(
+    data_path: str, datasets: Optional[list[str]], flag: str = "data_path", datasets_flag: str = "datasets"
+) -> list[Source]:
+    """The datasets of --datasets in order (name=patterns: data/sources.py; or a folder under
+    data_path, checked by list_datasets), or every sub-folder of data_path."""
+    given = datasets or []
+    folders = [d for d in given if "=" not in d]
+    names = list_datasets(data_path, folders or None, flag, datasets_flag) if folders or not given else []
+    result = {name: Source(name, data_path) for name in names}
+    for entry in given:
+        if "=" not in entry:
+            continue
+        name, _, text = entry.partition("=")
+        patterns = [p.strip() for p in text.split("|") if p.strip()]
+        if not name.strip() or not patterns:
+            raise DataError(f"--{datasets_flag}: {entry!r} is not name=pattern|pattern...", every_rank=True)
+        result[name.strip()] = Source(name.strip(), common_folder(patterns), tuple(patterns))
+    order = [d.partition("=")[0].strip() for d in given] or names
+    return [result[name] for name in order]
+
+
 def read_counts(data_path: str, flag: str = "data_path") -> dict[str, FileEntry]:
     """Entries of every meta/*counts*.csv under data_path (given as --`flag`), by relative path; the
     users' files win over this loader's own cache."""
@@ -293,19 +315,37 @@ def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ..
     return files
 
 
-def scan(data_path: str, names: list[str], layout: Layout, flag: str = "data_path") -> dict[str, list[FileEntry]]:
-    """Every shard of every dataset under data_path (given as --`flag`) with its counts: validated by
-    opening each file; counts from meta/*counts*.csv where listed and right, computed otherwise and
-    cached in meta/. Raw text files are indexed (cached in meta/ too); their bad records are reported,
-    by file."""
+def scan(
+    sources: list[Source], layout: Layout, flag: str = "data_path", datasets_flag: str = "datasets"
+) -> dict[str, list[FileEntry]]:
+    """Every shard of every dataset (a folder under --`flag`, or the files of its patterns) with its
+    counts: validated by opening each file; counts from <root>/meta/*counts*.csv where listed and right,
+    computed otherwise and cached in meta/. Raw text files are indexed (cached in meta/ too); their bad
+    records are reported, by file."""
+    result: dict[str, list[FileEntry]] = {}
+    roots = {s.root for s in sources}
+    for data_path in sorted(roots):
+        result.update(_scan_root(data_path, [s for s in sources if s.root == data_path], layout, flag, datasets_flag))
+    return result
+
+
+def _scan_root(
+    data_path: str, sources: list[Source], layout: Layout, flag: str, datasets_flag: str
+) -> dict[str, list[FileEntry]]:
+    """scan() of the datasets whose files are under one root (its counts and text indexes are there)."""
     root = location(data_path, flag)
     known = read_counts(data_path, flag)
     texts = None if layout.text is None else IndexCache(root / "meta" / TEXT_INDEX, layout.text)
     result: dict[str, list[FileEntry]] = {}
     computed = False
-    for name in names:
+    for source in sources:
+        name = source.name
+        if source.patterns:
+            files = matched_files(source, layout.extensions, datasets_flag)
+        else:
+            files = shard_paths(root / name, layout.file_type, layout.extensions)
         entries = []
-        for path in shard_paths(root / name, layout.file_type, layout.extensions):
+        for path in files:
             rel = "/" + path.relative_to(root).as_posix()
             if is_text(path, layout):
                 if texts is None:
@@ -325,7 +365,7 @@ def scan(data_path: str, names: list[str], layout: Layout, flag: str = "data_pat
                 entry, computed = FileEntry(rel, shard.documents, shard.count_tokens()), True
             entries.append(entry)
         if sum(e.documents for e in entries) == 0:
-            raise DataError(f"{root / name}: the dataset has no documents")
+            raise DataError(f"{root / name if not source.patterns else name}: the dataset has no documents")
         result[name] = entries
     if texts is not None:
         texts.save()
