@@ -94,9 +94,10 @@ def install_missing() -> None:
 
 
 def parse_bench(output: str) -> dict[str, str]:
-    """The figures of the last BENCH line in a setting's output ({} when there is none)."""
+    """The figures of the last BENCH line in a setting's output ({} when there is none); a word
+    without '=' (a value with spaces) belongs to the figure before it."""
     lines = [line for line in output.splitlines() if line.startswith("BENCH ")]
-    return dict(item.split("=", 1) for item in lines[-1].split()[1:]) if lines else {}
+    return dict(re.findall(r"(\w+)=(.*?)(?= \w+=|$)", lines[-1][len("BENCH ") :])) if lines else {}
 
 
 def failure(output: str, status: int) -> str:
@@ -161,8 +162,12 @@ def run_logged(command: list[str], log: Path, timeout: float) -> tuple[int, str]
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         status, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
+
+        def text(out: object) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else str(out or "")
+
         status = 124
-        output = f"{e.stdout or ''}{e.stderr or ''}\nerror: no result within {timeout:.0f} s"
+        output = f"{text(e.stdout)}{text(e.stderr)}\nerror: no result within {timeout:.0f} s"
     log.write_text(output)
     return status, output
 
@@ -171,7 +176,7 @@ def run_tier(out: Path) -> tuple[str, str]:
     """The CUDA tier; (its summary line, its output)."""
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-s", "-p", "no:cacheprovider"]
     command += [f"--junitxml={out / 'cuda_tier.xml'}", f"--basetemp={out / 'tier_tmp'}", "tests/test_cuda.py"]
-    _, output = run_logged(command, out / "cuda_tier.log", 600)
+    _, output = run_logged(command, out / "cuda_tier.log", 1800)  # pytest-timeout limits each test to 600 s
     suite = ET.parse(out / "cuda_tier.xml").getroot().find("testsuite") if (out / "cuda_tier.xml").exists() else None
     if suite is None:
         return "the tier did not run: see cuda_tier.log", output

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     h = hidden.detach()[: grad.shape[0]]
     total = torch.zeros(vocab, dim, device=device, dtype=torch.float32)
     variants: dict[str, Callable[[], object]] = {"product_then_add": lambda: total.add_(grad.t() @ h)}
-    if device.type == "cuda" and dtype == torch.bfloat16:
+    if device.type == "cuda" and dtype == torch.bfloat16:  # a new fp32 sum, as grad_w = torch.addmm(grad_w, ...) makes
         variants["addmm_out_dtype_fp32"] = lambda: torch.addmm(total, grad.t(), h, out_dtype=torch.float32)
     for name, fn in variants.items():
         print(f"GRAD_W variant={name} rows={grad.shape[0]} ms={timed(fn, device, repeat):.2f}")

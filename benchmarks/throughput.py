@@ -119,7 +119,9 @@ def bench_one(flags: list[str], skip: int) -> None:
     fpt = flops_per_token(run.model_config, cfg.seq_length)
     figures = {
         "variant": cfg.model_variant,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and cfg.device != "cpu" else "cpu",
+        "device": (
+            torch.cuda.get_device_name() if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+        ).replace(" ", "_"),  # one word: BENCH lines split on spaces
         "torch": torch.__version__,
         "world": int(os.environ.get("WORLD_SIZE", "1")),
         "batch": cfg.batch_size,

@@ -221,7 +221,7 @@ class train_config:
     )
     lr_cycle_length: Optional[str] = _f(
         None,
-        "Cycles of this many steps (1000), this fraction of num_steps (0.25), or these lengths one after another (1000,2000,4000; steps left after them make one more cycle). Instead of --lr_cycles.",
+        "Cycles of this many steps (1000; steps left over join the last cycle), this fraction of num_steps (0.25), or these lengths one after another (1000,2000,4000; steps left after them make one more cycle). Instead of --lr_cycles.",
     )
     lr_cycle_ends: Optional[list[int]] = _f(
         None,
@@ -243,7 +243,7 @@ class train_config:
         min=0,
     )
     min_lr_ratio: float = _f(
-        0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, wsd).", min=0.0
+        0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, inv, wsd).", min=0.0
     )
 
     # checkpoints
@@ -270,7 +270,7 @@ class train_config:
     )
     max_run_minutes: Optional[float] = _f(
         None,
-        "End the run with a checkpoint once this many minutes have passed since it started, start-up included (HyperPod's time_limit); the same command resumes it.",
+        "End the run with a checkpoint once this many minutes have passed since it started, start-up included, less the longest save so far, so that the last save fits (HyperPod's time_limit); the same command resumes it. With --checkpoint_interval=0 the run just ends.",
         min=0.0,
     )
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)

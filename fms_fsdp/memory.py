@@ -236,8 +236,16 @@ class Planner:
         trained = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters() if p.requires_grad)
         block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
+        # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
+        muon = 0
+        if cfg.optimizer == "muon":
+            muon = sum(
+                _numel_sharded(tp[n], self.mesh.shard)
+                for n, p in model.named_parameters()
+                if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
+            )
         self.compute = 2 if cfg.mixed_precision else 4
-        self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * trained
+        self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * (trained - muon) + 4 * muon
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
         self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
@@ -333,7 +341,12 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     rows = [
         ("parameters (fp32)" if whole else "parameters (fp32 master shards)", plan.params),
         ("gradients (fp32)" if whole else "gradients (fp32 shards)", plan.grads),
-        ("optimizer state (AdamW, 2 x fp32)", plan.optimizer),
+        (
+            "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)"
+            if cfg.optimizer == "muon"
+            else "optimizer state (AdamW, 2 x fp32)",
+            plan.optimizer,
+        ),
         *([] if whole else [(f"blocks gathered in flight ({compute}, prefetch included)", plan.gathered)]),
         (f"activations saved for backward{copies}", plan.activations),
         ("loss working set", plan.loss),

@@ -100,6 +100,10 @@ def check_optimizer(cfg: train_config) -> None:
             "--skip_bad_steps leaves steps out inside AdamW's fused kernels, which --optimizer=muon's "
             "matrices do not use: drop one of them"
         )
+    if cfg.optimizer == "muon" and cfg.lora_rank:
+        raise ConfigError(
+            "--optimizer=muon updates the blocks' matrices, which --lora_rank freezes: use AdamW for LoRA"
+        )
 
 
 def muon_params(model: nn.Module) -> set[nn.Parameter]:

@@ -174,11 +174,14 @@ def _commit() -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout
 
     try:
+        top = git("rev-parse", "--show-toplevel").strip()
+        if not top or Path(top).resolve() != root:  # installed inside some other checkout (a venv in one)
+            return "unknown (not a git checkout)"
         commit = git("rev-parse", "HEAD").strip()
         changed = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return "unknown (not a git checkout)" if not commit else commit + (" + changes" if changed else "")
+    return commit + (" + changes" if changed else "")
 
 
 def record(run: Run) -> str:

@@ -109,7 +109,7 @@ def _starts_of_lengths(text: str, n: int) -> tuple[int, ...]:
         )
     if len(values) == 1:
         length = int(values[0]) if values[0] >= 1 else max(1, round(values[0] * n))
-        return tuple(range(0, n, length))
+        return tuple(range(0, n - length + 1, length)) or (0,)  # steps left over join the last cycle
     starts, at = [0], 0
     for value in values:  # steps left after them: one more cycle to the end
         at += int(value)

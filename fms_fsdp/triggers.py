@@ -149,6 +149,7 @@ class StepTriggers:
         self.next_agreement = start_step + 1  # the first step agrees, and measures the step time
         limit = settings.max_run_minutes
         self.deadline = math.inf if limit is None else stop.started + 60 * limit
+        self.longest_save = 0.0  # the run stops that much before --max_run_minutes, for its last save
 
     def poll(self, step: int, writing: bool) -> Boundary:
         """The decisions after `step`: agreed with the other ranks when `step` is an agreement step,
@@ -162,7 +163,7 @@ class StepTriggers:
         every_s = self.clock.every_s
         until_save = math.inf if every_s is None else every_s - (now - self.last_save)
         clock = every_s is not None and self.info.is_main and until_save <= 0
-        until_end = self.deadline - now
+        until_end = self.deadline - self.longest_save - now
         ended = self.info.is_main and until_end <= 0
         last_step, last_time = self.last_agreement
         # one MAX all-reduce; the seconds to the next time-based save (or the end) travel negated, to get
@@ -193,3 +194,4 @@ class StepTriggers:
         """A checkpoint was saved, training waited `stall_s` for it: restart the save clock."""
         self.clock.saved(stall_s)
         self.last_save = time.monotonic()
+        self.longest_save = max(self.longest_save, stall_s)

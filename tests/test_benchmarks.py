@@ -61,6 +61,11 @@ def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     # gpu_check's table of this BENCH line as each of its settings: a figure per goal, met or not
     bench = gpu_check.parse_bench(lines[0])
+    assert gpu_check.parse_bench("BENCH device=NVIDIA H100 80GB HBM3 tokens_per_sec_per_gpu=41.5 mfu=n/a") == {
+        "device": "NVIDIA H100 80GB HBM3",
+        "tokens_per_sec_per_gpu": "41.5",
+        "mfu": "n/a",
+    }
     tps = float(bench["tokens_per_sec_per_gpu"])
     results = {b.name: {**bench, "mfu": "0.6"} for b in gpu_check.BENCHES}
     results[gpu_check.BENCHES[3].name]["tokens_per_sec_per_gpu"] = str(1.3 * tps)  # float8 1.3x

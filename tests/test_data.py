@@ -196,6 +196,9 @@ def test_a_weights_schedule_switches_at_its_step_on_every_rank_and_worker_and_re
     one = data_loader(cfg(tmp_path, num_workers=1, weights_schedule="0:1,0;3:0,1", grad_accum_steps=2), 0, 1)
     one.load_state_dict([states[4, 0], states[4, 1]])  # at step 2: one step of a, then b
     assert sources(take(one, 4)) == ["a", "a", "b", "b"]
+    four = data_loader(cfg(tmp_path, weights_schedule="0:1,0;3:0,1", grad_accum_steps=4), 0, 1)
+    four.load_state_dict([states[4, 0], states[4, 1]])  # step 2 again, now 4 micro-batches a step
+    assert sources(take(four, 8)) == ["a"] * 4 + ["b"] * 4
     # lines per dataset: the job's 2 steps x 2 micro-batches x 2 lines x 2 ranks before, then this rank's
     assert one.lines_by_dataset() == {"a": 16 + 4, "b": 4}
 
@@ -207,7 +210,7 @@ def test_brace_ranges_and_lists_spell_every_path():
     assert expand_braces("part-*.arrow") == ["part-*.arrow"]  # globs are matched later, by the file system
 
 
-def test_datasets_given_by_patterns_read_what_their_folders_give(tmp_path):
+def test_datasets_given_by_patterns_read_what_their_folders_give(tmp_path, monkeypatch):
     """--datasets name=pattern|pattern (Levanter's data forms: brace ranges, globs, several patterns a
     dataset, files anywhere) gives the batches of the same files as folders under --data_path."""
     write_dataset(tmp_path, "a", make_docs(10, 60, 5))  # a/sub0/part0.arrow, a/sub0/part2.arrow, a/sub1/part1.arrow
@@ -215,11 +218,17 @@ def test_datasets_given_by_patterns_read_what_their_folders_give(tmp_path):
     folders = take(data_loader(cfg(tmp_path, weights=[2, 1]), 0, 1), 12)
     patterns = [f"a={tmp_path}/a/sub{{0..1}}/*.arrow", f"b={tmp_path}/b/part{{0..1}}.parquet|{tmp_path}/b/part2.*"]
     given = take(data_loader(cfg(tmp_path / "elsewhere", datasets=patterns, weights=[2, 1]), 0, 1), 12)
+    monkeypatch.chdir(tmp_path / "b")  # a relative pattern is relative to the working folder
+    relative = [patterns[0], "b=part{0..1}.parquet|part2.parquet"]
+    again = take(data_loader(cfg(tmp_path / "elsewhere", datasets=relative, weights=[2, 1]), 0, 1), 12)
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(given, again))
     assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(folders, given))
     for datasets, message in [
         ([f"a={tmp_path}/a/sub{{5..6}}/*.arrow"], r"--datasets: a=.*sub\{5..6\}/\*.arrow matches no file"),
         ([f"a={tmp_path}/b/*"], r"part0.parquet \(a\) is not one of .arrow"),
         (["a="], "--datasets: 'a=' is not name=pattern"),
+        ([f"a={tmp_path}/a/*.arrow|s3://b/*.arrow"], "--datasets: a's patterns span file systems or buckets"),
+        ([f"a={tmp_path}/a/**/*.arrow", "a"], "--datasets: a given twice"),
     ]:
         with pytest.raises(DataError, match=message):
             data_loader(cfg(tmp_path, datasets=datasets, file_type="arrow"), 0, 1)

@@ -167,3 +167,11 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
     one, two = fsdp.plan(setting), tp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations  # + the gathered inputs of the matmuls
     assert two.loss < one.loss
+
+
+def test_muon_plans_one_buffer_for_the_blocks_matrices():
+    adamw = plan_for(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
+    muon = plan_for(make_config(model_variant="small", seq_length=512, optimizer="muon"), 1, 1, 1 << 40)
+    model = build_model(get_model_config("small", None, 512), torch.device("meta"))
+    matrices = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    assert adamw.optimizer - muon.optimizer == 4 * matrices > 0

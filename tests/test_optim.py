@@ -115,6 +115,8 @@ def init_state(seed: int) -> dict:
     return model.state_dict()
 
 
-def test_muon_does_not_combine_with_skipping_bad_steps():
+def test_muon_does_not_combine_with_skipping_bad_steps_or_lora():
     with pytest.raises(ConfigError, match="--skip_bad_steps leaves steps out inside AdamW's fused kernels"):
         check_optimizer(parse_args([*TINY, "--optimizer=muon", "--skip_bad_steps=3"]))
+    with pytest.raises(ConfigError, match="--optimizer=muon updates the blocks' matrices, which --lora_rank freezes"):
+        check_optimizer(parse_args([*TINY, "--optimizer=muon", "--lora_rank=8", "--ckpt_load_path=x"]))

@@ -119,6 +119,9 @@ def test_levanter_forms_inv_fractions_cycle_lengths_and_ends_and_rewarmup():
     one_long = schedule("--num_steps=300", "--warmup_steps=10", "--lr_cycle_ends=100")  # then 200 steps to the end
     long = schedule("--num_steps=200", "--warmup_steps=10")
     assert all(one_long(100 + x) == pytest.approx(long(x)) for x in range(200))
+    leftover = schedule("--num_steps=450", "--warmup_steps=10", "--lr_cycle_length=100")  # the last cycle: 150
+    last = schedule("--num_steps=150", "--warmup_steps=10")
+    assert leftover(300) == 0.0 and all(leftover(300 + x) == pytest.approx(last(x)) for x in range(150))
     rewarm = schedule("--num_steps=300", "--lr_cycles=3", "--warmup_steps=10", "--lr_rewarmup=0")
     assert rewarm(0) == 0.0 and rewarm(100) == rewarm(200) == 1.0  # later cycles start at the peak
     for flags, message in [

@@ -194,6 +194,7 @@ class StatefulLoader:
             "num_workers": self.num_workers,
             "next_worker": self.next_worker,
             "batches": self.batches,
+            "grad_accum": self.grad_accum,
             "readers": [None if r is None else _compact(r) for r in self.states],
             **self._fingerprint(),
         }
@@ -209,7 +210,8 @@ class StatefulLoader:
                 if s[key] != value:
                     raise DataError(f"the data changed since this state was saved: {key} was {s[key]}, is {value}")
         own = states[self.rank] if isinstance(state, list) and len(states) == self.world_size else states[0]
-        self.batches = int(own.get("batches", 0))  # the same on every rank: grad_accum_steps per step
+        # optimizer steps x grad_accum_steps, the same on every rank; in this run's micro-batches
+        self.batches = int(own.get("batches", 0)) // int(own.get("grad_accum", 1)) * self.grad_accum
         if (own["rank"], own["world_size"], own["num_workers"]) == (self.rank, self.world_size, self.num_workers):
             self.states, self.next_worker = list(own["readers"]), own["next_worker"]
         elif not isinstance(state, list):

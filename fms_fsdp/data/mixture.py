@@ -6,6 +6,7 @@ switches at the same batch, whatever the world size, the workers or where the ru
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from fms_fsdp.errors import ConfigError
@@ -27,7 +28,8 @@ class MixtureSchedule:
                 stage = (int(step), tuple(float(w) for w in weights.split(",")))
             except ValueError:
                 stage = (-1, ())
-            if not sep or stage[0] < 0 or any(w < 0 for w in stage[1]) or sum(stage[1]) <= 0:
+            bad = not all(math.isfinite(w) and w >= 0 for w in stage[1])
+            if not sep or stage[0] < 0 or bad or sum(stage[1]) <= 0:
                 raise ConfigError(
                     f"--weights_schedule: cannot read {part!r}; write step:weight,weight,...;step:... "
                     "(weights >= 0, not all 0), e.g. '0:3,1,1;20000:1,1,2'"
@@ -38,10 +40,6 @@ class MixtureSchedule:
         if len({len(w) for _, w in stages}) != 1:
             raise ConfigError("--weights_schedule: every stage must give one weight per dataset")
         return MixtureSchedule(tuple(stages))
-
-    @property
-    def datasets(self) -> int:
-        return len(self.stages[0][1])
 
     def weights_at(self, step: int) -> tuple[float, ...]:
         """The weights of (0-based) optimizer step `step`."""

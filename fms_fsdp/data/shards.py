@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.data.sources import Source, common_folder, matched_files
+from fms_fsdp.data.sources import Source, absolute, common_folder, matched_files
 from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
 from fms_fsdp.errors import DataError, first_line
 from fms_fsdp.storage import is_remote, location, open_random
@@ -253,11 +253,15 @@ def dataset_sources(
         if "=" not in entry:
             continue
         name, _, text = entry.partition("=")
-        patterns = [p.strip() for p in text.split("|") if p.strip()]
-        if not name.strip() or not patterns:
+        name = name.strip()
+        patterns = [absolute(p.strip()) for p in text.split("|") if p.strip()]
+        if not name or not patterns:
             raise DataError(f"--{datasets_flag}: {entry!r} is not name=pattern|pattern...", every_rank=True)
-        result[name.strip()] = Source(name.strip(), common_folder(patterns), tuple(patterns))
+        result[name] = Source(name, common_folder(patterns, name), tuple(patterns))
     order = [d.partition("=")[0].strip() for d in given] or names
+    if len(set(order)) != len(order):
+        twice = sorted({n for n in order if order.count(n) > 1})
+        raise DataError(f"--{datasets_flag}: {', '.join(twice)} given twice: each dataset once", every_rank=True)
     return [result[name] for name in order]
 
 

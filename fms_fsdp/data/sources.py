@@ -51,14 +51,22 @@ def _static_folder(pattern: str) -> str:
     return pattern[:cut].rsplit("/", 1)[0]
 
 
-def common_folder(patterns: list[str]) -> str:
-    """The deepest folder holding every pattern's files (one bucket or file system per dataset)."""
+def absolute(pattern: str) -> str:
+    """A pattern with a local path made absolute (URLs are left as they are)."""
+    return pattern if "://" in pattern else os.path.abspath(pattern)
+
+
+def common_folder(patterns: list[str], name: str) -> str:
+    """The deepest folder holding every pattern's files (absolute ones: `absolute`); DataError when
+    they span file systems or buckets (a dataset's files are read relative to one folder)."""
     folders = [_static_folder(p) for p in patterns]
     scheme = {f.split("://", 1)[0] + "://" if "://" in f else "" for f in folders}
-    if len(scheme) != 1:
-        raise DataError(f"--datasets: the patterns {patterns} mix file systems: keep a dataset in one", every_rank=True)
-    prefix = scheme.pop()
-    common = os.path.commonpath([f.removeprefix(prefix) or "/" for f in folders])
+    prefix = scheme.pop() if len(scheme) == 1 else None
+    common = "" if prefix is None else os.path.commonpath([f.removeprefix(prefix) or "/" for f in folders])
+    if prefix is None or (prefix and not common.strip("/")):
+        raise DataError(
+            f"--datasets: {name}'s patterns span file systems or buckets: give each its own dataset", every_rank=True
+        )
     return prefix + common
 
 
