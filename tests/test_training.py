@@ -192,7 +192,7 @@ def test_one_rank_trains_the_module_itself_with_the_losses_of_fsdp(bf16):
 
 
 def test_loss_curve_equals_a_plain_training_loop(one_rank):
-    """The product (FSDP2 on one rank, chunked loss, fused AdamW, device-side checks) takes the losses
+    """The product (one rank: the module itself, chunked loss, fused AdamW, device-side checks) takes the losses
     of a textbook loop: fms LLaMA, full-logit cross entropy, foreach AdamW, torch's clipping."""
     cfg = parse_args([*TINY, f"--num_steps={STEPS}", "--batch_size=4"])
     threads = torch.get_num_threads()
