@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.options import parse_options  # noqa: E402
+
 LONG = ["--seq_length=4096", "--use_torch_compile=True"]
 OP_AC = ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]
 
@@ -68,7 +72,7 @@ GOALS = (
     Goal("float8 / bf16 tokens/s, llama3_3.2b_4k op AC", 1.25),
     Goal("memory plan's error vs torch.cuda.max_memory_allocated, worst of 3", 0.10, at_most=True),
 )
-OPTIONS = {"out": None, "steps": "20", "skip": "8", "tier": "True"}
+OPTIONS = {"out": "", "steps": "20", "skip": "8", "tier": "True"}  # out: output/gpu_check/<date-time>
 # what the tier and the benchmarks import beside torch: module -> package
 NEEDED = {
     "fms": "ibm-fms",
@@ -188,22 +192,8 @@ def run_tier(out: Path) -> tuple[str, str]:
     )
 
 
-def options(argv: list[str]) -> dict[str, str]:
-    """--name=value options over OPTIONS' defaults; SystemExit(2) with one line for anything else."""
-    opts = {k: v for k, v in OPTIONS.items() if v is not None}
-    for arg in argv:
-        name, sep, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep or name not in OPTIONS:
-            print(
-                f"error: gpu_check: unknown option {arg!r}; options: --out= --steps= --skip= --tier=", file=sys.stderr
-            )
-            raise SystemExit(2)
-        opts[name] = value
-    return opts
-
-
 def main(argv: list[str]) -> int:
-    opts = options(argv)
+    opts = parse_options(argv, OPTIONS, "gpu_check")
     import torch
 
     if not torch.cuda.is_available():

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.options import parse_options  # noqa: E402
 from fms_fsdp.loss import chunk_tokens, chunked_cross_entropy  # noqa: E402
 from fms_fsdp.models import get_model_config  # noqa: E402
 
@@ -50,12 +51,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    opts = dict(OPTIONS)
-    for arg in argv:
-        name, sep, value = arg.removeprefix("--").partition("=")
-        if not sep or name not in OPTIONS:
-            raise SystemExit(f"error: benchmarks/loss.py: unknown option {arg!r}; options: {', '.join(OPTIONS)}")
-        opts[name] = value
+    opts = parse_options(argv, OPTIONS, "benchmarks/loss.py")
     device, repeat, n = torch.device(opts["device"]), int(opts["repeat"]), int(opts["tokens"])
     dtype = torch.bfloat16 if opts["dtype"] == "bf16" else torch.float32
     config = get_model_config(opts["model_variant"])

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.options import parse_options  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.models import build_model, get_model_config  # noqa: E402
 from fms_fsdp.optim import OptimizerSettings, build_optimizer  # noqa: E402
@@ -30,12 +31,7 @@ OPTIMIZERS = {
 
 
 def main(argv: list[str]) -> None:
-    opts = dict(OPTIONS)
-    for arg in argv:
-        name, sep, value = arg.removeprefix("--").partition("=")
-        if not sep or name not in OPTIONS:
-            raise SystemExit(f"error: benchmarks/optimizer.py: unknown option {arg!r}; options: {', '.join(OPTIONS)}")
-        opts[name] = value
+    opts = parse_options(argv, OPTIONS, "benchmarks/optimizer.py")
     device, repeat = torch.device(opts["device"]), int(opts["repeat"])
     model = build_model(get_model_config(opts["model_variant"]), device)
     for p in model.parameters():
