@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 from test_commands import BIN, COMMANDS
@@ -229,15 +229,20 @@ def _metrics_folder(b: Bench) -> Job:
 @fault("--ckpt_load_path does not exist", "error: --ckpt_load_path: {path} does not exist", 2)
 def _load_missing(b: Bench) -> Job:
     path = b.tmp / "nothing"
-    return Job(
-        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
-        values={"path": str(path)},
-        after=lambda: _nothing_written(b.tmp / "run"),
-    )
+    return _loading(b, path, synthetic=True, after=lambda: _nothing_written(b.tmp / "run"))
 
 
 def _nothing_written(out: Path) -> None:
     assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+
+
+def _loading(b: Bench, path: Path, *extra: str, synthetic: bool = False, **job: Any) -> Job:
+    """fms-train from --ckpt_load_path=`path` into b.tmp/run, on the shared data (or synthetic data),
+    with the template's {path}; `job`: the rest of the Job."""
+    out = b.tmp / "run"
+    load = f"--ckpt_load_path={path}"
+    run = [*DUMMY, load, f"--ckpt_save_path={out}", *extra] if synthetic else flags(b.data, out, load, *extra)
+    return Job(["fms-train", *run], values={"path": str(path)}, **job)
 
 
 @fault(
@@ -249,10 +254,7 @@ def _nothing_written(out: Path) -> None:
 def _load_text(b: Bench) -> Job:
     path = b.tmp / "weights.txt"
     path.write_text("0.1 0.2\n")
-    return Job(
-        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
-        values={"path": str(path)},
-    )
+    return _loading(b, path, synthetic=True)
 
 
 @fault(
@@ -262,9 +264,7 @@ def _load_text(b: Bench) -> Job:
     2,
 )
 def _load_run_folder(b: Bench) -> Job:
-    return Job(
-        ["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={b.source}")], values={"path": str(b.source)}
-    )
+    return _loading(b, b.source)
 
 
 @fault(
@@ -275,20 +275,14 @@ def _load_run_folder(b: Bench) -> Job:
 )
 def _load_empty_folder(b: Bench) -> Job:
     (b.tmp / "empty").mkdir()
-    return Job(
-        ["fms-train", *DUMMY, f"--ckpt_load_path={b.tmp / 'empty'}", f"--ckpt_save_path={b.tmp / 'run'}"],
-        values={"path": str(b.tmp / "empty")},
-    )
+    return _loading(b, b.tmp / "empty", synthetic=True)
 
 
 @fault("--ckpt_load_path is a zero-byte .safetensors", "error: --ckpt_load_path: {path} is empty (0 bytes)", 2)
 def _load_zero_safetensors(b: Bench) -> Job:
     path = b.tmp / "model.safetensors"
     path.write_bytes(b"")
-    return Job(
-        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
-        values={"path": str(path)},
-    )
+    return _loading(b, path, synthetic=True)
 
 
 @fault(
@@ -324,12 +318,7 @@ def _eval_file(b: Bench) -> Job:
 )
 def _load_truncated(b: Bench) -> Job:
     path = b.damaged()
-    out = b.tmp / "run"
-    return Job(  # and a start that failed leaves no config.yaml
-        ["fms-train", *flags(b.data, out, f"--ckpt_load_path={path}")],
-        values={"path": str(path)},
-        after=lambda: _absent(out / "config.yaml"),
-    )
+    return _loading(b, path, after=lambda: _absent(b.tmp / "run" / "config.yaml"))  # a failed start writes none
 
 
 @fault(
@@ -340,7 +329,7 @@ def _load_truncated(b: Bench) -> Job:
 def _load_zero_shard(b: Bench) -> Job:
     path = b.damaged(1.0)
     (path / "__1_0.distcp").write_bytes(b"")
-    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+    return _loading(b, path)
 
 
 @fault(
@@ -351,7 +340,7 @@ def _load_zero_shard(b: Bench) -> Job:
 def _load_zero_metadata(b: Bench) -> Job:
     path = b.damaged(1.0)
     (path / ".metadata").write_bytes(b"")
-    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+    return _loading(b, path)
 
 
 @fault(
@@ -367,7 +356,7 @@ def _load_truncated_safetensors(b: Bench) -> Job:
     path = b.tmp / "model.safetensors"
     save_file(read_model(b.good), str(path))
     path.write_bytes(path.read_bytes()[:5000])
-    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+    return _loading(b, path)
 
 
 @fault(
@@ -383,7 +372,7 @@ def _load_truncated_pth(b: Bench) -> Job:
     path = b.tmp / "model.pth"
     torch.save({"model_state": read_model(b.good)}, path)
     path.write_bytes(path.read_bytes()[:5000])
-    return Job(["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={path}")], values={"path": str(path)})
+    return _loading(b, path)
 
 
 @fault(
@@ -392,10 +381,7 @@ def _load_truncated_pth(b: Bench) -> Job:
     1,
 )
 def _load_other_model(b: Bench) -> Job:
-    return Job(
-        ["fms-train", *flags(b.data, b.tmp / "run", f"--ckpt_load_path={b.good}", "--vocab_size=2048")],
-        values={"path": str(b.good)},
-    )
+    return _loading(b, b.good, "--vocab_size=2048")
 
 
 @fault(
@@ -743,12 +729,7 @@ def _requeue(b: Bench) -> Job:
 )
 def _torchrun(b: Bench) -> Job:
     path = b.tmp / "nothing"
-    return Job(
-        ["fms-train", *DUMMY, f"--ckpt_load_path={path}", f"--ckpt_save_path={b.tmp / 'run'}"],
-        nproc=2,
-        torchrun=True,
-        values={"path": str(path)},
-    )
+    return _loading(b, path, synthetic=True, nproc=2, torchrun=True)
 
 
 # ------------------------------------------------------------------------------- running the matrix
