@@ -110,6 +110,8 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
+    logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
@@ -153,7 +155,8 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def evaluate(argv: Optional[Sequence[str]] = None) -> None:
-    """`fms-evaluate`, scripts/evaluate.py: training's flags (--eval_interval not needed)."""
+    """`fms-evaluate`, scripts/evaluate.py: training's flags (--eval_interval not needed; lm-eval's tasks by
+    --eval_harness_tasks)."""
     args = _args(argv)
     if any(a.startswith("--eval_data_path") for a in args):
         args = ["--eval_interval=1", *args]  # evaluating is the point; a given --eval_interval still wins

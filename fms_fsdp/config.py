@@ -202,6 +202,19 @@ class train_config:
     eval_batch_size: Optional[int] = _f(
         None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1
     )
+    eval_harness_tasks: Optional[str] = _f(
+        None,
+        "lm-eval-harness tasks (comma list of task, group or tag names; needs lm-eval and --tokenizer_path) scored on the model as it trains, at the last step and every eval_harness_interval steps; scored kinds only (multiple_choice, loglikelihood, loglikelihood_rolling).",
+    )
+    eval_harness_interval: int = _f(
+        0,
+        "Steps between lm-eval-harness runs of eval_harness_tasks, one also at the last step (0: at the last step only).",
+        min=0,
+    )
+    eval_harness_include_path: Optional[str] = _f(
+        None, "A folder of lm-eval task yaml files (lm-eval's --include_path): tasks of your own, on local data."
+    )
+    eval_harness_limit: int = _f(0, "Documents scored per harness task: the first N (0: all).", min=0)
 
     # learning-rate schedule
     training_stage: str = _f(
@@ -423,6 +436,12 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             "--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
             "on that data) or neither"
+        )
+    if not cfg.eval_harness_tasks and (cfg.eval_harness_interval or cfg.eval_harness_limit):
+        raise ConfigError("--eval_harness_interval and --eval_harness_limit need --eval_harness_tasks: name the tasks")
+    if cfg.eval_harness_include_path is not None and not Path(cfg.eval_harness_include_path).is_dir():
+        raise ConfigError(
+            f"--eval_harness_include_path: {cfg.eval_harness_include_path} is not a folder (of task yaml files)"
         )
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
         raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")

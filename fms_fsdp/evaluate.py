@@ -29,6 +29,7 @@ from fms_fsdp.data.shards import Dataset, dataset_sources, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.loss import IGNORE_INDEX
 from fms_fsdp.run import Run, facts, started
 from fms_fsdp.storage import location
@@ -140,21 +141,31 @@ class Evaluator:
 
 def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
     """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
-    folder), built as training builds it, evaluated on --eval_data_path by every rank of the launch
-    (`fms-evaluate`); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=.. tokens=..` line per dataset
-    and one for all."""
-    if not cfg.ckpt_load_path or not cfg.eval_data_path:
-        raise ConfigError("--ckpt_load_path and --eval_data_path are needed: the weights to evaluate and the data")
+    folder), built as training builds it, evaluated on --eval_data_path and --eval_harness_tasks by
+    every rank of the launch (`fms-evaluate`); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=..
+    tokens=..` line per dataset and one for all, and one `HARNESS <task>/<metric>=<value>` line per score."""
+    if not cfg.ckpt_load_path or not (cfg.eval_data_path or cfg.eval_harness_tasks):
+        raise ConfigError(
+            "--ckpt_load_path and --eval_data_path or --eval_harness_tasks are needed: the weights to evaluate "
+            "and the data or tasks"
+        )
     if cfg.lora_rank:
         raise ConfigError(
             "evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
             "merged export (model_step_<N>.safetensors or exports/step_<N>)"
         )
     with started(facts(cfg)) as run:
-        evaluator = Evaluator(run)
+        evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, run.info)
         model = build_sharded_model(run)
         load_weights(model, cfg.ckpt_load_path, cfg.model_variant)
-        record = evaluator.evaluate(model, 0)
+        record = evaluator.evaluate(model, 0) if evaluator.lines else {"step": 0}
+        if harness.tasks is not None:
+            record.update(harness.evaluate(model, 0))
+    for key, value in record.items():
+        if key.startswith("harness/"):
+            run.log(f"HARNESS {key.split('/', 1)[1]}={value:.6f}")
+    if not evaluator.lines:
+        return record
     names = [k.split("/", 1)[1] for k in record if k.startswith("eval_loss/")]
     rows = [(name, record[f"eval_loss/{name}"], record[f"eval_tokens/{name}"]) for name in names]
     for name, loss, tokens in [*rows, ("all", record["eval_loss"], record["eval_tokens"])]:

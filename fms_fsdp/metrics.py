@@ -120,6 +120,10 @@ class MetricsReporter:
         self.paused += stall_s
         self.log.flush()
 
+    def paused_for(self, seconds: float) -> None:
+        """Seconds spent outside the steps (a checkpoint's commit): not counted in step_time."""
+        self.paused += seconds
+
     def exported(self, seconds: float) -> None:
         """Record the seconds a periodic export took (reported with the interval, not in step_time)."""
         self.export_time = (self.export_time or 0.0) + seconds
@@ -203,6 +207,19 @@ class MetricsReporter:
             f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
             f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s",
         )
+
+    def harness_evaluated(self, record: dict[str, Any]) -> None:
+        """Rank 0 prints an lm-eval-harness record and appends it to metrics.jsonl and the trackers (its
+        harness_seconds are not counted in step_time)."""
+        self.paused += record["harness_seconds"]
+        if not self.info.is_main:
+            return
+        scores = ", ".join(
+            f"{k.split('/', 1)[1]} {v:.4f}"
+            for k, v in record.items()
+            if k.startswith("harness/") and not k.endswith("/sample_len")
+        )
+        self._write(record, f"harness step {record['step']} | {scores} | {record['harness_seconds']:.1f}s")
 
     def _write(self, record: dict[str, Any], line: str) -> None:
         """Append `record` to metrics.jsonl, send it to the trackers, print `line` (above the bar)."""

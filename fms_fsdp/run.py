@@ -33,6 +33,7 @@ from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
 from fms_fsdp.float8 import check_float8
+from fms_fsdp.harness import check_harness
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
@@ -141,6 +142,7 @@ def facts(cfg: train_config) -> Run:
         check_profiler(cfg, device)
     adamw_kernels(cfg.optimizer_impl, device, cfg.skip_bad_steps)
     check_lora(cfg)
+    check_harness(cfg)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()

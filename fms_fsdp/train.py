@@ -8,8 +8,8 @@ optimizer (builder.py), the start (checkpoint/io.py: resume from the newest chec
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
 every few seconds the ranks agree on stop requests and time-based saves (triggers.py). Bad steps are
 judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
-and read at report, checkpoint and stop steps, before the run checkpoints, exports, evaluates and
-reports (metrics.py, trackers.py). What the loop opens is closed through one ExitStack, so a step that
+and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
+(metrics.py, trackers.py), commits the checkpoint, exports and evaluates (evaluate.py; harness.py: lm-eval's tasks). What the loop opens is closed through one ExitStack, so a step that
 raises still stops the loader's workers, the exporter's thread and frees the staging buffers.
 """
 
@@ -33,6 +33,7 @@ from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
 from fms_fsdp.guard import StepGuard
+from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.lease import RunLease
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
@@ -191,7 +192,7 @@ def write_run_config(run: Run) -> None:
 def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
     cfg, info = run.cfg, run.info
     loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)  # bad data fails here, before the model
-    evaluator = Evaluator(run)
+    evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
     model = build_sharded_model(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     records: list[dict[str, Any]] = []
@@ -234,23 +235,28 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 boundary = triggers.poll(step, writing=checkpointer.writing())
                 if boundary.written:
                     checkpointer.commit_pending()
-                export, evaluate = exporter.due(step), evaluator.due(step)
-                if boundary.save or report_step or boundary.stop or export or evaluate:
+                export, evaluate, downstream = exporter.due(step), evaluator.due(step), harness.due(step)
+                if boundary.save or report_step or boundary.stop or export or evaluate or downstream:
                     guard.check()  # never save, export, evaluate or report a diverged model
                 if boundary.save:
                     stall = checkpointer.save(step, reporter.tokens_seen)
                     reporter.checkpoint_saved(stall)
-                    triggers.saved(stall)
+                if report_step or boundary.stop:  # before the commit: a checkpoint's step has its record
+                    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
+                    skipped = guard.skipped_since_report() if guard.skipping else None
+                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped))
+                if boundary.save:
+                    commit_s = checkpointer.commit_written()
+                    reporter.paused_for(commit_s)
+                    triggers.saved(stall + commit_s)
                 if export:
                     reporter.exported(exporter.export(step))
                 if evaluate:
                     result = evaluator.evaluate(model, step)
                     reporter.evaluated(result)
                     checkpointer.scored(step, result)  # --checkpoint_keep_best ranks this step's checkpoint
-                if report_step or boundary.stop:
-                    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
-                    skipped = guard.skipped_since_report() if guard.skipping else None
-                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped))
+                if downstream:
+                    reporter.harness_evaluated(harness.evaluate(model, step))
                 if boundary.stop is not None:
                     stopped = boundary.stop
                     break

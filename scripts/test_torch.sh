@@ -11,7 +11,7 @@ shift
 venv=".venv-torch${version}"
 "$venv/bin/python" -m pip --version >/dev/null 2>&1 || "${PYTHON:-python3}" -m venv --clear "$venv"  # new, or half made
 "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null \
-  || "$venv/bin/python" -m pip install -q "torch==$version"
+  || "$venv/bin/python" -m pip install -q --no-cache-dir "torch==$version"  # no cached copy of a multi-GB wheel
 "$venv/bin/python" -m pip install -q -r requirements-test.txt
 "$venv/bin/python" -m pip install -q --no-deps -e .
 echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"

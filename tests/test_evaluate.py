@@ -76,7 +76,7 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
     with pytest.raises(SystemExit) as stopped:
         evaluate_main(flags(data, tmp_path / "none", f"--eval_data_path={data}"))
     assert stopped.value.code == 2
-    assert "error: --ckpt_load_path and --eval_data_path are needed" in capsys.readouterr().err
+    assert "error: --ckpt_load_path and --eval_data_path or --eval_harness_tasks are needed" in capsys.readouterr().err
 
 
 def test_eval_lines_and_flags(data):

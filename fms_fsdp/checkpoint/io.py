@@ -191,8 +191,9 @@ class Checkpointer:
 
     def save(self, step: int, tokens_seen: int) -> float:
         """Write a checkpoint of `step`; returns the seconds training waited for it. A synchronous save
-        is committed before it returns. With --async_checkpoint the tensors are written in the
-        background: commit_pending() commits them once no rank is writing() any more."""
+        is written when it returns and committed by commit_written(), once the step's metrics record is
+        out (a kill just after the commit then loses no record). With --async_checkpoint the tensors are
+        written in the background: commit_pending() commits them once no rank is writing() any more."""
         start = time.monotonic()
         self.commit_pending()
         if self.lease is not None:  # a run whose folder was taken over stops without touching it
@@ -213,7 +214,9 @@ class Checkpointer:
                 self.pending = (step, tmp, self.writer.write(own, tmp))
             else:
                 dcp.save(fuse(own), storage_writer=storage_writer(tmp), process_group=agreement_group())
-                self._commit(step, tmp)
+                written: Future = Future()
+                written.set_result(None)
+                self.pending = (step, tmp, written)
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
         return time.monotonic() - start
@@ -231,8 +234,17 @@ class Checkpointer:
         """Whether this rank's background save is still writing."""
         return self.pending is not None and not self.pending[2].done()
 
+    def commit_written(self) -> float:
+        """Commit the synchronous save that save() wrote, if any; returns the seconds it took. A
+        background save is left to commit_pending()."""
+        if self.writer is not None:
+            return 0.0
+        start = time.monotonic()
+        self.commit_pending()
+        return time.monotonic() - start
+
     def commit_pending(self) -> None:
-        """Wait for the background save, if any, and commit it."""
+        """Wait for the save being written, if any, and commit it."""
         if self.pending is None:
             return
         step, tmp, future = self.pending

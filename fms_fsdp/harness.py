@@ -1,0 +1,232 @@
+"""Downstream evaluation through lm-eval-harness (--eval_harness_tasks; the `harness` extra, `lm-eval`):
+every --eval_harness_interval steps and at the end of a training run, or of any model (`fms-evaluate`).
+
+Every rank runs lm-eval on the same tasks and so builds the same requests. `HarnessModel` sorts each
+list of requests by length, deals them out over the data-parallel ranks and scores them with the model
+as it trains (sharded, compiled, no export): every rank runs as many forward passes as the busiest (an
+idle rank's are padding, keeping FSDP's collectives paired), of [batch, 2^k tokens] (a few shapes: few
+recompiles), then the scores are all-reduced, so every rank's lm-eval computes the same metrics and
+rank 0 reports them. Tokenisation, context handling and rolling windows are lm-eval's own (TemplateLM,
+as its Hugging Face model does), so a task scores as lm-eval scores the exported model. Only scored
+tasks run (multiple_choice, loglikelihood, loglikelihood_rolling): generation would decode token by
+token in lockstep on every rank, and such tasks are refused at start-up. The harness draws random
+numbers of its own (few-shot sampling): the run's random state is restored after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import math
+import os
+import random
+import time
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fms_fsdp.config import train_config
+from fms_fsdp.data.text import load_tokenizer
+from fms_fsdp.distributed import DistInfo
+from fms_fsdp.errors import ConfigError, first_line
+
+SCORED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
+MIN_TOKENS = 64  # the shortest forward pass: lengths are 2^k from here to seq_length
+
+try:  # an optional extra: its absence is a start-up error only when --eval_harness_tasks asks for it
+    from lm_eval.api.model import TemplateLM
+except ImportError:  # pragma: no cover - the class below is then never instantiated
+    TemplateLM = object
+
+
+def task_names(cfg: train_config) -> list[str]:
+    """The names --eval_harness_tasks gives."""
+    return [t.strip() for t in (cfg.eval_harness_tasks or "").split(",") if t.strip()]
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: Optional[str]) -> Any:
+    """lm-eval's index of its tasks and those under `include_path` (a few seconds: built once)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def check_harness(cfg: train_config) -> None:
+    """Start-up checks of --eval_harness_tasks: lm-eval installed, a tokenizer, every task known."""
+    names = task_names(cfg)
+    if not names:
+        return
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--eval_harness_tasks needs lm-eval: pip install lm-eval (this package's [harness] extra)"
+        ) from None
+    if cfg.tokenizer_path is None:
+        raise ConfigError("--eval_harness_tasks needs --tokenizer_path: the tasks are text, tokenized for the model")
+    known = task_manager(cfg.eval_harness_include_path).all_tasks
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            where = f" or under --eval_harness_include_path={cfg.eval_harness_include_path}" * bool(
+                cfg.eval_harness_include_path
+            )
+            raise ConfigError(
+                f"--eval_harness_tasks: unknown task {name!r} (not among lm-eval's tasks{where})"
+                + (f"; did you mean {', '.join(near)}?" if near else "")
+            )
+
+
+def load_tasks(cfg: train_config) -> dict[str, Any]:
+    """lm-eval's tasks of --eval_harness_tasks (their documents loaded); ConfigError for a task that
+    generates text."""
+    try:
+        task_dict = task_manager(cfg.eval_harness_include_path).load(task_names(cfg))
+    except Exception as e:  # a task's dataset that cannot be read: name it, in one line
+        raise ConfigError(
+            f"--eval_harness_tasks: cannot load {cfg.eval_harness_tasks} ({type(e).__name__}: {first_line(e)})"
+        ) from None
+    for name, task in task_dict["tasks"].items():
+        kind = task.get_config("output_type")
+        if kind not in SCORED:
+            raise ConfigError(
+                f"--eval_harness_tasks: {name} is a {kind} task; only scored tasks ({', '.join(SCORED)}) run in the loop"
+            )
+    return task_dict
+
+
+class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
+    """The model as lm-eval's LM: loglikelihoods scored across the data-parallel ranks (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: train_config, info: DistInfo, tokenizer: Any):
+        super().__init__()
+        self.model, self.info, self.tokenizer = model, info, tokenizer
+        self.max_length, self.batch = cfg.seq_length, cfg.eval_batch_size or cfg.batch_size
+        self.eos = cfg.eos_token
+        self.prefix = cfg.bos_token if cfg.bos_token is not None else cfg.eos_token  # as lm-eval's HFLM
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.prefix
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=False).ids
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests: list[Any], **kwargs: Any) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether it is the greedy continuation) of
+        each (_, context tokens, continuation tokens), context truncated on the left to seq_length."""
+        rows = [((ctx + cont)[-(self.max_length + 1) :][:-1], len(cont), cont) for _, ctx, cont in requests]
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        mine = order[self.info.dp_rank :: self.info.dp_size]
+        forwards = -(-math.ceil(len(rows) / self.info.dp_size) // self.batch)
+        scores = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.info.device)
+        for b in range(forwards):
+            part = mine[b * self.batch : (b + 1) * self.batch]
+            longest = max((len(rows[i][0]) for i in part), default=1)
+            length = min(self.max_length, max(MIN_TOKENS, 1 << (longest - 1).bit_length()))
+            tokens = torch.full((self.batch, length), self.eos, dtype=torch.long)
+            for r, i in enumerate(part):
+                tokens[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
+            logits = self.model(tokens.to(self.info.device))  # the same shape on every rank of a TP group
+            for r, i in enumerate(part):
+                n, count, cont = len(rows[i][0]), rows[i][1], rows[i][2]
+                logprobs = logits[r, n - count : n].float().log_softmax(-1)
+                target = torch.tensor(cont, device=logprobs.device)[:, None]
+                greedy = (logprobs.argmax(-1) == target[:, 0]).all()
+                scores[i] = torch.stack([logprobs.gather(-1, target).sum().double(), greedy.double()])
+        dist.all_reduce(scores)
+        scores /= self.info.tp  # every rank of a tensor-parallel group scored the same requests
+        return [(float(s), bool(g > 0.5)) for s, g in scores.tolist()]
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """The log-likelihood of each whole text, in lm-eval's disjoint windows of seq_length."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owners = [], []
+        for k, (text,) in enumerate(req.args for req in requests):
+            for window in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix, max_seq_len=self.max_length, context_len=1
+            ):
+                windows.append((None, *make_disjoint_window(window)))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (score, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[k] += score
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        raise ConfigError("--eval_harness_tasks: generation tasks do not run in the loop (load_tasks refuses them)")
+
+
+class HarnessEvaluator:
+    """--eval_harness_tasks, loaded at start-up; `evaluate` scores the model on them (every rank)."""
+
+    def __init__(self, cfg: train_config, info: DistInfo):
+        self.cfg, self.info = cfg, info
+        self.tasks: Optional[dict[str, Any]] = None
+        if task_names(self.cfg):
+            self.tasks = load_tasks(self.cfg)
+            self.tokenizer = load_tokenizer(self.cfg.tokenizer_path or "")
+
+    def due(self, step: int) -> bool:
+        interval = self.cfg.eval_harness_interval
+        return self.tasks is not None and ((interval > 0 and step % interval == 0) or step == self.cfg.num_steps)
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
+        """{"step", "harness/<task>/<metric>": value, ..., "harness_seconds"}. Every rank calls it."""
+        from lm_eval.evaluator import evaluate
+
+        assert self.tasks is not None
+        start = time.perf_counter()
+        model.eval()
+        with _no_bars(), _own_random_state():
+            results = evaluate(
+                HarnessModel(model, self.cfg, self.info, self.tokenizer),
+                self.tasks,
+                limit=self.cfg.eval_harness_limit or None,
+                bootstrap_iters=0,
+                log_samples=False,
+                verbosity="WARNING",
+            )
+        model.train()
+        record: dict[str, Any] = {"step": step}
+        for task, metrics in (results or {}).get("results", {}).items():
+            for key, value in metrics.items():
+                metric, _, kind = key.partition(",")
+                if isinstance(value, (int, float)) and not metric.endswith("_stderr"):
+                    record[f"harness/{task}/{metric}" + (f"/{kind}" if kind not in ("", "none") else "")] = value
+        record["harness_seconds"] = time.perf_counter() - start
+        return record
+
+
+@contextlib.contextmanager
+def _own_random_state() -> Iterator[None]:
+    """The harness's random draws leave the run's random state as it was."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
+
+
+@contextlib.contextmanager
+def _no_bars() -> Iterator[None]:
+    """lm-eval's progress bars off (every rank would draw them)."""
+    bars = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if bars is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = bars

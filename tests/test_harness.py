@@ -1,0 +1,171 @@
+"""lm-eval-harness in the loop (--eval_harness_tasks; fms_fsdp/harness.py): tasks of our own, defined in
+local yaml over local jsonl (a multiple-choice and a perplexity kind), scored by two FSDP ranks as the
+model trains, by `fms-evaluate` on the saved model, and by lm-eval's own Hugging Face model on the
+export: the same figures. Needs the `harness` extra (lm-eval): `bash scripts/test_harness.sh`, which
+CI runs after the README's test command (whose run skips this module: lm-eval takes ~30 s to install)."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, here, launch, records
+from test_hf import hf_main, save_tokenizer
+
+pytest.importorskip("lm_eval", reason="the harness extra: bash scripts/test_harness.sh installs lm-eval")
+
+SEQ = 32  # short windows: the perplexity task's texts roll over several
+TASKS = "tiny_mc,tiny_ppl"
+RUN = [
+    *TINY,
+    f"--seq_length={SEQ}",
+    "--vocab_size=512",
+    "--bos_token=510",  # the tokenizer's <s>: lm-eval's Hugging Face model prefixes empty contexts with it
+    "--eos_token=511",
+    "--num_steps=4",
+    "--batch_size=2",
+    "--eval_batch_size=3",
+]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(1, 500)}" for _ in range(n))
+
+
+def write_tasks(folder: Path) -> Path:
+    """tiny_mc (multiple choice, 3 to 4 choices), tiny_ppl (rolling perplexity, texts of 5 to 90 words)
+    and tiny_gen (generation) over jsonl files in `folder`; returns the folder of their yaml files."""
+    rng = random.Random(0)
+    mc = [
+        {
+            "question": words(rng, rng.randrange(2, 12)),
+            "choices": [words(rng, rng.randrange(1, 4)) for _ in range(3 + k % 2)],
+        }
+        for k in range(24)
+    ]
+    for k, doc in enumerate(mc):
+        doc["answer"] = k % len(doc["choices"])
+    texts = [{"text": words(rng, rng.randrange(5, 90))} for _ in range(10)]
+    tasks = folder / "tasks"
+    tasks.mkdir(parents=True)
+    for name, docs in (("mc", mc), ("ppl", texts)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    data = "dataset_path: json\ntest_split: train\ndataset_kwargs:\n  data_files:\n    train: {}\n"
+    (tasks / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\n"
+        + data.format(folder / "mc.jsonl")
+        + "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    (tasks / "tiny_ppl.yaml").write_text(
+        "task: tiny_ppl\n"
+        + data.format(folder / "ppl.jsonl")
+        + "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
+    (tasks / "tiny_gen.yaml").write_text(  # a generation task: refused in the loop
+        "task: tiny_gen\n"
+        + data.format(folder / "mc.jsonl")
+        + "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+    )
+    return tasks
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two FSDP ranks training 4 steps with the harness at steps 2 and 4; (run folder, tasks, tokenizer)."""
+    tmp = tmp_path_factory.mktemp("harness")
+    tasks, tok = write_tasks(tmp), tmp / "tok"
+    save_tokenizer(tok)
+    out = tmp / "run"
+    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
+    proc = launch(
+        "main_training.py",
+        [*RUN, *harness, "--eval_harness_interval=2", "--export_model_at_end=True", f"--ckpt_save_path={out}"],
+        2,
+        extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp / "hf_cache")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, tasks, tok, proc.stdout
+
+
+def harness_records(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in records(out) if "harness_seconds" in r}
+
+
+def test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export(trained, tmp_path, monkeypatch):
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    out, tasks, tok, stdout = trained
+    scored = harness_records(out)
+    assert sorted(scored) == [2, 4]  # every --eval_harness_interval steps and at the last
+    assert scored[2]["harness/tiny_mc/acc"] != scored[4]["harness/tiny_mc/acc"] or (
+        scored[2]["harness/tiny_ppl/word_perplexity"] != scored[4]["harness/tiny_ppl/word_perplexity"]
+    ), "the model trains between the two"
+    assert "harness step 4 | tiny_mc/acc" in stdout
+    # lm-eval's own run over the Hugging Face export of the same weights (fp32)
+    for k, v in {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}.items():
+        monkeypatch.setenv(k, v)
+    hf_main(
+        str(out / "model_step_4.safetensors"),
+        str(tmp_path / "hf"),
+        model_variant="tiny",
+        vocab_size="512",
+        dtype="fp32",
+        tokenizer_name_or_path=str(tok),
+    )
+    lm = HFLM(pretrained=str(tmp_path / "hf"), max_length=SEQ, batch_size=4, dtype="float32", device="cpu")
+    results = evaluate(lm, TaskManager(include_path=str(tasks)).load(TASKS.split(",")), bootstrap_iters=0)
+    assert results is not None
+    theirs = results["results"]
+    for task, metric in [("tiny_mc", "acc"), ("tiny_mc", "acc_norm"), ("tiny_ppl", "word_perplexity"),
+                         ("tiny_ppl", "byte_perplexity"), ("tiny_ppl", "bits_per_byte")]:  # fmt: skip
+        ours, expected = scored[4][f"harness/{task}/{metric}"], theirs[task][f"{metric},none"]
+        assert math.isclose(ours, expected, rel_tol=1e-5), (task, metric, ours, expected)
+
+
+def test_fms_evaluate_scores_a_saved_model_the_same(trained, monkeypatch):
+    from fms_fsdp.cli import evaluate
+
+    out, tasks, tok, _ = trained
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    args = [
+        *RUN,
+        f"--ckpt_load_path={out / 'model_step_4.safetensors'}",
+        f"--eval_harness_tasks={TASKS}",
+        f"--eval_harness_include_path={tasks}",
+        f"--tokenizer_path={tok}",
+    ]
+    with here() as printed:
+        evaluate(args)
+    lines = dict(
+        line.split(" ", 1)[1].split("=") for line in printed.getvalue().splitlines() if line.startswith("HARNESS ")
+    )
+    in_loop = harness_records(out)[4]
+    assert lines and all(math.isclose(float(v), in_loop[f"harness/{k}"], rel_tol=1e-5) for k, v in lines.items())
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--eval_harness_tasks=no_such_task_xyz", "TOK"], "--eval_harness_tasks: unknown task 'no_such_task_xyz'"),
+        (["--eval_harness_tasks=tiny_mc"], "--eval_harness_tasks needs --tokenizer_path"),
+        (["--eval_harness_interval=5"], "--eval_harness_interval and --eval_harness_limit need --eval_harness_tasks"),
+        (["--eval_harness_tasks=tiny_gen", "TOK"], "--eval_harness_tasks: tiny_gen is a generate_until task"),
+    ],
+)
+def test_harness_errors_are_one_line_at_start_up(extra, message, trained, tmp_path):
+    _, tasks, tok, _ = trained
+    extra = [f"--tokenizer_path={tok}" if a == "TOK" else a for a in extra]
+    args = [*RUN, f"--eval_harness_include_path={tasks}", *extra, f"--ckpt_save_path={tmp_path / 'run'}"]
+    proc = launch("main_training.py", args, 1, extra_env=OFFLINE)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and message in errors[0], proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
