@@ -44,6 +44,14 @@ class train_config:
     vocab_size: Optional[int] = _f(
         None, "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).", min=1
     )
+    rope_theta: Optional[float] = _f(
+        None, "Rotary base; when given, overrides the variant's (raise it to extend a model's context).", min=1
+    )
+    rope_scaling_factor: Optional[float] = _f(
+        None,
+        "Llama 3.1's rotary scaling (rope_type llama3: low_freq_factor 1, high_freq_factor 4, over the variant's original context) by this factor; 1: none; default: the variant's (8 for llama3.1_*, 32 for llama3.2_*).",
+        min=1,
+    )
 
     # data
     use_dummy_dataset: bool = _f(

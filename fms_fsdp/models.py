@@ -87,6 +87,45 @@ VARIANTS: dict[str, dict[str, Any]] = {
 for _name in ("llama3_1.8b", "llama3_3.2b", "llama3_8b", "llama3_70b"):
     VARIANTS[f"{_name}_4k"] = dict(VARIANTS[_name], max_expected_seq_len=4096)
 
+
+def llama3_rope_scaling(factor: float, original: int = 8192) -> dict[str, Any]:
+    """Llama 3.1's rotary scaling (rope_type llama3), as fms and Hugging Face read it."""
+    return dict(
+        rope_type="llama3",
+        factor=float(factor),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=original,
+    )
+
+
+# Meta's Llama 3.1 and 3.2 (128k context: rotary scaling over Llama 3's 8192 positions); 3.2 ties the head
+for _name, _args in {
+    "llama3.1_8b": dict(VARIANTS["llama3_8b"], rope_scaling=llama3_rope_scaling(8)),
+    "llama3.1_70b": dict(VARIANTS["llama3_70b"], rope_scaling=llama3_rope_scaling(8)),
+    "llama3.2_1b": dict(
+        _L3,
+        emb_dim=2048,
+        nheads=32,
+        kvheads=8,
+        nlayers=16,
+        hidden_grow_factor=4.0,
+        tie_heads=True,
+        rope_scaling=llama3_rope_scaling(32),
+    ),  # fmt: skip
+    "llama3.2_3b": dict(
+        _L3,
+        emb_dim=3072,
+        nheads=24,
+        kvheads=8,
+        nlayers=28,
+        hidden_grow_factor=8 / 3,
+        tie_heads=True,
+        rope_scaling=llama3_rope_scaling(32),
+    ),  # fmt: skip
+}.items():
+    VARIANTS[_name] = dict(_args, max_expected_seq_len=131072)
+
 ALIASES = {"7b": "llama2_7b", "13b": "llama2_13b", "34b": "llama2_34b", "70b": "llama2_70b"}
 
 # Rows of a parameter drawn from one seeded generator: a block of about 4M values.
@@ -164,15 +203,26 @@ def resolve_variant(name: str) -> str:
 
 
 def get_model_config(
-    name: str, vocab_size: Optional[int] = None, seq_length: Optional[int] = None, tensor_parallel: int = 1
+    name: str,
+    vocab_size: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    tensor_parallel: int = 1,
+    rope_theta: Optional[float] = None,
+    rope_scaling_factor: Optional[float] = None,
 ) -> LLaMAConfig:
     """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
     its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
     weights do not depend on it); built unfused for tensor parallelism (each rank holds its heads of
-    q, k and v: `FUSED`)."""
+    q, k and v: `FUSED`). `rope_theta` and `rope_scaling_factor` (llama3 scaling from the variant's
+    original context; 1: none) replace the variant's, to extend a model's context."""
     args = dict(VARIANTS[resolve_variant(name)])
     if vocab_size is not None:
         args["src_vocab_size"] = vocab_size
+    if rope_theta is not None:
+        args["rope_theta"] = float(rope_theta)
+    if rope_scaling_factor is not None:
+        original = args.get("rope_scaling", {}).get("original_max_position_embeddings", args["max_expected_seq_len"])
+        args["rope_scaling"] = llama3_rope_scaling(rope_scaling_factor, original) if rope_scaling_factor != 1 else {}
     if tensor_parallel > 1:
         args["fused_weights"] = False
     config = LLaMAConfig(**args)
@@ -258,14 +308,17 @@ def build_model(model_config: LLaMAConfig, device: torch.device) -> CausalLM:
 
 
 def count_params(model_config: LLaMAConfig) -> int:
-    """Parameters of a model with this config, counted on the meta device."""
-    return sum(p.numel() for p in build_model(model_config, torch.device("meta")).parameters())
+    """Parameters of a model with this config, counted on the meta device (a tied head once)."""
+    model = build_model(model_config, torch.device("meta"))
+    if model_config.tie_heads:  # as post_init ties them
+        model.head.weight = model.base_model.embedding.weight
+    return sum(p.numel() for p in model.parameters())
 
 
 def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
     """Training FLOPs per token, PaLM count: 6*N + 12*L*H*Q*T, N the parameters without the input
     embedding (the output head is a real matmul and counts)."""
-    n = count_params(model_config) - model_config.src_vocab_size * model_config.emb_dim
+    n = count_params(model_config) - model_config.src_vocab_size * model_config.emb_dim * (not model_config.tie_heads)
     head_dim = model_config.emb_dim // model_config.nheads
     return 6 * n + 12 * model_config.nlayers * model_config.nheads * head_dim * seq_length
 

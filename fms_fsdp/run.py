@@ -129,7 +129,9 @@ def facts(cfg: train_config) -> Run:
         else resolve_device(cfg.device, local_rank)
     )
     shape = mesh_shape(cfg, world_size, local_world_size)
-    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
+    model_config = get_model_config(
+        cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
+    )
     check_tensor_parallel(cfg, model_config)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     ScheduleSettings.of(cfg)  # the cycles and decay the flags give

@@ -266,3 +266,47 @@ def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (hf(tokens).logits - fms_model(variant, read_model(ckpt))(tokens)).abs().max() <= 1e-4
+
+
+def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits_past_10000(tmp_path):
+    """Llama 3.1's rotary scaling (--rope_scaling_factor) and a raised --rope_theta: a Hugging Face model
+    with them imports with its logits at positions 10,000 and on, and our config.json makes
+    transformers build that same model; without the scaling the logits differ (what the test catches)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fms_fsdp.checkpoint.hf import hf_config
+    from fms_fsdp.models import hidden_dim
+
+    config = get_model_config("tiny_llama3", 512, 10_240, rope_theta=1e6, rope_scaling_factor=8).updated(nlayers=1)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    theirs = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=hidden_dim(config), num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=config.norm_eps, max_position_embeddings=131072,
+        rope_theta=1e6, rope_scaling={**scaling, "original_max_position_embeddings": 1024}, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(theirs).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    model = build_model(config, torch.device("cpu")).eval()
+    model.load_state_dict(read_hf_model(str(tmp_path / "hf"), config))
+    x = torch.randint(0, 512, (1, 10_048), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(x).logits[0, 10_000:]
+        assert torch.allclose(model(x)[0, 10_000:], expected, atol=2e-4)
+        exported = LlamaForCausalLM(LlamaConfig(**hf_config(config, torch.float32, None, None))).eval()
+        exported.load_state_dict(hf.state_dict())
+        assert torch.allclose(exported(x).logits[0, 10_000:], expected, atol=1e-5)
+        plain = build_model(
+            get_model_config("tiny_llama3", 512, 10_240, 1, 1e6).updated(nlayers=1), torch.device("cpu")
+        )
+        plain.load_state_dict(model.state_dict())
+        assert not torch.allclose(plain.eval()(x)[0, 10_000:], expected, atol=1e-2)
+    unscaled = get_model_config("tiny_llama3", 512, None, 1, 1e6).updated(nlayers=1)
+    with pytest.raises(
+        HFError, match="rope_scaling .*llama3.*, but the run has rope_theta 1000000.0 and rope_scaling None"
+    ):
+        read_hf_model(str(tmp_path / "hf"), unscaled)  # --rope_scaling_factor forgotten
+    # a model whose context is being extended: the folder has the variant's settings, the run its own
+    base = get_model_config("tiny_llama3", 512).updated(nlayers=1)  # theta 500000, no scaling
+    LlamaForCausalLM(LlamaConfig(**hf_config(base, torch.float32, None, None))).save_pretrained(tmp_path / "base")
+    assert read_hf_model(str(tmp_path / "base"), config, "tiny_llama3").keys() == model.state_dict().keys()

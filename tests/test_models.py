@@ -17,6 +17,9 @@ PUBLISHED = {
     "llama2_70b": 68_976_648_192,
     "llama3_8b": 8_030_261_248,
     "llama3_70b": 70_553_706_496,
+    "llama3.1_8b": 8_030_261_248,
+    "llama3.2_1b": 1_235_814_400,  # tied head: counted once, as Meta's model card does
+    "llama3.2_3b": 3_212_749_824,
 }
 
 
@@ -59,7 +62,7 @@ def test_every_variant_and_alias_builds_on_meta():
 def test_unknown_variant_lists_the_valid_ones():
     with pytest.raises(
         ConfigError,
-        match="unknown variant 'llama4'; valid: tiny, tiny_llama3, tiny_mha, small, .*llama3_70b_4k, 7b, 13b, 34b, 70b",
+        match="unknown variant 'llama4'; valid: tiny, tiny_llama3, tiny_mha, small, .*llama3_70b_4k, llama3.1_8b, .*llama3.2_3b, 7b, 13b, 34b, 70b",
     ):
         get_model_config("llama4")
 

@@ -42,8 +42,8 @@ def hf_config(
     model_config: LLaMAConfig, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int]
 ) -> dict:
     """config.json of the LlamaForCausalLM equivalent to an fms LLaMAConfig."""
-    if model_config.rope_scaling:
-        raise HFError(f"rope_scaling={model_config.rope_scaling} has no Hugging Face translation here")
+    scaling = hf_rope_scaling(model_config)
+    rope = {"rope_type": "default"} if scaling is None else scaling
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -58,7 +58,8 @@ def hf_config(
         "max_position_embeddings": model_config.max_expected_seq_len,
         "rms_norm_eps": model_config.norm_eps,
         "rope_theta": float(model_config.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(model_config.rope_theta)},
+        "rope_scaling": scaling,
+        "rope_parameters": {**rope, "rope_theta": float(model_config.rope_theta)},
         "attention_bias": model_config.attn_bias,
         "mlp_bias": model_config.mlp_bias,
         "attention_dropout": 0.0,
@@ -214,9 +215,45 @@ def read_hf_config(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str) -> None:
-    """HFError naming the first dimension where the folder's model and the fms config differ."""
+def hf_rope_scaling(model_config: LLaMAConfig) -> Optional[dict]:
+    """config.json's rope_scaling of an fms config: llama3's, or None (no scaling)."""
+    scaling = dict(model_config.rope_scaling or {})
+    if not scaling or scaling.get("rope_type", "regular") == "regular":
+        return None
+    if scaling.get("rope_type") != "llama3":
+        raise HFError(f"rope_scaling={scaling} has no Hugging Face translation here (only rope_type llama3)")
+    return {k: scaling[k] for k in LLAMA3_SCALING}
+
+
+LLAMA3_SCALING = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _their_scaling(hf: dict) -> Optional[dict]:
+    """A config.json's rotary scaling (rope_scaling, or transformers 5's rope_parameters), None for none."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return {k: scaling.get(k) if k == "rope_type" else float(scaling.get(k, 0.0)) for k in LLAMA3_SCALING}
+
+
+def _rope(model_config: LLaMAConfig) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) of an fms config, as _their_rope reads a config.json."""
+    scaling = hf_rope_scaling(model_config)
+    if scaling is not None:
+        scaling = {k: v if k == "rope_type" else float(v) for k, v in scaling.items()}
+    return float(model_config.rope_theta), scaling
+
+
+def _their_rope(hf: dict) -> tuple[float, Optional[dict]]:
     theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return float(theta), _their_scaling(hf)
+
+
+def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: Optional[str] = None) -> None:
+    """HFError naming the first dimension where the folder's model and the fms config differ. Its rotary
+    settings must be the run's or, when the run changes them (--rope_theta, --rope_scaling_factor),
+    those of `variant` (a model whose context is being extended)."""
     pairs = {
         "vocab_size": (hf.get("vocab_size"), model_config.src_vocab_size),
         "hidden_size": (hf.get("hidden_size"), model_config.emb_dim),
@@ -227,7 +264,6 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str) -> None:
             hf.get("num_key_value_heads", hf.get("num_attention_heads")),
             model_config.kvheads or model_config.nheads,
         ),
-        "rope_theta": (float(theta), float(model_config.rope_theta)),
     }
     for name, (theirs, ours) in pairs.items():
         if theirs != ours:
@@ -235,11 +271,20 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str) -> None:
                 f"{folder}: {name} is {theirs} but the model variant has {ours}; "
                 "choose the matching --model_variant (and --vocab_size)"
             )
+    theirs_rope, ours_rope = _their_rope(hf), _rope(model_config)
+    accepted = [ours_rope] + ([_rope(get_model_config(variant))] if variant is not None else [])
+    if theirs_rope not in accepted:
+        (theta, scaling), (our_theta, our_scaling) = theirs_rope, ours_rope
+        raise HFError(
+            f"{folder}: rope_theta {theta} and rope_scaling {scaling}, but the run has rope_theta {our_theta} and "
+            f"rope_scaling {our_scaling}; choose the matching --model_variant (or --rope_theta, --rope_scaling_factor)"
+        )
 
 
-def read_hf_model(folder: str, model_config: LLaMAConfig) -> dict[str, torch.Tensor]:
-    """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter."""
-    check_hf_config(read_hf_config(folder), model_config, folder)
+def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter (its rotary
+    settings those of `model_config` or of `variant`: check_hf_config)."""
+    check_hf_config(read_hf_config(folder), model_config, folder, variant)
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise HFError(f"{folder}: no .safetensors weights")
@@ -294,7 +339,9 @@ def convert(
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
-    model_config = get_model_config(variant, vocab, run.get("seq_length"))  # the trained length
+    model_config = get_model_config(  # the trained length and rotary settings
+        variant, vocab, run.get("seq_length"), 1, run.get("rope_theta"), run.get("rope_scaling_factor")
+    )
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)

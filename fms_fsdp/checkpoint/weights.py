@@ -74,8 +74,8 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
         raise CheckpointError(f"--ckpt_load_path: {path} does not exist")
     try:
         if p.is_dir() and (p / "config.json").is_file():
-            check_hf_config(read_hf_config(p), model.config, str(p))  # on every rank: same verdict
-            full = _read_on_main(p, path, lambda local: read_hf_model(str(local), model.config))
+            check_hf_config(read_hf_config(p), model.config, str(p), model_variant)  # every rank: same verdict
+            full = _read_on_main(p, path, lambda local: read_hf_model(str(local), model.config, model_variant))
             _set(model, full, _FROM_RANK0)
         elif p.is_dir():
             try:  # a folder without a whole model (a LoRA run's), or a damaged .metadata, is refused in one line
