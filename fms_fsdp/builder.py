@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from fms_fsdp.attention import Documents
 from fms_fsdp.float8 import Float8Settings, scale_hook
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.memory import fits_or_warning
@@ -30,6 +31,7 @@ def build_sharded_model(run: Run) -> CausalLM:
     model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
     n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
     model.head.z_loss_weight = cfg.z_loss_weight
+    model.documents = Documents.of(cfg, device)
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
     done = parallelize(model, ParallelSettings.of(cfg), run.mesh)

@@ -80,6 +80,15 @@ class train_config:
     seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
     bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
     eos_token: int = _f(0, "Token id separating documents.", min=0)
+    document_masking: bool = _f(
+        False,
+        "Attention stays inside each document of a packed line (documents end at eos_token), as Llama 3 trained: FlexAttention when compiled on CUDA, else SDPA with a mask.",
+    )
+    document_positions: str = _f(
+        "line",
+        "Rotary positions with document_masking: line (a token's place in the line) or document (restarting at each document).",
+        choices=("line", "document"),
+    )
     bol_token: Optional[int] = _f(None, "Token id put at the beginning of each line (none by default).", min=0)
     eol_token: Optional[int] = _f(None, "Token id put at the end of each line (none by default).", min=0)
     strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.")
@@ -444,6 +453,11 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             "--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
             "on that data) or neither"
+        )
+    if cfg.document_positions == "document" and not cfg.document_masking:
+        raise ConfigError(
+            "--document_positions=document restarts positions at each document: add --document_masking=True "
+            "(documents that see each other need the line's positions)"
         )
     if not cfg.eval_harness_tasks and (cfg.eval_harness_interval or cfg.eval_harness_limit):
         raise ConfigError("--eval_harness_interval and --eval_harness_limit need --eval_harness_tasks: name the tasks")

@@ -25,6 +25,7 @@ from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from fms_fsdp.attention import Documents
 from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
@@ -288,13 +289,18 @@ class LMHead(LinearClassificationHead):
 
 
 class CausalLM(LLaMA):
-    """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits."""
+    """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits; with
+    `documents` (--document_masking) the attention stays inside each document of a packed line."""
+
+    documents: Optional[Documents] = None
 
     def __init__(self, config: LLaMAConfig):
         super().__init__(config)
         self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        if self.documents is not None:
+            kwargs = {**self.documents.kwargs(x), **kwargs}
         if labels is None:
             return super().forward(x, **kwargs)
         hidden, _ = self.base_model(x, **kwargs)

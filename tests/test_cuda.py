@@ -224,3 +224,29 @@ def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the
     assert "cudaMemcpyAsync" in runtime  # host syncs: test_steps_between_reports_never_wait_for_the_gpu
     snapshot = pickle.loads((tmp_path / "profiler" / "memory_snapshot_rank0.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"]
+
+
+def test_compiled_flex_attention_masks_documents_as_sdpa_does():
+    """--document_masking on CUDA and compiled: FlexAttention under a BlockMask built each batch; its
+    logits and gradients equal SDPA's under the boolean mask, and a second batch compiles nothing new."""
+    from fms_fsdp.attention import Documents
+    from fms_fsdp.models import build_model, get_model_config
+
+    torch.manual_seed(0)
+    model = build_model(get_model_config("tiny", 512, 512), torch.device("cuda"))
+    model.reset_parameters()
+    compiled = torch.compile(model)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (1, 2):  # two batches, documents in other places
+            x = torch.randint(1, 512, (2, 512), generator=torch.Generator().manual_seed(seed)).cuda()
+            x[x % 37 == 0] = 0  # eos: documents of ~37 tokens
+            grads = []
+            for flex, net in ((True, compiled), (False, model)):
+                model.zero_grad()
+                out = net(x, **Documents(0, restart_positions=True, flex=flex).kwargs(x))
+                out.float().square().mean().backward()
+                grads.append((out.detach(), model.base_model.layers[0].attn.dense.weight.grad.clone()))
+            (a, ga), (b, gb) = grads
+            assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
+            assert torch.allclose(ga, gb, atol=1e-3, rtol=1e-3)

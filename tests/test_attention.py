@@ -1,0 +1,73 @@
+"""Document masking (--document_masking, --document_positions; fms_fsdp/attention.py): a packed line's
+documents are scored as if each were alone, by FlexAttention and by SDPA with a mask alike."""
+
+import pytest
+import torch
+
+from fms_fsdp.attention import Documents
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
+from fms_fsdp.models import build_model, get_model_config
+
+from conftest import TINY, train_here
+
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = build_model(get_model_config("tiny", 256, 128), torch.device("cpu"))
+    m.reset_parameters()
+    return m.eval()
+
+
+def packed(lengths: list[int]) -> tuple[torch.Tensor, list[slice]]:
+    """One line of documents of these lengths (each ending with EOS) and where each one lies."""
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.cat([torch.randint(1, 256, (n - 1,), generator=gen), torch.tensor([EOS])]) for n in lengths]
+    bounds, start = [], 0
+    for d in docs:
+        bounds.append(slice(start, start + len(d)))
+        start += len(d)
+    return torch.cat(docs)[None], bounds
+
+
+@pytest.mark.parametrize("flex", [False, True])
+@pytest.mark.parametrize("restart", [True, False])
+def test_each_document_of_a_packed_line_is_scored_as_if_alone(model, flex, restart):
+    line, bounds = packed([20, 33, 11])
+    documents = Documents(EOS, restart_positions=restart, flex=flex)
+    with torch.no_grad():
+        together = model(line, **documents.kwargs(line))
+        plain = model(line)
+        for where in bounds:
+            alone = line[:, where]
+            # a document alone, at position 0 (--document_positions=document) or where it lies in the line
+            positions = torch.arange(alone.shape[1]) + (0 if restart else where.start)
+            expected = model(alone, position_ids=positions[None])
+            assert torch.allclose(together[:, where], expected, atol=1e-5), (where, flex, restart)
+        # without the mask the later documents see the earlier ones (what this test would catch)
+        assert not torch.allclose(plain[:, bounds[1]], together[:, bounds[1]], atol=1e-3)
+
+
+def test_flex_and_sdpa_masks_agree_on_a_batch(model):
+    a, _ = packed([5, 40, 19])
+    b, _ = packed([64])
+    batch = torch.cat([a, b])
+    with torch.no_grad():
+        sdpa = model(batch, **Documents(EOS, True, flex=False).kwargs(batch))
+        flex = model(batch, **Documents(EOS, True, flex=True).kwargs(batch))
+    assert torch.allclose(sdpa, flex, atol=1e-5)
+
+
+def test_document_positions_need_document_masking():
+    with pytest.raises(ConfigError, match="--document_positions=document restarts positions at each document"):
+        parse_args([*TINY, "--document_positions=document"])
+
+
+def test_a_run_trains_with_document_masking(tmp):
+    records = train_here(
+        tmp, ["--num_steps=4", "--batch_size=2", "--document_masking=True", "--document_positions=document"]
+    )
+    assert records[-1]["loss"] < records[0]["loss"]
