@@ -1,17 +1,24 @@
-"""Attention over packed lines: --document_masking keeps every token's attention inside its own
-document, --document_positions=document restarts the rotary positions at each document.
+"""Attention over packed lines, and lines split over ranks: --document_masking keeps every token's
+attention inside its own document (--document_positions=document restarts the rotary positions at
+each document); --context_parallel_size=C splits every line over C ranks.
 
 A line packs documents, each ended by --eos_token; a token belongs to the document of the eos that
-ends it, and a new document starts after each eos. `Documents.kwargs` turns a batch of input tokens
-into what fms's LLaMA forward takes (position_ids; the attention's mask), on the device, without a host
-sync, once per forward pass and shared by every block:
-- compiled runs on CUDA use FlexAttention with a BlockMask (`flex`, registered with fms as an
-  attention op): blocks of the line that no query of a block may see are skipped, so the cost falls
-  with the documents' lengths;
-- other runs pass SDPA a boolean [batch, 1, seq, seq] mask (fms's own sdpa op), which works on every
-  device and backend SDPA has for masks, at seq^2 bytes per line (FlexAttention has no backward on
-  the CPU in torch 2.13, and runs unfused when not compiled).
-Both give the same result (tests/test_attention.py; compiled FlexAttention: tests/test_cuda.py).
+ends it, and a new document starts after each eos. `LinePlan.prepare` turns a batch of input tokens
+into what fms's LLaMA forward takes (this rank's tokens, position_ids, the attention's mask), on the
+device, without a host sync, once per forward pass and shared by every block:
+- documents on one rank: compiled runs on CUDA use FlexAttention with a BlockMask (`flex`, an fms
+  attention op): blocks no query may see are skipped, so the cost falls with the documents' lengths;
+  other runs pass SDPA a boolean [batch, 1, seq, seq] mask (fms's own sdpa op), which works on every
+  device, at seq^2 bytes per line (FlexAttention has no backward on the CPU in torch 2.13, and runs
+  unfused when not compiled);
+- context parallel (Llama 3's approach): the line is cut into 2C chunks and rank i keeps chunks i and
+  2C-1-i, so every rank does the same causal-attention work; each attention all-gathers the keys and
+  values of the whole line over the C ranks (its backward reduce-scatters their gradients) and
+  attends for this rank's queries: chunk by chunk with SDPA's lower-right causal mask (flash kernels on
+  CUDA), or with a boolean [batch, 1, seq / C, seq] mask of the documents. Rotary positions are the
+  tokens' places in the whole line (or in their document).
+Results equal one rank's unsplit, unmasked-as-packed computation (tests/test_attention.py,
+tests/test_meshes.py).
 """
 
 from __future__ import annotations
@@ -20,46 +27,101 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from fms.modules.attention import _sdpa_store_op, register_attention_op
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from fms_fsdp.compat import all_gather_autograd, all_reduce_sum
 from fms_fsdp.config import train_config
+from fms_fsdp.loss import IGNORE_INDEX
 
 FLEX = "fms_fsdp_flex"
+CONTEXT = "fms_fsdp_context_parallel"
 
 
 @dataclass(frozen=True)
-class Documents:
-    """How packed documents are seen: masked apart, positions restarted, FlexAttention or SDPA."""
+class ContextParallel:
+    """This rank's place in its --context_parallel_size group: which chunks of a line it holds."""
 
-    eos: int
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def chunks(self, seq: int) -> list[tuple[int, int]]:
+        """(start, stop) in the line of this rank's two chunks: chunk `rank` and chunk 2C-1-`rank` of 2C."""
+        n, c = seq // (2 * self.size), self.size
+        return [(self.rank * n, (self.rank + 1) * n), ((2 * c - 1 - self.rank) * n, (2 * c - self.rank) * n)]
+
+    def split(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of `t` along its sequence dimension `dim`."""
+        return torch.cat([t.narrow(dim, start, stop - start) for start, stop in self.chunks(t.shape[dim])], dim)
+
+    def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole line from every rank's part (`split`'s inverse), differentiable: the backward
+        reduce-scatters the gradient."""
+        moved = local.movedim(dim, 0).contiguous()
+        parts = all_gather_autograd(moved, 0, self.group).chunk(2 * self.size)  # rank r: chunks r, 2C-1-r
+        ordered = [parts[2 * g] for g in range(self.size)] + [parts[2 * g + 1] for g in reversed(range(self.size))]
+        return torch.cat(ordered, 0).movedim(0, dim)
+
+    def loss_scale(self, labels: torch.Tensor) -> torch.Tensor:
+        """C x this rank's share of the group's counted tokens: the loss of the line's mean over all its
+        tokens, once FSDP averages the gradients over the C ranks too."""
+        local = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        total = all_reduce_sum(local, self.group)
+        return self.size * local / total.clamp_min(1.0)
+
+
+@dataclass(frozen=True)
+class LinePlan:
+    """How a line's tokens are attended to: documents (eos, positions restarted or not), a split over
+    ranks, FlexAttention or SDPA."""
+
+    eos: Optional[int]  # --document_masking: documents end at this token
     restart_positions: bool
+    context: Optional[ContextParallel]
     flex: bool
 
     @staticmethod
-    def of(cfg: train_config, device: torch.device) -> Optional["Documents"]:
-        """--document_masking's settings; FlexAttention where it is compiled and has a backward (CUDA)."""
-        if not cfg.document_masking:
+    def of(cfg: train_config, device: torch.device, context: Optional[ContextParallel]) -> Optional["LinePlan"]:
+        """The run's plan, None when lines are plain causal on one rank; FlexAttention where it is
+        compiled and has a backward (CUDA), for documents on one rank."""
+        if not cfg.document_masking and context is None:
             return None
-        flex = cfg.use_torch_compile and device.type == "cuda"
-        return Documents(cfg.eos_token, cfg.document_positions == "document", flex)
+        eos = cfg.eos_token if cfg.document_masking else None
+        flex = cfg.use_torch_compile and device.type == "cuda" and context is None
+        return LinePlan(eos, cfg.document_positions == "document", context, flex)
 
-    def kwargs(self, x: torch.Tensor) -> dict[str, Any]:
-        """fms forward kwargs for input tokens `x` [batch, seq]: the documents' mask and positions."""
+    def prepare(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, Any]]:
+        """(this rank's input tokens, its labels, fms forward kwargs) of a batch of lines `x` [batch, seq]."""
         batch, seq = x.shape
-        starts = torch.zeros_like(x, dtype=torch.bool)
-        starts[:, 1:] = x[:, :-1] == self.eos  # a document starts after each eos
-        doc = starts.cumsum(-1)
-        out: dict[str, Any] = {}
-        if self.restart_positions:
-            index = torch.arange(seq, device=x.device).expand(batch, seq)
-            out["position_ids"] = index - torch.where(starts, index, 0).cummax(-1).values
-        if self.flex:
-            out.update(attn_name=FLEX, block_mask=document_block_mask(doc))
-        else:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            out.update(mask=(doc[:, :, None] == doc[:, None, :]) & causal, is_causal_mask=False)
-        return out
+        index = torch.arange(seq, device=x.device)
+        positions, doc = index.expand(batch, seq), None
+        if self.eos is not None:
+            starts = torch.zeros_like(x, dtype=torch.bool)
+            starts[:, 1:] = x[:, :-1] == self.eos  # a document starts after each eos
+            doc = starts.cumsum(-1)
+            if self.restart_positions:
+                positions = positions - torch.where(starts, positions, 0).cummax(-1).values
+        kwargs: dict[str, Any] = {"position_ids": positions} if self.restart_positions else {}
+        cp = self.context
+        if cp is None:
+            assert doc is not None
+            if self.flex:
+                kwargs.update(attn_name=FLEX, block_mask=document_block_mask(doc))
+            else:
+                causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+                kwargs.update(mask=(doc[:, :, None] == doc[:, None, :]) & causal, is_causal_mask=False)
+            return x, labels, kwargs
+        kwargs.update(attn_name=CONTEXT, context=cp, position_ids=cp.split(positions, 1))
+        if doc is not None:
+            visible = cp.split(index, 0)[:, None] >= index[None, :]
+            kwargs["mask"] = (visible & (cp.split(doc, 1)[:, :, None] == doc[:, None, :]))[:, None]
+        return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
 
 
 def document_block_mask(doc: torch.Tensor) -> BlockMask:
@@ -72,6 +134,15 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
     return create_block_mask(same_document, batch, None, seq, seq, device=doc.device)
 
 
+def _heads_first(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, kvheads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[batch, heads, seq, dim] queries, keys and values from fms's attention contract."""
+    if key_cache.shape[1] != kvheads and key_cache.shape[2] == kvheads:
+        key_cache, value_cache = key_cache.transpose(2, 1), value_cache.transpose(2, 1)
+    return query.transpose(2, 1), key_cache, value_cache
+
+
 def _flex_compute_op(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -82,21 +153,49 @@ def _flex_compute_op(
     scale_factor: Optional[float],
     **attn_kwargs: Any,
 ) -> torch.Tensor:
-    """fms's attention contract ([batch, seq, heads, dim] queries, keys and values as the sdpa store op
-    left them) computed by FlexAttention under attn_kwargs["block_mask"]."""
-    queries = query.transpose(2, 1)
-    if key_cache.shape[1] != kvheads and key_cache.shape[2] == kvheads:
-        key_cache, value_cache = key_cache.transpose(2, 1), value_cache.transpose(2, 1)
+    """FlexAttention under attn_kwargs["block_mask"], in fms's attention contract."""
+    q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
     out = flex_attention(
-        queries,
-        key_cache,
-        value_cache,
-        block_mask=attn_kwargs["block_mask"],
-        scale=scale_factor,
-        enable_gqa=nheads != kvheads,
+        q, k, v, block_mask=attn_kwargs["block_mask"], scale=scale_factor, enable_gqa=nheads != kvheads
     )
     assert isinstance(out, torch.Tensor)
     return out.transpose(2, 1).contiguous()
 
 
+def _context_compute_op(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    nheads: int,
+    kvheads: int,
+    p_dropout: float,
+    scale_factor: Optional[float],
+    **attn_kwargs: Any,
+) -> torch.Tensor:
+    """This rank's queries against the whole line's keys and values, all-gathered (see the module)."""
+    cp: ContextParallel = attn_kwargs["context"]
+    q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
+    k, v = cp.gather(k, 2), cp.gather(v, 2)
+    if nheads != kvheads:  # as fms's sdpa op: each KV head serves nheads / kvheads query heads
+        k, v = (t.repeat_interleave(nheads // kvheads, dim=1) for t in (k, v))
+    mask = attn_kwargs.get("mask")
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor)
+    else:
+        outs, offset = [], 0
+        for start, stop in cp.chunks(k.shape[2]):
+            n = stop - start
+            part = q[:, :, offset : offset + n]
+            causal = causal_lower_right(n, stop)  # query i sees keys up to start + i
+            outs.append(
+                F.scaled_dot_product_attention(
+                    part, k[:, :, :stop], v[:, :, :stop], attn_mask=causal, scale=scale_factor
+                )
+            )
+            offset += n
+        out = torch.cat(outs, 2)
+    return out.transpose(2, 1).contiguous()
+
+
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)
+register_attention_op(CONTEXT, _sdpa_store_op, _context_compute_op)

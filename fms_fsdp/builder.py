@@ -4,18 +4,18 @@ initialised to the same weights at any mesh (models.init_weights); AdamW and the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.attention import Documents
+from fms_fsdp.attention import ContextParallel, LinePlan
 from fms_fsdp.float8 import Float8Settings, scale_hook
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
-from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize
+from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize, sharded
 from fms_fsdp.run import Run
 from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 
@@ -31,7 +31,7 @@ def build_sharded_model(run: Run) -> CausalLM:
     model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
     n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
     model.head.z_loss_weight = cfg.z_loss_weight
-    model.documents = Documents.of(cfg, device)
+    model.lines = LinePlan.of(cfg, device, context_parallel(run))
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
     done = parallelize(model, ParallelSettings.of(cfg), run.mesh)
@@ -45,6 +45,15 @@ def build_sharded_model(run: Run) -> CausalLM:
             "features in and out"
         )
     return model
+
+
+def context_parallel(run: Run) -> Optional[ContextParallel]:
+    """This rank's context-parallel group (--context_parallel_size), None without one."""
+    if run.shape.cp == 1:
+        return None
+    assert run.mesh is not None
+    cp = run.mesh["cp"]
+    return ContextParallel(cp.get_group(), cp.get_local_rank(), run.shape.cp)
 
 
 def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
@@ -76,6 +85,6 @@ def build_optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim
     optimizer = build_optimizer(model, OptimizerSettings.of(run.cfg), run.device)
     float8 = Float8Settings.of(run.cfg)
     assert run.mesh is not None
-    if float8 is not None and float8.all_gather(run.mesh["shard"].size() > 1):
+    if float8 is not None and float8.all_gather(sharded(run.mesh)):
         optimizer.register_step_post_hook(scale_hook(model))
     return optimizer, build_scheduler(optimizer, ScheduleSettings.of(run.cfg))

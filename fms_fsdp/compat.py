@@ -39,6 +39,8 @@ check_torch()
 # the CUDA allocator's history, for --profiler_memory_snapshot
 from torch.cuda.memory import _record_memory_history as record_cuda_memory_history  # noqa: E402
 from torch.cuda.memory import _snapshot as cuda_memory_snapshot  # noqa: E402
+from torch.distributed._functional_collectives import all_gather_tensor_autograd  # noqa: E402
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: E402
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
@@ -103,6 +105,23 @@ def reduce_scatter_op() -> Any:
     return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
+def all_gather_autograd(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `t` of `group`, concatenated along `dim`, differentiable (the backward
+    reduce-scatters): functional collectives' all_gather_tensor_autograd (context parallelism's K/V)."""
+    return all_gather_tensor_autograd(t, dim, group)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of `t` over `group`, as a new tensor (functional all_reduce; no autograd)."""
+    return functional_all_reduce(t, "sum", group)
+
+
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """Mesh dimensions `dims` flattened into one named `name` on `mesh` (DeviceMesh._flatten, as
+    torchtitan flattens shard x cp for FSDP)."""
+    return mesh[dims]._flatten(name)
+
+
 def reusable_stager() -> bool:
     """Whether one DefaultStager stages every background save: torch 2.11 and 2.12 free its CPU buffers
     at the end of each stage and cannot stage with it again (its copier table is cleared: "KeyError:
@@ -112,6 +131,9 @@ def reusable_stager() -> bool:
 
 __all__ = [
     "OLDEST_TORCH",
+    "all_gather_autograd",
+    "all_reduce_sum",
+    "flatten_mesh",
     "TORCH",
     "check_torch",
     "Shard",

@@ -114,6 +114,11 @@ class train_config:
         "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.",
         min=1,
     )
+    context_parallel_size: int = _f(
+        1,
+        "Ranks that split every line (context parallelism: each holds 2 of 2C chunks and all-gathers keys and values per attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",
+        min=1,
+    )
     fsdp_activation_checkpointing: bool = _f(
         False, "Checkpoint activations of the blocks chosen by selective_checkpointing."
     )

@@ -49,9 +49,10 @@ def lost_peer(error: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global and node-local rank, its device, and the tensor-parallel group
-    size `tp` (--tensor_parallel_size; its groups are runs of `tp` consecutive ranks, which read the
-    same data: the data-parallel rank is rank // tp). Made once, by run.py."""
+    """Where this process sits: global and node-local rank, its device, the tensor-parallel group size
+    `tp` (--tensor_parallel_size) and the context-parallel one `cp` (--context_parallel_size). A
+    group of tp x cp consecutive ranks reads the same lines (the data-parallel rank is
+    rank // (tp x cp)); its cp parts each take a part of every line. Made once, by run.py."""
 
     rank: int
     world_size: int
@@ -59,18 +60,24 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     tp: int
+    cp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def same_data(self) -> int:
+        """The ranks that read the same lines: a tensor-parallel group times a context-parallel one."""
+        return self.tp * self.cp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // self.same_data
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // self.same_data
 
 
 def free_port() -> int:

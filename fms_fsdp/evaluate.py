@@ -129,7 +129,7 @@ class Evaluator:
                 sums[k] += torch.stack([model(inputs, labels=labels).double() * count, count.double()])
         model.train()
         dist.all_reduce(sums)
-        sums /= self.info.tp  # every rank of a tensor-parallel group evaluated the same lines
+        sums /= self.info.same_data  # every rank of a tensor- (and context-) parallel group evaluated the same lines
         losses = {name: float(s / n) for name, (s, n) in zip(self.lines, sums.tolist())}
         total, tokens = sums.sum(0).tolist()
         record: dict[str, Any] = {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(total / tokens)}

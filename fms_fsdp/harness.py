@@ -144,7 +144,7 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
                 greedy = (logprobs.argmax(-1) == target[:, 0]).all()
                 scores[i] = torch.stack([logprobs.gather(-1, target).sum().double(), greedy.double()])
         dist.all_reduce(scores)
-        scores /= self.info.tp  # every rank of a tensor-parallel group scored the same requests
+        scores /= self.info.same_data  # every rank of a tensor- (context-) parallel group scored the same requests
         return [(float(s), bool(g > 0.5)) for s, g in scores.tolist()]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:

@@ -224,7 +224,7 @@ class Planner:
     """Plans of one model and mesh for any micro-batch and checkpointing setting."""
 
     def __init__(self, cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, device_bytes: int):
-        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp, device_bytes
+        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp * shape.cp, device_bytes
         self.mesh = shape
         model = build_model(model_config, torch.device("meta"))
         self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
@@ -232,15 +232,20 @@ class Planner:
             add_adapters(model, self.lora)
         self.n_blocks, self.emb_dim = model_config.nlayers, model_config.emb_dim
         tp = {name: _tp_shape(name, p.shape, self.mesh.tp) for name, p in model.named_parameters()}
-        held = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters())
-        trained = sum(_numel_sharded(tp[n], self.mesh.shard) for n, p in model.named_parameters() if p.requires_grad)
+        shards = self.mesh.shard * self.mesh.cp  # FSDP shards over shard x cp
+        held = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters())
+        trained = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters() if p.requires_grad)
+        # the keys and values of a whole line (context parallel all-gathers them), per token
+        self.kv_width = (
+            2 * (model_config.kvheads or model_config.nheads) * (model_config.emb_dim // model_config.nheads)
+        )
         block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
         muon = 0
         if cfg.optimizer == "muon":
             muon = sum(
-                _numel_sharded(tp[n], self.mesh.shard)
+                _numel_sharded(tp[n], shards)
                 for n, p in model.named_parameters()
                 if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
             )
@@ -272,6 +277,8 @@ class Planner:
         loss = saved + Activations.at(acts.loss_transient, setting.batch)
         if self.mesh.tp > 1:  # estimated from the traces, not traced: see _tensor_parallel
             activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
+        if self.mesh.cp > 1:  # likewise: see _context_parallel
+            activations, saved, loss = self._context_parallel(setting, chosen, activations, saved, loss)
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
         return Plan(
@@ -290,6 +297,19 @@ class Planner:
         whole = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
         hidden_grad = int(tokens * self.emb_dim * self.compute * (1 - 1 / tp))
         return activations // tp + whole * gathered, saved // tp + hidden_grad, loss // tp + hidden_grad
+
+    def _context_parallel(
+        self, setting: Setting, chosen: int, activations: int, saved: int, loss: int
+    ) -> tuple[int, int, int]:
+        """A rank of a context-parallel group of C keeps 1/C of what the unsplit line saves (its tokens),
+        plus, in every block not checkpointed whole, the whole line's keys and values (all-gathered for
+        attention and kept for its backward), and with --document_masking the boolean mask of its
+        queries against the line (batch x seq / C x seq bytes, one for all blocks)."""
+        cp, tokens = self.mesh.cp, setting.batch * self.cfg.seq_length
+        keys_values = tokens * self.kv_width * self.compute // self.mesh.tp
+        kept = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
+        mask = tokens * self.cfg.seq_length // cp if self.cfg.document_masking else 0
+        return activations // cp + kept * keys_values + mask, saved // cp, loss // cp
 
     def largest_batch(self, setting: Setting) -> int:
         """The largest micro-batch that fits with this checkpointing (0: not even one)."""
@@ -354,17 +374,17 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
         (f"device ({device_name})", plan.device),
     ]
     width = max(len(name) for name, _ in rows)
-    dims = 3 if planner.mesh.tp > 1 else 2
+    dims = planner.mesh.dims()
     lines = [
         f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh "
-        f"({', '.join(planner.mesh._fields[:dims])}) = {tuple(planner.mesh)[:dims]}, "
+        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}, "
         f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
         f"{compute}, activation checkpointing: "
         + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
     ]
     lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
-    if dims == 3:
-        lines.append("  (tensor parallel: activations and loss estimated from the unsplit model's traces)")
+    if planner.mesh.tp > 1 or planner.mesh.cp > 1:
+        lines.append("  (tensor or context parallel: activations and loss estimated from the unsplit model's traces)")
     if whole:
         lines.append(
             f"  (one rank: the module itself, no FSDP{', bf16 through autocast' if cfg.mixed_precision else ''})"
@@ -377,7 +397,7 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     state = plan.params + plan.grads + plan.optimizer  # divided among the ranks sharing the model
     room = HEADROOM * plan.device - plan.gathered
     state_alone = state >= room  # no micro-batch fits, however small
-    sharing = planner.mesh.shard * planner.mesh.tp
+    sharing = planner.mesh.shard * planner.mesh.tp * planner.mesh.cp
     need = f"at least {math.ceil(sharing * state / room)} " if room > 0 else ""
     more_ranks = (
         f"none: the model's state alone takes {_gib(state).strip()} per rank; shard it over {need}ranks "

@@ -65,8 +65,8 @@ class MetricsReporter:
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
-        # per GPU: a tensor-parallel group of T GPUs trains on one rank's batch
-        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.tp
+        # per GPU: a tensor- (and context-) parallel group of T x C GPUs trains on one rank's batch
+        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.same_data
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, cfg.peak_tflops)
         self.log = MetricsLog(run.paths.metrics, info.is_main)
@@ -162,9 +162,12 @@ class MetricsReporter:
         if self.dataset_lines is not None:
             lines = self.dataset_lines()
             counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
-            dist.all_reduce(counts)  # a tensor-parallel group reads one rank's data: counted once
+            dist.all_reduce(counts)  # a tensor- (context-) parallel group reads the same lines: counted once
             record.update(
-                {f"tokens/{name}": n * self.seq_length // self.info.tp for name, n in zip(lines, counts.tolist())}
+                {
+                    f"tokens/{name}": n * self.seq_length // self.info.same_data
+                    for name, n in zip(lines, counts.tolist())
+                }
             )
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)

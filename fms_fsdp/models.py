@@ -25,7 +25,7 @@ from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fms_fsdp.attention import Documents
+from fms_fsdp.attention import LinePlan
 from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
@@ -289,22 +289,31 @@ class LMHead(LinearClassificationHead):
 
 
 class CausalLM(LLaMA):
-    """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits; with
-    `documents` (--document_masking) the attention stays inside each document of a packed line."""
+    """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits. With a
+    `lines` plan (attention.py) the attention stays inside each document of a packed line
+    (--document_masking) and the line is split over a context-parallel group: the forward takes whole
+    lines, computes on this rank's part, and returns the whole line's logits, or its share of the loss."""
 
-    documents: Optional[Documents] = None
+    lines: Optional[LinePlan] = None
 
     def __init__(self, config: LLaMAConfig):
         super().__init__(config)
         self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
-        if self.documents is not None:
-            kwargs = {**self.documents.kwargs(x), **kwargs}
+        cp = None
+        if self.lines is not None:
+            x, labels_here, extra = self.lines.prepare(x, labels)
+            kwargs, cp = {**extra, **kwargs}, self.lines.context
         if labels is None:
-            return super().forward(x, **kwargs)
+            logits = super().forward(x, **kwargs)
+            return logits if cp is None else cp.gather(logits, 1)
         hidden, _ = self.base_model(x, **kwargs)
-        return self.head(hidden, labels)
+        if self.lines is None:
+            return self.head(hidden, labels)
+        assert labels_here is not None
+        loss = self.head(hidden, labels_here)
+        return loss if cp is None else loss * cp.loss_scale(labels_here)
 
 
 def build_model(model_config: LLaMAConfig, device: torch.device) -> CausalLM:

@@ -2,8 +2,10 @@
 float8 Linear layers (float8.py), selective activation checkpointing, per-block torch.compile (and the
 compiled loss), FSDP2 (fully_shard) with bf16 mixed precision, and gradient sync under accumulation.
 fsdp, hsdp and ddp are all FSDP2 over a (replicate, shard) mesh of different shapes; with
---tensor_parallel_size=T a third, innermost dimension 'tp' holds the T ranks (of one node) that split
-every layer, and data parallelism runs over the other two. A run of one rank trains the plain module
+--tensor_parallel_size=T an innermost dimension 'tp' holds the T ranks (of one node) that split
+every layer, and with --context_parallel_size=C a dimension 'cp' before it the C ranks that split
+every line (attention.py); FSDP shards over shard x cp (flattened as 'shard_cp', as torchtitan does),
+so the C ranks share the parameters' memory, and data parallelism runs over replicate x shard. A run of one rank trains the plain module
 (as torchtitan does on one GPU): no FSDP parameter copies in and out, bf16 through autocast over fp32
 master weights.
 """
@@ -30,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from fms_fsdp.compat import reduce_scatter_op, set_group_timeout
+from fms_fsdp.compat import flatten_mesh, reduce_scatter_op, set_group_timeout
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
@@ -40,38 +42,53 @@ from fms_fsdp.models import hidden_dim
 
 
 class MeshShape(NamedTuple):
-    """Sizes of the mesh dimensions: data parallel (replicate x shard) and tensor parallel (tp, innermost)."""
+    """Sizes of the mesh dimensions: data parallel (replicate x shard), context parallel (cp) and tensor
+    parallel (tp, innermost)."""
 
     replicate: int
     shard: int
     tp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
         return self.replicate * self.shard
 
+    def dims(self) -> list[tuple[str, int]]:
+        """The mesh's dimensions, outermost first: replicate, shard, then cp and tp where used."""
+        return (
+            [("replicate", self.replicate), ("shard", self.shard)]
+            + [("cp", self.cp)] * (self.cp > 1)
+            + [("tp", self.tp)] * (self.tp > 1)
+        )
+
     @property
     def whole(self) -> bool:
         """One rank: the plain module is trained, without FSDP."""
-        return self.dp * self.tp == 1
+        return self.dp * self.tp * self.cp == 1
 
 
 def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
     """The mesh for the sharding strategy and --tensor_parallel_size; ConfigError naming the numbers
     when they don't divide. HSDP's shard group (--sharding_group_size, default: the node) counts
     data-parallel ranks: with TP, a node holds ranks per node / T of them."""
-    tp = cfg.tensor_parallel_size
+    tp, cp = cfg.tensor_parallel_size, cfg.context_parallel_size
     if tp > 1 and (local_world_size % tp or world_size % tp):
         raise ConfigError(
             f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
             f"world size ({world_size}): tensor parallelism stays inside a node"
         )
-    dp = world_size // tp
+    if (world_size // tp) % cp:
+        raise ConfigError(
+            f"--context_parallel_size={cp} must divide the world size {world_size}"
+            + (f" / --tensor_parallel_size={tp} = {world_size // tp}" if tp > 1 else "")
+        )
+    dp = world_size // (tp * cp)
     if cfg.sharding_strategy == "fsdp":
-        return MeshShape(1, dp, tp)
+        return MeshShape(1, dp, tp, cp)
     if cfg.sharding_strategy == "ddp":
-        return MeshShape(dp, 1, tp)
-    group = cfg.sharding_group_size or local_world_size // tp
+        return MeshShape(dp, 1, tp, cp)
+    group = cfg.sharding_group_size or max(1, local_world_size // (tp * cp))
     if dp % group:
         raise ConfigError(
             f"--sharding_group_size={group} does not divide the world size {world_size}"
@@ -80,7 +97,28 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
             + (f" / {tp}" if tp > 1 else "")
             + ")"
         )
-    return MeshShape(dp // group, group, tp)
+    return MeshShape(dp // group, group, tp, cp)
+
+
+def check_context_parallel(cfg: train_config) -> None:
+    """--context_parallel_size=C cuts every line into 2C equal chunks (and, under tensor parallelism,
+    each rank's part again T ways): ConfigError naming the numbers, or a setting it does not serve."""
+    cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+    if cp == 1:
+        return
+    if cfg.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--context_parallel_size={cp} cuts each line into 2 x {cp} = {2 * cp} chunks: --seq_length="
+            f"{cfg.seq_length} must be a multiple of {2 * cp}"
+        )
+    if (cfg.seq_length // cp) % tp:
+        raise ConfigError(
+            f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {cfg.seq_length // cp} "
+            f"tokens of a line must divide by {tp} (sequence parallel); pick a --seq_length that does"
+        )
+    for flag, used in (("--use_torch_compile", cfg.use_torch_compile), ("--float8", cfg.float8)):
+        if used:
+            raise ConfigError(f"--context_parallel_size={cp} does not combine with {flag}=True yet; drop one of them")
 
 
 def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
@@ -112,11 +150,15 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
 
 
 def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional[float]) -> DeviceMesh:
-    """The mesh ('replicate', 'shard'), with 'tp' innermost under tensor parallelism, whose groups fail
-    a collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
+    """The mesh ('replicate', 'shard'), then 'cp' under context parallelism (with 'shard_cp' flattened
+    from shard x cp for FSDP) and 'tp' innermost under tensor parallelism, whose groups fail a
+    collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
     groups' timeouts alike)."""
-    names = ("replicate", "shard", "tp") if shape.tp > 1 else ("replicate", "shard")
-    mesh = init_device_mesh(device.type, tuple(shape)[: len(names)], mesh_dim_names=names)
+    dims = shape.dims()
+    names = tuple(name for name, _ in dims)
+    mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=names)
+    if shape.cp > 1:
+        flatten_mesh(mesh, ("shard", "cp"), "shard_cp")
     timeout = collective_timeout(timeout_minutes)
     if timeout is not None:
         for dim in range(mesh.ndim):
@@ -125,8 +167,16 @@ def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicate, shard) mesh FSDP2 runs over."""
-    return mesh["replicate", "shard"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+    """The (replicate, shard) mesh FSDP2 runs over: (replicate, shard_cp) under context parallelism."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" in names:
+        return mesh["replicate", "shard_cp"]
+    return mesh["replicate", "shard"] if "tp" in names else mesh
+
+
+def sharded(mesh: DeviceMesh) -> bool:
+    """Whether FSDP shards the parameters (over more than one rank of a replica)."""
+    return dp_mesh(mesh).size(1) > 1
 
 
 # the Linear layers of a block that tensor parallelism splits by output features (the weight's rows:
@@ -316,7 +366,7 @@ def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> P
         apply_tensor_parallel(model, mesh["tp"])
     n_float8 = 0
     if settings.float8 is not None:
-        n_float8 = convert_to_float8(model, settings.float8, mesh.device_type, mesh["shard"].size() > 1)
+        n_float8 = convert_to_float8(model, settings.float8, mesh.device_type, sharded(mesh))
     n_ckpt = None
     if settings.checkpointing is not None:
         n_ckpt = apply_activation_checkpointing(model, settings.checkpointing, settings.ac_mode)
@@ -338,7 +388,7 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool) -> None:
     if not isinstance(model, FSDPModule):
         return
     mesh = next(p for p in model.parameters()).device_mesh
-    if mesh["shard"].size() == 1:
+    if mesh.size(1) == 1:  # (replicate, shard or shard_cp[, tp])
         model.set_requires_gradient_sync(last_micro_batch)
-    elif mesh["replicate"].size() > 1:
+    elif mesh.size(0) > 1:
         model.set_requires_all_reduce(last_micro_batch)

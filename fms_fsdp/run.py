@@ -37,7 +37,7 @@ from fms_fsdp.harness import check_harness
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
-from fms_fsdp.parallel import MeshShape, build_mesh, check_tensor_parallel, mesh_shape
+from fms_fsdp.parallel import MeshShape, build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.schedule import ScheduleSettings
 from fms_fsdp.storage import location
@@ -133,6 +133,7 @@ def facts(cfg: train_config) -> Run:
         cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
     )
     check_tensor_parallel(cfg, model_config)
+    check_context_parallel(cfg)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     ScheduleSettings.of(cfg)  # the cycles and decay the flags give
     check_optimizer(cfg)
@@ -154,7 +155,7 @@ def facts(cfg: train_config) -> Run:
             f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions: the model "
             f"trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
-    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp)
+    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp)
     return Run(cfg, info, shape, model_config, notes)
 
 

@@ -1,10 +1,12 @@
 """Document masking (--document_masking, --document_positions; fms_fsdp/attention.py): a packed line's
 documents are scored as if each were alone, by FlexAttention and by SDPA with a mask alike."""
 
+import re
+
 import pytest
 import torch
 
-from fms_fsdp.attention import Documents
+from fms_fsdp.attention import LinePlan
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.models import build_model, get_model_config
@@ -37,9 +39,9 @@ def packed(lengths: list[int]) -> tuple[torch.Tensor, list[slice]]:
 @pytest.mark.parametrize("restart", [True, False])
 def test_each_document_of_a_packed_line_is_scored_as_if_alone(model, flex, restart):
     line, bounds = packed([20, 33, 11])
-    documents = Documents(EOS, restart_positions=restart, flex=flex)
+    documents = LinePlan(EOS, restart, None, flex)
     with torch.no_grad():
-        together = model(line, **documents.kwargs(line))
+        together = model(line, **documents.prepare(line, None)[2])
         plain = model(line)
         for where in bounds:
             alone = line[:, where]
@@ -56,8 +58,8 @@ def test_flex_and_sdpa_masks_agree_on_a_batch(model):
     b, _ = packed([64])
     batch = torch.cat([a, b])
     with torch.no_grad():
-        sdpa = model(batch, **Documents(EOS, True, flex=False).kwargs(batch))
-        flex = model(batch, **Documents(EOS, True, flex=True).kwargs(batch))
+        sdpa = model(batch, **LinePlan(EOS, True, None, flex=False).prepare(batch, None)[2])
+        flex = model(batch, **LinePlan(EOS, True, None, flex=True).prepare(batch, None)[2])
     assert torch.allclose(sdpa, flex, atol=1e-5)
 
 
@@ -71,3 +73,30 @@ def test_a_run_trains_with_document_masking(tmp):
         tmp, ["--num_steps=4", "--batch_size=2", "--document_masking=True", "--document_positions=document"]
     )
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--context_parallel_size=3"], 4, "--context_parallel_size=3 must divide the world size 4"),
+        (
+            ["--context_parallel_size=2", "--tensor_parallel_size=2"],
+            2,
+            "--context_parallel_size=2 must divide the world size 2 / --tensor_parallel_size=2 = 1",
+        ),
+        (["--context_parallel_size=3", "--seq_length=64"], 3, "--seq_length=64 must be a multiple of 6"),
+        (
+            ["--context_parallel_size=2", "--tensor_parallel_size=4", "--seq_length=36"],
+            8,
+            "each rank's 18 tokens of a line must divide by 4",
+        ),
+        (["--context_parallel_size=2", "--use_torch_compile=True"], 2, "does not combine with --use_torch_compile"),
+    ],
+)
+def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, message):
+    from fms_fsdp.parallel import check_context_parallel, mesh_shape
+
+    cfg = parse_args([*TINY, *args])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        mesh_shape(cfg, world, world)
+        check_context_parallel(cfg)

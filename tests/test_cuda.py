@@ -229,7 +229,7 @@ def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the
 def test_compiled_flex_attention_masks_documents_as_sdpa_does():
     """--document_masking on CUDA and compiled: FlexAttention under a BlockMask built each batch; its
     logits and gradients equal SDPA's under the boolean mask, and a second batch compiles nothing new."""
-    from fms_fsdp.attention import Documents
+    from fms_fsdp.attention import LinePlan
     from fms_fsdp.models import build_model, get_model_config
 
     torch.manual_seed(0)
@@ -244,7 +244,7 @@ def test_compiled_flex_attention_masks_documents_as_sdpa_does():
             grads = []
             for flex, net in ((True, compiled), (False, model)):
                 model.zero_grad()
-                out = net(x, **Documents(0, restart_positions=True, flex=flex).kwargs(x))
+                out = net(x, **LinePlan(0, True, None, flex).prepare(x, None)[2])
                 out.float().square().mean().backward()
                 grads.append((out.detach(), model.base_model.layers[0].attn.dense.weight.grad.clone()))
             (a, ga), (b, gb) = grads

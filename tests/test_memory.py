@@ -161,7 +161,7 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
         8,
         1 << 40,
     )
-    assert tp.mesh == (1, 4, 2) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
+    assert tp.mesh == (1, 4, 2, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
     setting = Setting(4, False, Fraction(0), "block")
     one, two = fsdp.plan(setting), tp.plan(setting)
@@ -175,3 +175,18 @@ def test_muon_plans_one_buffer_for_the_blocks_matrices():
     model = build_model(get_model_config("small", None, 512), torch.device("meta"))
     matrices = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
     assert adamw.optimizer - muon.optimizer == 4 * matrices > 0
+
+
+def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
+    """8 ranks as FSDP 8, and as FSDP 4 x CP 2 on lines of 8192 tokens: the weights still shard 8 ways;
+    a rank keeps about half the activations, plus the whole line's keys and values, and with document
+    masking its part of the mask."""
+    long = dict(model_variant="small", seq_length=8192, sharding_strategy="fsdp")
+    fsdp = plan_for(make_config(**long), 8, 8, 1 << 40)
+    cp = plan_for(make_config(**long, context_parallel_size=2), 8, 8, 1 << 40)
+    docs = plan_for(make_config(**long, context_parallel_size=2, document_masking=True), 8, 8, 1 << 40)
+    assert cp.mesh == (1, 4, 1, 2) and cp.params == fsdp.params
+    setting = Setting(1, False, Fraction(0), "block")
+    one, two = fsdp.plan(setting), cp.plan(setting)
+    assert 0.5 * one.activations < two.activations < 0.75 * one.activations and two.loss < one.loss
+    assert docs.plan(setting).activations - two.activations == 8192 * 4096

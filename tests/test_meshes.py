@@ -67,7 +67,11 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
       evaluated at 8; tp1 and tp4 resume its step 3 at T=1 and T=4, then tp1_tp2 and tp4_tp2 resume
       their own step 6 at T=2;
     - from_file / from_folder: T=2 initialised from tp2's end export and from its checkpoint of step 3,
-      one step at learning rate 0."""
+      one step at learning rate 0;
+    - cp2: gqa_tp1's run with each line split over 2 ranks (--context_parallel_size=2), checkpointed at
+      step 2, which cp2_to1 resumes on one rank; cp1_to2 resumes dp2_ref's step 2 at C=2; docs_ref
+      (one rank) and cp2_docs (C=2) with document masking and positions; on 4 ranks fsdp2_cp2 (2
+      data-parallel ranks x C=2, the same global batch) and cp2_tp2 (C=2 x T=2)."""
     root = tmp_path_factory.mktemp("tp")
     out = {
         name: root / name
@@ -94,6 +98,13 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "tp4_tp2",
             "from_file",
             "from_folder",
+            "cp2",
+            "cp2_to1",
+            "cp1_to2",
+            "docs_ref",
+            "cp2_docs",
+            "fsdp2_cp2",
+            "cp2_tp2",
         )
     }
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
@@ -110,12 +121,16 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         "--eval_batches=2",
     ]
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
+    cp = ["--context_parallel_size=2"]
+    docs = ["--document_masking=True", "--document_positions=document"]
     run_here([*gqa, Z_LOSS, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
     out["log1"] = run_here(
         [*TINY, "--num_steps=4", "--checkpoint_interval=2", "--batch_size=4", f"--ckpt_save_path={out['dp2_ref']}"]
     )
     resume_from(out["dp2_ref"], 2, out["dp2_fsdp"])
+    resume_from(out["dp2_ref"], 2, out["cp1_to2"])
+    run_here([*gqa, Z_LOSS, *docs, f"--ckpt_save_path={out['docs_ref']}"])
     muon = [*TINY, "--num_steps=4", "--optimizer=muon"]
     run_here([*muon, "--checkpoint_interval=2", "--batch_size=4", f"--ckpt_save_path={out['muon_ref']}"])
     resume_from(out["muon_ref"], 2, out["muon_fsdp2"])
@@ -143,6 +158,9 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             ],
             [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
             [*gqa, f"--ckpt_save_path={out['dp2_fsdp']}", "--sharding_strategy=fsdp"],
+            [*gqa, Z_LOSS, *cp, "--checkpoint_interval=2", f"--ckpt_save_path={out['cp2']}"],
+            [*gqa, Z_LOSS, *cp, *docs, f"--ckpt_save_path={out['cp2_docs']}"],
+            [*TINY, "--num_steps=4", "--batch_size=4", *cp, f"--ckpt_save_path={out['cp1_to2']}"],
             [*muon, "--batch_size=2", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['muon_fsdp2']}"],
             flags(
                 data,
@@ -174,6 +192,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             ],
         ],
     )
+    resume_from(out["cp2"], 2, out["cp2_to1"])
+    run_here([*gqa, Z_LOSS, f"--ckpt_save_path={out['cp2_to1']}"])
     resume_from(out["tp2"], 3, out["tp1"])
     run_here(flags(data, out["tp1"], *chain))
     resume_from(out["tp2"], 3, out["tp4"])
@@ -201,6 +221,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             ],
             flags(data, out["resumed_4"], *RESUME_EXPORT, "--sharding_strategy=hsdp", "--sharding_group_size=2"),
             flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
+            [*gqa, Z_LOSS, *cp, "--batch_size=1", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['fsdp2_cp2']}"],
+            [*gqa, Z_LOSS, *cp, "--tensor_parallel_size=2", f"--ckpt_save_path={out['cp2_tp2']}"],
             [
                 *muon,
                 "--batch_size=2",
@@ -329,3 +351,26 @@ def test_a_model_file_or_checkpoint_initialises_a_tensor_parallel_run(runs):
     ):
         got = load_file(str(runs[name] / "model_step_1.safetensors"))
         assert got.keys() == want.keys() and not [k for k in want if not torch.equal(got[k], want[k])], name
+
+
+def test_context_parallel_takes_the_steps_of_one_rank(runs):
+    """Lines split over 2 ranks (each 2 of 4 chunks, keys and values all-gathered) train as one rank
+    does, z-loss included: alone, with document masking, under FSDP 2 x CP 2 and CP 2 x TP 2; the tokens
+    are counted once per line."""
+    want, docs = losses(runs["gqa_tp1"]), losses(runs["docs_ref"])
+    assert close(losses(runs["cp2"]), want) and close(losses(runs["cp2_tp2"]), want)
+    assert close(losses(runs["fsdp2_cp2"]), want, DP_TOL)
+    assert close(losses(runs["cp2_docs"]), docs) and not close(docs, want, 1e-4)  # the masks matter here
+    assert "mesh (replicate, shard, cp) = (1, 1, 2)" in model_line(runs["log2"], runs["cp2"])
+    assert "mesh (replicate, shard, cp, tp) = (1, 1, 2, 2)" in model_line(runs["log4"], runs["cp2_tp2"])
+    assert records(runs["cp2"])[-1]["tokens_seen"] == records(runs["gqa_tp1"])[-1]["tokens_seen"]
+
+
+def test_checkpoints_resume_across_context_parallel_sizes(runs):
+    """A checkpoint saved at C=2 goes on at C=1, and one saved at C=1 at C=2, on the same curve."""
+    want = losses(runs["gqa_tp1"])
+    got = losses(runs["cp2_to1"])
+    assert sorted(got) == [3, 4] and close(got, {s: want[s] for s in got}), (got, want)
+    want = losses(runs["dp2_ref"])
+    got = losses(runs["cp1_to2"])
+    assert sorted(got) == [3, 4] and close(got, {s: want[s] for s in got}), (got, want)

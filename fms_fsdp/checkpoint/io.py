@@ -273,7 +273,9 @@ class Checkpointer:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
-            if self.info.rank % self.info.tp == 0:  # a tensor-parallel group reads the same data: one file
+            if (
+                self.info.rank % self.info.same_data == 0
+            ):  # a tensor- (context-) parallel group reads the same data: one file
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
                 _save_file(
