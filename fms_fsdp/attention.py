@@ -33,7 +33,7 @@ from fms.modules.attention import _sdpa_store_op, register_attention_op
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from fms_fsdp.compat import all_gather_autograd, all_reduce_sum
+from fms_fsdp.compat import all_gather_autograd, all_reduce_sum, cpu_flash_attention, cpu_flash_attention_backward
 from fms_fsdp.config import train_config
 from fms_fsdp.loss import IGNORE_INDEX
 
@@ -185,16 +185,52 @@ def _context_compute_op(
         outs, offset = [], 0
         for start, stop in cp.chunks(k.shape[2]):
             n = stop - start
-            part = q[:, :, offset : offset + n]
-            causal = causal_lower_right(n, stop)  # query i sees keys up to start + i
-            outs.append(
-                F.scaled_dot_product_attention(
-                    part, k[:, :, :stop], v[:, :, :stop], attn_mask=causal, scale=scale_factor
-                )
-            )
+            part, keys, values = q[:, :, offset : offset + n], k[:, :, :stop], v[:, :, :stop]
+            if q.device.type == "cpu":  # no seq^2 mask: the past keys whole, the diagonal block causal
+                outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor))
+            else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
+                causal = causal_lower_right(n, stop)
+                outs.append(F.scaled_dot_product_attention(part, keys, values, attn_mask=causal, scale=scale_factor))
             offset += n
         out = torch.cat(outs, 2)
     return out.transpose(2, 1).contiguous()
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """Causal attention of the queries of one chunk (global positions start, start + 1, ...) over the
+    keys before and in it, on the CPU without a seq^2 mask: the keys before the chunk, all visible, and
+    the chunk's own, causal, are two flash attentions merged by their log-sum-exps; the backward runs
+    each one's flash backward with the merged output and log-sum-exp (as ring attention does)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: Optional[float]
+    ) -> torch.Tensor:
+        pieces = [(slice(start, None), True)] + [(slice(0, start), False)] * (start > 0)
+        out, lse = cpu_flash_attention(q, k[:, :, pieces[0][0]], v[:, :, pieces[0][0]], True, scale)
+        out = out.float()
+        for keys, causal in pieces[1:]:
+            o, s = cpu_flash_attention(q, k[:, :, keys], v[:, :, keys], causal, scale)
+            merged = torch.logaddexp(lse, s)
+            out = out * (lse - merged).exp()[..., None] + o.float() * (s - merged).exp()[..., None]
+            lse = merged
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.scale = pieces, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for keys, causal in ctx.pieces:
+            gq, gk, gv = cpu_flash_attention_backward(
+                grad.contiguous(), q, k[:, :, keys], v[:, :, keys], out, lse, causal, ctx.scale
+            )
+            dq += gq
+            dk[:, :, keys] += gk
+            dv[:, :, keys] += gv
+        return dq, dk, dv, None, None
 
 
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)

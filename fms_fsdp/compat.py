@@ -6,7 +6,7 @@ there, not in the middle of a run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -116,6 +116,35 @@ def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
     return functional_all_reduce(t, "sum", group)
 
 
+def cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp of each query's scores) of SDPA's CPU flash kernel, [batch, heads, seq, dim]
+    inputs (context parallelism merges pieces of one attention by their log-sum-exps)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=None, scale=scale
+    )
+    return out, lse
+
+
+def cpu_flash_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's backward: (dq, dk, dv) given the output and log-sum-exp of the whole
+    attention these keys are part of."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
+    )
+    return dq, dk, dv
+
+
 def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     """Mesh dimensions `dims` flattened into one named `name` on `mesh` (DeviceMesh._flatten, as
     torchtitan flattens shard x cp for FSDP)."""
@@ -133,6 +162,8 @@ __all__ = [
     "OLDEST_TORCH",
     "all_gather_autograd",
     "all_reduce_sum",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
     "flatten_mesh",
     "TORCH",
     "check_torch",
