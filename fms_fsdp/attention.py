@@ -23,6 +23,7 @@ tests/test_meshes.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -131,7 +132,15 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
         return (q >= kv) & (doc[b, q] == doc[b, kv])
 
     batch, seq = doc.shape
-    return create_block_mask(same_document, batch, None, seq, seq, device=doc.device)
+    build = _compiled_block_mask() if doc.is_cuda else create_block_mask
+    return build(same_document, batch, None, seq, seq, device=doc.device)
+
+
+@functools.cache
+def _compiled_block_mask() -> Any:
+    """create_block_mask compiled (as torchtitan does): eagerly it would build the whole seq^2 mask
+    before reducing it to blocks."""
+    return torch.compile(create_block_mask)
 
 
 def _heads_first(
@@ -176,11 +185,13 @@ def _context_compute_op(
     cp: ContextParallel = attn_kwargs["context"]
     q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
     k, v = cp.gather(k, 2), cp.gather(v, 2)
-    if nheads != kvheads:  # as fms's sdpa op: each KV head serves nheads / kvheads query heads
+    gqa = nheads != kvheads
+    if gqa and q.device.type == "cpu":  # the CPU flash kernel wants a K/V head per query head (as fms's op)
         k, v = (t.repeat_interleave(nheads // kvheads, dim=1) for t in (k, v))
+        gqa = False
     mask = attn_kwargs.get("mask")
     if mask is not None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=gqa)
     else:
         outs, offset = [], 0
         for start, stop in cp.chunks(k.shape[2]):
@@ -190,7 +201,11 @@ def _context_compute_op(
                 outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor))
             else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
                 causal = causal_lower_right(n, stop)
-                outs.append(F.scaled_dot_product_attention(part, keys, values, attn_mask=causal, scale=scale_factor))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        part, keys, values, attn_mask=causal, scale=scale_factor, enable_gqa=gqa
+                    )
+                )
             offset += n
         out = torch.cat(outs, 2)
     return out.transpose(2, 1).contiguous()
@@ -222,7 +237,8 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq = torch.zeros_like(q, dtype=torch.float32)  # two pieces' sum, in fp32 under bf16
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for keys, causal in ctx.pieces:
             gq, gk, gv = cpu_flash_attention_backward(
                 grad.contiguous(), q, k[:, :, keys], v[:, :, keys], out, lse, causal, ctx.scale
@@ -230,7 +246,7 @@ class _ChunkAttention(torch.autograd.Function):
             dq += gq
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk, dv, None, None
 
 
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)

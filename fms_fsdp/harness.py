@@ -107,6 +107,10 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
         self.model, self.info, self.tokenizer = model, info, tokenizer
         self.max_length, self.batch = cfg.seq_length, cfg.eval_batch_size or cfg.batch_size
         self.eos = cfg.eos_token
+        # lengths a forward pass can take: a context-parallel group cuts them in 2C chunks, tensor parallel
+        # each rank's part in T (seq_length itself is checked to fit at start-up)
+        cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+        self.unit = math.lcm(2 * cp, cp * tp) if cp > 1 else tp
         self.prefix = cfg.bos_token if cfg.bos_token is not None else cfg.eos_token  # as lm-eval's HFLM
 
     @property
@@ -124,7 +128,11 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
     def _loglikelihood_tokens(self, requests: list[Any], **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation) of
         each (_, context tokens, continuation tokens), context truncated on the left to seq_length."""
-        rows = [((ctx + cont)[-(self.max_length + 1) :][:-1], len(cont), cont) for _, ctx, cont in requests]
+        rows = []
+        for _, ctx, cont in requests:  # as lm-eval's HFLM: the context cut on the left to seq_length
+            tokens = (ctx + cont)[-(self.max_length + 1) :][:-1]
+            count = min(len(cont), len(tokens))
+            rows.append((tokens, count, cont[-count:]))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         mine = order[self.info.dp_rank :: self.info.dp_size]
         forwards = -(-math.ceil(len(rows) / self.info.dp_size) // self.batch)
@@ -132,7 +140,7 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
         for b in range(forwards):
             part = mine[b * self.batch : (b + 1) * self.batch]
             longest = max((len(rows[i][0]) for i in part), default=1)
-            length = min(self.max_length, max(MIN_TOKENS, 1 << (longest - 1).bit_length()))
+            length = min(self.max_length, _round_up(max(MIN_TOKENS, 1 << (longest - 1).bit_length()), self.unit))
             tokens = torch.full((self.batch, length), self.eos, dtype=torch.long)
             for r, i in enumerate(part):
                 tokens[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
@@ -208,14 +216,20 @@ class HarnessEvaluator:
         return record
 
 
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
 @contextlib.contextmanager
 def _own_random_state() -> Iterator[None]:
     """The harness's random draws leave the run's random state as it was."""
     python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(python)
-    np.random.set_state(numpy)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 @contextlib.contextmanager

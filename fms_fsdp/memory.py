@@ -235,10 +235,10 @@ class Planner:
         shards = self.mesh.shard * self.mesh.cp  # FSDP shards over shard x cp
         held = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters())
         trained = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters() if p.requires_grad)
-        # the keys and values of a whole line (context parallel all-gathers them), per token
-        self.kv_width = (
-            2 * (model_config.kvheads or model_config.nheads) * (model_config.emb_dim // model_config.nheads)
-        )
+        # the keys and values of a whole line (context parallel all-gathers them), per token; on the CPU
+        # expanded to a K/V head per query head (attention.py)
+        heads = model_config.nheads if cfg.device == "cpu" else (model_config.kvheads or model_config.nheads)
+        self.kv_width = 2 * heads * (model_config.emb_dim // model_config.nheads)
         block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
@@ -279,6 +279,8 @@ class Planner:
             activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
         if self.mesh.cp > 1:  # likewise: see _context_parallel
             activations, saved, loss = self._context_parallel(setting, chosen, activations, saved, loss)
+        elif self.cfg.document_masking and not (self.cfg.use_torch_compile and self.cfg.device != "cpu"):
+            activations += setting.batch * self.cfg.seq_length**2  # SDPA's boolean mask of the documents
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
         return Plan(

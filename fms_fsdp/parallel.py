@@ -163,6 +163,8 @@ def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional
     if timeout is not None:
         for dim in range(mesh.ndim):
             set_group_timeout(timeout, mesh.get_group(dim))
+        if shape.cp > 1:  # the group FSDP gathers and reduces over
+            set_group_timeout(timeout, mesh["shard_cp"].get_group())
     return mesh
 
 

@@ -193,12 +193,12 @@ def record(run: Run) -> str:
     """What ran, as YAML comments at the head of config.yaml (--config reads only the flags below them):
     the package's version and git commit, torch, ibm-fms and torchao, the world and mesh, and the
     environment variables that change how it runs (NCCL_*, TORCH_*, CUDA_*)."""
-    names = ("replicate", "shard", "tp") if run.shape.tp > 1 else ("replicate", "shard")
+    dims = run.shape.dims()
     lines = [
         "run record (comments: --config reads only the flags below)",
         f"fms-fsdp {_version('fms-fsdp')}, git {_commit()}",
         f"torch {torch.__version__}, ibm-fms {_version('ibm-fms')}, torchao {_version('torchao')}",
-        f"world {run.info.world_size}, mesh ({', '.join(names)}) = {tuple(run.shape)[: len(names)]}",
+        f"world {run.info.world_size}, mesh ({', '.join(n for n, _ in dims)}) = {tuple(s for _, s in dims)}",
         *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
     ]
     return "".join(f"# {line}\n" for line in lines)

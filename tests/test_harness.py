@@ -169,3 +169,22 @@ def test_harness_errors_are_one_line_at_start_up(extra, message, trained, tmp_pa
     errors = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and message in errors[0], proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same(trained, tmp_path):
+    """The same training on 2 ranks that split every line (--context_parallel_size=2: the same global
+    batch on one data-parallel rank) scores the tasks as the FSDP run does: the logits are gathered
+    whole from the ranks' parts."""
+    out, tasks, tok, _ = trained
+    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
+    split = tmp_path / "run"
+    proc = launch(
+        "main_training.py",
+        [*RUN, "--batch_size=4", "--context_parallel_size=2", *harness, f"--ckpt_save_path={split}"],
+        2,
+        extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ours, theirs = harness_records(split)[4], harness_records(out)[4]
+    scores = [k for k in theirs if k.startswith("harness/")]
+    assert scores and all(math.isclose(ours[k], theirs[k], rel_tol=1e-4) for k in scores), (ours, theirs)
