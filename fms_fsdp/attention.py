@@ -15,8 +15,10 @@ device, without a host sync, once per forward pass and shared by every block:
   2C-1-i, so every rank does the same causal-attention work; each attention all-gathers the keys and
   values of the whole line over the C ranks (its backward reduce-scatters their gradients) and
   attends for this rank's queries: chunk by chunk with SDPA's lower-right causal mask (flash kernels on
-  CUDA), or with a boolean [batch, 1, seq / C, seq] mask of the documents. Rotary positions are the
-  tokens' places in the whole line (or in their document).
+  CUDA; the masks are made before the blocks, which torch.compile could not make them in), on the CPU
+  as two flash attentions merged by their log-sum-exps (`_ChunkAttention`: no seq^2 mask), or with a
+  boolean [batch, 1, seq / C, seq] mask of the documents. Rotary positions are the tokens' places in
+  the whole line (or in their document).
 Results equal one rank's unsplit, unmasked-as-packed computation (tests/test_attention.py,
 tests/test_meshes.py).
 """
@@ -122,6 +124,8 @@ class LinePlan:
         if doc is not None:
             visible = cp.split(index, 0)[:, None] >= index[None, :]
             kwargs["mask"] = (visible & (cp.split(doc, 1)[:, :, None] == doc[:, None, :]))[:, None]
+        elif not x.device.type == "cpu":  # made here: torch.compile cannot build them inside a block
+            kwargs["causal"] = [causal_lower_right(stop - start, stop) for start, stop in cp.chunks(seq)]
         return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
 
 
@@ -189,18 +193,18 @@ def _context_compute_op(
     if gqa and q.device.type == "cpu":  # the CPU flash kernel wants a K/V head per query head (as fms's op)
         k, v = (t.repeat_interleave(nheads // kvheads, dim=1) for t in (k, v))
         gqa = False
-    mask = attn_kwargs.get("mask")
+    mask, biases = attn_kwargs.get("mask"), attn_kwargs.get("causal")
     if mask is not None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=gqa)
     else:
         outs, offset = [], 0
-        for start, stop in cp.chunks(k.shape[2]):
+        for j, (start, stop) in enumerate(cp.chunks(k.shape[2])):
             n = stop - start
             part, keys, values = q[:, :, offset : offset + n], k[:, :, :stop], v[:, :, :stop]
-            if q.device.type == "cpu":  # no seq^2 mask: the past keys whole, the diagonal block causal
+            if biases is None:  # the CPU: no seq^2 mask, the past keys whole, the diagonal block causal
                 outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor))
             else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
-                causal = causal_lower_right(n, stop)
+                causal = biases[j]
                 outs.append(
                     F.scaled_dot_product_attention(
                         part, keys, values, attn_mask=causal, scale=scale_factor, enable_gqa=gqa

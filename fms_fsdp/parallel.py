@@ -116,7 +116,7 @@ def check_context_parallel(cfg: train_config) -> None:
             f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {cfg.seq_length // cp} "
             f"tokens of a line must divide by {tp} (sequence parallel); pick a --seq_length that does"
         )
-    for flag, used in (("--use_torch_compile", cfg.use_torch_compile), ("--float8", cfg.float8)):
+    for flag, used in (("--float8", cfg.float8),):
         if used:
             raise ConfigError(f"--context_parallel_size={cp} does not combine with {flag}=True yet; drop one of them")
 

@@ -90,7 +90,7 @@ def test_a_run_trains_with_document_masking(tmp):
             8,
             "each rank's 18 tokens of a line must divide by 4",
         ),
-        (["--context_parallel_size=2", "--use_torch_compile=True"], 2, "does not combine with --use_torch_compile"),
+        (["--context_parallel_size=2", "--float8=True"], 2, "does not combine with --float8"),
     ],
 )
 def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, message):

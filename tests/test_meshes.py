@@ -68,8 +68,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
       their own step 6 at T=2;
     - from_file / from_folder: T=2 initialised from tp2's end export and from its checkpoint of step 3,
       one step at learning rate 0;
-    - cp2: gqa_tp1's run with each line split over 2 ranks (--context_parallel_size=2), checkpointed at
-      step 2, which cp2_to1 resumes on one rank; cp1_to2 resumes dp2_ref's step 2 at C=2; docs_ref
+    - cp2: gqa_tp1's run with each line split over 2 ranks (--context_parallel_size=2), its blocks
+      compiled (fullgraph: no graph break), checkpointed at step 2, which cp2_to1 resumes on one rank; cp1_to2 resumes dp2_ref's step 2 at C=2; docs_ref
       (one rank) and cp2_docs (C=2) with document masking and positions; on 4 ranks fsdp2_cp2 (2
       data-parallel ranks x C=2, the same global batch) and cp2_tp2 (C=2 x T=2)."""
     root = tmp_path_factory.mktemp("tp")
@@ -158,7 +158,14 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             ],
             [*gqa, f"--ckpt_save_path={out['gqa_tp2_bf16']}", "--tensor_parallel_size=2", *bf16],
             [*gqa, f"--ckpt_save_path={out['dp2_fsdp']}", "--sharding_strategy=fsdp"],
-            [*gqa, Z_LOSS, *cp, "--checkpoint_interval=2", f"--ckpt_save_path={out['cp2']}"],
+            [
+                *gqa,
+                Z_LOSS,
+                *cp,
+                "--use_torch_compile=True",
+                "--checkpoint_interval=2",
+                f"--ckpt_save_path={out['cp2']}",
+            ],
             [*gqa, Z_LOSS, *cp, *docs, f"--ckpt_save_path={out['cp2_docs']}"],
             [*TINY, "--num_steps=4", "--batch_size=4", *cp, f"--ckpt_save_path={out['cp1_to2']}"],
             [*muon, "--batch_size=2", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['muon_fsdp2']}"],
