@@ -189,10 +189,7 @@ def _context_compute_op(
     cp: ContextParallel = attn_kwargs["context"]
     q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
     k, v = cp.gather(k, 2), cp.gather(v, 2)
-    gqa = nheads != kvheads
-    if gqa and q.device.type == "cpu":  # the CPU flash kernel wants a K/V head per query head (as fms's op)
-        k, v = (t.repeat_interleave(nheads // kvheads, dim=1) for t in (k, v))
-        gqa = False
+    gqa, groups = nheads != kvheads, nheads // kvheads
     mask, biases = attn_kwargs.get("mask"), attn_kwargs.get("causal")
     if mask is not None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=gqa)
@@ -202,7 +199,7 @@ def _context_compute_op(
             n = stop - start
             part, keys, values = q[:, :, offset : offset + n], k[:, :, :stop], v[:, :, :stop]
             if biases is None:  # the CPU: no seq^2 mask, the past keys whole, the diagonal block causal
-                outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor))
+                outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor, groups))
             else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
                 causal = biases[j]
                 outs.append(
@@ -219,23 +216,28 @@ class _ChunkAttention(torch.autograd.Function):
     """Causal attention of the queries of one chunk (global positions start, start + 1, ...) over the
     keys before and in it, on the CPU without a seq^2 mask: the keys before the chunk, all visible, and
     the chunk's own, causal, are two flash attentions merged by their log-sum-exps; the backward runs
-    each one's flash backward with the merged output and log-sum-exp (as ring attention does)."""
+    each one's flash backward with the merged output and log-sum-exp (as ring attention does). Keys
+    and values stay one per KV head (`groups` query heads each): the kernel's per-head copies are made
+    per piece and not kept."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: Optional[float]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: Optional[float], groups: int
     ) -> torch.Tensor:
         pieces = [(slice(start, None), True)] + [(slice(0, start), False)] * (start > 0)
-        out, lse = cpu_flash_attention(q, k[:, :, pieces[0][0]], v[:, :, pieces[0][0]], True, scale)
-        out = out.float()
-        for keys, causal in pieces[1:]:
-            o, s = cpu_flash_attention(q, k[:, :, keys], v[:, :, keys], causal, scale)
+        out, lse = None, None
+        for keys, causal in pieces:
+            o, s = cpu_flash_attention(q, _per_head(k, keys, groups), _per_head(v, keys, groups), causal, scale)
+            if out is None or lse is None:
+                out, lse = o.float(), s
+                continue
             merged = torch.logaddexp(lse, s)
             out = out * (lse - merged).exp()[..., None] + o.float() * (s - merged).exp()[..., None]
             lse = merged
+        assert out is not None
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pieces, ctx.scale = pieces, scale
+        ctx.pieces, ctx.scale, ctx.groups = pieces, scale, groups
         return out
 
     @staticmethod
@@ -243,14 +245,21 @@ class _ChunkAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq = torch.zeros_like(q, dtype=torch.float32)  # two pieces' sum, in fp32 under bf16
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        g = ctx.groups
         for keys, causal in ctx.pieces:
             gq, gk, gv = cpu_flash_attention_backward(
-                grad.contiguous(), q, k[:, :, keys], v[:, :, keys], out, lse, causal, ctx.scale
+                grad.contiguous(), q, _per_head(k, keys, g), _per_head(v, keys, g), out, lse, causal, ctx.scale
             )
             dq += gq
-            dk[:, :, keys] += gk
-            dv[:, :, keys] += gv
-        return dq.to(q.dtype), dk, dv, None, None
+            dk[:, :, keys] += gk.unflatten(1, (-1, g)).sum(2)  # each KV head's query heads summed
+            dv[:, :, keys] += gv.unflatten(1, (-1, g)).sum(2)
+        return dq.to(q.dtype), dk, dv, None, None, None
+
+
+def _per_head(t: torch.Tensor, keys: slice, groups: int) -> torch.Tensor:
+    """Keys or values `keys` of `t` [batch, KV heads, seq, dim], one copy per query head."""
+    part = t[:, :, keys]
+    return part.repeat_interleave(groups, dim=1) if groups > 1 else part
 
 
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)

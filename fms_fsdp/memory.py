@@ -235,9 +235,8 @@ class Planner:
         shards = self.mesh.shard * self.mesh.cp  # FSDP shards over shard x cp
         held = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters())
         trained = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters() if p.requires_grad)
-        # the keys and values of a whole line (context parallel all-gathers them), per token; on the CPU
-        # expanded to a K/V head per query head (attention.py)
-        heads = model_config.nheads if cfg.device == "cpu" else (model_config.kvheads or model_config.nheads)
+        # the keys and values of a whole line (context parallel all-gathers them), per token
+        heads = model_config.kvheads or model_config.nheads
         self.kv_width = 2 * heads * (model_config.emb_dim // model_config.nheads)
         block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
