@@ -6,7 +6,9 @@ over C ranks (--context_parallel_size=C), each launch through torchrun:
 
 One `CP variant=... seq=... cp=... max_rss_gb=... peak_memory_gb=... step_s=... loss=...` line per run
 (the peak resident memory per rank on the CPU, the peak allocated GPU memory on CUDA), then the ratio
-of C's peak to C=1's.
+of C's peak to C=1's. Both runs get MALLOC_MMAP_THRESHOLD_=131072 (unless set): glibc then maps large
+blocks and returns them when freed, so the resident peak follows the live tensors, not the heap's
+high-water mark.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ def run(opts: dict[str, str], cp: int, out: Path) -> dict:
         f"--ckpt_save_path={out}",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cp))}
+    env = {
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cp)),
+    }
     proc = subprocess.run([*cmd, str(ROOT / "main_training.py"), *flags], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: the C={cp} run failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
