@@ -151,6 +151,13 @@ def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     return mesh[dims]._flatten(name)
 
 
+def context_parallel_compiles() -> bool:
+    """Whether context parallelism's attention trains right in compiled blocks: on torch 2.11 the
+    compiled backward of its merged attention took wrong steps (the first loss right, the next ones not;
+    measured, tests/test_meshes.py); 2.13 and 2.14 match eager. 2.12 is not measured and is refused too."""
+    return TORCH >= (2, 13)
+
+
 def reusable_stager() -> bool:
     """Whether one DefaultStager stages every background save: torch 2.11 and 2.12 free its CPU buffers
     at the end of each stage and cannot stage with it again (its copier table is cleared: "KeyError:
@@ -162,6 +169,7 @@ __all__ = [
     "OLDEST_TORCH",
     "all_gather_autograd",
     "all_reduce_sum",
+    "context_parallel_compiles",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "flatten_mesh",

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from fms_fsdp.compat import flatten_mesh, reduce_scatter_op, set_group_timeout
+from fms_fsdp.compat import context_parallel_compiles, flatten_mesh, reduce_scatter_op, set_group_timeout
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
@@ -115,6 +115,11 @@ def check_context_parallel(cfg: train_config) -> None:
         raise ConfigError(
             f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {cfg.seq_length // cp} "
             f"tokens of a line must divide by {tp} (sequence parallel); pick a --seq_length that does"
+        )
+    if cfg.use_torch_compile and not context_parallel_compiles():
+        raise ConfigError(
+            f"--context_parallel_size={cp} with --use_torch_compile=True needs torch 2.13 or later (torch "
+            f"{torch.__version__} computes wrong gradients there); set --use_torch_compile=False or upgrade torch"
         )
     for flag, used in (("--float8", cfg.float8),):
         if used:

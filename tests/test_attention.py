@@ -100,3 +100,17 @@ def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, messa
     with pytest.raises(ConfigError, match=re.escape(message)):
         mesh_shape(cfg, world, world)
         check_context_parallel(cfg)
+
+
+def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
+    """torch 2.11's compiled backward of the merged attention took wrong steps (tests/test_meshes.py's
+    compiled C=2 run on 2.11): refused there, in one line."""
+    from fms_fsdp import compat
+    from fms_fsdp.parallel import check_context_parallel
+
+    cfg = parse_args([*TINY, "--context_parallel_size=2", "--use_torch_compile=True"])
+    monkeypatch.setattr(compat, "TORCH", (2, 11))
+    with pytest.raises(ConfigError, match="with --use_torch_compile=True needs torch 2.13 or later"):
+        check_context_parallel(cfg)
+    monkeypatch.setattr(compat, "TORCH", (2, 13))
+    check_context_parallel(cfg)
