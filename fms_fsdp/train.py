@@ -9,8 +9,9 @@ from the device and takes no collective beyond FSDP's (and the norm's all-reduce
 every few seconds the ranks agree on stop requests and time-based saves (triggers.py). Bad steps are
 judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py), commits the checkpoint, exports and evaluates (evaluate.py; harness.py: lm-eval's tasks). What the loop opens is closed through one ExitStack, so a step that
-raises still stops the loader's workers, the exporter's thread and frees the staging buffers.
+(metrics.py, trackers.py), commits the checkpoint, exports and evaluates (evaluate.py; harness.py:
+lm-eval's tasks). What the loop opens is closed through one ExitStack, so a step that raises still
+stops the loader's workers, the exporter's thread and frees the staging buffers.
 """
 
 from __future__ import annotations

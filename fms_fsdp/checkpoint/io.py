@@ -273,9 +273,8 @@ class Checkpointer:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
-            if (
-                self.info.rank % self.info.same_data == 0
-            ):  # a tensor- (context-) parallel group reads the same data: one file
+            # a tensor- (and context-) parallel group reads the same data: one file
+            if self.info.rank % self.info.same_data == 0:
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
                 _save_file(
