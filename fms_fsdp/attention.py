@@ -112,20 +112,18 @@ class LinePlan:
                 positions = positions - torch.where(starts, positions, 0).cummax(-1).values
         kwargs: dict[str, Any] = {"position_ids": positions} if self.restart_positions else {}
         cp = self.context
-        if cp is None:
+        if self.flex:  # documents on one rank, compiled on CUDA
             assert doc is not None
-            if self.flex:
-                kwargs.update(attn_name=FLEX, block_mask=document_block_mask(doc))
-            else:
-                causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-                kwargs.update(mask=(doc[:, :, None] == doc[:, None, :]) & causal, is_causal_mask=False)
+            kwargs.update(attn_name=FLEX, block_mask=document_block_mask(doc))
+        elif doc is not None:  # SDPA's boolean mask: this rank's queries against the whole line
+            queries, query_doc = (index, doc) if cp is None else (cp.split(index, 0), cp.split(doc, 1))
+            mask = (queries[:, None] >= index[None, :]) & (query_doc[:, :, None] == doc[:, None, :])
+            kwargs.update(mask=mask[:, None], is_causal_mask=False)
+        elif cp is not None and x.device.type != "cpu":  # made here: torch.compile cannot build them in a block
+            kwargs["causal"] = [causal_lower_right(stop - start, stop) for start, stop in cp.chunks(seq)]
+        if cp is None:
             return x, labels, kwargs
         kwargs.update(attn_name=CONTEXT, context=cp, position_ids=cp.split(positions, 1))
-        if doc is not None:
-            visible = cp.split(index, 0)[:, None] >= index[None, :]
-            kwargs["mask"] = (visible & (cp.split(doc, 1)[:, :, None] == doc[:, None, :]))[:, None]
-        elif not x.device.type == "cpu":  # made here: torch.compile cannot build them inside a block
-            kwargs["causal"] = [causal_lower_right(stop - start, stop) for start, stop in cp.chunks(seq)]
         return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
 
 

@@ -302,18 +302,15 @@ class CausalLM(LLaMA):
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         cp = None
-        if self.lines is not None:
-            x, labels_here, extra = self.lines.prepare(x, labels)
+        if self.lines is not None:  # this rank's part of the lines (and of their labels)
+            x, labels, extra = self.lines.prepare(x, labels)
             kwargs, cp = {**extra, **kwargs}, self.lines.context
         if labels is None:
             logits = super().forward(x, **kwargs)
             return logits if cp is None else cp.gather(logits, 1)
         hidden, _ = self.base_model(x, **kwargs)
-        if self.lines is None:
-            return self.head(hidden, labels)
-        assert labels_here is not None
-        loss = self.head(hidden, labels_here)
-        return loss if cp is None else loss * cp.loss_scale(labels_here)
+        loss = self.head(hidden, labels)
+        return loss if cp is None else loss * cp.loss_scale(labels)
 
 
 def build_model(model_config: LLaMAConfig, device: torch.device) -> CausalLM:
