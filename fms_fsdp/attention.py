@@ -6,19 +6,20 @@ A line packs documents, each ended by --eos_token; a token belongs to the docume
 ends it, and a new document starts after each eos. `LinePlan.prepare` turns a batch of input tokens
 into what fms's LLaMA forward takes (this rank's tokens, position_ids, the attention's mask), on the
 device, without a host sync, once per forward pass and shared by every block:
-- documents on one rank: compiled runs on CUDA use FlexAttention with a BlockMask (`flex`, an fms
-  attention op): blocks no query may see are skipped, so the cost falls with the documents' lengths;
-  other runs pass SDPA a boolean [batch, 1, seq, seq] mask (fms's own sdpa op), which works on every
-  device, at seq^2 bytes per line (FlexAttention has no backward on the CPU in torch 2.13, and runs
-  unfused when not compiled);
+- documents: compiled runs on CUDA use FlexAttention with a BlockMask (`flex`, an fms attention op):
+  blocks no query may see are skipped, so the cost falls with the documents' lengths; other runs pass
+  SDPA a boolean [batch, 1, queries, seq] mask (fms's own sdpa op), which works on every device, at
+  seq^2 bytes per line (FlexAttention has no backward on the CPU in torch 2.13, and runs unfused when
+  not compiled);
 - context parallel (Llama 3's approach): the line is cut into 2C chunks and rank i keeps chunks i and
   2C-1-i, so every rank does the same causal-attention work; each attention all-gathers the keys and
   values of the whole line over the C ranks (its backward reduce-scatters their gradients) and
   attends for this rank's queries: chunk by chunk with SDPA's lower-right causal mask (flash kernels on
   CUDA; the masks are made before the blocks, which torch.compile could not make them in), on the CPU
-  as two flash attentions merged by their log-sum-exps (`_ChunkAttention`: no seq^2 mask), or with a
-  boolean [batch, 1, seq / C, seq] mask of the documents. Rotary positions are the tokens' places in
-  the whole line (or in their document).
+  as two flash attentions per chunk merged by their log-sum-exps (`_LineAttention`: no seq^2 mask, and
+  the keys and values gathered again in the backward rather than kept), or under the documents' mask
+  (a BlockMask or a boolean one of this rank's queries). Rotary positions are the tokens' places in the
+  whole line (or in their document).
 Results equal one rank's unsplit, unmasked-as-packed computation (tests/test_attention.py,
 tests/test_meshes.py).
 """
@@ -36,7 +37,14 @@ from fms.modules.attention import _sdpa_store_op, register_attention_op
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from fms_fsdp.compat import all_gather_autograd, all_reduce_sum, cpu_flash_attention, cpu_flash_attention_backward
+from fms_fsdp.compat import (
+    all_gather_autograd,
+    all_gather_rows,
+    all_reduce_sum,
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    reduce_scatter_rows,
+)
 from fms_fsdp.config import train_config
 from fms_fsdp.loss import IGNORE_INDEX
 
@@ -65,9 +73,23 @@ class ContextParallel:
         """The whole line from every rank's part (`split`'s inverse), differentiable: the backward
         reduce-scatters the gradient."""
         moved = local.movedim(dim, 0).contiguous()
-        parts = all_gather_autograd(moved, 0, self.group).chunk(2 * self.size)  # rank r: chunks r, 2C-1-r
+        return self._line_order(all_gather_autograd(moved, 0, self.group)).movedim(0, dim)
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """`gather` along dim 0 without autograd (attention's saved inputs, gathered again in the backward)."""
+        return self._line_order(all_gather_rows(local.contiguous(), self.group))
+
+    def scatter_rows(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part along dim 0 of `whole`, summed over the group: `gather_rows`'s backward."""
+        parts = whole.chunk(2 * self.size)
+        by_rank = [parts[i] for r in range(self.size) for i in (r, 2 * self.size - 1 - r)]
+        return reduce_scatter_rows(torch.cat(by_rank, 0), self.group)
+
+    def _line_order(self, by_rank: torch.Tensor) -> torch.Tensor:
+        """Rank-ordered parts along dim 0 (rank r: chunks r, 2C-1-r) in the line's order."""
+        parts = by_rank.chunk(2 * self.size)
         ordered = [parts[2 * g] for g in range(self.size)] + [parts[2 * g + 1] for g in reversed(range(self.size))]
-        return torch.cat(ordered, 0).movedim(0, dim)
+        return torch.cat(ordered, 0)
 
     def loss_scale(self, labels: torch.Tensor) -> torch.Tensor:
         """C x this rank's share of the group's counted tokens: the loss of the line's mean over all its
@@ -89,12 +111,12 @@ class LinePlan:
 
     @staticmethod
     def of(cfg: train_config, device: torch.device, context: Optional[ContextParallel]) -> Optional["LinePlan"]:
-        """The run's plan, None when lines are plain causal on one rank; FlexAttention where it is
-        compiled and has a backward (CUDA), for documents on one rank."""
+        """The run's plan, None when lines are plain causal on one rank; FlexAttention for documents
+        where it is compiled and has a backward (CUDA)."""
         if not cfg.document_masking and context is None:
             return None
         eos = cfg.eos_token if cfg.document_masking else None
-        flex = cfg.use_torch_compile and device.type == "cuda" and context is None
+        flex = cfg.use_torch_compile and device.type == "cuda"
         return LinePlan(eos, cfg.document_positions == "document", context, flex)
 
     def prepare(
@@ -112,11 +134,11 @@ class LinePlan:
                 positions = positions - torch.where(starts, positions, 0).cummax(-1).values
         kwargs: dict[str, Any] = {"position_ids": positions} if self.restart_positions else {}
         cp = self.context
-        if self.flex:  # documents on one rank, compiled on CUDA
-            assert doc is not None
-            kwargs.update(attn_name=FLEX, block_mask=document_block_mask(doc))
+        queries = index if cp is None else cp.split(index, 0)  # this rank's, by their places in the line
+        if self.flex and doc is not None:  # documents, compiled on CUDA
+            kwargs.update(attn_name=FLEX, block_mask=document_block_mask(doc, queries))
         elif doc is not None:  # SDPA's boolean mask: this rank's queries against the whole line
-            queries, query_doc = (index, doc) if cp is None else (cp.split(index, 0), cp.split(doc, 1))
+            query_doc = doc[:, queries]
             mask = (queries[:, None] >= index[None, :]) & (query_doc[:, :, None] == doc[:, None, :])
             kwargs.update(mask=mask[:, None], is_causal_mask=False)
         elif cp is not None and x.device.type != "cpu":  # made here: torch.compile cannot build them in a block
@@ -127,15 +149,18 @@ class LinePlan:
         return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
 
 
-def document_block_mask(doc: torch.Tensor) -> BlockMask:
-    """FlexAttention's causal mask within documents, `doc` [batch, seq] the document of each token."""
+def document_block_mask(doc: torch.Tensor, queries: torch.Tensor) -> BlockMask:
+    """FlexAttention's causal mask within documents, `doc` [batch, seq] the document of each token, for
+    the queries at places `queries` of the line (all of them on one rank, a context-parallel rank's
+    two chunks) against the whole line's keys."""
+    query_doc = doc[:, queries]
 
     def same_document(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return (q >= kv) & (doc[b, q] == doc[b, kv])
+        return (queries[q] >= kv) & (query_doc[b, q] == doc[b, kv])
 
     batch, seq = doc.shape
     build = _compiled_block_mask() if doc.is_cuda else create_block_mask
-    return build(same_document, batch, None, seq, seq, device=doc.device)
+    return build(same_document, batch, None, len(queries), seq, device=doc.device)
 
 
 @functools.cache
@@ -186,78 +211,134 @@ def _context_compute_op(
     """This rank's queries against the whole line's keys and values, all-gathered (see the module)."""
     cp: ContextParallel = attn_kwargs["context"]
     q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
-    k, v = cp.gather(k, 2), cp.gather(v, 2)
-    gqa, groups = nheads != kvheads, nheads // kvheads
+    gqa = nheads != kvheads
     mask, biases = attn_kwargs.get("mask"), attn_kwargs.get("causal")
-    if mask is not None:
+    block_mask = attn_kwargs.get("block_mask")
+    if mask is None and biases is None and block_mask is None:  # the CPU: no seq^2 mask, the line's keys not kept
+        out = _LineAttention.apply(q, k, v, cp, scale_factor)
+    elif block_mask is not None:  # documents, compiled on CUDA
+        k, v = cp.gather(k, 2), cp.gather(v, 2)
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale_factor, enable_gqa=gqa)
+        assert isinstance(out, torch.Tensor)
+    elif mask is not None:
+        k, v = cp.gather(k, 2), cp.gather(v, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=gqa)
-    else:
+    else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
+        assert biases is not None
+        k, v = cp.gather(k, 2), cp.gather(v, 2)
         outs, offset = [], 0
-        for j, (start, stop) in enumerate(cp.chunks(k.shape[2])):
+        for (start, stop), causal in zip(cp.chunks(k.shape[2]), biases):
             n = stop - start
             part, keys, values = q[:, :, offset : offset + n], k[:, :, :stop], v[:, :, :stop]
-            if biases is None:  # the CPU: no seq^2 mask, the past keys whole, the diagonal block causal
-                outs.append(_ChunkAttention.apply(part, keys, values, start, scale_factor, groups))
-            else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
-                causal = biases[j]
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        part, keys, values, attn_mask=causal, scale=scale_factor, enable_gqa=gqa
-                    )
-                )
+            outs.append(
+                F.scaled_dot_product_attention(part, keys, values, attn_mask=causal, scale=scale_factor, enable_gqa=gqa)
+            )
             offset += n
         out = torch.cat(outs, 2)
     return out.transpose(2, 1).contiguous()
 
 
-class _ChunkAttention(torch.autograd.Function):
-    """Causal attention of the queries of one chunk (global positions start, start + 1, ...) over the
-    keys before and in it, on the CPU without a seq^2 mask: the keys before the chunk, all visible, and
-    the chunk's own, causal, are two flash attentions merged by their log-sum-exps; the backward runs
-    each one's flash backward with the merged output and log-sum-exp (as ring attention does). Keys
-    and values stay one per KV head (`groups` query heads each): the kernel's per-head copies are made
-    per piece and not kept."""
+class _LineAttention(torch.autograd.Function):
+    """This rank's queries (its two chunks) over the whole line's keys and values, causal, on the CPU
+    without a seq^2 mask. The keys and values are all-gathered here and again in the backward (whose
+    gradients are reduce-scattered back), so each block keeps only this rank's part of them between
+    forward and backward. A chunk's queries (global positions start, start + 1, ...) see the keys
+    before it, all visible, and its own, causal: two flash attentions merged by their log-sum-exps;
+    the backward runs each one's flash backward with the merged output and log-sum-exp (as ring
+    attention does). Keys and values stay one per KV head: the CPU flash kernel takes grouped-query
+    attention as is."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: Optional[float], groups: int
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cp: ContextParallel,
+        scale: Optional[float],
     ) -> torch.Tensor:
-        pieces = [(slice(start, None), True)] + [(slice(0, start), False)] * (start > 0)
-        out, lse = None, None
-        for keys, causal in pieces:
-            o, s = cpu_flash_attention(q, _per_head(k, keys, groups), _per_head(v, keys, groups), causal, scale)
-            if out is None or lse is None:
-                out, lse = o.float(), s
-                continue
-            merged = torch.logaddexp(lse, s)
-            out = out * (lse - merged).exp()[..., None] + o.float() * (s - merged).exp()[..., None]
-            lse = merged
-        assert out is not None
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pieces, ctx.scale, ctx.groups = pieces, scale, groups
+        keys, values = _whole_line(cp, k), _whole_line(cp, v)
+        outs, lses, offset = [], [], 0
+        for start, stop in cp.chunks(keys.shape[2]):
+            n = stop - start
+            o, s = _chunk_forward(q[:, :, offset : offset + n], keys, values, start, stop, scale)
+            outs.append(o)
+            lses.append(s)
+            offset += n
+        out = torch.cat(outs, 2)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
+        ctx.cp, ctx.scale = cp, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros_like(q, dtype=torch.float32)  # two pieces' sum, in fp32 under bf16
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        g = ctx.groups
-        for keys, causal in ctx.pieces:
-            gq, gk, gv = cpu_flash_attention_backward(
-                grad.contiguous(), q, _per_head(k, keys, g), _per_head(v, keys, g), out, lse, causal, ctx.scale
-            )
-            dq += gq
-            dk[:, :, keys] += gk.unflatten(1, (-1, g)).sum(2)  # each KV head's query heads summed
-            dv[:, :, keys] += gv.unflatten(1, (-1, g)).sum(2)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        cp: ContextParallel = ctx.cp
+        keys, values = _whole_line(cp, k), _whole_line(cp, v)
+        dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+        grad, dqs, offset = grad.contiguous(), [], 0
+        for start, stop in cp.chunks(keys.shape[2]):
+            part = slice(offset, offset + stop - start)
+            chunk = (q[:, :, part], out[:, :, part], lse[:, :, part])
+            dqs.append(_chunk_backward(grad[:, :, part], *chunk, keys, values, dk, dv, start, stop, ctx.scale))
+            offset += stop - start
+        dk, dv = (cp.scatter_rows(d.movedim(2, 0)).movedim(0, 2) for d in (dk, dv))
+        return torch.cat(dqs, 2), dk, dv, None, None
 
 
-def _per_head(t: torch.Tensor, keys: slice, groups: int) -> torch.Tensor:
-    """Keys or values `keys` of `t` [batch, KV heads, seq, dim], one copy per query head."""
-    part = t[:, :, keys]
-    return part.repeat_interleave(groups, dim=1) if groups > 1 else part
+def _whole_line(cp: ContextParallel, t: torch.Tensor) -> torch.Tensor:
+    """The whole line of this rank's keys or values `t` [batch, KV heads, seq / C, dim]."""
+    return cp.gather_rows(t.movedim(2, 0)).movedim(0, 2)
+
+
+def _pieces(start: int, stop: int) -> list[tuple[slice, bool]]:
+    """The keys a chunk [start, stop) of queries attends to: its own, causal, then those before it."""
+    return [(slice(start, stop), True)] + [(slice(0, start), False)] * (start > 0)
+
+
+def _chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    stop: int,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of one chunk's queries `q` over the line's keys `k` and values `v`."""
+    out, lse = None, None
+    for keys, causal in _pieces(start, stop):
+        o, s = cpu_flash_attention(q, k[:, :, keys], v[:, :, keys], causal, scale)
+        if out is None or lse is None:
+            out, lse = o.float(), s
+            continue
+        merged = torch.logaddexp(lse, s)
+        out = out * (lse - merged).exp()[..., None] + o.float() * (s - merged).exp()[..., None]
+        lse = merged
+    assert out is not None and lse is not None
+    return out.to(q.dtype), lse
+
+
+def _chunk_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    start: int,
+    stop: int,
+    scale: Optional[float],
+) -> torch.Tensor:
+    """One chunk's query gradient; its key and value gradients are added into the line's `dk`, `dv`."""
+    dq = torch.zeros_like(q, dtype=torch.float32)  # two pieces' sum, in fp32 under bf16
+    for keys, causal in _pieces(start, stop):
+        gq, gk, gv = cpu_flash_attention_backward(grad, q, k[:, :, keys], v[:, :, keys], out, lse, causal, scale)
+        dq += gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
+    return dq.to(q.dtype)
 
 
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)

@@ -39,7 +39,11 @@ check_torch()
 # the CUDA allocator's history, for --profiler_memory_snapshot
 from torch.cuda.memory import _record_memory_history as record_cuda_memory_history  # noqa: E402
 from torch.cuda.memory import _snapshot as cuda_memory_snapshot  # noqa: E402
-from torch.distributed._functional_collectives import all_gather_tensor_autograd  # noqa: E402
+from torch.distributed._functional_collectives import (  # noqa: E402
+    all_gather_tensor,
+    all_gather_tensor_autograd,
+    reduce_scatter_tensor,
+)
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: E402
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
@@ -109,6 +113,17 @@ def all_gather_autograd(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Every rank's `t` of `group`, concatenated along `dim`, differentiable (the backward
     reduce-scatters): functional collectives' all_gather_tensor_autograd (context parallelism's K/V)."""
     return all_gather_tensor_autograd(t, dim, group)
+
+
+def all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's `t` of `group`, concatenated along dim 0 (functional all_gather; no autograd)."""
+    return all_gather_tensor(t, 0, group)
+
+
+def reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's 1/size of `t` along dim 0, summed over `group` (functional reduce_scatter; no
+    autograd)."""
+    return reduce_scatter_tensor(t, "sum", 0, group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:

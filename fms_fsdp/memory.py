@@ -249,6 +249,8 @@ class Planner:
                 if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
             )
         self.compute = 2 if cfg.mixed_precision else 4
+        # documents masked by FlexAttention's BlockMask (compiled, not on the CPU): no seq^2 mask
+        self._flex = cfg.use_torch_compile and cfg.device != "cpu"
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * (trained - muon) + 4 * muon
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
@@ -278,7 +280,7 @@ class Planner:
             activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
         if self.mesh.cp > 1:  # likewise: see _context_parallel
             activations, saved, loss = self._context_parallel(setting, chosen, activations, saved, loss)
-        elif self.cfg.document_masking and not (self.cfg.use_torch_compile and self.cfg.device != "cpu"):
+        elif self.cfg.document_masking and not self._flex:
             activations += setting.batch * self.cfg.seq_length**2  # SDPA's boolean mask of the documents
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
@@ -304,12 +306,15 @@ class Planner:
     ) -> tuple[int, int, int]:
         """A rank of a context-parallel group of C keeps 1/C of what the unsplit line saves (its tokens),
         plus, in every block not checkpointed whole, the whole line's keys and values (all-gathered for
-        attention and kept for its backward), and with --document_masking the boolean mask of its
-        queries against the line (batch x seq / C x seq bytes, one for all blocks)."""
+        attention and kept for its backward; the CPU's unmasked path gathers them again instead), and
+        under SDPA's --document_masking the boolean mask of its queries against the line (batch x seq /
+        C x seq bytes, one for all blocks)."""
         cp, tokens = self.mesh.cp, setting.batch * self.cfg.seq_length
         keys_values = tokens * self.kv_width * self.compute // self.mesh.tp
+        if self.cfg.device == "cpu" and not self.cfg.document_masking:
+            keys_values = 0
         kept = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
-        mask = tokens * self.cfg.seq_length // cp if self.cfg.document_masking else 0
+        mask = tokens * self.cfg.seq_length // cp if self.cfg.document_masking and not self._flex else 0
         return activations // cp + kept * keys_values + mask, saved // cp, loss // cp
 
     def largest_batch(self, setting: Setting) -> int:

@@ -121,9 +121,6 @@ def check_context_parallel(cfg: train_config) -> None:
             f"--context_parallel_size={cp} with --use_torch_compile=True needs torch 2.13 or later (torch "
             f"{torch.__version__} computes wrong gradients there); set --use_torch_compile=False or upgrade torch"
         )
-    for flag, used in (("--float8", cfg.float8),):
-        if used:
-            raise ConfigError(f"--context_parallel_size={cp} does not combine with {flag}=True yet; drop one of them")
 
 
 def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:

@@ -44,7 +44,9 @@ def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
 
 
 def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
-    """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors."""
+    """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors; the
+    last run splits each line over the two ranks (--context_parallel_size=2), float8 all-gathered over
+    shard x cp."""
     out = tmp_path / "run"
     base = [
         *TINY,
@@ -64,7 +66,8 @@ def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the
         assert all(torch.equal(export[k].float(), saved[k].float()) for k in saved)
     first = losses(out)
     assert "resumed from" in run_here([*base, "--num_steps=6"])  # without float8, on one rank
-    assert "resumed from" in run([*base, "--num_steps=7", *FLOAT8]).stdout  # and back
+    back = run([*base, "--num_steps=7", *FLOAT8, "--context_parallel_size=2"]).stdout  # and back, lines split
+    assert "resumed from" in back and "mesh (replicate, shard, cp) = (1, 1, 2)" in back
     after = losses(out)
     assert after.keys() == set(range(1, 8))
     # training went on from the saved weights, not from new ones (whose loss is the first step's, 6.1)

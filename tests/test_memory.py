@@ -181,7 +181,7 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     """8 ranks as FSDP 8, and as FSDP 4 x CP 2 on lines of 8192 tokens: the weights still shard 8 ways;
     a rank keeps about half the activations, plus the whole line's keys and values, and with document
     masking its part of the mask."""
-    long = dict(model_variant="small", seq_length=8192, sharding_strategy="fsdp")
+    long = dict(model_variant="small", seq_length=8192, sharding_strategy="fsdp", use_torch_compile=False)
     fsdp = plan_for(make_config(**long), 8, 8, 1 << 40)
     cp = plan_for(make_config(**long, context_parallel_size=2), 8, 8, 1 << 40)
     docs = plan_for(make_config(**long, context_parallel_size=2, document_masking=True), 8, 8, 1 << 40)
@@ -190,3 +190,14 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     one, two = fsdp.plan(setting), cp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations and two.loss < one.loss
     assert docs.plan(setting).activations - two.activations == 8192 * 4096
+    # compiled on the GPU, FlexAttention's BlockMask replaces the boolean mask
+    flex = plan_for(
+        make_config(**{**long, "use_torch_compile": True}, context_parallel_size=2, document_masking=True),
+        8,
+        8,
+        1 << 40,
+    )
+    assert flex.plan(setting).activations == two.activations
+    # the CPU's unmasked path gathers the keys and values again in the backward: none kept
+    on_cpu = plan_for(make_config(**long, context_parallel_size=2, device="cpu"), 8, 8, 1 << 40).plan(setting)
+    assert two.activations - on_cpu.activations == 12 * 8192 * cp.kv_width * cp.compute
