@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.attention import ContextParallel, LinePlan
@@ -16,12 +17,22 @@ from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
 from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize, sharded
+from fms_fsdp.pipeline import Pipeline, prune
 from fms_fsdp.run import Run
 from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 
 
 def build_sharded_model(run: Run) -> CausalLM:
-    """The run's model, parallelised over its mesh and initialised (every rank calls it)."""
+    """The run's model, parallelised over its mesh and initialised (every rank calls it), without
+    pipeline parallelism."""
+    model, pipeline = build_stages(run)
+    assert pipeline is None, "under pipeline parallelism the stages run the model: build_stages"
+    return model
+
+
+def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
+    """The run's model, parallelised over its mesh and initialised (every rank calls it); under
+    pipeline parallelism this rank's stages of it, and the schedule that runs them."""
     cfg, device = run.cfg, run.device
     assert run.mesh is not None, "the process group is up (run.started)"
     if device.type == "cuda" and run.info.is_main:
@@ -32,19 +43,26 @@ def build_sharded_model(run: Run) -> CausalLM:
     n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
     model.head.z_loss_weight = cfg.z_loss_weight
     model.lines = LinePlan.of(cfg, device, context_parallel(run))
+    pipeline = None
+    if run.pipeline is not None:  # this rank's stages only, under their whole-model names
+        group = run.mesh["pp"].get_group()
+        prune(model, run.pipeline, dist.get_rank(group))
+        pipeline = Pipeline(run.pipeline, model, group, device, cfg.z_loss_weight > 0)
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
-    done = parallelize(model, ParallelSettings.of(cfg), run.mesh)
+    done = parallelize(model, ParallelSettings.of(cfg), run.mesh, None if pipeline is None else list(pipeline.parts))
     if cfg.low_cpu_fsdp:
         model.to_empty(device=device)
         init_weights(model, cfg.seed)
+    if pipeline is not None:
+        pipeline.start()
     run.log(_describe(run, model, done, n_lora))
     if cfg.float8 and done.float8 == 0:
         run.log(
             f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
             "features in and out"
         )
-    return model
+    return model, pipeline
 
 
 def context_parallel(run: Run) -> Optional[ContextParallel]:
@@ -76,6 +94,8 @@ def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str
     if cfg.lora_rank:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         line += f", LoRA rank {cfg.lora_rank} on {n_lora} layers, {trainable:,} trainable parameters held"
+    if run.pipeline is not None:
+        line += f"; {run.pipeline.describe()}"
     return line
 
 

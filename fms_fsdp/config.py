@@ -23,6 +23,8 @@ from fms_fsdp.errors import ConfigError
 
 # --tracker names; each is also the name of the package it needs
 TRACKERS = ("tensorboard", "wandb", "aim")
+# --pipeline_schedule: torch.distributed.pipelining's schedules, by its names
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None) -> Any:
@@ -118,6 +120,28 @@ class train_config:
         1,
         "Ranks that split every line (context parallelism: each holds 2 of 2C chunks and all-gathers keys and values per attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",
         min=1,
+    )
+    pipeline_parallel_size: int = _f(
+        1,
+        "Pipeline stages' ranks (pipeline parallelism, outermost: across nodes): the blocks split into stages run by --pipeline_schedule; divides the world size.",
+        min=1,
+    )
+    pipeline_schedule: str = _f(
+        "Interleaved1F1B",
+        "torch.distributed.pipelining's schedule: GPipe and 1F1B run one stage per rank, Interleaved1F1B and InterleavedZeroBubble --pipeline_stages_per_rank looped, ZBVZeroBubble and DualPipeV two V-shaped.",
+        choices=PIPELINE_SCHEDULES,
+    )
+    pipeline_microbatches: int = _f(
+        0,
+        "Microbatches each step's --batch_size lines are cut into (the pipeline's gradient accumulation); 0: the fewest that divide --batch_size and are at least the stages.",
+        min=0,
+    )
+    pipeline_stages_per_rank: int = _f(
+        0, "Stages (virtual stages) per pipeline rank; 0: 1 for GPipe and 1F1B, 2 for the others.", min=0
+    )
+    pipeline_split: Optional[str] = _f(
+        None,
+        "Blocks of each stage, comma-separated (such as 3,5,5,3); default: balanced by cost (a block's parameters, the embedding's with the first stage, the head's with the last).",
     )
     fsdp_activation_checkpointing: bool = _f(
         False, "Checkpoint activations of the blocks chosen by selective_checkpointing."

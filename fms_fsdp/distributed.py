@@ -50,9 +50,11 @@ def lost_peer(error: BaseException) -> bool:
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits: global and node-local rank, its device, the tensor-parallel group size
-    `tp` (--tensor_parallel_size) and the context-parallel one `cp` (--context_parallel_size). A
-    group of tp x cp consecutive ranks reads the same lines (the data-parallel rank is
-    rank // (tp x cp)); its cp parts each take a part of every line. Made once, by run.py."""
+    `tp` (--tensor_parallel_size), the context-parallel one `cp` (--context_parallel_size) and the
+    pipeline's `pp` (--pipeline_parallel_size, outermost: world / pp consecutive ranks per stage). The
+    tp x cp consecutive ranks of a group, and the same ranks of every other stage, read the same lines
+    (the data-parallel rank is the rank within its stage // (tp x cp)); its cp parts each take a part
+    of every line. Made once, by run.py."""
 
     rank: int
     world_size: int
@@ -61,6 +63,7 @@ class DistInfo:
     device: torch.device
     tp: int
     cp: int = 1
+    pp: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -68,16 +71,26 @@ class DistInfo:
 
     @property
     def same_data(self) -> int:
-        """The ranks that read the same lines: a tensor-parallel group times a context-parallel one."""
-        return self.tp * self.cp
+        """The ranks that read the same lines: a tensor-parallel group times a context-parallel one,
+        in each pipeline stage."""
+        return self.tp * self.cp * self.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.same_data
+        return self.rank % (self.world_size // self.pp) // (self.tp * self.cp)
 
     @property
     def dp_size(self) -> int:
         return self.world_size // self.same_data
+
+    @property
+    def writes_data_state(self) -> bool:
+        """Whether this rank writes its data-parallel rank's loader state (one rank of those reading
+        the same lines)."""
+        return (
+            self.rank % (self.world_size // self.pp) % (self.tp * self.cp) == 0
+            and self.rank < self.world_size // self.pp
+        )
 
 
 def free_port() -> int:

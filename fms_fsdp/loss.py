@@ -134,6 +134,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         fn: ChunkFn,
         max_bytes: int,
         z_weight: float,
+        backward_twice: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         step = chunk_tokens(n, weight.shape[0], max_bytes)
@@ -156,7 +157,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = 1.0 / (labels != IGNORE_INDEX).sum().clamp(min=1).float()
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None), scale)
         ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.backward_twice = weight.dtype, backward_twice
         z_loss = z_total * (z_weight * scale)
         ctx.mark_non_differentiable(z_loss)
         return total * scale + z_loss, z_loss
@@ -167,8 +168,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         it = iter(grads)
         factor = grad_out * scale
         grad_h = next(it).mul(factor) if ctx.has[0] else None  # a 0-dim fp32 factor keeps bf16 bf16
-        grad_w = next(it).mul_(factor).to(ctx.weight_dtype) if ctx.has[1] else None  # in place: once only
-        return grad_h, grad_w, None, None, None, None
+        grad_w = None
+        if ctx.has[1]:  # in place, unless a zero-bubble pipeline runs this backward again for the weights
+            saved = next(it)
+            grad_w = (saved.mul(factor) if ctx.backward_twice else saved.mul_(factor)).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -179,6 +183,7 @@ def chunked_cross_entropy(
     max_chunk_bytes: Optional[int] = None,
     shard: Optional[VocabShard] = None,
     z_weight: float = 0.0,
+    backward_twice: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(loss, z-loss): the mean cross entropy of `hidden @ weight.T` against `labels` over labels !=
     -100, plus `z_weight` times the mean lse^2 when training, without the full logits: at most
@@ -197,7 +202,7 @@ def chunked_cross_entropy(
             functools.partial(_parallel_summed_loss, shard=shard),
         )
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss, z_loss = _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes, z_weight)
+        loss, z_loss = _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes, z_weight, backward_twice)
         return loss, z_loss
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
     total = sum(summed(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))

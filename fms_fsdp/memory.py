@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -45,8 +45,10 @@ from fms_fsdp.parallel import (
     MeshShape,
     apply_activation_checkpointing,
     apply_autocast,
+    blocks_of,
     checkpointed_blocks,
 )
+from fms_fsdp.pipeline import PipelinePlan, microbatches_in_flight, prune
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
@@ -223,14 +225,20 @@ def setting_of(cfg: train_config) -> Setting:
 class Planner:
     """Plans of one model and mesh for any micro-batch and checkpointing setting."""
 
-    def __init__(self, cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, device_bytes: int):
-        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp * shape.cp, device_bytes
+    def __init__(
+        self, cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, device_bytes: int, pp_rank: int = 0
+    ):
+        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp * shape.cp * shape.pp, device_bytes
         self.mesh = shape
         model = build_model(model_config, torch.device("meta"))
         self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
         if self.lora is not None:
             add_adapters(model, self.lora)
-        self.n_blocks, self.emb_dim = model_config.nlayers, model_config.emb_dim
+        self.pipeline = PipelinePlan.of(cfg, model_config)
+        if self.pipeline is not None:  # pipeline rank `pp_rank`'s stages only
+            prune(model, self.pipeline, pp_rank)
+        self.pp_rank, self.first, self.last = pp_rank, model.base_model.embedding is not None, model.head is not None
+        self.n_blocks, self.emb_dim = len(blocks_of(model)), model_config.emb_dim
         tp = {name: _tp_shape(name, p.shape, self.mesh.tp) for name, p in model.named_parameters()}
         shards = self.mesh.shard * self.mesh.cp  # FSDP shards over shard x cp
         held = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters())
@@ -238,8 +246,11 @@ class Planner:
         # the keys and values of a whole line (context parallel all-gathers them), per token
         heads = model_config.kvheads or model_config.nheads
         self.kv_width = 2 * heads * (model_config.emb_dim // model_config.nheads)
-        block = sum(math.prod(tp[n]) for n in tp if n.startswith("base_model.layers.0."))
-        head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
+        first_block = next(n for n in tp if n.startswith("base_model.layers.")).split(".")[2]
+        block = sum(math.prod(tp[n]) for n in tp if n.startswith(f"base_model.layers.{first_block}."))
+        head = sum(
+            math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head."))
+        )  # 0 off the last stage
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
         muon = 0
         if cfg.optimizer == "muon":
@@ -268,20 +279,25 @@ class Planner:
     def plan(self, setting: Setting) -> Plan:
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
         acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
-        per_block = {mode: Activations.at(line, setting.batch) for mode, line in acts.per_block.items()}
+        in_flight, step = 1.0, setting
+        if self.pipeline is not None:  # one microbatch's activations, times those the schedule keeps
+            step = replace(setting, batch=-(-setting.batch // self.pipeline.microbatches))
+            in_flight = microbatches_in_flight(self.pipeline, self.pp_rank)
+        per_block = {mode: Activations.at(line, step.batch) for mode, line in acts.per_block.items()}
         activations = (
-            Activations.at(acts.outside, setting.batch)
+            (Activations.at(acts.outside, step.batch) if self.first or self.last else 0)
             + chosen * per_block.get(setting.mode, 0)
             + (self.n_blocks - chosen) * per_block["none"]
         )
-        saved = Activations.at(acts.loss_saved, setting.batch)
-        loss = saved + Activations.at(acts.loss_transient, setting.batch)
+        saved = Activations.at(acts.loss_saved, step.batch) if self.last else 0
+        loss = saved + Activations.at(acts.loss_transient, step.batch) if self.last else 0
         if self.mesh.tp > 1:  # estimated from the traces, not traced: see _tensor_parallel
-            activations, saved, loss = self._tensor_parallel(setting, chosen, activations, saved, loss)
+            activations, saved, loss = self._tensor_parallel(step, chosen, activations, saved, loss)
         if self.mesh.cp > 1:  # likewise: see _context_parallel
-            activations, saved, loss = self._context_parallel(setting, chosen, activations, saved, loss)
+            activations, saved, loss = self._context_parallel(step, chosen, activations, saved, loss)
         elif self.cfg.document_masking and not self._flex:
-            activations += setting.batch * self.cfg.seq_length**2  # SDPA's boolean mask of the documents
+            activations += step.batch * self.cfg.seq_length**2  # SDPA's boolean mask of the documents
+        activations = int(activations * in_flight)
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
         return Plan(
@@ -298,7 +314,7 @@ class Planner:
         tp, tokens = self.mesh.tp, setting.batch * self.cfg.seq_length
         gathered = int(2 * tokens * self.emb_dim * self.compute * (1 - 1 / tp))
         whole = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
-        hidden_grad = int(tokens * self.emb_dim * self.compute * (1 - 1 / tp))
+        hidden_grad = int(tokens * self.emb_dim * self.compute * (1 - 1 / tp)) if self.last else 0
         return activations // tp + whole * gathered, saved // tp + hidden_grad, loss // tp + hidden_grad
 
     def _context_parallel(
@@ -356,9 +372,11 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     """The plan of the run cfg describes (on a mesh of `shape`), as printed by --dry_run: a table,
     suggestions, the PLAN line."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
-    planner = Planner(cfg, shape, model_config, device_bytes)
-    world_size = planner.world_size
     setting = setting_of(cfg)
+    planners = [Planner(cfg, shape, model_config, device_bytes, r) for r in range(shape.pp)]
+    peaks = [p.plan(setting).peak for p in planners]
+    planner = planners[peaks.index(max(peaks))]  # the pipeline rank with the highest peak (or the one rank)
+    world_size = planner.world_size
     plan = planner.plan(setting)
     compute = "bf16" if cfg.mixed_precision else "fp32"
     chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
@@ -388,6 +406,15 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
         f"{compute}, activation checkpointing: "
         + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
     ]
+    if planner.pipeline is not None:
+        stages = planner.pipeline.stages_of(planner.pp_rank)
+        blocks = [i for s in stages for i in range(*planner.pipeline.blocks[s])]
+        lines.append(
+            f"  pipeline rank {planner.pp_rank} of {shape.pp} has the highest peak: stages "
+            f"{', '.join(map(str, stages))} ({len(blocks)} blocks), {microbatches_in_flight(planner.pipeline, planner.pp_rank):g} "
+            f"of {planner.pipeline.microbatches} microbatches of {-(-cfg.batch_size // planner.pipeline.microbatches)} "
+            f"lines in flight; every rank's peak: " + ", ".join(f"{_gib(p).strip()}" for p in peaks)
+        )
     lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
     if planner.mesh.tp > 1 or planner.mesh.cp > 1:
         lines.append("  (tensor or context parallel: activations and loss estimated from the unsplit model's traces)")
@@ -432,7 +459,8 @@ def fits_or_warning(
 ) -> Optional[str]:
     """None when the run's plan fits its device, else the start-up warning."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
-    plan = Planner(cfg, shape, model_config, device_bytes).plan(setting_of(cfg))
+    plans = [Planner(cfg, shape, model_config, device_bytes, r).plan(setting_of(cfg)) for r in range(shape.pp)]
+    plan = max(plans, key=lambda p: p.peak)
     if plan.fits:
         return None
     return (

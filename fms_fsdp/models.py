@@ -104,6 +104,10 @@ def llama3_rope_scaling(factor: float, original: int = 8192) -> dict[str, Any]:
 for _name, _args in {
     "llama3.1_8b": dict(VARIANTS["llama3_8b"], rope_scaling=llama3_rope_scaling(8)),
     "llama3.1_70b": dict(VARIANTS["llama3_70b"], rope_scaling=llama3_rope_scaling(8)),
+    "llama3.1_405b": dict(
+        _L3, emb_dim=16384, nheads=128, kvheads=8, nlayers=126, hidden_grow_factor=3.25,
+        rope_scaling=llama3_rope_scaling(8),
+    ),  # fmt: skip
     "llama3.2_1b": dict(
         _L3,
         emb_dim=2048,
@@ -250,6 +254,7 @@ class LMHead(LinearClassificationHead):
     max_chunk_bytes: Optional[int] = None
     z_loss_weight: float = 0.0
     z_loss: Optional[torch.Tensor] = None
+    backward_twice: bool = False  # zero-bubble pipeline schedules: the inputs' gradients, then the weights'
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
@@ -261,7 +266,13 @@ class LMHead(LinearClassificationHead):
             dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
         loss, self.z_loss = chunked_cross_entropy(
-            x, weight, labels, self.chunk_fn, self.max_chunk_bytes, z_weight=self.z_loss_weight
+            x,
+            weight,
+            labels,
+            self.chunk_fn,
+            self.max_chunk_bytes,
+            z_weight=self.z_loss_weight,
+            backward_twice=self.backward_twice,
         )
         return loss
 
@@ -284,6 +295,7 @@ class LMHead(LinearClassificationHead):
             self.max_chunk_bytes,
             shard,
             self.z_loss_weight,
+            self.backward_twice,
         )
         return loss
 
@@ -301,15 +313,27 @@ class CausalLM(LLaMA):
         self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
-        cp = None
-        if self.lines is not None:  # this rank's part of the lines (and of their labels)
-            x, labels, extra = self.lines.prepare(x, labels)
-            kwargs, cp = {**extra, **kwargs}, self.lines.context
+        x, labels, extra = self.prepare(x, labels)
+        kwargs = {**extra, **kwargs}
         if labels is None:
             logits = super().forward(x, **kwargs)
+            cp = None if self.lines is None else self.lines.context
             return logits if cp is None else cp.gather(logits, 1)
         hidden, _ = self.base_model(x, **kwargs)
+        return self.loss(hidden, labels)
+
+    def prepare(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, Any]]:
+        """(this rank's part of the lines `x`, of their labels, the blocks' attention kwargs): the lines
+        plan's, or the lines as they are."""
+        return (x, labels, {}) if self.lines is None else self.lines.prepare(x, labels)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of the final norm's output `hidden`: the head's mean over the labels, scaled to this
+        rank's share of the line under context parallelism."""
         loss = self.head(hidden, labels)
+        cp = None if self.lines is None else self.lines.context
         return loss if cp is None else loss * cp.loss_scale(labels)
 
 

@@ -195,16 +195,25 @@ def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -
         group["fused"], group["foreach"] = fused, foreach
 
 
-def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor:
+def grad_norm(
+    parameters: Iterable[nn.Parameter], global_: bool, pipeline: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """The L2 norm of the gradients, on the device: over all ranks when `global_` (under tensor
-    parallelism one all-reduce of each rank's sum of squares, where a piece held by several ranks,
-    replicas or a tensor-parallel group, counts once), else of this rank's shards only (no collective)."""
+    parallelism one all-reduce over the world of each rank's sum of squares, where a piece held by
+    several ranks, replicas or a tensor-parallel group, counts once; else DTensor's reduction over the
+    mesh, and the squares summed over the `pipeline` group's stages), else of this rank's shards only
+    (no collective)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not global_:
         return get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], 2.0)
     if not any(isinstance(g, DTensor) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
         norm = get_total_norm(grads, 2.0)  # without tensor parallelism: DTensor's reduction over the mesh
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if pipeline is None:
+            return norm
+        squares = norm.float().square()
+        dist.all_reduce(squares, group=pipeline)
+        return squares.sqrt()
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if any(placement.is_partial() for placement in g.placements):
@@ -220,11 +229,15 @@ def grad_norm(parameters: Iterable[nn.Parameter], global_: bool) -> torch.Tensor
     return squares.sqrt()
 
 
-def clip_gradients(model: nn.Module, max_norm: float, global_norm: bool) -> torch.Tensor:
+def clip_gradients(
+    model: nn.Module, max_norm: float, global_norm: bool, pipeline: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """Clip the gradients to the global norm `max_norm` (0: no clipping) and return the norm, which
-    is global when clipping or `global_norm`, else this rank's (enough for the finite check)."""
+    is global when clipping or `global_norm`, else this rank's (enough for the finite check). Under
+    pipeline parallelism the model is this rank's stages and the norm is summed over the `pipeline`
+    group's (the whole model's)."""
     params = list(model.parameters())
-    norm = grad_norm(params, global_=max_norm > 0 or global_norm)
+    norm = grad_norm(params, global_=max_norm > 0 or global_norm, pipeline=pipeline)
     if max_norm > 0:
         clip_grads_with_norm_(params, max_norm, norm)
     return norm

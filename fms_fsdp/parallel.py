@@ -42,36 +42,44 @@ from fms_fsdp.models import hidden_dim
 
 
 class MeshShape(NamedTuple):
-    """Sizes of the mesh dimensions: data parallel (replicate x shard), context parallel (cp) and tensor
-    parallel (tp, innermost)."""
+    """Sizes of the mesh dimensions: pipeline parallel (pp, outermost), data parallel (replicate x
+    shard), context parallel (cp) and tensor parallel (tp, innermost)."""
 
     replicate: int
     shard: int
     tp: int = 1
     cp: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
         return self.replicate * self.shard
 
     def dims(self) -> list[tuple[str, int]]:
-        """The mesh's dimensions, outermost first: replicate, shard, then cp and tp where used."""
+        """The mesh's dimensions, outermost first: pp where used, replicate, shard, then cp and tp where
+        used."""
         return (
-            [("replicate", self.replicate), ("shard", self.shard)]
+            [("pp", self.pp)] * (self.pp > 1)
+            + [("replicate", self.replicate), ("shard", self.shard)]
             + [("cp", self.cp)] * (self.cp > 1)
             + [("tp", self.tp)] * (self.tp > 1)
         )
 
     @property
     def whole(self) -> bool:
-        """One rank: the plain module is trained, without FSDP."""
+        """One rank per pipeline stage: the plain module (or stage) is trained, without FSDP."""
         return self.dp * self.tp * self.cp == 1
 
 
 def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
     """The mesh for the sharding strategy and --tensor_parallel_size; ConfigError naming the numbers
     when they don't divide. HSDP's shard group (--sharding_group_size, default: the node) counts
-    data-parallel ranks: with TP, a node holds ranks per node / T of them."""
+    data-parallel ranks: with TP, a node holds ranks per node / T of them. Pipeline parallelism takes
+    the outermost factor P of the world; the rest is laid out inside each stage's world / P ranks."""
+    pp = cfg.pipeline_parallel_size
+    if world_size % pp:
+        raise ConfigError(f"--pipeline_parallel_size={pp} must divide the world size {world_size}")
+    world_size //= pp
     tp, cp = cfg.tensor_parallel_size, cfg.context_parallel_size
     if tp > 1 and (local_world_size % tp or world_size % tp):
         raise ConfigError(
@@ -85,10 +93,10 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
         )
     dp = world_size // (tp * cp)
     if cfg.sharding_strategy == "fsdp":
-        return MeshShape(1, dp, tp, cp)
+        return MeshShape(1, dp, tp, cp, pp)
     if cfg.sharding_strategy == "ddp":
-        return MeshShape(dp, 1, tp, cp)
-    group = cfg.sharding_group_size or max(1, local_world_size // (tp * cp))
+        return MeshShape(dp, 1, tp, cp, pp)
+    group = cfg.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
     if dp % group:
         raise ConfigError(
             f"--sharding_group_size={group} does not divide the world size {world_size}"
@@ -97,7 +105,7 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
             + (f" / {tp}" if tp > 1 else "")
             + ")"
         )
-    return MeshShape(dp // group, group, tp, cp)
+    return MeshShape(dp // group, group, tp, cp, pp)
 
 
 def check_context_parallel(cfg: train_config) -> None:
@@ -171,11 +179,18 @@ def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicate, shard) mesh FSDP2 runs over: (replicate, shard_cp) under context parallelism."""
+    """The (replicate, shard) mesh FSDP2 runs over, of this rank's pipeline stage: (replicate,
+    shard_cp) under context parallelism."""
     names = mesh.mesh_dim_names or ()
     if "cp" in names:
         return mesh["replicate", "shard_cp"]
-    return mesh["replicate", "shard"] if "tp" in names else mesh
+    return mesh["replicate", "shard"] if "tp" in names or "pp" in names else mesh
+
+
+def stage_ranks(mesh: DeviceMesh) -> int:
+    """The ranks of this rank's pipeline stage (the whole mesh without pipeline parallelism)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size() // (mesh.size(names.index("pp")) if "pp" in names else 1)
 
 
 def sharded(mesh: DeviceMesh) -> bool:
@@ -197,10 +212,11 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
     embedding and the head split over the vocabulary (the head's loss reduced over it: loss.py).
     The model must be built unfused (fms's fused_weights=False)."""
     tp = tp_mesh.size()
-    parallelize_module(
-        model.base_model.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    )
-    for block in model.base_model.layers:
+    if model.base_model.embedding is not None:  # (a later pipeline stage has none)
+        parallelize_module(
+            model.base_model.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        )
+    for block in blocks_of(model):
         parallelize_module(
             block,
             tp_mesh,
@@ -217,8 +233,16 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
         )
         block.attn.nheads //= tp  # fms shapes q, k, v by these: each rank computes its own heads
         block.attn.kvheads //= tp
-    parallelize_module(model.base_model.dec_norm, tp_mesh, SequenceParallel())
-    model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.data, tp_mesh, [Shard(0)]))
+    if model.head is not None:  # (nor does an earlier one a head)
+        parallelize_module(model.base_model.dec_norm, tp_mesh, SequenceParallel())
+        model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.data, tp_mesh, [Shard(0)]))
+
+
+def blocks_of(model: LLaMA) -> list[nn.Module]:
+    """The model's blocks in order: all of them, or a pipeline rank's (pipeline.prune keeps them in a
+    ModuleDict under their whole-model numbers)."""
+    layers = model.base_model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
@@ -262,7 +286,10 @@ class Checkpointed(nn.Module):
     ac_context: Callable[[], Any] = noop_context_fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=type(self).ac_context, **kwargs)
+        context = type(self).ac_context
+        if context is noop_context_fn:  # whole blocks: dynamo (2.13) cannot trace the default passed explicitly
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
 _CHECKPOINTED_CLASSES: dict[tuple[type, str], type] = {}
@@ -280,7 +307,7 @@ def checkpointed_class(cls: type, mode: str) -> type:
 def apply_activation_checkpointing(model: LLaMA, fraction: Fraction, mode: str = "block") -> int:
     """Recompute the chosen blocks' activations in backward: whole blocks, or (mode op) all but the
     matmul and attention outputs. Parameter names and checkpoint keys do not depend on the setting."""
-    blocks = list(model.base_model.layers)
+    blocks = blocks_of(model)
     chosen = checkpointed_blocks(len(blocks), fraction)
     for block, take in zip(blocks, chosen):
         if take:
@@ -288,25 +315,26 @@ def apply_activation_checkpointing(model: LLaMA, fraction: Fraction, mode: str =
     return sum(chosen)
 
 
-def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool) -> None:
+def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Optional[list[nn.Module]] = None) -> None:
     """FSDP units, each all-gathered just before use and freed after: the embedding, every block, the
-    final norm with the head, and the root (left with nothing but buffers). The last block and the
-    head are used again first thing in backward, so they stay gathered after forward. A model whose
-    head shares the embedding's weight keeps both in the root."""
+    final norm with the head, and the roots (the model, or a pipeline rank's stages; left with nothing
+    but buffers). The last block and the head are used again first thing in backward, so they stay
+    gathered after forward. A model whose head shares the embedding's weight keeps both in the root."""
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
         else MixedPrecisionPolicy()
     )
     tied = model.config.tie_heads
-    if not tied:
+    if not tied and model.base_model.embedding is not None:
         fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
-    blocks = list(model.base_model.layers)
+    blocks = blocks_of(model)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    if not tied:
+    if not tied and model.head is not None:
         fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for root in roots or [model]:
+        fully_shard(root, mesh=mesh, mp_policy=mp)
 
 
 class Autocast(nn.Module):
@@ -321,18 +349,19 @@ class Autocast(nn.Module):
             return super().forward(*args, **kwargs)
 
 
-def apply_autocast(model: nn.Module) -> None:
-    """bf16 compute for a model without FSDP (see Autocast)."""
-    cls = type(model)
-    model.__class__ = type(f"Autocast{cls.__name__}", (Autocast, cls), {})
+def apply_autocast(module: nn.Module) -> None:
+    """bf16 compute for a model (or a pipeline stage) without FSDP (see Autocast)."""
+    cls = type(module)
+    module.__class__ = type(f"Autocast{cls.__name__}", (Autocast, cls), {})
 
 
 def apply_compile(model: LLaMA) -> None:
     """torch.compile every block whole (fullgraph: a graph break is an error, not a slow step) and the
     loss's chunk function (its fp32 upcast, log-softmax and gradient fused)."""
-    for block in model.base_model.layers:
+    for block in blocks_of(model):
         block.compile(fullgraph=True)
-    model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
+    if model.head is not None:
+        model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 
 
 @dataclass(frozen=True)
@@ -363,9 +392,13 @@ class Parallelized(NamedTuple):
     float8: int  # Linear layers converted to float8
 
 
-def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> Parallelized:
+def parallelize(
+    model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh, roots: Optional[list[nn.Module]] = None
+) -> Parallelized:
     """Tensor parallelism, float8 conversion, activation checkpointing, then compile, then FSDP2, in
-    torchtitan's order; on a mesh of one rank no FSDP, bf16 through autocast (`Autocast`)."""
+    torchtitan's order; on a mesh of one rank no FSDP, bf16 through autocast (`Autocast`). `roots` are
+    the modules whose forward is called (the model, or a pipeline rank's stages)."""
+    roots = roots or [model]
     if "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model, mesh["tp"])
     n_float8 = 0
@@ -376,10 +409,11 @@ def parallelize(model: LLaMA, settings: ParallelSettings, mesh: DeviceMesh) -> P
         n_ckpt = apply_activation_checkpointing(model, settings.checkpointing, settings.ac_mode)
     if settings.compile:
         apply_compile(model)
-    if mesh.size() > 1:
-        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision)
+    if stage_ranks(mesh) > 1:
+        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision, roots)
     elif settings.mixed_precision:
-        apply_autocast(model)
+        for root in roots:
+            apply_autocast(root)
     return Parallelized(n_ckpt, n_float8)
 
 

@@ -38,6 +38,7 @@ from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel import MeshShape, build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
+from fms_fsdp.pipeline import PipelinePlan, check_pipeline
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.schedule import ScheduleSettings
 from fms_fsdp.storage import location
@@ -87,6 +88,7 @@ class Run:
     model_config: LLaMAConfig
     notes: tuple[str, ...] = ()  # start-up notes for rank 0's log (how raw text is framed)
     mesh: Optional[DeviceMesh] = None  # once the process group is up (`started`)
+    pipeline: Optional[PipelinePlan] = None  # --pipeline_parallel_size > 1
 
     @cached_property
     def paths(self) -> Paths:
@@ -134,6 +136,8 @@ def facts(cfg: train_config) -> Run:
     )
     check_tensor_parallel(cfg, model_config)
     check_context_parallel(cfg)
+    check_pipeline(cfg, model_config)
+    pipeline = PipelinePlan.of(cfg, model_config)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
     ScheduleSettings.of(cfg)  # the cycles and decay the flags give
     check_optimizer(cfg)
@@ -155,8 +159,8 @@ def facts(cfg: train_config) -> Run:
             f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions: the model "
             f"trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
-    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp)
-    return Run(cfg, info, shape, model_config, notes)
+    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp)
+    return Run(cfg, info, shape, model_config, notes, pipeline=pipeline)
 
 
 def with_mesh(run: Run) -> Run:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
+from fms_fsdp.builder import build_optimizer_and_schedule, build_stages
 from fms_fsdp.checkpoint.export import ExportSettings, PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.config import parse_fraction, to_yaml, train_config
@@ -41,6 +41,7 @@ from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.models import CausalLM, flops_per_token
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel import set_gradient_sync
+from fms_fsdp.pipeline import Pipeline
 from fms_fsdp.profiling import ProfilerSettings, maybe_profiler
 from fms_fsdp.run import Run, facts, record, started
 from fms_fsdp.storage import make_folder
@@ -97,11 +98,14 @@ def train_step(
     cfg: train_config,
     device: torch.device,
     global_norm: bool,
+    pipeline: Optional[Pipeline] = None,
 ) -> StepResult:
     """Optimizer step `step` over grad_accum_steps micro-batches, without a host sync; `guard` judges
     it before the update (and may leave it out). Returns the detached loss (and its z-loss term), the
     gradient norm before clipping (global when clipping, skipping bad steps or `global_norm`, else this
     rank's) and the seconds spent waiting for data."""
+    if pipeline is not None:
+        return _pipeline_step(model, pipeline, optimizer, guard, step, batches, device, cfg.grad_clip_thresh)
     total = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
     wait = 0.0
@@ -120,6 +124,30 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(total, norm, wait, z_total)
+
+
+def _pipeline_step(
+    model: CausalLM,
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    guard: StepGuard,
+    step: int,
+    batches: Batches,
+    device: torch.device,
+    clip: float,
+) -> StepResult:
+    """`train_step` through the rank's pipeline stages: the batch's microbatches run by the schedule;
+    the loss reaches every stage, and the gradient norm is the whole model's, so every stage's guard
+    decides alike."""
+    t = time.perf_counter()
+    inputs, labels = next(batches)
+    wait = time.perf_counter() - t
+    loss, z_loss = pipeline.step(to_device(inputs, device), to_device(labels, device))
+    norm = clip_gradients(model, clip, True, pipeline.group)
+    guard.judge(step, loss, norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, norm, wait, z_loss)
 
 
 def out_of_memory_error(
@@ -194,7 +222,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
     cfg, info = run.cfg, run.info
     loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)  # bad data fails here, before the model
     evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
-    model = build_sharded_model(run)
+    model, pipeline = build_stages(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     records: list[dict[str, Any]] = []
     with ExitStack() as stack:  # closed on the way out, an exception too
@@ -227,7 +255,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             for step in range(start + 1, cfg.num_steps + 1):
                 report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
                 try:
-                    done = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=report_step)
+                    done = train_step(model, optimizer, guard, step, batches, cfg, info.device, report_step, pipeline)
                 except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
                     raise out_of_memory_error(step, e, cfg, info.device) from None
                 lr = scheduler.get_last_lr()[0]

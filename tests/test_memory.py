@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory import Planner, Setting, fits_or_warning
+from fms_fsdp.memory import Planner, Setting, fits_or_warning, report
 from fms_fsdp.models import build_model, get_model_config
 from fms_fsdp.parallel import apply_activation_checkpointing, apply_autocast, mesh_shape
 
@@ -161,7 +161,7 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
         8,
         1 << 40,
     )
-    assert tp.mesh == (1, 4, 2, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
+    assert tp.mesh == (1, 4, 2, 1, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
     setting = Setting(4, False, Fraction(0), "block")
     one, two = fsdp.plan(setting), tp.plan(setting)
@@ -185,7 +185,7 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     fsdp = plan_for(make_config(**long), 8, 8, 1 << 40)
     cp = plan_for(make_config(**long, context_parallel_size=2), 8, 8, 1 << 40)
     docs = plan_for(make_config(**long, context_parallel_size=2, document_masking=True), 8, 8, 1 << 40)
-    assert cp.mesh == (1, 4, 1, 2) and cp.params == fsdp.params
+    assert cp.mesh == (1, 4, 1, 2, 1) and cp.params == fsdp.params
     setting = Setting(1, False, Fraction(0), "block")
     one, two = fsdp.plan(setting), cp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations and two.loss < one.loss
@@ -201,3 +201,33 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     # the CPU's unmasked path gathers the keys and values again in the backward: none kept
     on_cpu = plan_for(make_config(**long, context_parallel_size=2, device="cpu"), 8, 8, 1 << 40).plan(setting)
     assert two.activations - on_cpu.activations == 12 * 8192 * cp.kv_width * cp.compute
+
+
+def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
+    """8 ranks as FSDP 4 x PP 2: each pipeline rank holds about half the weights (the embedding on the
+    first, the head on the last), a microbatch's activations times those in flight (GPipe: all 8; 1F1B:
+    2 on the first rank, 1 on the last), the loss only on the last; --dry_run names the highest peak."""
+    base = dict(model_variant="small", seq_length=1024, sharding_strategy="fsdp", batch_size=8, use_torch_compile=False)
+    whole = plan_for(make_config(**base), 4, 4, 1 << 40)
+    setting = Setting(8, False, Fraction(0), "block")
+
+    def stages(schedule: str) -> list[Planner]:
+        cfg = make_config(**base, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=8)
+        shape = mesh_shape(cfg, 8, 8)
+        return [Planner(cfg, shape, get_model_config("small"), 1 << 40, r) for r in range(2)]
+
+    first, last = stages("1F1B")
+    assert first.mesh == (1, 4, 1, 1, 2) and first.first and not first.last and last.last
+    assert abs(first.params + last.params - whole.params) < 0.01 * whole.params
+    one, gpipe = [p.plan(setting) for p in (first, last)], stages("GPipe")[0].plan(setting)
+    micro = whole.plan(Setting(1, False, Fraction(0), "block"))  # one line per microbatch
+    assert one[1].loss == micro.loss and one[0].loss == 0
+    assert gpipe.activations == 4 * one[0].activations  # 8 microbatches in flight against 2
+    cfg = make_config(
+        **base, pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_microbatches=8, plan_device_memory_gib=80
+    )
+    text = report(cfg, mesh_shape(cfg, 8, 8), get_model_config("small"), 8)
+    peaks = [p.plan(setting).peak for p in stages("GPipe")]
+    highest = peaks.index(max(peaks))
+    assert f"pipeline rank {highest} of 2 has the highest peak" in text, text
+    assert "8 of 8 microbatches of 1 lines in flight" in text

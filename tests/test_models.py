@@ -18,6 +18,7 @@ PUBLISHED = {
     "llama3_8b": 8_030_261_248,
     "llama3_70b": 70_553_706_496,
     "llama3.1_8b": 8_030_261_248,
+    "llama3.1_405b": 405_853_388_800,
     "llama3.2_1b": 1_235_814_400,  # tied head: counted once, as Meta's model card does
     "llama3.2_3b": 3_212_749_824,
 }

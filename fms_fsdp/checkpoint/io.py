@@ -274,7 +274,7 @@ class Checkpointer:
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
             # a tensor- (and context-) parallel group reads the same data: one file
-            if self.info.rank % self.info.same_data == 0:
+            if self.info.writes_data_state:
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:
                 _save_file(
@@ -390,12 +390,17 @@ class Checkpointer:
     def _load(self, path: Path) -> tuple[int, int]:
         own = self._own_state()
         state = fuse(own)
+        # the parameter names of this rank's optimizer groups: a checkpoint holds one rank's lists (DCP
+        # keeps one copy of what is not a tensor), which under pipeline parallelism name other stages'
+        names = [group["params"] for group in own["optimizer_state"]["param_groups"]]
         try:
             dcp.load(state, storage_reader=safe_reader(path), process_group=agreement_group())  # into `own` too
         except _LOAD_ERRORS as e:
             if not unreadable(e):
                 raise
             raise CheckpointError(damage(e, path)) from None
+        for group, params in zip(own["optimizer_state"]["param_groups"], names):
+            group["params"] = params
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")

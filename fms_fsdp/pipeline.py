@@ -1,0 +1,297 @@
+"""Pipeline parallelism (--pipeline_parallel_size=P): the model's blocks split into stages over the
+mesh's outermost dimension 'pp' (across nodes), run by torch.distributed.pipelining's schedules.
+
+A rank holds the stages its schedule gives it: one for GPipe and 1F1B; --pipeline_stages_per_rank
+(default 2) for Interleaved1F1B and InterleavedZeroBubble, looped (rank r: stages r, r + P, ...), and
+exactly 2 for ZBVZeroBubble and DualPipeV, V-shaped (rank r: stages r and 2P-1-r). Its model is the
+whole model's CausalLM pruned to those stages' modules under their own names (`base_model.layers.<i>`
+as in the whole model, the embedding only with the first stage, the final norm and head only with the
+last), so the optimizer, clipping and checkpoints see one module named as the whole model is: a
+checkpoint saved at any P resumes at any other. Each stage is a `StagePart` over that model's modules:
+the module the schedule runs and FSDP2 roots (parallel.py). Microbatches are the gradient
+accumulation: the step's --batch_size lines are cut into --pipeline_microbatches, each microbatch's
+loss is its mean and the schedule averages the gradients over them, as --grad_accum_steps does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from fms.models.llama import LLaMAConfig
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.models import CausalLM, hidden_dim
+
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
+# schedules that run a stage's backward twice: its inputs' gradients first, its weights' later
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline of a run: P ranks, the schedule, the stages each rank holds, the microbatches of
+    a step and the blocks [start, stop) of every stage."""
+
+    size: int
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    blocks: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of(cfg: train_config, model_config: LLaMAConfig) -> Optional["PipelinePlan"]:
+        """The run's plan (None without pipeline parallelism); ConfigError naming the flag and the
+        numbers when the schedule, stages, split or microbatches cannot work."""
+        size = cfg.pipeline_parallel_size
+        if size == 1:
+            return None
+        multi = issubclass(get_schedule_class(cfg.pipeline_schedule), PipelineScheduleMulti)
+        per_rank = _stages_per_rank(cfg, multi)
+        stages, n_blocks = size * per_rank, model_config.nlayers
+        if stages > n_blocks:
+            raise ConfigError(
+                f"--pipeline_parallel_size={size} x {per_rank} stage(s) per rank = {stages} stages, more than "
+                f"{cfg.model_variant}'s {n_blocks} blocks: every stage needs a block; lower one of them"
+            )
+        blocks = _explicit_split(cfg.pipeline_split, stages, n_blocks) if cfg.pipeline_split else None
+        if blocks is None:
+            blocks = balanced_split(model_config, stages)
+        microbatches = _microbatches(cfg, stages)
+        return PipelinePlan(size, cfg.pipeline_schedule, per_rank, microbatches, blocks)
+
+    @property
+    def stages(self) -> int:
+        return self.size * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages rank `pp_rank` of the pipeline holds, in the order the schedule takes them."""
+        if self.schedule in V_SHAPED:
+            return [pp_rank, 2 * self.size - 1 - pp_rank]
+        return [pp_rank + k * self.size for k in range(self.stages_per_rank)]
+
+    def describe(self) -> str:
+        """The start-up line: schedule, microbatches and each stage's blocks."""
+        split = ", ".join(f"{stop - start}" for start, stop in self.blocks)
+        return (
+            f"pipeline: {self.schedule}, {self.stages} stages over {self.size} ranks, "
+            f"{self.microbatches} microbatches per step, blocks per stage {split}"
+        )
+
+
+def microbatches_in_flight(plan: PipelinePlan, pp_rank: int) -> float:
+    """How many microbatches' activations of all its blocks rank `pp_rank` holds at its peak (the
+    memory plan's factor): GPipe all of them; 1F1B the P - r its warm-up starts; the interleaved
+    schedules Megatron's warm-up count of stage-microbatches, 2 (P - r - 1) + (v - 1) P + 1, over
+    its v stages; the V-shaped ones about one per pipeline rank."""
+    m, size, v = plan.microbatches, plan.size, plan.stages_per_rank
+    if plan.schedule == "GPipe":
+        return float(m)
+    if plan.schedule == "1F1B":
+        return float(min(m, size - pp_rank))
+    if plan.schedule in V_SHAPED:
+        return float(min(m, size))
+    return min(v * m, 2 * (size - pp_rank - 1) + (v - 1) * size + 1) / v
+
+
+def _stages_per_rank(cfg: train_config, multi: bool) -> int:
+    """--pipeline_stages_per_rank, or the schedule's default: 1 for a single-stage schedule, 2 else."""
+    asked, name = cfg.pipeline_stages_per_rank, cfg.pipeline_schedule
+    if not multi:
+        if asked not in (0, 1):
+            raise ConfigError(
+                f"--pipeline_schedule={name} runs one stage per rank: --pipeline_stages_per_rank={asked} needs "
+                "Interleaved1F1B or InterleavedZeroBubble"
+            )
+        return 1
+    if name in V_SHAPED and asked not in (0, 2):
+        raise ConfigError(
+            f"--pipeline_schedule={name} runs exactly 2 stages per rank, not --pipeline_stages_per_rank={asked}"
+        )
+    return asked or 2
+
+
+def _explicit_split(text: str, stages: int, n_blocks: int) -> tuple[tuple[int, int], ...]:
+    """--pipeline_split=a,b,...: the blocks of each stage, in order."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--pipeline_split={text}: give the blocks of each stage as integers, such as 3,5,5,3"
+        ) from None
+    if len(counts) != stages or sum(counts) != n_blocks or min(counts) < 1:
+        raise ConfigError(
+            f"--pipeline_split={text}: needs {stages} counts of at least 1 block (one per stage) adding up to "
+            f"the model's {n_blocks} blocks"
+        )
+    bounds = [sum(counts[:i]) for i in range(stages + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def balanced_split(model_config: LLaMAConfig, stages: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive blocks per stage, every stage at least one, the largest stage's cost the least it
+    can be: a block costs its parameters, the first stage also the embedding's and the last stage the
+    final norm's and head's (the head's matmul and loss run there)."""
+    emb, n = model_config.emb_dim, model_config.nlayers
+    kv = (model_config.kvheads or model_config.nheads) * (emb // model_config.nheads)
+    block = 2 * emb * emb + 2 * emb * kv + 3 * emb * hidden_dim(model_config)
+    vocab = model_config.src_vocab_size * emb
+    cost = [block] * n
+    # best[s][i]: the least largest cost of the first i blocks cut into s stages (the first stage's with
+    # the embedding; the head's added where the last stage closes at i = n)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                stage = sum(cost[j:i]) + (vocab if j == 0 else 0) + (vocab if i == n else 0)
+                value = max(best[s - 1][j], stage)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [n], n
+    for s in range(stages, 0, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    bounds.reverse()
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def _microbatches(cfg: train_config, stages: int) -> int:
+    """--pipeline_microbatches, or the fewest that divide --batch_size and are at least the stages
+    (fewer leave the pipeline mostly idle); ConfigError when they do not divide the batch or are fewer
+    than the schedule runs with."""
+    m, batch, name = cfg.pipeline_microbatches, cfg.batch_size, cfg.pipeline_schedule
+    if m == 0:
+        m = next((d for d in range(stages, batch + 1) if batch % d == 0), batch)
+    if batch % m:
+        raise ConfigError(f"--pipeline_microbatches={m} must divide --batch_size={batch} (lines per step per pipeline)")
+    size = cfg.pipeline_parallel_size
+    if name in ("1F1B", "DualPipeV") and m < stages:
+        raise ConfigError(
+            f"--pipeline_schedule={name} needs at least as many microbatches as stages ({stages}), not {m}: raise "
+            "--batch_size (and --pipeline_microbatches) or use GPipe"
+        )
+    rounds = max(1, m // size)
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+        raise ConfigError(
+            f"--pipeline_schedule={name} needs --pipeline_microbatches a multiple of its rounds "
+            f"({m} // {size} ranks = {rounds}), not {m}: use a multiple of {size}"
+        )
+    return m
+
+
+def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
+    """Settings pipeline parallelism does not combine with yet (ConfigError, one line)."""
+    if cfg.pipeline_parallel_size == 1:
+        return
+    for flag, used in (
+        (
+            "--grad_accum_steps > 1 (its microbatches are the accumulation: raise --pipeline_microbatches)",
+            cfg.grad_accum_steps > 1,
+        ),
+        ("--eval_data_path", cfg.eval_data_path is not None),
+        ("--eval_harness_tasks", bool(cfg.eval_harness_tasks)),
+        ("--export_model_at_end (export with --export_interval or fms-export-model)", cfg.export_model_at_end),
+        ("a head tied to the embedding (the first and last stages would share it)", model_config.tie_heads),
+    ):
+        if used:
+            raise ConfigError(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} does not combine with {flag} yet")
+
+
+def prune(model: CausalLM, plan: PipelinePlan, pp_rank: int) -> None:
+    """Keep in `model` only the modules of rank `pp_rank`'s stages, under their whole-model names."""
+    stages = plan.stages_of(pp_rank)
+    kept = [i for s in stages for i in range(*plan.blocks[s])]
+    base = model.base_model
+    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in sorted(kept)})
+    if 0 not in stages:
+        base.embedding = None
+    if plan.stages - 1 not in stages:  # parallel.py and the stages check for a missing head
+        base.dec_norm = None
+        model.head = None  # type: ignore[assignment]
+
+
+class StagePart(nn.Module):
+    """One stage over the rank's pruned model: the first embeds the line's tokens, every stage runs
+    its blocks, the last applies the final norm and returns the loss of the microbatch (its labels,
+    like its tokens, reach every stage: attention's masks and positions come from the tokens)."""
+
+    def __init__(self, model: CausalLM, blocks: tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        base = model.base_model
+        self.embedding = base.embedding if first else None
+        self.blocks = nn.ModuleList([base.layers[str(i)] for i in range(*blocks)])
+        self.dec_norm = base.dec_norm if last else None
+        self.head = model.head if last else None
+        self._model = [model]  # not a child: the model's modules are this stage's and the others'
+        self.z_losses: list[torch.Tensor] = []  # the last stage's z-loss terms, one per microbatch
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        x, labels, kwargs = model.prepare(tokens, labels)
+        if self.embedding is not None:
+            h = self.embedding(x)
+        for block in self.blocks:
+            h = block(x=h, **kwargs)
+        if self.dec_norm is None or self.head is None:
+            return h
+        assert labels is not None
+        loss = model.loss(self.dec_norm(h), labels)
+        if self.head.z_loss is not None:
+            self.z_losses.append(self.head.z_loss)
+        return loss.reshape(1)  # the schedule concatenates the microbatches' outputs
+
+
+class Pipeline:
+    """The rank's stages (`parts`, which parallel.py wraps) and the schedule that runs them (`start`,
+    once they are wrapped); `step` trains one batch (and reports its z-loss term with `z_loss`)."""
+
+    def __init__(
+        self, plan: PipelinePlan, model: CausalLM, group: dist.ProcessGroup, device: torch.device, z_loss: bool
+    ):
+        self.plan, self.group, self.device, self.z_loss = plan, group, device, z_loss
+        self.indices = plan.stages_of(dist.get_rank(group))
+        last = plan.stages - 1
+        self.parts = [StagePart(model, plan.blocks[s], s == 0, s == last) for s in self.indices]
+        if model.head is not None:
+            model.head.backward_twice = plan.schedule in ZERO_BUBBLE
+        self.schedule: Any = None
+
+    def start(self) -> None:
+        """Build the schedule over the stages."""
+        stages = [
+            PipelineStage(part, index, self.plan.stages, self.device, group=self.group)
+            for part, index in zip(self.parts, self.indices)
+        ]
+        cls = get_schedule_class(self.plan.schedule)
+        first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
+        self.schedule = cls(first, n_microbatches=self.plan.microbatches, loss_fn=_microbatch_loss)
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Forward and backward of one batch through the pipeline, the gradients averaged over its
+        microbatches; (its loss, its z-loss term or None without one) on every rank of the pipeline,
+        on the device (one all-reduce over the pipeline, no host sync)."""
+        losses: list[torch.Tensor] = []
+        last = next((part for part, s in zip(self.parts, self.indices) if s == self.plan.stages - 1), None)
+        if last is not None:
+            last.z_losses.clear()
+        self.schedule.step(tokens, tokens=tokens, labels=labels, target=labels, losses=losses)
+        out = torch.zeros(2, device=self.device)
+        if last is not None:
+            out[0] = torch.stack([loss.detach().float() for loss in losses]).mean()
+            if last.z_losses:
+                out[1] = torch.stack([z.float() for z in last.z_losses]).mean()
+        dist.all_reduce(out, group=self.group)
+        return out[0], out[1] if self.z_loss else None
+
+
+def _microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage returns its microbatch's loss already (as a 1-element tensor)."""
+    return output.sum()
