@@ -11,6 +11,12 @@ A sweep (plain python: each setting runs in processes of its own, under torchrun
     python benchmarks/throughput.py --sweep="batch_size:1,2,4;selective_checkpointing:0,1/2,1" \
         [--nproc_per_node=1] [--setting_timeout=3600] --model_variant=llama3_1.8b_4k --num_steps=30 ...
 
+A pipeline-parallel sweep first trains the same global batch on one rank and adds each setting's
+measured bubble (1 - its tokens/s per GPU over one rank's):
+
+    python benchmarks/throughput.py --nproc_per_node=2 --pipeline_parallel_size=2 --batch_size=8 \
+        --sweep="pipeline_schedule:GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble" --model_variant=tiny --device=cpu ...
+
 Takes every training flag (use_dummy_dataset is forced on and checkpoint_interval to 0: a
 benchmark writes no checkpoint; report_interval defaults to 5, as a report waits for the device). In a sweep, selective_checkpointing
 turns activation checkpointing on, 0 off. Report intervals that start within the first --bench_skip steps
@@ -75,31 +81,53 @@ def sweep_settings(spec: str) -> list[list[str]]:
 
 
 def run_sweep(spec: str, nproc: int, flags: list[str], timeout: float) -> None:
-    """Each setting in processes of its own; one line per setting, then the best."""
+    """Each setting in processes of its own; one line per setting, then the best. A pipeline-parallel
+    sweep first runs the same global batch on one rank (setting=one_rank), and each setting's line
+    adds its measured bubble: the share of its ranks' time not spent on one rank's work, 1 - tokens/s
+    per GPU over one rank's (idle time and the stages' sends together)."""
     best: Optional[tuple[float, str]] = None
+    training = [f for f in flags if not f.startswith("--bench_skip=")]
+    pipeline = parse_args([*DEFAULTS, *training, *FORCED]).pipeline_parallel_size > 1 or "pipeline" in spec
+    one_rank = None
+    if pipeline:  # torchrun gives each rank one thread: so does the one-rank run
+        line = run_setting("one_rank", 1, [*flags, "--pipeline_parallel_size=1"], timeout, {"OMP_NUM_THREADS": "1"})
+        print(line, flush=True)
+        one_rank = _tps(line)
     for setting in sweep_settings(spec):
         label = ",".join(f.lstrip("-") for f in setting)
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-        command = [sys.executable, *launcher, __file__, *flags, *setting]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"BENCH setting={label} status=timeout message='no result in {timeout} s'", flush=True)
-            continue
-        out = proc.stdout + proc.stderr
-        bench = [line for line in out.splitlines() if line.startswith("BENCH ")]
-        if proc.returncode == 0 and bench:
-            line = bench[-1].replace("BENCH ", f"BENCH setting={label} ", 1)
-            tps = float(line.split("tokens_per_sec_per_gpu=")[1].split()[0])
-            if best is None or tps > best[0]:
-                best = (tps, line)
-        else:
-            errors = [x for x in out.splitlines() if x.startswith("error")] or out.strip().splitlines()[-1:]
-            message = errors[0] if errors else f"exit status {proc.returncode}"
-            status = "oom" if "out of memory" in message.lower() else "failed"
-            line = f"BENCH setting={label} status={status} message={message!r}"
+        line = run_setting(label, nproc, [*flags, *setting], timeout)
+        tps = _tps(line)
+        if tps is not None and one_rank:
+            line += f" bubble={1 - tps / one_rank:.3f}"
+        if tps is not None and (best is None or tps > best[0]):
+            best = (tps, line)
         print(line, flush=True)
     print("BEST " + (best[1].split(" ", 1)[1] if best else "none: every setting failed"), flush=True)
+
+
+def run_setting(label: str, nproc: int, flags: list[str], timeout: float, env: Optional[dict] = None) -> str:
+    """The BENCH line of one setting run in processes of its own (torchrun for more than one)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    command = [sys.executable, *launcher, __file__, *flags]
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
+    except subprocess.TimeoutExpired:
+        return f"BENCH setting={label} status=timeout message='no result in {timeout} s'"
+    out = proc.stdout + proc.stderr
+    bench = [line for line in out.splitlines() if line.startswith("BENCH ")]
+    if proc.returncode == 0 and bench:
+        return bench[-1].replace("BENCH ", f"BENCH setting={label} ", 1)
+    errors = [x for x in out.splitlines() if x.startswith("error")] or out.strip().splitlines()[-1:]
+    message = errors[0] if errors else f"exit status {proc.returncode}"
+    status = "oom" if "out of memory" in message.lower() else "failed"
+    return f"BENCH setting={label} status={status} message={message!r}"
+
+
+def _tps(line: str) -> Optional[float]:
+    """tokens_per_sec_per_gpu of a BENCH line (None for a failed setting)."""
+    return float(line.split("tokens_per_sec_per_gpu=")[1].split()[0]) if "tokens_per_sec_per_gpu=" in line else None
 
 
 def bench_one(flags: list[str], skip: int) -> None:
@@ -128,6 +156,7 @@ def bench_one(flags: list[str], skip: int) -> None:
         "seq": cfg.seq_length,
         "compile": cfg.use_torch_compile,
         "ac": cfg.selective_checkpointing if cfg.fsdp_activation_checkpointing else "off",
+        "pp": cfg.pipeline_parallel_size,
         "bf16": cfg.mixed_precision,
         "step_time_s": round(statistics.median(r["step_time"] for r in records), 4),
         "tokens_per_sec_per_gpu": round(tps, 1),

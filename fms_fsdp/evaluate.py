@@ -31,6 +31,7 @@ from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.loss import IGNORE_INDEX
+from fms_fsdp.pipeline import Pipeline
 from fms_fsdp.run import Run, facts, started
 from fms_fsdp.storage import location
 
@@ -83,7 +84,9 @@ class Evaluator:
     def __init__(self, run: Run):
         cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
-        self.batch = cfg.eval_batch_size or cfg.batch_size
+        # a pipeline's stages take microbatches of the training's shape: --batch_size lines per forward
+        self.pipelined = cfg.pipeline_parallel_size > 1
+        self.batch = cfg.batch_size if self.pipelined else cfg.eval_batch_size or cfg.batch_size
         self.eos = cfg.eos_token
         self.lines: dict[str, np.ndarray] = {}
         self.forwards: dict[str, int] = {}
@@ -112,24 +115,32 @@ class Evaluator:
         return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
-        """The model's loss per dataset and over all of them (token-weighted). Every rank calls it."""
+    def evaluate(self, model: torch.nn.Module, step: int, pipeline: Optional[Pipeline] = None) -> dict[str, Any]:
+        """The model's loss per dataset and over all of them (token-weighted). Every rank calls it; under
+        pipeline parallelism through the rank's stages (`pipeline`), every batch padded with masked lines
+        to --batch_size."""
         start = time.perf_counter()
         model.eval()
         sums = torch.zeros(len(self.lines), 2, dtype=torch.float64, device=self.info.device)
         for k, (name, lines) in enumerate(self.lines.items()):
             for b in range(self.forwards[name]):
                 chunk = lines[b * self.batch : (b + 1) * self.batch]
-                if len(chunk) == 0:  # this rank's share is done: a masked line keeps FSDP's collectives paired
-                    chunk = np.full((1, self.cfg.seq_length + 1), _PAD, np.int64)
+                # a rank's share done, or a pipeline's fixed shape: masked lines keep the collectives paired
+                pad = (self.batch if self.pipelined else 1) - len(chunk)
+                if pad > 0:
+                    chunk = np.concatenate([chunk, np.full((pad, self.cfg.seq_length + 1), _PAD, np.int64)])
                 batch = torch.from_numpy(chunk).to(self.info.device)
                 inputs = torch.where(batch[:, :-1] == _PAD, self.eos, batch[:, :-1])
                 labels = torch.where(batch[:, 1:] == _PAD, IGNORE_INDEX, batch[:, 1:])
                 count = (labels != IGNORE_INDEX).sum()
-                sums[k] += torch.stack([model(inputs, labels=labels).double() * count, count.double()])
+                if pipeline is None:
+                    summed = model(inputs, labels=labels).double() * count
+                else:
+                    summed = pipeline.evaluate(inputs, labels)
+                sums[k] += torch.stack([summed, count.double()])
         model.train()
         dist.all_reduce(sums)
-        sums /= self.info.same_data  # every rank of a tensor- (and context-) parallel group evaluated the same lines
+        sums /= self.info.same_data  # every rank of a tensor-, context- and pipeline-parallel group has the same sums
         losses = {name: float(s / n) for name, (s, n) in zip(self.lines, sums.tolist())}
         total, tokens = sums.sum(0).tolist()
         record: dict[str, Any] = {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(total / tokens)}

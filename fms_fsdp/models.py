@@ -105,7 +105,12 @@ for _name, _args in {
     "llama3.1_8b": dict(VARIANTS["llama3_8b"], rope_scaling=llama3_rope_scaling(8)),
     "llama3.1_70b": dict(VARIANTS["llama3_70b"], rope_scaling=llama3_rope_scaling(8)),
     "llama3.1_405b": dict(
-        _L3, emb_dim=16384, nheads=128, kvheads=8, nlayers=126, hidden_grow_factor=3.25,
+        _L3,
+        emb_dim=16384,
+        nheads=128,
+        kvheads=8,
+        nlayers=126,
+        hidden_grow_factor=3.25,
         rope_scaling=llama3_rope_scaling(8),
     ),  # fmt: skip
     "llama3.2_1b": dict(

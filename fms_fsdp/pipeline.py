@@ -24,8 +24,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
+from fms_fsdp.compat import v_shaped_schedules_run
 from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.loss import IGNORE_INDEX
 from fms_fsdp.models import CausalLM, hidden_dim
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
@@ -113,6 +115,11 @@ def _stages_per_rank(cfg: train_config, multi: bool) -> int:
         raise ConfigError(
             f"--pipeline_schedule={name} runs exactly 2 stages per rank, not --pipeline_stages_per_rank={asked}"
         )
+    if name in V_SHAPED and not v_shaped_schedules_run():
+        raise ConfigError(
+            f"--pipeline_schedule={name} needs torch 2.13 or later (torch {torch.__version__} does not run it); "
+            "use InterleavedZeroBubble or Interleaved1F1B, or upgrade torch"
+        )
     return asked or 2
 
 
@@ -196,8 +203,11 @@ def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
             "--grad_accum_steps > 1 (its microbatches are the accumulation: raise --pipeline_microbatches)",
             cfg.grad_accum_steps > 1,
         ),
-        ("--eval_data_path", cfg.eval_data_path is not None),
         ("--eval_harness_tasks", bool(cfg.eval_harness_tasks)),
+        (
+            "an --eval_batch_size other than --batch_size (the stages take microbatches of one shape)",
+            cfg.eval_batch_size not in (None, cfg.batch_size),
+        ),
         ("--export_model_at_end (export with --export_interval or fms-export-model)", cfg.export_model_at_end),
         ("a head tied to the embedding (the first and last stages would share it)", model_config.tie_heads),
     ):
@@ -233,11 +243,12 @@ class StagePart(nn.Module):
         self._model = [model]  # not a child: the model's modules are this stage's and the others'
         self.z_losses: list[torch.Tensor] = []  # the last stage's z-loss terms, one per microbatch
 
-    def forward(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, *received: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The first stage takes no positional input (torch 2.11's schedules would hand later stages the
+        step's positional inputs too); a later one the hidden states received from the stage before."""
         model = self._model[0]
         x, labels, kwargs = model.prepare(tokens, labels)
-        if self.embedding is not None:
-            h = self.embedding(x)
+        h = self.embedding(x) if self.embedding is not None else received[0]
         for block in self.blocks:
             h = block(x=h, **kwargs)
         if self.dec_norm is None or self.head is None:
@@ -282,7 +293,7 @@ class Pipeline:
         last = next((part for part, s in zip(self.parts, self.indices) if s == self.plan.stages - 1), None)
         if last is not None:
             last.z_losses.clear()
-        self.schedule.step(tokens, tokens=tokens, labels=labels, target=labels, losses=losses)
+        self.schedule.step(tokens=tokens, labels=labels, target=labels, losses=losses)
         out = torch.zeros(2, device=self.device)
         if last is not None:
             out[0] = torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -290,6 +301,23 @@ class Pipeline:
                 out[1] = torch.stack([z.float() for z in last.z_losses]).mean()
         dist.all_reduce(out, group=self.group)
         return out[0], out[1] if self.z_loss else None
+
+    def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch summed over its counted tokens (each microbatch's mean times its count),
+        forward only, on every rank of the pipeline (fp64, on the device). The batch has the training's
+        --batch_size lines."""
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(tokens=tokens, labels=labels, target=labels, losses=losses)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.plan.stages - 1 in self.indices:
+            for loss, part in zip(losses, labels.tensor_split(self.plan.microbatches)):
+                total += loss.double().sum() * _counted(part)
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+def _counted(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE_INDEX).sum()
 
 
 def _microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

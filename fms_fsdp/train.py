@@ -281,7 +281,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 if export:
                     reporter.exported(exporter.export(step))
                 if evaluate:
-                    result = evaluator.evaluate(model, step)
+                    result = evaluator.evaluate(model, step, pipeline)
                     reporter.evaluated(result)
                     checkpointer.scored(step, result)  # --checkpoint_keep_best ranks this step's checkpoint
                 if downstream:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.checkpoint.hf import read_hf_model
 from fms_fsdp.checkpoint.reader import read_model
-from fms_fsdp.compat import context_parallel_compiles
+from fms_fsdp.compat import context_parallel_compiles, v_shaped_schedules_run
 from fms_fsdp.models import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
@@ -35,7 +35,8 @@ PP_SCHEDULES = {
     "gpipe": ["--pipeline_schedule=GPipe"],
     "1f1b": ["--pipeline_schedule=1F1B", "--use_torch_compile=True", "--fsdp_activation_checkpointing=True"],
     "interleaved": ["--checkpoint_interval=2", "--export_interval=4"],
-    "zbv": ["--pipeline_schedule=ZBVZeroBubble"],
+    # a zero-bubble schedule: V-shaped where the torch runs it (compat.v_shaped_schedules_run)
+    "zb": ["--pipeline_schedule=" + ("ZBVZeroBubble" if v_shaped_schedules_run() else "InterleavedZeroBubble")],
 }
 
 
@@ -122,6 +123,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "pp2_to4",
             "pp2_fsdp2",
             "pp2_tp2",
+            "eval_ref",
+            "pp2_eval",
         )
     }
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
@@ -140,6 +143,18 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
     cp = ["--context_parallel_size=2"]
     pp = [*TINY, "--num_steps=4", "--batch_size=4", "--pipeline_parallel_size=2"]  # dp2_ref's global batch
+    evaluated = [  # 2 steps, then 6 held-out lines in batches of 2
+        "--model_variant=tiny_mha",
+        "--num_steps=2",
+        "--batch_size=2",
+        "--seq_length=64",
+        "--num_workers=0",
+        "--checkpoint_interval=0",
+        "--eval_interval=2",
+        f"--eval_data_path={data}",
+        "--eval_batches=3",
+    ]
+    run_here(flags(data, out["eval_ref"], *evaluated))
     docs = ["--document_masking=True", "--document_positions=document"]
     run_here([*gqa, Z_LOSS, f"--ckpt_save_path={out['gqa_tp1']}"])
     run_here([*gqa, f"--ckpt_save_path={out['gqa_tp1_bf16']}", *bf16])
@@ -188,6 +203,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             [*gqa, Z_LOSS, *cp, *docs, f"--ckpt_save_path={out['cp2_docs']}"],
             [*TINY, "--num_steps=4", "--batch_size=4", *cp, f"--ckpt_save_path={out['cp1_to2']}"],
             *[[*pp, *PP_SCHEDULES[name], f"--ckpt_save_path={out[f'pp2_{name}']}"] for name in PP_SCHEDULES],
+            flags(data, out["pp2_eval"], *evaluated, "--pipeline_parallel_size=2"),
             [*muon, "--batch_size=2", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['muon_fsdp2']}"],
             flags(
                 data,
@@ -411,7 +427,7 @@ def test_checkpoints_resume_across_context_parallel_sizes(runs):
 
 def test_pipeline_schedules_take_the_steps_of_one_rank(runs):
     """P=2 on 2 ranks under GPipe (from step 2), 1F1B (compiled, activation checkpointing),
-    Interleaved1F1B and ZBVZeroBubble; FSDP 2 x PP 2 and TP 2 x PP 2 on 4 ranks: the losses of one rank
+    Interleaved1F1B and ZBVZeroBubble (InterleavedZeroBubble before torch 2.13); FSDP 2 x PP 2 and TP 2 x PP 2 on 4 ranks: the losses of one rank
     on the same global batch."""
     want = losses(runs["dp2_ref"])
     for name in PP_SCHEDULES:
@@ -439,3 +455,14 @@ def test_pipeline_checkpoints_resume_at_any_size_and_export_the_whole_model(runs
     exported = load_file(str(runs["pp2_interleaved"] / "exports" / "step_4" / "model.safetensors"))
     assert exported.keys() == saved.keys() and any(k.startswith("head.") for k in saved)
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
+def test_evaluation_through_the_pipeline_equals_one_ranks(runs):
+    """Held-out loss through P=2's stages (Interleaved1F1B, 2 microbatches of a line) equals one
+    rank's, as do the training losses on the real data."""
+    want, got = records(runs["eval_ref"]), records(runs["pp2_eval"])
+    assert close(losses(runs["pp2_eval"]), losses(runs["eval_ref"]))
+    evals = [(r["eval_loss"], r["eval_tokens"]) for r in got if "eval_loss" in r]
+    assert evals and evals == [
+        pytest.approx((r["eval_loss"], r["eval_tokens"]), abs=TOL) for r in want if "eval_loss" in r
+    ]
