@@ -84,13 +84,16 @@ class DistInfo:
         return self.world_size // self.same_data
 
     @property
+    def first_stage(self) -> bool:
+        """Whether this rank is one of the first pipeline stage's (every rank without pipeline
+        parallelism)."""
+        return self.rank < self.world_size // self.pp
+
+    @property
     def writes_data_state(self) -> bool:
         """Whether this rank writes its data-parallel rank's loader state (one rank of those reading
         the same lines)."""
-        return (
-            self.rank % (self.world_size // self.pp) % (self.tp * self.cp) == 0
-            and self.rank < self.world_size // self.pp
-        )
+        return self.first_stage and self.rank % (self.tp * self.cp) == 0
 
 
 def free_port() -> int:

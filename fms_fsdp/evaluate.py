@@ -84,9 +84,8 @@ class Evaluator:
     def __init__(self, run: Run):
         cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
-        # a pipeline's stages take microbatches of the training's shape: --batch_size lines per forward
-        self.pipelined = cfg.pipeline_parallel_size > 1
-        self.batch = cfg.batch_size if self.pipelined else cfg.eval_batch_size or cfg.batch_size
+        self.batch = cfg.eval_batch_size or cfg.batch_size  # --batch_size under pipeline parallelism (pipeline.py)
+        self.pipelined = cfg.pipeline_parallel_size > 1  # whose stages take batches of one shape
         self.eos = cfg.eos_token
         self.lines: dict[str, np.ndarray] = {}
         self.forwards: dict[str, int] = {}
@@ -159,6 +158,11 @@ def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
         raise ConfigError(
             "--ckpt_load_path and --eval_data_path or --eval_harness_tasks are needed: the weights to evaluate "
             "and the data or tasks"
+        )
+    if cfg.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"fms-evaluate runs the whole model on every rank: drop --pipeline_parallel_size="
+            f"{cfg.pipeline_parallel_size} (training evaluates through its stages with --eval_data_path)"
         )
     if cfg.lora_rank:
         raise ConfigError(

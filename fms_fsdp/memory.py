@@ -266,6 +266,12 @@ class Planner:
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
         self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
+        if self.pipeline is not None and not shape.whole:
+            # torch's stages keep their FSDP units whole from a step's first microbatch to its last (then
+            # resharded and reduce-scattered): this rank's weights in the compute dtype, fp32 gradients
+            whole = sum(math.prod(shape_) for shape_ in tp.values())
+            trained_whole = sum(math.prod(tp[n]) for n, p in model.named_parameters() if p.requires_grad)
+            self.gathered = self.compute * whole + 4 * trained_whole
         self.shape = Shape(
             cfg.model_variant,
             cfg.vocab_size,
@@ -289,8 +295,9 @@ class Planner:
             + chosen * per_block.get(setting.mode, 0)
             + (self.n_blocks - chosen) * per_block["none"]
         )
-        saved = Activations.at(acts.loss_saved, step.batch) if self.last else 0
-        loss = saved + Activations.at(acts.loss_transient, step.batch) if self.last else 0
+        # the loss's saved gradients: one set per microbatch in flight on the last stage
+        saved = int(Activations.at(acts.loss_saved, step.batch) * in_flight) if self.last else 0
+        loss = (saved + Activations.at(acts.loss_transient, step.batch)) if self.last else 0
         if self.mesh.tp > 1:  # estimated from the traces, not traced: see _tensor_parallel
             activations, saved, loss = self._tensor_parallel(step, chosen, activations, saved, loss)
         if self.mesh.cp > 1:  # likewise: see _context_parallel
@@ -364,6 +371,13 @@ def device_memory(cfg: train_config, local_world_size: int) -> tuple[int, str]:
     return total // local_world_size, f"this machine's memory / {local_world_size} ranks"
 
 
+def _gathered_row(planner: Planner, compute: str) -> str:
+    """The report's row of what FSDP holds whole."""
+    if planner.pipeline is not None:
+        return f"stages' weights ({compute}) and fp32 gradients whole between microbatches"
+    return f"blocks gathered in flight ({compute}, prefetch included)"
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
@@ -391,7 +405,7 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
             else "optimizer state (AdamW, 2 x fp32)",
             plan.optimizer,
         ),
-        *([] if whole else [(f"blocks gathered in flight ({compute}, prefetch included)", plan.gathered)]),
+        *([] if whole else [(_gathered_row(planner, compute), plan.gathered)]),
         (f"activations saved for backward{copies}", plan.activations),
         ("loss working set", plan.loss),
         ("predicted peak", plan.peak),

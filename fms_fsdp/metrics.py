@@ -65,7 +65,7 @@ class MetricsReporter:
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
-        # per GPU: a tensor- (and context-) parallel group of T x C GPUs trains on one rank's batch
+        # per GPU: a tensor- (context-, pipeline-) parallel group of T x C x P GPUs trains on one rank's batch
         self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.same_data
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, cfg.peak_tflops)
@@ -162,10 +162,12 @@ class MetricsReporter:
         if self.dataset_lines is not None:
             lines = self.dataset_lines()
             counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
+            if not self.info.first_stage:  # counted on the first pipeline stage, which always reads
+                counts.zero_()
             dist.all_reduce(counts)  # a tensor- (context-) parallel group reads the same lines: counted once
             record.update(
                 {
-                    f"tokens/{name}": n * self.seq_length // self.info.same_data
+                    f"tokens/{name}": n * self.seq_length // (self.info.tp * self.info.cp)
                     for name, n in zip(lines, counts.tolist())
                 }
             )

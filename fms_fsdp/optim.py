@@ -134,7 +134,9 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch
     }
     rows = part_rows(model)
     parts = {p: rows.get(name, (0, p.shape[0])) for name, p in model.named_parameters() if p in matrices}
-    return MuonWithAdamW([g for g in groups if g["params"]] + [muon], parts, **kw)
+    # the same groups on every rank, empty ones too: a pipeline rank's stages may lack some, and a
+    # checkpoint's groups are matched by their place
+    return MuonWithAdamW([*groups, muon], parts, **kw)
 
 
 class MuonWithAdamW(torch.optim.AdamW):

@@ -5,9 +5,11 @@ fsdp, hsdp and ddp are all FSDP2 over a (replicate, shard) mesh of different sha
 --tensor_parallel_size=T an innermost dimension 'tp' holds the T ranks (of one node) that split
 every layer, and with --context_parallel_size=C a dimension 'cp' before it the C ranks that split
 every line (attention.py); FSDP shards over shard x cp (flattened as 'shard_cp', as torchtitan does),
-so the C ranks share the parameters' memory, and data parallelism runs over replicate x shard. A run of one rank trains the plain module
-(as torchtitan does on one GPU): no FSDP parameter copies in and out, bf16 through autocast over fp32
-master weights.
+so the C ranks share the parameters' memory, and data parallelism runs over replicate x shard. With
+--pipeline_parallel_size=P an outermost dimension 'pp' holds the pipeline's stages (pipeline.py): each
+stage's world / P ranks are laid out as above, its modules wrapped as above with each stage an FSDP
+root. A run of one rank (per stage) trains the plain module (as torchtitan does on one GPU): no FSDP
+parameter copies in and out, bf16 through autocast over fp32 master weights.
 """
 
 from __future__ import annotations
@@ -79,16 +81,19 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
     pp = cfg.pipeline_parallel_size
     if world_size % pp:
         raise ConfigError(f"--pipeline_parallel_size={pp} must divide the world size {world_size}")
+    # each pipeline stage's ranks: what the rest is laid out over
+    world = f"world size {world_size}" + (f" / --pipeline_parallel_size={pp}" if pp > 1 else "")
     world_size //= pp
+    world += f" = {world_size}" if pp > 1 else ""
     tp, cp = cfg.tensor_parallel_size, cfg.context_parallel_size
     if tp > 1 and (local_world_size % tp or world_size % tp):
         raise ConfigError(
             f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
-            f"world size ({world_size}): tensor parallelism stays inside a node"
+            f"{world}: tensor parallelism stays inside a node"
         )
     if (world_size // tp) % cp:
         raise ConfigError(
-            f"--context_parallel_size={cp} must divide the world size {world_size}"
+            f"--context_parallel_size={cp} must divide the {world}"
             + (f" / --tensor_parallel_size={tp} = {world_size // tp}" if tp > 1 else "")
         )
     dp = world_size // (tp * cp)
@@ -99,7 +104,7 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
     group = cfg.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
     if dp % group:
         raise ConfigError(
-            f"--sharding_group_size={group} does not divide the world size {world_size}"
+            f"--sharding_group_size={group} does not divide the {world}"
             + (f" / --tensor_parallel_size={tp} = {dp} data-parallel ranks" if tp > 1 else "")
             + "; pick a divisor (default: ranks per node"
             + (f" / {tp}" if tp > 1 else "")
@@ -160,8 +165,9 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
 
 
 def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional[float]) -> DeviceMesh:
-    """The mesh ('replicate', 'shard'), then 'cp' under context parallelism (with 'shard_cp' flattened
-    from shard x cp for FSDP) and 'tp' innermost under tensor parallelism, whose groups fail a
+    """The mesh ('pp' first under pipeline parallelism, then 'replicate', 'shard'), then 'cp' under
+    context parallelism (with 'shard_cp' flattened from shard x cp for FSDP) and 'tp' innermost under
+    tensor parallelism, whose groups fail a
     collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
     groups' timeouts alike)."""
     dims = shape.dims()

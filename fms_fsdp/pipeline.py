@@ -15,7 +15,7 @@ loss is its mean and the schedule averages the gradients over them, as --grad_ac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,7 +148,6 @@ def balanced_split(model_config: LLaMAConfig, stages: int) -> tuple[tuple[int, i
     kv = (model_config.kvheads or model_config.nheads) * (emb // model_config.nheads)
     block = 2 * emb * emb + 2 * emb * kv + 3 * emb * hidden_dim(model_config)
     vocab = model_config.src_vocab_size * emb
-    cost = [block] * n
     # best[s][i]: the least largest cost of the first i blocks cut into s stages (the first stage's with
     # the embedding; the head's added where the last stage closes at i = n)
     inf = float("inf")
@@ -158,7 +157,7 @@ def balanced_split(model_config: LLaMAConfig, stages: int) -> tuple[tuple[int, i
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
             for j in range(s - 1, i):
-                stage = sum(cost[j:i]) + (vocab if j == 0 else 0) + (vocab if i == n else 0)
+                stage = (i - j) * block + (vocab if j == 0 else 0) + (vocab if i == n else 0)
                 value = max(best[s - 1][j], stage)
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
@@ -175,18 +174,20 @@ def _microbatches(cfg: train_config, stages: int) -> int:
     (fewer leave the pipeline mostly idle); ConfigError when they do not divide the batch or are fewer
     than the schedule runs with."""
     m, batch, name = cfg.pipeline_microbatches, cfg.batch_size, cfg.pipeline_schedule
+    size = cfg.pipeline_parallel_size
+    looped = name in ("Interleaved1F1B", "InterleavedZeroBubble")  # whose rounds, m // P, must divide m
     if m == 0:
-        m = next((d for d in range(stages, batch + 1) if batch % d == 0), batch)
+        fits = [d for d in range(1, batch + 1) if batch % d == 0 and (not looped or d % max(1, d // size) == 0)]
+        m = next((d for d in fits if d >= stages), fits[-1])
     if batch % m:
         raise ConfigError(f"--pipeline_microbatches={m} must divide --batch_size={batch} (lines per step per pipeline)")
-    size = cfg.pipeline_parallel_size
     if name in ("1F1B", "DualPipeV") and m < stages:
         raise ConfigError(
             f"--pipeline_schedule={name} needs at least as many microbatches as stages ({stages}), not {m}: raise "
             "--batch_size (and --pipeline_microbatches) or use GPipe"
         )
     rounds = max(1, m // size)
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+    if looped and m % rounds:
         raise ConfigError(
             f"--pipeline_schedule={name} needs --pipeline_microbatches a multiple of its rounds "
             f"({m} // {size} ranks = {rounds}), not {m}: use a multiple of {size}"
@@ -209,7 +210,10 @@ def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
             cfg.eval_batch_size not in (None, cfg.batch_size),
         ),
         ("--export_model_at_end (export with --export_interval or fms-export-model)", cfg.export_model_at_end),
-        ("a head tied to the embedding (the first and last stages would share it)", model_config.tie_heads),
+        (
+            "a head tied to the embedding (the first and last stages would share it): use an untied variant",
+            model_config.tie_heads,
+        ),
     ):
         if used:
             raise ConfigError(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} does not combine with {flag} yet")
@@ -285,6 +289,21 @@ class Pipeline:
         first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
         self.schedule = cls(first, n_microbatches=self.plan.microbatches, loss_fn=_microbatch_loss)
 
+    def reads_data(self, model: CausalLM) -> bool:
+        """Whether this rank needs the lines: for the first stage's inputs, the last one's labels, or
+        any stage's attention (the masks and positions of --document_masking or a context-parallel
+        split come from the tokens). A rank of middle stages alone reads nothing."""
+        ends = {0, self.plan.stages - 1}
+        return model.lines is not None or any(s in ends for s in self.indices)
+
+    @staticmethod
+    def no_data(batch_size: int, seq_length: int) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """Batches of the lines' shape that a rank of middle stages passes on unread (the schedule cuts
+        them into microbatches for every stage)."""
+        zeros = torch.zeros(batch_size, seq_length, dtype=torch.long)
+        while True:
+            yield zeros, zeros
+
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Forward and backward of one batch through the pipeline, the gradients averaged over its
         microbatches; (its loss, its z-loss term or None without one) on every rank of the pipeline,
@@ -317,6 +336,7 @@ class Pipeline:
 
 
 def _counted(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens the loss counts."""
     return (labels != IGNORE_INDEX).sum()
 
 

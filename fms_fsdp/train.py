@@ -251,7 +251,12 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
         model.train()
         step, stopped = start, None
         # the loader's workers and the profiler stop with the loop, before the last commit
-        with closing(iter(loader)) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
+        lines = (
+            iter(loader)
+            if pipeline is None or pipeline.reads_data(model)
+            else pipeline.no_data(cfg.batch_size, cfg.seq_length)
+        )
+        with closing(lines) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
             for step in range(start + 1, cfg.num_steps + 1):
                 report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
                 try:

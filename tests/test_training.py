@@ -132,10 +132,11 @@ def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
     assert not any(r["reduced_per_micro_batch"] for r in ddp)
 
 
-def test_bf16_mixed_precision_and_compile_with_per_op_checkpointing(tmp, one_rank):
-    """bf16 trains; the blocks, checkpointed per op, compile whole (fullgraph: a graph break would fail
-    the run) into one graph shared by all four, the loss into one more, and no step after the first
-    compiles again."""
+@pytest.mark.parametrize("mode", ["op", "block"])
+def test_bf16_mixed_precision_and_compile_with_activation_checkpointing(tmp, one_rank, mode):
+    """bf16 trains; the blocks, checkpointed per op or whole, compile whole (fullgraph: a graph break
+    would fail the run) into one graph shared by all four, the loss into one more, and no step after
+    the first compiles again."""
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile fails the run
@@ -147,7 +148,7 @@ def test_bf16_mixed_precision_and_compile_with_per_op_checkpointing(tmp, one_ran
                 "--mixed_precision=True",
                 "--use_torch_compile=True",
                 "--fsdp_activation_checkpointing=True",
-                "--ac_mode=op",
+                f"--ac_mode={mode}",
                 "--document_masking=True",  # a new mask each batch: no recompile (FlexAttention: test_cuda.py)
             ],
         )

@@ -273,7 +273,7 @@ class Checkpointer:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
-            # a tensor- (and context-) parallel group reads the same data: one file
+            # a tensor- (context-) parallel group reads the same data, as do the pipeline's stages: one file
             if self.info.writes_data_state:
                 _save_file(rank_state, tmp / f"loader_state_{self.info.dp_rank}.pth")
             if self.info.is_main:

@@ -126,5 +126,23 @@ def _set(model: torch.nn.Module, state: dict[str, torch.Tensor], options: StateD
     unfused); only LoRA's adapters may be missing (they start from their init)."""
     result = set_model_state_dict(model, split_full(state, model), options=replace(options, strict=False))
     missing = [k for k in result.missing_keys if not is_adapter(k)]
-    if missing or result.unexpected_keys:
-        raise KeyError(f"missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+    unexpected = [k for k in result.unexpected_keys if not _another_stages(model, k)]
+    if missing or unexpected:
+        raise KeyError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def _another_stages(model: torch.nn.Module, key: str) -> bool:
+    """Whether `key` names a module that a pipeline rank's model leaves to other stages (pipeline.prune:
+    a block, the embedding, the final norm or the head); rank 0's whole state reaches every rank."""
+    layers = model.base_model.layers
+    if not isinstance(layers, torch.nn.ModuleDict):  # not a pipeline rank's model
+        return False
+    parts = key.split(".")
+    if parts[:2] == ["base_model", "layers"]:
+        return parts[2] not in layers
+    if parts[0] == "head":
+        return model.head is None
+    return (
+        parts[:2] in (["base_model", "embedding"], ["base_model", "dec_norm"])
+        and getattr(model.base_model, parts[1]) is None
+    )
