@@ -209,7 +209,6 @@ def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
             "an --eval_batch_size other than --batch_size (the stages take microbatches of one shape)",
             cfg.eval_batch_size not in (None, cfg.batch_size),
         ),
-        ("--export_model_at_end (export with --export_interval or fms-export-model)", cfg.export_model_at_end),
         (
             "a head tied to the embedding (the first and last stages would share it): use an untied variant",
             model_config.tie_heads,

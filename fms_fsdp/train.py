@@ -308,7 +308,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, run.paths.model_file(step), step, ExportSettings.of(cfg))
+        export_trained_model(model, run.paths.model_file(step), step, ExportSettings.of(cfg), pipeline is not None)
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=agreement_group())

@@ -29,11 +29,12 @@ Z_LOSS = "--z_loss_weight=1e-3"  # gqa_tp1, gqa_tp2 and gqa_tp2_ac: z-loss under
 CP_COMPILE = ["--use_torch_compile=True"] if context_parallel_compiles() else []
 DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with each step
 # pipeline runs (P=2) of dp2_ref's training, by schedule: GPipe resumes dp2_ref's step 2; interleaved
-# saves step 2 (resumed at P=1 and P=4) and exports step 4 from both stages; 1f1b checkpoints its blocks
+# saves step 2 (resumed at P=1 and P=4) and exports step 4 from both stages, periodically and at the
+# end; 1f1b checkpoints its blocks
 PP_SCHEDULES = {
     "gpipe": ["--pipeline_schedule=GPipe"],
     "1f1b": ["--pipeline_schedule=1F1B", "--fsdp_activation_checkpointing=True"],
-    "interleaved": ["--checkpoint_interval=2", "--export_interval=4"],
+    "interleaved": ["--checkpoint_interval=2", "--export_interval=4", "--export_model_at_end=True"],
     # a zero-bubble schedule: V-shaped where the torch runs it (compat.v_shaped_schedules_run)
     "zb": ["--pipeline_schedule=" + ("ZBVZeroBubble" if v_shaped_schedules_run() else "InterleavedZeroBubble")],
 }
@@ -450,16 +451,17 @@ def test_pipeline_schedules_take_the_steps_of_one_rank(runs):
 
 
 def test_pipeline_checkpoints_resume_at_any_size_and_export_the_whole_model(runs):
-    """P=2's step 2 goes on at P=1 and P=4, one rank's at P=2 (GPipe), on the same curve; the periodic
-    export of a P=2 run holds both stages' tensors, equal to its checkpoint."""
+    """P=2's step 2 goes on at P=1 and P=4, one rank's at P=2 (GPipe), on the same curve; a P=2 run's
+    periodic export and its export at the end hold both stages' tensors, equal to its checkpoint."""
     want = losses(runs["dp2_ref"])
     for name in ("pp2_to1", "pp2_to4", "pp2_gpipe"):
         got = losses(runs[name])
         assert sorted(got) == [3, 4] and close(got, {s: want[s] for s in got}), (name, got, want)
     saved = weights(runs["pp2_interleaved"] / "checkpoints" / "step_4_ckp")
-    exported = load_file(str(runs["pp2_interleaved"] / "exports" / "step_4" / "model.safetensors"))
-    assert exported.keys() == saved.keys() and any(k.startswith("head.") for k in saved)
-    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    for export in ("exports/step_4/model.safetensors", "model_step_4.safetensors"):  # periodic, at the end
+        exported = load_file(str(runs["pp2_interleaved"] / export))
+        assert exported.keys() == saved.keys() and any(k.startswith("head.") for k in saved)
+        assert all(torch.equal(exported[k], saved[k]) for k in saved)
 
 
 def test_evaluation_through_the_pipeline_equals_one_ranks(runs):

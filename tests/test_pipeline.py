@@ -85,7 +85,6 @@ def test_the_split_balances_the_embedding_and_head_against_the_blocks():
             "adding up to the model's 4 blocks",
         ),
         (["--pipeline_parallel_size=2", "--grad_accum_steps=2"], "does not combine with --grad_accum_steps"),
-        (["--pipeline_parallel_size=2", "--export_model_at_end=True"], "does not combine with --export_model_at_end"),
         (
             ["--pipeline_parallel_size=2", "--eval_harness_tasks=hellaswag"],
             "does not combine with --eval_harness_tasks",

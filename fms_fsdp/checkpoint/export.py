@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fms_fsdp.checkpoint.hf import write_hf_folder, write_peft_adapter
 from fms_fsdp.checkpoint.io import plain_tensor
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.reader import read_model, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import train_config
@@ -82,11 +82,19 @@ def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Op
     return target
 
 
-def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
+def export_trained_model(
+    model: CausalLM, target: Path, step: int, settings: ExportSettings, pipelined: bool = False
+) -> Path:
     """Gather the sharded model to rank 0's CPU one tensor at a time and write it there (with LoRA: the
-    merged model, and the PEFT adapter folder adapter_step_<N> next to it). Every rank calls it and
-    waits for the write: a failed one (a full disk) is one CheckpointError on every rank."""
-    full = fuse_full(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    merged model, and the PEFT adapter folder adapter_step_<N> next to it); under pipeline parallelism,
+    where a rank holds its stages only, through a DCP folder of every rank's tensors that rank 0 reads
+    whole. Every rank calls it and waits for the write: a failed one (a full disk) is one
+    CheckpointError on every rank."""
+    if pipelined:
+        full = _whole_through_folder(model, target.with_name(f".{target.name}.shards"))
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = fuse_full(get_model_state_dict(model, options=options))
 
     def write() -> None:
         write_safetensors(merged(full, settings.lora) if settings.lora else full, target, metadata={"step": str(step)})
@@ -103,6 +111,21 @@ def export_trained_model(model: CausalLM, target: Path, step: int, settings: Exp
         ),
     )
     return target
+
+
+def _whole_through_folder(model: CausalLM, shards: Path) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0 ({} elsewhere) from every rank's tensors, written to `shards` as a DCP
+    folder (as periodic exports are) and read back whole; the folder is removed."""
+    is_main = dist.get_rank() == 0
+    if is_main:
+        remove_tree(shards)
+    dist.barrier(group=agreement_group())
+    state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))}
+    dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
+    full = read_model(shards) if is_main else {}
+    if is_main:
+        remove_tree(shards)
+    return full
 
 
 def write_adapter_folder(state: dict[str, torch.Tensor], config: Any, settings: ExportSettings, target: Path) -> Path:
