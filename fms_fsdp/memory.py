@@ -248,9 +248,8 @@ class Planner:
         self.kv_width = 2 * heads * (model_config.emb_dim // model_config.nheads)
         first_block = next(n for n in tp if n.startswith("base_model.layers.")).split(".")[2]
         block = sum(math.prod(tp[n]) for n in tp if n.startswith(f"base_model.layers.{first_block}."))
-        head = sum(
-            math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head."))
-        )  # 0 off the last stage
+        # the final norm and head: none off a pipeline's last stage
+        head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
         muon = 0
         if cfg.optimizer == "muon":
