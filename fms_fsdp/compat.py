@@ -43,6 +43,7 @@ from torch.distributed._functional_collectives import (  # noqa: E402
     all_gather_tensor,
     all_gather_tensor_autograd,
     reduce_scatter_tensor,
+    wait_tensor,
 )
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: E402
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
@@ -116,14 +117,15 @@ def all_gather_autograd(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Every rank's `t` of `group`, concatenated along dim 0 (functional all_gather; no autograd)."""
-    return all_gather_tensor(t, 0, group)
+    """Every rank's `t` of `group`, concatenated along dim 0 (functional all_gather; no autograd),
+    waited for: a result dropped unwaited would leave the collective writing into freed memory."""
+    return wait_tensor(all_gather_tensor(t, 0, group))
 
 
 def reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's 1/size of `t` along dim 0, summed over `group` (functional reduce_scatter; no
-    autograd)."""
-    return reduce_scatter_tensor(t, "sum", 0, group)
+    autograd), waited for."""
+    return wait_tensor(reduce_scatter_tensor(t, "sum", 0, group))
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
