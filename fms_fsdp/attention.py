@@ -69,21 +69,19 @@ class ContextParallel:
         """This rank's part of `t` along its sequence dimension `dim`."""
         return torch.cat([t.narrow(dim, start, stop - start) for start, stop in self.chunks(t.shape[dim])], dim)
 
-    def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
-        """The whole line from every rank's part (`split`'s inverse), differentiable: the backward
-        reduce-scatters the gradient."""
+    def gather(self, local: torch.Tensor, dim: int, autograd: bool = True) -> torch.Tensor:
+        """The whole line from every rank's part (`split`'s inverse): differentiable, the backward
+        reduce-scattering the gradient; or without autograd (attention's inputs, gathered again in its
+        own backward, which `scatter`s their gradients)."""
         moved = local.movedim(dim, 0).contiguous()
-        return self._line_order(all_gather_autograd(moved, 0, self.group)).movedim(0, dim)
+        whole = all_gather_autograd(moved, 0, self.group) if autograd else all_gather_rows(moved, self.group)
+        return self._line_order(whole).movedim(0, dim)
 
-    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """`gather` along dim 0 without autograd (attention's saved inputs, gathered again in the backward)."""
-        return self._line_order(all_gather_rows(local.contiguous(), self.group))
-
-    def scatter_rows(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's part along dim 0 of `whole`, summed over the group: `gather_rows`'s backward."""
-        parts = whole.chunk(2 * self.size)
+    def scatter(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part along `dim` of `whole`, summed over the group: `gather`'s backward."""
+        parts = whole.movedim(dim, 0).chunk(2 * self.size)
         by_rank = [parts[i] for r in range(self.size) for i in (r, 2 * self.size - 1 - r)]
-        return reduce_scatter_rows(torch.cat(by_rank, 0), self.group)
+        return reduce_scatter_rows(torch.cat(by_rank, 0), self.group).movedim(0, dim)
 
     def _line_order(self, by_rank: torch.Tensor) -> torch.Tensor:
         """Rank-ordered parts along dim 0 (rank r: chunks r, 2C-1-r) in the line's order."""
@@ -116,7 +114,7 @@ class LinePlan:
         if not cfg.document_masking and context is None:
             return None
         eos = cfg.eos_token if cfg.document_masking else None
-        flex = cfg.use_torch_compile and device.type == "cuda"
+        flex = flex_documents(cfg.use_torch_compile, device.type)
         return LinePlan(eos, cfg.document_positions == "document", context, flex)
 
     def prepare(
@@ -147,6 +145,12 @@ class LinePlan:
             return x, labels, kwargs
         kwargs.update(attn_name=CONTEXT, context=cp, position_ids=cp.split(positions, 1))
         return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
+
+
+def flex_documents(compiled: bool, device_type: str) -> bool:
+    """Whether documents are masked by FlexAttention's BlockMask: where it is compiled and has a
+    backward (CUDA), else by SDPA's boolean mask."""
+    return compiled and device_type == "cuda"
 
 
 def document_block_mask(doc: torch.Tensor, queries: torch.Tensor) -> BlockMask:
@@ -215,17 +219,15 @@ def _context_compute_op(
     mask, biases = attn_kwargs.get("mask"), attn_kwargs.get("causal")
     block_mask = attn_kwargs.get("block_mask")
     if mask is None and biases is None and block_mask is None:  # the CPU: no seq^2 mask, the line's keys not kept
-        out = _LineAttention.apply(q, k, v, cp, scale_factor)
-    elif block_mask is not None:  # documents, compiled on CUDA
-        k, v = cp.gather(k, 2), cp.gather(v, 2)
+        return _LineAttention.apply(q, k, v, cp, scale_factor).transpose(2, 1).contiguous()
+    k, v = cp.gather(k, 2), cp.gather(v, 2)
+    if block_mask is not None:  # documents, compiled on CUDA
         out = flex_attention(q, k, v, block_mask=block_mask, scale=scale_factor, enable_gqa=gqa)
         assert isinstance(out, torch.Tensor)
     elif mask is not None:
-        k, v = cp.gather(k, 2), cp.gather(v, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=gqa)
     else:  # query i sees keys up to start + i: SDPA's flash kernels take this mask unmaterialised
         assert biases is not None
-        k, v = cp.gather(k, 2), cp.gather(v, 2)
         outs, offset = [], 0
         for (start, stop), causal in zip(cp.chunks(k.shape[2]), biases):
             n = stop - start
@@ -257,7 +259,7 @@ class _LineAttention(torch.autograd.Function):
         cp: ContextParallel,
         scale: Optional[float],
     ) -> torch.Tensor:
-        keys, values = _whole_line(cp, k), _whole_line(cp, v)
+        keys, values = cp.gather(k, 2, autograd=False), cp.gather(v, 2, autograd=False)
         outs, lses, offset = [], [], 0
         for start, stop in cp.chunks(keys.shape[2]):
             n = stop - start
@@ -274,7 +276,7 @@ class _LineAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
-        keys, values = _whole_line(cp, k), _whole_line(cp, v)
+        keys, values = cp.gather(k, 2, autograd=False), cp.gather(v, 2, autograd=False)
         dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
         grad, dqs, offset = grad.contiguous(), [], 0
         for start, stop in cp.chunks(keys.shape[2]):
@@ -282,13 +284,7 @@ class _LineAttention(torch.autograd.Function):
             chunk = (q[:, :, part], out[:, :, part], lse[:, :, part])
             dqs.append(_chunk_backward(grad[:, :, part], *chunk, keys, values, dk, dv, start, stop, ctx.scale))
             offset += stop - start
-        dk, dv = (cp.scatter_rows(d.movedim(2, 0)).movedim(0, 2) for d in (dk, dv))
-        return torch.cat(dqs, 2), dk, dv, None, None
-
-
-def _whole_line(cp: ContextParallel, t: torch.Tensor) -> torch.Tensor:
-    """The whole line of this rank's keys or values `t` [batch, KV heads, seq / C, dim]."""
-    return cp.gather_rows(t.movedim(2, 0)).movedim(0, 2)
+        return torch.cat(dqs, 2), cp.scatter(dk, 2), cp.scatter(dv, 2), None, None
 
 
 def _pieces(start: int, stop: int) -> list[tuple[slice, bool]]:

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 from fms.models.llama import LLaMAConfig
 
+from fms_fsdp.attention import flex_documents
 from fms_fsdp.compat import mem_tracker
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
@@ -259,8 +260,8 @@ class Planner:
                 if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
             )
         self.compute = 2 if cfg.mixed_precision else 4
-        # documents masked by FlexAttention's BlockMask (compiled, not on the CPU): no seq^2 mask
-        self._flex = cfg.use_torch_compile and cfg.device != "cpu"
+        # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
+        self._flex = flex_documents(cfg.use_torch_compile, "cpu" if cfg.device == "cpu" else "cuda")
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * (trained - muon) + 4 * muon
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP

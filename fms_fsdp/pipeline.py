@@ -274,6 +274,7 @@ class Pipeline:
         self.indices = plan.stages_of(dist.get_rank(group))
         last = plan.stages - 1
         self.parts = [StagePart(model, plan.blocks[s], s == 0, s == last) for s in self.indices]
+        self.last = next((p for p, s in zip(self.parts, self.indices) if s == last), None)  # holding the loss
         if model.head is not None:
             model.head.backward_twice = plan.schedule in ZERO_BUBBLE
         self.schedule: Any = None
@@ -308,7 +309,7 @@ class Pipeline:
         microbatches; (its loss, its z-loss term or None without one) on every rank of the pipeline,
         on the device (one all-reduce over the pipeline, no host sync)."""
         losses: list[torch.Tensor] = []
-        last = next((part for part, s in zip(self.parts, self.indices) if s == self.plan.stages - 1), None)
+        last = self.last
         if last is not None:
             last.z_losses.clear()
         self.schedule.step(tokens=tokens, labels=labels, target=labels, losses=losses)
@@ -327,7 +328,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.schedule.eval(tokens=tokens, labels=labels, target=labels, losses=losses)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.plan.stages - 1 in self.indices:
+        if self.last is not None:
             for loss, part in zip(losses, labels.tensor_split(self.plan.microbatches)):
                 total += loss.double().sum() * _counted(part)
         dist.all_reduce(total, group=self.group)

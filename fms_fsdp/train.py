@@ -100,12 +100,32 @@ def train_step(
     global_norm: bool,
     pipeline: Optional[Pipeline] = None,
 ) -> StepResult:
-    """Optimizer step `step` over grad_accum_steps micro-batches, without a host sync; `guard` judges
-    it before the update (and may leave it out). Returns the detached loss (and its z-loss term), the
-    gradient norm before clipping (global when clipping, skipping bad steps or `global_norm`, else this
+    """Optimizer step `step` over grad_accum_steps micro-batches (or, under pipeline parallelism, one
+    batch through the rank's stages: the loss reaches every stage and the gradient norm is the whole
+    model's, so every stage's guard decides alike), without a host sync; `guard` judges it before the
+    update (and may leave it out). Returns the detached loss (and its z-loss term), the gradient norm
+    before clipping (global when clipping, skipping bad steps, `global_norm` or pipelined, else this
     rank's) and the seconds spent waiting for data."""
     if pipeline is not None:
-        return _pipeline_step(model, pipeline, optimizer, guard, step, batches, device, cfg.grad_clip_thresh)
+        t = time.perf_counter()
+        inputs, labels = next(batches)
+        wait = time.perf_counter() - t
+        total, z_total = pipeline.step(to_device(inputs, device), to_device(labels, device))
+        norm = clip_gradients(model, cfg.grad_clip_thresh, True, pipeline.group)
+    else:
+        total, z_total, wait = _accumulate(model, batches, cfg, device)
+        norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
+    guard.judge(step, total, norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(total, norm, wait, z_total)
+
+
+def _accumulate(
+    model: CausalLM, batches: Batches, cfg: train_config, device: torch.device
+) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
+    """Forward and backward of grad_accum_steps micro-batches: (their mean loss, z-loss term or None,
+    the seconds spent waiting for data)."""
     total = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
     wait = 0.0
@@ -119,35 +139,7 @@ def train_step(
         total += loss.detach() / cfg.grad_accum_steps
         if z_total is not None and model.head.z_loss is not None:
             z_total += model.head.z_loss / cfg.grad_accum_steps
-    norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
-    guard.judge(step, total, norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, norm, wait, z_total)
-
-
-def _pipeline_step(
-    model: CausalLM,
-    pipeline: Pipeline,
-    optimizer: torch.optim.Optimizer,
-    guard: StepGuard,
-    step: int,
-    batches: Batches,
-    device: torch.device,
-    clip: float,
-) -> StepResult:
-    """`train_step` through the rank's pipeline stages: the batch's microbatches run by the schedule;
-    the loss reaches every stage, and the gradient norm is the whole model's, so every stage's guard
-    decides alike."""
-    t = time.perf_counter()
-    inputs, labels = next(batches)
-    wait = time.perf_counter() - t
-    loss, z_loss = pipeline.step(to_device(inputs, device), to_device(labels, device))
-    norm = clip_gradients(model, clip, True, pipeline.group)
-    guard.judge(step, loss, norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, norm, wait, z_loss)
+    return total, z_total, wait
 
 
 def out_of_memory_error(
