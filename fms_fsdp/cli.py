@@ -112,6 +112,11 @@ def quiet_library_noise() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
     logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
+    # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
+    # traceback; ft.py says what happened in one line. A live transfer's tensors come from a read-only buffer
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:

@@ -175,6 +175,32 @@ class train_config:
         "A training collective (FSDP's, the loss report, the finite check) that waits longer fails the run with one line naming the lost peer, e.g. when a node dies without closing its connections (default: torch's, 10 min for NCCL, 30 for gloo; checkpoint and rank-0 work keep 30 min).",
         min=0.05,
     )
+    fault_tolerance: bool = _f(
+        False,
+        "Train as one of --ft_replica_groups replica groups (torchft, extra ft): each group is a torchrun job sharding with FSDP2 inside; gradients are averaged across the live groups, a group that dies is dropped at the next step and one that comes back gets the weights, optimizer and its data position live from a healthy group (docs/launching.md).",
+    )
+    ft_replica_groups: Optional[int] = _f(
+        None, "--fault_tolerance: replica groups of the job (default: $NUM_REPLICA_GROUPS).", min=1
+    )
+    ft_group_index: Optional[int] = _f(
+        None, "--fault_tolerance: this group's index, 0 .. groups - 1 (default: $REPLICA_GROUP_ID).", min=0
+    )
+    ft_lighthouse: Optional[str] = _f(
+        None, "--fault_tolerance: the torchft lighthouse, host:port (default: $TORCHFT_LIGHTHOUSE)."
+    )
+    ft_min_replicas: int = _f(
+        1, "--fault_tolerance: a step commits only when at least this many groups took part.", min=1
+    )
+    ft_timeout_seconds: float = _f(
+        60.0,
+        "--fault_tolerance: how long a cross-group collective, the quorum or a live transfer may wait before the step is given up and retried with the groups still alive.",
+        min=1.0,
+    )
+    ft_step_timeout_seconds: float = _f(
+        600.0,
+        "--fault_tolerance: the watchdog: a group whose step (after its first) makes no progress for this long exits, so that the lighthouse drops it instead of the other groups waiting on a hung one (0: off).",
+        min=0.0,
+    )
     low_cpu_fsdp: bool = _f(False, "Build the model on the meta device; each rank materialises only its shard.")
     use_torch_compile: bool = _f(True, "torch.compile each transformer block.")
 

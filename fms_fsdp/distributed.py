@@ -64,6 +64,8 @@ class DistInfo:
     tp: int
     cp: int = 1
     pp: int = 1
+    ft_groups: int = 1  # --fault_tolerance: the job's replica groups, each a torchrun world of its own
+    ft_group: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -82,6 +84,16 @@ class DistInfo:
     @property
     def dp_size(self) -> int:
         return self.world_size // self.same_data
+
+    @property
+    def data_rank(self) -> int:
+        """The training loader's rank: the data-parallel rank, past those of the lower replica groups
+        (--fault_tolerance; evaluation and checkpoints stay inside the group)."""
+        return self.ft_group * self.dp_size + self.dp_rank
+
+    @property
+    def data_size(self) -> int:
+        return self.ft_groups * self.dp_size
 
     @property
     def first_stage(self) -> bool:

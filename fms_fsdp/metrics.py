@@ -99,16 +99,18 @@ class MetricsReporter:
         data_wait_s: float,
         kept: Optional[torch.Tensor] = None,
         z_loss: Optional[torch.Tensor] = None,
+        replicas: int = 1,
     ) -> None:
         """Record one optimizer step's loss (a detached scalar; no device sync), its z-loss term if any,
-        and data wait; a step `kept` false (skipped by --skip_bad_steps) is left out of the reported loss."""
+        and data wait; a step `kept` false (skipped by --skip_bad_steps) is left out of the reported loss.
+        `replicas`: the replica groups that trained the step (--fault_tolerance), counted in tokens_seen."""
         self.loss_sum += loss
         if z_loss is not None:
             self.z_loss_sum = z_loss if self.z_loss_sum is None else self.z_loss_sum + z_loss
         self.kept_loss_sum += loss if kept is None else torch.where(kept, loss, 0.0)
         self.kept_steps += 1 if kept is None else kept
         self.steps += 1
-        self.tokens_seen += round(self.tokens_per_step * self.info.world_size)
+        self.tokens_seen += round(self.tokens_per_step * self.info.world_size * replicas)
         self.data_wait += data_wait_s
         if self.bar is not None:
             self.bar.update(1)
@@ -130,11 +132,17 @@ class MetricsReporter:
         self.paused += seconds
 
     def report(
-        self, step: int, lr: float, grad_norm: Optional[torch.Tensor], skipped_steps: Optional[int] = None
+        self,
+        step: int,
+        lr: float,
+        grad_norm: Optional[torch.Tensor],
+        skipped_steps: Optional[int] = None,
+        extra: Optional[dict[str, Any]] = None,
     ) -> dict[str, Any]:
         """Reduce the interval's figures over ranks; rank 0 prints them and appends them to
         metrics.jsonl. `grad_norm`: the global norm of this step, if known; `skipped_steps`: steps of
-        the interval left out by --skip_bad_steps. Every rank must call it (it all-reduces)."""
+        the interval left out by --skip_bad_steps; `extra`: figures of the interval to add (those of
+        --fault_tolerance). Every rank must call it (it all-reduces)."""
         z_sum = self.z_loss_sum if self.z_loss_sum is not None else torch.zeros((), device=self.device)
         sums = torch.stack([self.loss_sum, self.kept_loss_sum, z_sum])
         dist.all_reduce(sums)  # gloo has no AVG; every rank kept the same steps
@@ -186,6 +194,7 @@ class MetricsReporter:
             record["peak_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         else:
             record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        record.update(extra or {})
         if self.info.is_main:
             self._emit(record)
             if self.checkpoint_stall is not None:  # the record of the checkpoint's step too
@@ -332,4 +341,9 @@ def format_record(r: dict[str, Any]) -> str:
         parts.append(f"ckpt_stall {r['checkpoint_stall_s']:.2f}s")
     if "export_s" in r:
         parts.append(f"export {r['export_s']:.2f}s")
+    if "ft_groups" in r:
+        parts.append(
+            f"groups {r['ft_groups']}"
+            + (f" (retried {r['ft_retries']}: {r['ft_retry_s']:.2f}s)" if r["ft_retries"] else "")
+        )
     return " | ".join(parts)

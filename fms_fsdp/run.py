@@ -33,6 +33,7 @@ from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
 from fms_fsdp.float8 import check_float8
+from fms_fsdp.ft import FTSettings, check_fault_tolerance
 from fms_fsdp.harness import check_harness
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
@@ -54,8 +55,11 @@ class Paths:
     root: Path
 
     @staticmethod
-    def of(ckpt_save_path: str) -> "Paths":
-        return Paths(location(ckpt_save_path, "ckpt_save_path"))
+    def of(ckpt_save_path: str, ft_group: Optional[int] = None) -> "Paths":
+        """--ckpt_save_path, or under --fault_tolerance its group_<i> folder: each replica group is a run
+        of its own there (lease, checkpoints, metrics)."""
+        root = location(ckpt_save_path, "ckpt_save_path")
+        return Paths(root if ft_group is None else root / f"group_{ft_group}")
 
     @property
     def checkpoints(self) -> Path:
@@ -89,12 +93,13 @@ class Run:
     notes: tuple[str, ...] = ()  # start-up notes for rank 0's log (how raw text is framed)
     mesh: Optional[DeviceMesh] = None  # once the process group is up (`started`)
     pipeline: Optional[PipelinePlan] = None  # --pipeline_parallel_size > 1
+    ft: Optional[FTSettings] = None  # --fault_tolerance
 
     @cached_property
     def paths(self) -> Paths:
         """Resolved at first use: a dry run or an evaluation, which write nothing there, need no
         object-storage package for an s3:// --ckpt_save_path."""
-        return Paths.of(self.cfg.ckpt_save_path)
+        return Paths.of(self.cfg.ckpt_save_path, None if self.ft is None else self.ft.index)
 
     @property
     def vocab_size(self) -> int:
@@ -159,8 +164,10 @@ def facts(cfg: train_config) -> Run:
             f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions: the model "
             f"trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
-    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp)
-    return Run(cfg, info, shape, model_config, notes, pipeline=pipeline)
+    ft = check_fault_tolerance(cfg, shape, world_size)
+    groups = (ft.groups, ft.index) if ft is not None else (1, 0)
+    info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
+    return Run(cfg, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
 
 
 def with_mesh(run: Run) -> Run:

@@ -33,6 +33,7 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
+from fms_fsdp.ft import FaultTolerance, Replay
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.lease import RunLease
@@ -99,13 +100,15 @@ def train_step(
     device: torch.device,
     global_norm: bool,
     pipeline: Optional[Pipeline] = None,
-) -> StepResult:
+    ft: Optional[FaultTolerance] = None,
+) -> Optional[StepResult]:
     """Optimizer step `step` over grad_accum_steps micro-batches (or, under pipeline parallelism, one
     batch through the rank's stages: the loss reaches every stage and the gradient norm is the whole
     model's, so every stage's guard decides alike), without a host sync; `guard` judges it before the
     update (and may leave it out). Returns the detached loss (and its z-loss term), the gradient norm
     before clipping (global when clipping, skipping bad steps, `global_norm` or pipelined, else this
-    rank's) and the seconds spent waiting for data."""
+    rank's) and the seconds spent waiting for data. Under --fault_tolerance, None when the step did not
+    commit (a replica group was lost in it): nothing was updated."""
     if pipeline is not None:
         t = time.perf_counter()
         inputs, labels = next(batches)
@@ -115,6 +118,9 @@ def train_step(
     else:
         total, z_total, wait = _accumulate(model, batches, cfg, device)
         norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
+    if ft is not None and not ft.commit():
+        optimizer.zero_grad(set_to_none=True)
+        return None
     guard.judge(step, total, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -140,6 +146,12 @@ def _accumulate(
         if z_total is not None and model.head.z_loss is not None:
             z_total += model.head.z_loss / cfg.grad_accum_steps
     return total, z_total, wait
+
+
+def _fingerprint(run: Run) -> str:
+    """What every replica group must share (--fault_tolerance): the model, the mesh and the batch."""
+    cfg = run.cfg
+    return f"{run.model_config}|{run.shape}|{cfg.batch_size}x{cfg.seq_length}x{cfg.grad_accum_steps}|{cfg.optimizer}"
 
 
 def out_of_memory_error(
@@ -212,17 +224,25 @@ def write_run_config(run: Run) -> None:
 
 def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
     cfg, info = run.cfg, run.info
-    loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)  # bad data fails here, before the model
+    loader = get_data_loader(
+        cfg, info.data_rank, info.data_size, run.vocab_size
+    )  # bad data fails here, before the model
     evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
     model, pipeline = build_stages(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     records: list[dict[str, Any]] = []
     with ExitStack() as stack:  # closed on the way out, an exception too
-        checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease)
+        ft = None
+        if run.ft is not None:
+            ft = FaultTolerance(run.ft, model, optimizer, scheduler, loader, _fingerprint(run), info.device, run.log)
+            stack.callback(ft.close)
+        checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
         stack.callback(checkpointer.release)
         exporter = PeriodicExporter(run, model)
         stack.callback(exporter.release)
         start, tokens_seen = checkpointer.start()
+        if ft is not None:
+            ft.resumed(start, tokens_seen)
         on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
         if start >= cfg.num_steps:
             run.log(
@@ -243,21 +263,44 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
         model.train()
         step, stopped = start, None
         # the loader's workers and the profiler stop with the loop, before the last commit
-        lines = (
-            iter(loader)
+        lines: Any = (
+            Replay(loader)  # a step that does not commit runs again on its batches
+            if ft is not None
+            else iter(loader)
             if pipeline is None or pipeline.reads_data(model)
             else pipeline.no_data(cfg.batch_size, cfg.seq_length)
         )
         with closing(lines) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
-            for step in range(start + 1, cfg.num_steps + 1):
+            step = start
+            while step < cfg.num_steps:
+                if ft is not None:
+                    healed = ft.begin(step + 1)  # the quorum; a group behind the others loads the live state
+                    if healed is not None:
+                        step, reporter.tokens_seen = healed.step, healed.tokens_seen
+                        batches.restart()  # from the group's own position, loaded with the state
+                        if step >= cfg.num_steps:
+                            break
+                step += 1
                 report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
+                attempt = time.perf_counter()
                 try:
-                    done = train_step(model, optimizer, guard, step, batches, cfg, info.device, report_step, pipeline)
+                    done = train_step(
+                        model, optimizer, guard, step, batches, cfg, info.device, report_step, pipeline, ft
+                    )
                 except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
                     raise out_of_memory_error(step, e, cfg, info.device) from None
+                if done is None:  # --fault_tolerance: not committed; the same batches again, with the live groups
+                    assert ft is not None
+                    ft.failed_attempt(time.perf_counter() - attempt)
+                    batches.again()
+                    step -= 1
+                    continue
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
-                reporter.step_done(done.loss, done.data_wait, guard.kept, done.z_loss)
+                reporter.step_done(done.loss, done.data_wait, guard.kept, done.z_loss, len(ft.present) if ft else 1)
+                if ft is not None:
+                    batches.committed()
+                    ft.publish(step, reporter.tokens_seen)
                 boundary = triggers.poll(step, writing=checkpointer.writing())
                 if boundary.written:
                     checkpointer.commit_pending()
@@ -270,7 +313,8 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 if report_step or boundary.stop:  # before the commit: a checkpoint's step has its record
                     global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
                     skipped = guard.skipped_since_report() if guard.skipping else None
-                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped))
+                    extra = ft.report() if ft is not None else None
+                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped, extra))
                 if boundary.save:
                     commit_s = checkpointer.commit_written()
                     reporter.paused_for(commit_s)

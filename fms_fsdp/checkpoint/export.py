@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.checkpoint.hf import write_hf_folder, write_peft_adapter
-from fms_fsdp.checkpoint.io import plain_tensor
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter

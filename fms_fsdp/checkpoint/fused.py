@@ -27,10 +27,28 @@ from fms_fsdp.compat import (
     ShardMetadata,
     TensorProperties,
     local_shape_and_offset_at,
+    local_tensor,
 )
 from fms_fsdp.models import fused_parts
 
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict tensor as checkpoints hold it: a wrapper subclass (the weights of float8 training
+    with float8 all-gather) becomes the plain tensor it wraps, sharing its storage, so a checkpoint is
+    the same with and without float8 and loads into either."""
+    if isinstance(value, DTensor):
+        local = plain_tensor(local_tensor(value))
+        if local is local_tensor(value):
+            return value
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return getattr(value, names[0])
+    return value
 
 
 def fuse(state: dict[str, Any]) -> dict[str, Any]:

@@ -22,17 +22,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
-from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
+from fms_fsdp.checkpoint.fused import fuse, fused_groups, plain_tensor, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import (
     commit,
     complete_checkpoints,
@@ -46,7 +45,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import damage, root_cause, safe_reader, storage_writer, unreadable
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.checkpoint.writer import BackgroundWriter
-from fms_fsdp.compat import local_tensor, tree_map_only
+from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
@@ -55,28 +54,14 @@ from fms_fsdp.optim import keep_kernels
 from fms_fsdp.run import Run
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
 
+if TYPE_CHECKING:
+    from fms_fsdp.ft import FaultTolerance
+
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
 _SAVE_ERRORS = (Exception, dcp.CheckpointException)
 _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
 _LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
-
-
-def plain_tensor(value: torch.Tensor) -> torch.Tensor:
-    """A state-dict tensor as checkpoints hold it: a wrapper subclass (the weights of float8 training
-    with float8 all-gather) becomes the plain tensor it wraps, sharing its storage, so a checkpoint is
-    the same with and without float8 and loads into either."""
-    if isinstance(value, DTensor):
-        local = plain_tensor(local_tensor(value))
-        if local is local_tensor(value):
-            return value
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
-    if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
-        names, _ = value.__tensor_flatten__()
-        return getattr(value, names[0])
-    return value
 
 
 @dataclass(frozen=True)
@@ -135,10 +120,12 @@ class Checkpointer:
         scheduler: Any,
         loader: Any,
         lease: Optional[RunLease] = None,
+        ft: Optional[FaultTolerance] = None,
     ):
         self.run, self.info, self.settings = run, run.info, CheckpointSettings.of(run.cfg)
         self.lease = lease  # confirmed (on rank 0) before each save
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.ft = ft  # --fault_tolerance: every group's data position is kept with this rank's
         self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.scores: dict[int, float] = {}  # --checkpoint_monitor by step (rank 0; --checkpoint_keep_best)
@@ -271,6 +258,8 @@ class Checkpointer:
         error: Optional[Exception] = None
         try:
             rank_state = {"loader": _to_torch(self.loader.state_dict()), "rng": torch.get_rng_state()}
+            if self.ft is not None:
+                rank_state["ft"] = self.ft.state_dict()
             if self.info.device.type == "cuda":
                 rank_state["cuda_rng"] = torch.cuda.get_rng_state(self.info.device)
             # a tensor- (context-) parallel group reads the same data, as do the pipeline's stages: one file
@@ -422,9 +411,15 @@ class Checkpointer:
         self.scheduler.load_state_dict(meta["scheduler"])
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [_load_file(p) for p in ranks]
-        self.loader.load_state_dict([r["loader"] for r in rank_states])  # every rank's: any world size
+        loaders = [r["loader"] for r in rank_states]  # every rank's: any world size
+        if self.ft is not None and len(loaders) == self.info.dp_size:  # a replica group's own ranks
+            self.loader.load_state_dict(loaders[self.info.dp_rank])
+        else:
+            self.loader.load_state_dict(loaders)
         if len(rank_states) == self.info.dp_size:
             mine = rank_states[self.info.dp_rank]
+            if self.ft is not None and "ft" in mine:
+                self.ft.load_state_dict(mine["ft"])
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)

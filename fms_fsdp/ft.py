@@ -1,0 +1,459 @@
+"""Fault tolerance across replica groups (--fault_tolerance), on torchft: its lighthouse decides each
+step's quorum of live groups, its Manager averages gradients across them and carries a healthy group's
+state to one that comes back; no quorum or recovery protocol of our own.
+
+Each replica group is an ordinary torchrun job that shards with FSDP2 (and TP, CP) inside. FSDP's
+all-reduce hook averages every unit's reduce-scattered gradient shard with the same rank of the other
+live groups (torchtitan's choice), so a group is HSDP's replicate dimension that may lose and regain
+members. A step (`begin`, forward and backward, `commit`):
+
+- `begin` asks for the quorum (synchronously: a group that comes back loads the live state before its
+  forward, and nothing else runs while torchft's thread serves the state, which the training thread
+  built) and checks that every live group runs the same model and mesh (a fingerprint);
+- `commit` exchanges every group's data position with the other live groups (their loader states, in
+  the same step as the gradients they produced) and asks torchft whether the step commits: it does
+  not when a collective failed (a group died) or fewer than --ft_min_replicas groups took part; the
+  loop then runs the same batches again with the groups still alive (`Replay`).
+
+A group that comes back heals from a live one: model and optimizer (this rank's shards), scheduler,
+step, tokens and the table of every group's last committed data position, from which it takes its own:
+no sample is lost or repeated. A group with no live peer resumes from its own checkpoints
+(<ckpt_save_path>/group_<i>). A watchdog ends a group whose step hangs, so that the lighthouse drops it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fms_fsdp.checkpoint.fused import plain_tensor
+from fms_fsdp.compat import local_tensor, tree_map_only
+from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError, TrainingError, first_line
+from fms_fsdp.parallel import MeshShape
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+QUORUM_RETRIES = 3  # torchft's own retries of a quorum request to the lighthouse (a brief network failure)
+
+
+@dataclass(frozen=True)
+class FTSettings:
+    """--fault_tolerance's flags, the environment filled in (torchft's and torchx's variables)."""
+
+    groups: int
+    index: int
+    lighthouse: str  # http://host:port
+    min_replicas: int
+    timeout: timedelta
+    step_timeout: float  # seconds; 0: no watchdog
+
+    @staticmethod
+    def of(cfg: train_config) -> Optional["FTSettings"]:
+        """None without --fault_tolerance; ConfigError naming the flag when one is missing or wrong."""
+        if not cfg.fault_tolerance:
+            return None
+        groups = _flag_or_env(cfg.ft_replica_groups, "ft_replica_groups", "NUM_REPLICA_GROUPS")
+        index = _flag_or_env(cfg.ft_group_index, "ft_group_index", "REPLICA_GROUP_ID")
+        if index >= groups:
+            raise ConfigError(f"--ft_group_index={index} must be below --ft_replica_groups={groups}")
+        if cfg.ft_min_replicas > groups:
+            raise ConfigError(
+                f"--ft_min_replicas={cfg.ft_min_replicas} is more than the {groups} replica groups "
+                "(--ft_replica_groups): no step could ever commit"
+            )
+        lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ConfigError(
+                "--fault_tolerance needs the lighthouse: --ft_lighthouse=host:port or $TORCHFT_LIGHTHOUSE"
+            )
+        if "://" not in lighthouse:
+            lighthouse = "http://" + lighthouse
+        return FTSettings(
+            groups,
+            index,
+            lighthouse,
+            cfg.ft_min_replicas,
+            timedelta(seconds=cfg.ft_timeout_seconds),
+            cfg.ft_step_timeout_seconds,
+        )
+
+
+def _flag_or_env(value: Optional[int], flag: str, env: str) -> int:
+    if value is not None:
+        return value
+    text = os.environ.get(env)
+    if text is None or not text.isdigit():
+        raise ConfigError(f"--fault_tolerance needs --{flag} (or ${env})" + (f"; ${env}={text!r}" if text else ""))
+    return int(text)
+
+
+def check_fault_tolerance(cfg: train_config, shape: MeshShape, world_size: int) -> Optional[FTSettings]:
+    """The settings of --fault_tolerance (None without it), after its start-up checks: torchft
+    installed, FSDP inside the group, no pipeline, a lighthouse that answers (waited for up to
+    --ft_timeout_seconds: the launcher may be starting it)."""
+    settings = FTSettings.of(cfg)
+    if settings is None or cfg.dry_run:
+        return settings
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError("--fault_tolerance needs torchft: pip install 'torchft==0.2.0' (extra ft)") from None
+    if shape.pp > 1:
+        raise ConfigError("--fault_tolerance does not run with --pipeline_parallel_size > 1 yet")
+    if shape.replicate > 1 or world_size < 2 or cfg.sharding_strategy == "ddp":
+        raise ConfigError(
+            "--fault_tolerance replicates across groups: each group shards with FSDP over its own ranks "
+            f"(at least 2; this group has {world_size}, mesh {dict(shape.dims())}): "
+            "use --sharding_strategy=fsdp, and one group per node or more"
+        )
+    wait_for_lighthouse(settings)
+    return settings
+
+
+def wait_for_lighthouse(settings: FTSettings) -> None:
+    """ConfigError when nothing answers at the lighthouse's address within --ft_timeout_seconds."""
+    address, seconds = settings.lighthouse, settings.timeout.total_seconds()
+    host, _, port = address.split("://", 1)[1].rstrip("/").rpartition(":")
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except (OSError, ValueError) as e:
+            if isinstance(e, ValueError) or time.monotonic() > deadline:
+                raise ConfigError(
+                    f"--ft_lighthouse={address}: nothing answers there after {seconds:g} s ({type(e).__name__}); "
+                    "start it with `torchft_lighthouse --min_replicas 1 --bind [::]:PORT` "
+                    "(scripts/train_ft.sh does)"
+                ) from None
+        time.sleep(0.5)
+
+
+class Replay:
+    """The loader's batches, each step's kept until it commits: a step that did not commit runs again
+    on the same batches (`again`), and after a live load the loader is read from its new position
+    (`restart`)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        self.it: Iterator[Batch] = iter(loader)
+        self.kept: list[Batch] = []
+        self.next = 0
+
+    def __iter__(self) -> "Replay":
+        return self
+
+    def __next__(self) -> Batch:
+        if self.next == len(self.kept):
+            self.kept.append(next(self.it))
+        self.next += 1
+        return self.kept[self.next - 1]
+
+    def committed(self) -> None:
+        self.kept, self.next = [], 0
+
+    def again(self) -> None:
+        self.next = 0
+
+    def restart(self) -> None:
+        self.close()
+        self.it, self.kept, self.next = iter(self.loader), [], 0
+
+    def close(self) -> None:
+        close = getattr(self.it, "close", None)
+        if close is not None:
+            close()
+
+
+class Watchdog:
+    """Ends the process when a step makes no progress for `seconds`: a hung group still heartbeats to
+    the lighthouse from torchft's own thread, so only its exit lets the others drop it."""
+
+    def __init__(self, seconds: float, say: Callable[[str], None]):
+        self.seconds, self.say = seconds, say
+        self.deadline: Optional[float] = None
+        self.step = 0
+        self.lock = threading.Lock()
+        if seconds > 0:
+            threading.Thread(target=self._watch, daemon=True, name="ft-watchdog").start()
+
+    def arm(self, step: int) -> None:
+        with self.lock:
+            self.step, self.deadline = step, time.monotonic() + self.seconds
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            with self.lock:
+                late = self.deadline is not None and time.monotonic() > self.deadline
+            if late:
+                self.say(
+                    f"error: --fault_tolerance: step {self.step} made no progress in {self.seconds:g} s "
+                    "(--ft_step_timeout_seconds); this group exits so that the others drop it"
+                )
+                os._exit(1)
+
+
+@dataclass
+class Healed:
+    """A live state loaded from a healthy group: the step and tokens to go on from."""
+
+    step: int
+    tokens_seen: int
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A state tensor as this rank holds it: its plain local shard (what a live transfer carries)."""
+    t = plain_tensor(t)
+    return local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def _copy_into(mine: Any, theirs: Any) -> None:
+    """Copy every tensor of `theirs` into the same place of `mine` (the same structure)."""
+    if isinstance(mine, torch.Tensor):
+        mine.copy_(theirs)
+    elif isinstance(mine, dict):
+        for key, value in mine.items():
+            _copy_into(value, theirs[key])
+    elif isinstance(mine, (list, tuple)):
+        for a, b in zip(mine, theirs):
+            _copy_into(a, b)
+
+
+class FaultTolerance:
+    """The group's torchft Manager and what the loop asks of it (see the module's docstring)."""
+
+    def __init__(
+        self,
+        settings: FTSettings,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loader: Any,
+        fingerprint: str,
+        device: torch.device,
+        say: Callable[[str], None],
+    ):
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.settings, self.device, self.say = settings, device, say
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.fingerprint = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "big") + 1
+        self.table: dict[int, bytes] = {}  # group -> its loader state at its last committed step
+        self.present: list[int] = []  # the groups of the current step
+        self.retries, self.retry_s = 0, 0.0
+        self.healed: Optional[Healed] = None
+        self.step = self.first_step = 0
+        self._tensors: Optional[dict[str, Any]] = None
+        self._live: dict[str, Any] = {}
+        pg = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=settings.timeout)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self._load_live,
+            state_dict=lambda: self._live,  # built on the training thread (see publish)
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,
+            timeout=settings.timeout,
+            quorum_timeout=settings.timeout,
+            connect_timeout=settings.timeout,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=f"group_{settings.index}",
+            init_sync=False,  # every group draws the same weights from --seed (or loads the same file)
+            quorum_retries=QUORUM_RETRIES,
+        )
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self._average)
+        self.watchdog = Watchdog(settings.step_timeout, say)
+
+    def _average(self, shard: torch.Tensor) -> None:
+        """FSDP's hook: average a unit's reduce-scattered gradient shard over the live groups."""
+        self.manager.allreduce(shard).wait()
+
+    # ---------------------------------------------------------------- start, state
+
+    def resumed(self, step: int, tokens_seen: int) -> None:
+        """The step the group starts from (its checkpoint's, or 0): torchft counts steps from it."""
+        self.step = self.first_step = step
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._tensors = None  # built once the optimizer has its state (see publish)
+        self.publish(step, tokens_seen)
+
+    def _own_tensors(self) -> dict[str, Any]:
+        """References to this rank's shards of the model and the optimizer's state (made, at a step of
+        learning rate 0, when the optimizer has none yet: only to be loaded into, as that step counts)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return tree_map_only(torch.Tensor, _local, {"model": model_sd, "optimizer": optim_sd["state"]})
+
+    def publish(self, step: int, tokens_seen: int) -> None:
+        """The state a group that comes back would get, built here on the training thread after a
+        committed step: references to this rank's shards (updated in place by the optimizer, read by
+        torchft's thread only between quorum and commit, when nothing writes them) and copies of the
+        small rest."""
+        self.step = step
+        if self._tensors is None and self.optimizer.state:
+            self._tensors = self._own_tensors()
+        self._live = {
+            "tensors": self._tensors,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "scheduler": self.scheduler.state_dict(),
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "table": dict(self.table),
+            "fingerprint": self.fingerprint,
+        }
+
+    def _load_live(self, state: dict[str, Any]) -> None:
+        """torchft's load (on the training thread, in `begin`): a healthy group's state."""
+        if state["fingerprint"] != self.fingerprint:
+            raise ConfigError(self._differs("the group it heals from"))
+        if self._tensors is None:
+            self._tensors = self._own_tensors()
+        _copy_into(self._tensors, state["tensors"])
+        for group, theirs in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(theirs)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.table = dict(state["table"])
+        own = self.table.get(self.settings.index)
+        if own is not None:
+            self.loader.load_state_dict(pickle.loads(own))
+        self.healed = Healed(int(state["step"]), int(state["tokens_seen"]))
+        self.publish(self.healed.step, self.healed.tokens_seen)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: every group's data position (a group resumed from an older checkpoint
+        heals its position from a group's table)."""
+        return {"table": {g: torch.frombuffer(bytearray(b), dtype=torch.uint8) for g, b in self.table.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.table = {int(g): t.numpy().tobytes() for g, t in state["table"].items()}
+
+    # ---------------------------------------------------------------- step
+
+    def begin(self, step: int) -> Optional[Healed]:
+        """Before step `step`'s forward: the quorum (a group behind the others loads the live state
+        here: returned; the first step of a fresh job waits up to --ft_timeout_seconds for every
+        group), then every live group's fingerprint; the watchdog is armed from the second step of
+        this process (the first compiles)."""
+        if self.step > self.first_step:
+            self.watchdog.arm(step)
+        self.healed = None
+        self._quorum()
+        if self.step == 0 and not self.present:  # a fresh job: every group from its first step
+            deadline = time.monotonic() + self.settings.timeout.total_seconds()
+            while self.manager.num_participants() < self.settings.groups and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self._quorum()
+        healed = self.healed
+        if healed is not None:
+            self.say(
+                f"ft: group {self.settings.index} healed from a live group at step {healed.step}: weights, "
+                "optimizer and its data position"
+            )
+            self.step = healed.step
+        self._check_groups(self.step + 1)
+        return healed
+
+    def _quorum(self) -> None:
+        """torchft's quorum (its requests to the lighthouse retried QUORUM_RETRIES times); TrainingError
+        in one line when there is none within --ft_timeout_seconds."""
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the quorum's RPC raises what its transport raised
+            raise TrainingError(
+                f"--fault_tolerance: no quorum from the lighthouse {self.settings.lighthouse} within "
+                f"{self.settings.timeout.total_seconds():g} s ({first_line(e)}): is it running? Started again, this "
+                "group resumes from its checkpoint or heals from a live group"
+            ) from None
+
+    def _check_groups(self, step: int) -> None:
+        """Which groups take part in `step`, agreed over the live groups; ConfigError when one runs
+        another model or mesh (the group differing from the lowest-numbered one raises)."""
+        seen = torch.zeros(self.settings.groups, dtype=torch.int64)
+        seen[self.settings.index] = self.fingerprint
+        seen = self._sum(seen)
+        if self.manager.errored() or seen is None:
+            return
+        present = [g for g in range(self.settings.groups) if seen[g] != 0]
+        first = present[0]
+        if self.settings.index != first and int(seen[first]) != self.fingerprint:
+            raise ConfigError(self._differs(f"group {first}"))
+        if self.present and present != self.present:
+            gone = sorted(set(self.present) - set(present))
+            came = sorted(set(present) - set(self.present))
+            change = "; ".join(
+                [f"group {', '.join(map(str, gone))} dropped"] * bool(gone)
+                + [f"group {', '.join(map(str, came))} joined"] * bool(came)
+            )
+            self.say(f"ft: step {step}: {change}: {len(present)} of {self.settings.groups} groups train on")
+        self.present = present
+
+    def _differs(self, other: str) -> str:
+        return (
+            f"--fault_tolerance: group {self.settings.index} runs another model or mesh than {other}: every "
+            "group must run the same flags (model variant, world size, parallelism, batch) — compare their config.yaml"
+        )
+
+    def _sum(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """`t` summed over the live groups (on the host), or None when a collective failed."""
+        out = t.to(self.device)
+        self.manager.allreduce(out, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        return None if self.manager.errored() else out.cpu()
+
+    def commit(self) -> bool:
+        """After backward: exchange the groups' data positions after this step (this rank's loader
+        state), then torchft's decision; the table keeps the positions of a committed step."""
+        blob = pickle.dumps(self.loader.state_dict())
+        sizes = torch.zeros(self.settings.groups, dtype=torch.int64)
+        sizes[self.settings.index] = len(blob)
+        every = self._sum(sizes)
+        blobs = None
+        if every is not None:
+            data = torch.zeros(self.settings.groups, int(every.max()), dtype=torch.uint8)
+            data[self.settings.index, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            blobs = self._sum(data)
+        ok = self.manager.should_commit()
+        if ok and blobs is not None:
+            for g in range(self.settings.groups):
+                if every is not None and every[g]:
+                    self.table[g] = blobs[g, : int(every[g])].numpy().tobytes()
+        self.watchdog.disarm()
+        return ok
+
+    def failed_attempt(self, seconds: float) -> None:
+        """A step that did not commit, and the seconds it cost (reported with the interval)."""
+        self.retries += 1
+        self.retry_s += seconds
+        error = self.manager.errored()
+        self.say(
+            f"ft: step {self.step + 1} did not commit ({len(self.present)} groups took part, "
+            f"{first_line(error) if error else 'fewer than --ft_min_replicas'}); run again with the live groups"
+        )
+
+    def report(self) -> dict[str, Any]:
+        """The interval's figures for the metrics record: the groups of the last step, the steps that
+        did not commit and their seconds."""
+        record = {"ft_groups": len(self.present), "ft_retries": self.retries, "ft_retry_s": round(self.retry_s, 3)}
+        self.retries, self.retry_s = 0, 0.0
+        return record
+
+    def close(self) -> None:
+        self.watchdog.disarm()
+        self.manager.shutdown(wait=False)
