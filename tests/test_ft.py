@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -75,21 +75,21 @@ def until(condition: Callable[[], bool], what: str, timeout: float = 90) -> None
         time.sleep(0.1)
 
 
-@pytest.fixture
-def lighthouse():
-    """A lighthouse that drops a group after 1 s without a heartbeat; its address."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(LIGHTHOUSE),
-            "--min_replicas=1",
-            f"--bind=[::]:{port}",
-            "--heartbeat_timeout_ms=1000",
-            "--join_timeout_ms=1000",
-        ],
+def start_lighthouse(port: int) -> subprocess.Popen:
+    """A lighthouse that drops a group after 1 s without a heartbeat."""
+    return subprocess.Popen(
+        [str(LIGHTHOUSE), "--min_replicas=1", f"--bind=[::]:{port}", "--heartbeat_timeout_ms=1000"]
+        + ["--join_timeout_ms=1000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+@pytest.fixture(scope="module")
+def lighthouse():
+    """A lighthouse of this module's tests; its address."""
+    port = free_port()
+    proc = start_lighthouse(port)
     yield f"127.0.0.1:{port}"
     proc.kill()
     proc.wait()
@@ -105,27 +105,20 @@ def reported(folder: Path) -> int:
     return path.read_text().count('"step"') if path.exists() else 0
 
 
-def test_a_killed_group_is_dropped_and_heals_live_on_return(tmp_path, lighthouse):
-    """Group 1 is SIGKILLed after step 6 (its last checkpoint: step 4) and started again: group 0 never
-    stops (its steps go on, 1 group, the stall reported), group 1 heals from it at a later step with
-    its own data position (its loader has taken exactly the batches of the steps it committed), and
-    from then on both groups hold bit-equal weights and optimizer state (the same checkpoint files).
-    Before the kill, the two groups train as one rank with the same global batch (HSDP's math)."""
-    out = tmp_path / "run"
-    args = [
-        *FT,
-        f"--ft_lighthouse={lighthouse}",
-        "--num_steps=100000",
-        "--checkpoint_interval=4",
-        "--checkpoint_keep=100",
-    ]
-    args += [f"--ckpt_save_path={out}"]
-    first, second = Group(0, args, tmp_path, "g0"), Group(1, args, tmp_path, "g1")
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory, lighthouse) -> dict[str, Any]:
+    """Two groups; group 1 SIGKILLed after step 6 (its last checkpoint: step 4) and started again with
+    the same command; both stopped (SIGTERM) once they wrote a checkpoint after the heal."""
+    tmp = tmp_path_factory.mktemp("ft")
+    out = tmp / "run"
+    args = [*FT, "--num_steps=100000", "--checkpoint_interval=4", "--checkpoint_keep=100", f"--ckpt_save_path={out}"]
+    args_here = [*args, f"--ft_lighthouse={lighthouse}"]
+    first, second = Group(0, args_here, tmp, "g0"), Group(1, args_here, tmp, "g1")
     until(lambda: reported(out / "group_1") >= 6, "step 6")
     second.signal(signal.SIGKILL)
     second.wait()
     killed_at = steps_of(out / "group_1")[-1]
-    again = Group(1, args, tmp_path, "g1b")
+    again = Group(1, args_here, tmp, "g1b")
     until(lambda: "healed from a live group" in again.output(), "the heal")
     healed_at = int(re.search(r"healed from a live group at step (\d+)", again.output()).group(1))
     common = (healed_at // 4 + 1) * 4  # the first checkpoint both groups write after the heal
@@ -134,8 +127,25 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(tmp_path, lighthouse
     first.signal(signal.SIGTERM)
     again.signal(signal.SIGTERM)
     assert first.wait() == 0 and again.wait() == 0, first.output()[-2000:] + again.output()[-2000:]
+    return {
+        "out": out,
+        "args": args,
+        "tmp": tmp,
+        "log": first.output(),
+        "killed_at": killed_at,
+        "healed_at": healed_at,
+        "common": common,
+        "both": both,
+    }
 
-    log = first.output()
+
+def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
+    """Group 0 never stops (its steps go on, 1 group, the stall reported); group 1 heals from it at a
+    later step with its own data position (its loader has taken exactly the batches of the steps it
+    committed), and from then on both groups hold bit-equal weights and optimizer state (the same
+    checkpoint files). Before the kill, the two groups train as one rank with the same global batch
+    (HSDP's math)."""
+    out, log, healed_at, common, both = (healed[k] for k in ("out", "log", "healed_at", "common", "both"))
     dropped = int(re.search(r"ft: step (\d+): group 1 dropped: 1 of 2 groups", log).group(1))
     assert f"ft: step {healed_at + 1}: group 1 joined: 2 of 2 groups" in log
     history = records(out / "group_0")
@@ -144,16 +154,16 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(tmp_path, lighthouse
     assert alone and all(r["ft_groups"] == 1 for r in alone) and history[-1]["ft_groups"] == 2
     stall = max(r["step_time"] for r in history[dropped - 2 : dropped + 1])
     print(
-        f"group 1 killed after step {killed_at}, dropped at step {dropped} (stall {stall:.2f} s), healed at {healed_at}"
+        f"group 1 killed after step {healed['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), healed at {healed_at}"
     )
-    assert dropped <= killed_at + 2 and healed_at > killed_at
+    assert dropped <= healed["killed_at"] + 2 and healed_at > healed["killed_at"]
 
     files = sorted(p.name for p in both[0].glob("*.distcp"))
     assert files and all((both[0] / f).read_bytes() == (both[1] / f).read_bytes() for f in files)
     taken = [torch.load(c / "loader_state_0.pth", weights_only=True)["loader"]["batches_seen"] for c in both]
     assert taken == [common, (dropped - 1) + (common - healed_at)]  # no batch lost or repeated
 
-    reference = tmp_path / "reference"  # the global batch of 8 lines on one rank
+    reference = healed["tmp"] / "reference"  # the global batch of 8 lines on one rank
     run_here(
         [
             *TINY,
@@ -167,6 +177,35 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(tmp_path, lighthouse
     want = {r["step"]: r["loss"] for r in records(reference)}
     got = {s: (a["loss"] + b["loss"]) / 2 for s, a, b in zip(range(1, 5), history, records(out / "group_1"))}
     assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+
+
+def test_the_launcher_restarts_the_whole_job_from_each_groups_checkpoint(healed):
+    """scripts/train_ft.sh local: a lighthouse of its own and both groups under torchrun, started again
+    after the stop above: each resumes from its own newest checkpoint (they stopped at different steps),
+    the group behind heals from the other at the first step, and both end at the same step with the
+    same weights."""
+    out = healed["out"]
+    stopped = [max(steps_of(out / f"group_{g}")) for g in (0, 1)]
+    last = max(stopped)
+    env = {
+        **os.environ,
+        "FT_GROUPS": "2",
+        "FT_LIGHTHOUSE": f"127.0.0.1:{free_port()}",
+        "FT_HEARTBEAT_TIMEOUT_MS": "1000",
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    args = [*healed["args"], f"--num_steps={last + 3}", "--checkpoint_interval=1000"]
+    proc = subprocess.run(
+        ["bash", "scripts/train_ft.sh", "local", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("resumed from") == 2, proc.stdout[-3000:]
+    assert ("healed from a live group" in proc.stdout) == (stopped[0] != stopped[1]), (stopped, proc.stdout[-3000:])
+    ends = [out / f"group_{g}" / "checkpoints" / f"step_{last + 3}_ckp" for g in (0, 1)]
+    files = sorted(p.name for p in ends[0].glob("*.distcp"))
+    assert files and all((ends[0] / f).read_bytes() == (ends[1] / f).read_bytes() for f in files)
 
 
 def test_start_up_errors_name_the_flag(tmp_path, lighthouse):
@@ -186,3 +225,28 @@ def test_start_up_errors_name_the_flag(tmp_path, lighthouse):
         ConfigError, match=re.escape("--ft_lighthouse=http://127.0.0.1:1: nothing answers there after 1 s")
     ):
         wait_for_lighthouse(FTSettings.of(cfg))
+
+
+def test_a_group_with_another_model_ends_in_one_line_and_the_other_trains_on(tmp_path, lighthouse):
+    """Group 1 runs another batch size: it ends at its first step with the one line naming the flags to
+    compare; group 0 (the lowest-numbered) trains its steps alone."""
+    args = [*FT, f"--ft_lighthouse={lighthouse}", "--num_steps=3", "--checkpoint_interval=0", "--ft_timeout_seconds=10"]
+    args += [f"--ckpt_save_path={tmp_path / 'run'}"]
+    first, odd = Group(0, args, tmp_path, "g0"), Group(1, [*args, "--batch_size=4"], tmp_path, "g1")
+    assert odd.wait() != 0 and first.wait() == 0, first.output()[-2000:] + odd.output()[-2000:]
+    assert (
+        "error: --fault_tolerance: group 1 runs another model or mesh than group 0: every group must run the "
+        "same flags" in odd.output()
+    ), odd.output()[-2000:]
+    assert "Traceback" not in odd.output()
+    assert steps_of(tmp_path / "run" / "group_0") == [1, 2, 3]
+
+
+def test_the_watchdog_ends_a_hung_process_in_one_line():
+    """A step armed and never finished (a hang: the process is alive, torchft's thread would keep
+    heartbeating) ends the process with status 1 once the deadline passes."""
+    code = "import time; from fms_fsdp.ft import Watchdog; Watchdog(1.0, print).arm(7); time.sleep(30)"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - start < 20
+    assert "error: --fault_tolerance: step 7 made no progress in 1 s (--ft_step_timeout_seconds)" in proc.stdout
