@@ -24,6 +24,7 @@ no sample is lost or repeated. A group with no live peer resumes from its own ch
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pickle
 import socket
@@ -80,6 +81,9 @@ class FTSettings:
             )
         if "://" not in lighthouse:
             lighthouse = "http://" + lighthouse
+        port = lighthouse.rstrip("/").rpartition(":")[2]
+        if not port.isdigit():
+            raise ConfigError(f"--ft_lighthouse={lighthouse}: expected host:port (such as head-node:29510)")
         return FTSettings(
             groups,
             index,
@@ -131,8 +135,8 @@ def wait_for_lighthouse(settings: FTSettings) -> None:
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
                 return
-        except (OSError, ValueError) as e:
-            if isinstance(e, ValueError) or time.monotonic() > deadline:
+        except OSError as e:
+            if time.monotonic() > deadline:
                 raise ConfigError(
                     f"--ft_lighthouse={address}: nothing answers there after {seconds:g} s ({type(e).__name__}); "
                     "start it with `torchft_lighthouse --min_replicas 1 --bind [::]:PORT` "
@@ -212,10 +216,12 @@ class Watchdog:
 
 @dataclass
 class Healed:
-    """A live state loaded from a healthy group: the step and tokens to go on from."""
+    """A live state loaded from a healthy group: the step and tokens to go on from, and whether it held
+    this group's data position (else the group keeps its own, and the batches it holds)."""
 
     step: int
     tokens_seen: int
+    position: bool
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -258,7 +264,9 @@ class FaultTolerance:
         self.fingerprint = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "big") + 1
         self.table: dict[int, bytes] = {}  # group -> its loader state at its last committed step
         self.present: list[int] = []  # the groups of the current step
-        self.retries, self.retry_s = 0, 0.0
+        self.retries, self.retry_s, self.failing = 0, 0.0, 0
+        self.drops, self.joins = 0, 0
+        self.out_since: dict[int, int] = {}  # a dropped group -> the step it was dropped at
         self.healed: Optional[Healed] = None
         self.step = self.first_step = 0
         self._tensors: Optional[dict[str, Any]] = None
@@ -334,7 +342,7 @@ class FaultTolerance:
         own = self.table.get(self.settings.index)
         if own is not None:
             self.loader.load_state_dict(pickle.loads(own))
-        self.healed = Healed(int(state["step"]), int(state["tokens_seen"]))
+        self.healed = Healed(int(state["step"]), int(state["tokens_seen"]), own is not None)
         self.publish(self.healed.step, self.healed.tokens_seen)
 
     def state_dict(self) -> dict[str, Any]:
@@ -376,6 +384,8 @@ class FaultTolerance:
         in one line when there is none within --ft_timeout_seconds."""
         try:
             self.manager.start_quorum()
+        except (ConfigError, TrainingError):  # the live state's own checks (_load_live)
+            raise
         except Exception as e:  # the quorum's RPC raises what its transport raised
             raise TrainingError(
                 f"--fault_tolerance: no quorum from the lighthouse {self.settings.lighthouse} within "
@@ -398,11 +408,14 @@ class FaultTolerance:
         if self.present and present != self.present:
             gone = sorted(set(self.present) - set(present))
             came = sorted(set(present) - set(self.present))
-            change = "; ".join(
-                [f"group {', '.join(map(str, gone))} dropped"] * bool(gone)
-                + [f"group {', '.join(map(str, came))} joined"] * bool(came)
-            )
-            self.say(f"ft: step {step}: {change}: {len(present)} of {self.settings.groups} groups train on")
+            self.drops, self.joins = self.drops + len(gone), self.joins + len(came)
+            self.out_since.update({g: step for g in gone})
+            changes = [f"group {g} dropped" for g in gone] + [
+                f"group {g} joined"
+                + (f" (out for {step - self.out_since.pop(g)} steps)" if g in self.out_since else "")
+                for g in came
+            ]
+            self.say(f"ft: step {step}: {'; '.join(changes)}: {len(present)} of {self.settings.groups} groups train on")
         self.present = present
 
     def _differs(self, other: str) -> str:
@@ -430,6 +443,7 @@ class FaultTolerance:
             data[self.settings.index, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             blobs = self._sum(data)
         ok = self.manager.should_commit()
+        self.failing = 0 if ok else self.failing
         if ok and blobs is not None:
             for g in range(self.settings.groups):
                 if every is not None and every[g]:
@@ -441,17 +455,26 @@ class FaultTolerance:
         """A step that did not commit, and the seconds it cost (reported with the interval)."""
         self.retries += 1
         self.retry_s += seconds
+        self.failing += 1
         error = self.manager.errored()
-        self.say(
-            f"ft: step {self.step + 1} did not commit ({len(self.present)} groups took part, "
-            f"{first_line(error) if error else 'fewer than --ft_min_replicas'}); run again with the live groups"
-        )
+        if math.log10(self.failing) % 1 == 0:  # the 1st, 10th, 100th ... in a row
+            self.say(
+                f"ft: step {self.step + 1} did not commit ({len(self.present)} groups took part, "
+                f"{first_line(error) if error else 'fewer than --ft_min_replicas'}); run again with the live groups"
+                + (f" ({self.failing} times in a row)" if self.failing > 1 else "")
+            )
 
     def report(self) -> dict[str, Any]:
-        """The interval's figures for the metrics record: the groups of the last step, the steps that
-        did not commit and their seconds."""
-        record = {"ft_groups": len(self.present), "ft_retries": self.retries, "ft_retry_s": round(self.retry_s, 3)}
-        self.retries, self.retry_s = 0, 0.0
+        """The interval's figures for the metrics record: the groups of the last step, the groups dropped
+        and joined, the steps that did not commit and their seconds."""
+        record = {
+            "ft_groups": len(self.present),
+            "ft_dropped": self.drops,
+            "ft_joined": self.joins,
+            "ft_retries": self.retries,
+            "ft_retry_s": round(self.retry_s, 3),
+        }
+        self.retries, self.retry_s, self.drops, self.joins = 0, 0.0, 0, 0
         return record
 
     def close(self) -> None:

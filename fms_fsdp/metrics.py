@@ -115,6 +115,12 @@ class MetricsReporter:
         if self.bar is not None:
             self.bar.update(1)
 
+    def healed(self, step: int, tokens_seen: int) -> None:
+        """The run went on from `step` with a healthy replica group's state (--fault_tolerance): its
+        tokens, and the overall rate counted from here."""
+        self.start_step, self.tokens_seen, self.run_start = step, tokens_seen, time.perf_counter()
+        self._reset(self.run_start)
+
     def checkpoint_saved(self, stall_s: float) -> None:
         """Record the seconds training waited for a checkpoint save (reported with the interval); the
         log so far is uploaded (object storage), so it keeps what the checkpoint covers."""
@@ -342,8 +348,7 @@ def format_record(r: dict[str, Any]) -> str:
     if "export_s" in r:
         parts.append(f"export {r['export_s']:.2f}s")
     if "ft_groups" in r:
-        parts.append(
-            f"groups {r['ft_groups']}"
-            + (f" (retried {r['ft_retries']}: {r['ft_retry_s']:.2f}s)" if r["ft_retries"] else "")
-        )
+        changes = [f"{r[k]} {k[3:]}" for k in ("ft_dropped", "ft_joined") if r[k]]
+        changes += [f"retried {r['ft_retries']}: {r['ft_retry_s']:.2f}s"] * bool(r["ft_retries"])
+        parts.append(f"groups {r['ft_groups']}" + (f" ({', '.join(changes)})" if changes else ""))
     return " | ".join(parts)

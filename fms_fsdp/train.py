@@ -10,8 +10,11 @@ every few seconds the ranks agree on stop requests and time-based saves (trigger
 judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
 (metrics.py, trackers.py), commits the checkpoint, exports and evaluates (evaluate.py; harness.py:
-lm-eval's tasks). What the loop opens is closed through one ExitStack, so a step that raises still
-stops the loader's workers, the exporter's thread and frees the staging buffers.
+lm-eval's tasks). Under --fault_tolerance (ft.py) each step begins with the replica groups' quorum (a
+group behind the others heals there and goes on from the step it got) and commits only when torchft
+says so; one that does not runs again on the same batches. What the loop opens is closed through one
+ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
+staging buffers.
 """
 
 from __future__ import annotations
@@ -276,8 +279,12 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
                 if ft is not None:
                     healed = ft.begin(step + 1)  # the quorum; a group behind the others loads the live state
                     if healed is not None:
-                        step, reporter.tokens_seen = healed.step, healed.tokens_seen
-                        batches.restart()  # from the group's own position, loaded with the state
+                        step = healed.step
+                        reporter.healed(step, healed.tokens_seen)
+                        if healed.position:  # the group's own position came with the state: read from there
+                            batches.restart()
+                        else:
+                            batches.again()
                         if step >= cfg.num_steps:
                             break
                 step += 1

@@ -147,11 +147,13 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     (HSDP's math)."""
     out, log, healed_at, common, both = (healed[k] for k in ("out", "log", "healed_at", "common", "both"))
     dropped = int(re.search(r"ft: step (\d+): group 1 dropped: 1 of 2 groups", log).group(1))
-    assert f"ft: step {healed_at + 1}: group 1 joined: 2 of 2 groups" in log
+    out_for = healed_at + 1 - dropped
+    assert f"ft: step {healed_at + 1}: group 1 joined (out for {out_for} steps): 2 of 2 groups train on" in log
     history = records(out / "group_0")
     assert [r["step"] for r in history] == list(range(1, len(history) + 1))  # one run: it never stopped
     alone = [r for r in history if dropped <= r["step"] <= healed_at]
     assert alone and all(r["ft_groups"] == 1 for r in alone) and history[-1]["ft_groups"] == 2
+    assert sum(r["ft_dropped"] for r in history) == 1 and sum(r["ft_joined"] for r in history) == 1
     stall = max(r["step_time"] for r in history[dropped - 2 : dropped + 1])
     print(
         f"group 1 killed after step {healed['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), healed at {healed_at}"
@@ -214,6 +216,7 @@ def test_start_up_errors_name_the_flag(tmp_path, lighthouse):
         "--ft_group_index=2": "--ft_group_index=2 must be below --ft_replica_groups=2",
         "--ft_min_replicas=3 --ft_group_index=0": "--ft_min_replicas=3 is more than the 2 replica groups",
         "--ft_group_index=0": "each group shards with FSDP over its own ranks (at least 2; this group has 1",
+        "--ft_group_index=0 --ft_lighthouse=head": "--ft_lighthouse=http://head: expected host:port",
     }
     for flag, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
