@@ -264,7 +264,8 @@ class FaultTolerance:
         self.fingerprint = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "big") + 1
         self.table: dict[int, bytes] = {}  # group -> its loader state at its last committed step
         self.present: list[int] = []  # the groups of the current step
-        self.retries, self.retry_s, self.failing = 0, 0.0, 0
+        self.retries, self.retry_s = 0, 0.0
+        self.failing, self.failing_since = 0, 0.0  # steps that did not commit in a row, since (monotonic)
         self.drops, self.joins = 0, 0
         self.out_since: dict[int, int] = {}  # a dropped group -> the step it was dropped at
         self.healed: Optional[Healed] = None
@@ -443,7 +444,8 @@ class FaultTolerance:
             data[self.settings.index, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             blobs = self._sum(data)
         ok = self.manager.should_commit()
-        self.failing = 0 if ok else self.failing
+        if ok:
+            self.failing = 0
         if ok and blobs is not None:
             for g in range(self.settings.groups):
                 if every is not None and every[g]:
@@ -452,11 +454,22 @@ class FaultTolerance:
         return ok
 
     def failed_attempt(self, seconds: float) -> None:
-        """A step that did not commit, and the seconds it cost (reported with the interval)."""
+        """A step that did not commit, and the seconds it cost (reported with the interval); TrainingError
+        when fewer than --ft_min_replicas groups have been live for --ft_step_timeout_seconds."""
         self.retries += 1
         self.retry_s += seconds
         self.failing += 1
+        if self.failing == 1:
+            self.failing_since = time.monotonic() - seconds
+        failing_s = time.monotonic() - self.failing_since
         error = self.manager.errored()
+        limit = self.settings.step_timeout
+        if error is None and limit and failing_s > limit:
+            raise TrainingError(
+                f"--fault_tolerance: fewer than --ft_min_replicas={self.settings.min_replicas} groups took part "
+                f"({len(self.present)}) for {failing_s:.0f} s (--ft_step_timeout_seconds): no step committed; "
+                "start the other groups (scripts/train_ft.sh) or lower --ft_min_replicas"
+            )
         if math.log10(self.failing) % 1 == 0:  # the 1st, 10th, 100th ... in a row
             self.say(
                 f"ft: step {self.step + 1} did not commit ({len(self.present)} groups took part, "

@@ -16,7 +16,8 @@
 #   FT_MIN_REPLICAS          groups a step needs to commit, and the lighthouse's quorum minimum (1)
 #   FT_HEARTBEAT_TIMEOUT_MS  a group silent this long is dropped: the stall of the others when one dies (5000)
 #   FT_JOIN_TIMEOUT_MS       how long a quorum waits for a group that heartbeats but is late (10000)
-#   FT_MAX_RESTARTS          restarts of a failed group before its launcher gives up (100)
+#   FT_MAX_RESTARTS          restarts of a failed group before its launcher gives up (100); it also gives up
+#                            after 3 failures in a row within FT_MIN_UPTIME_S (60) of a start (a bad flag)
 # Flags after the group index go to every group (scripts/train.sh's TRAIN_ARGS, then these).
 set -uo pipefail
 REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,6 +27,7 @@ FT_MIN_REPLICAS=${FT_MIN_REPLICAS:-1}
 FT_HEARTBEAT_TIMEOUT_MS=${FT_HEARTBEAT_TIMEOUT_MS:-5000}
 FT_JOIN_TIMEOUT_MS=${FT_JOIN_TIMEOUT_MS:-10000}
 FT_MAX_RESTARTS=${FT_MAX_RESTARTS:-100}
+FT_MIN_UPTIME_S=${FT_MIN_UPTIME_S:-60}
 
 lighthouse() {
     # the console script: `python -c ...lighthouse_main()` would hand Python's own arguments to its parser
@@ -42,16 +44,19 @@ lighthouse() {
 }
 
 group() {
-    local index=$1 restarts=0 status
+    local index=$1 restarts=0 quick=0 status started
     shift
     while true; do
+        started=$SECONDS
         bash "$REPO/scripts/train.sh" --fault_tolerance=True --ft_replica_groups="$FT_GROUPS" \
             --ft_group_index="$index" --ft_lighthouse="$FT_LIGHTHOUSE" --ft_min_replicas="$FT_MIN_REPLICAS" "$@"
         status=$?
         [ "$status" = 0 ] && return 0
         restarts=$((restarts + 1))
-        if [ "$restarts" -gt "$FT_MAX_RESTARTS" ]; then
-            echo "$(date '+%F %T') group $index failed $restarts times: giving up" >&2
+        # a start-up error (a bad flag, bad data) fails the same way every time: 3 quick failures end it
+        if [ $((SECONDS - started)) -lt "$FT_MIN_UPTIME_S" ]; then quick=$((quick + 1)); else quick=0; fi
+        if [ "$restarts" -gt "$FT_MAX_RESTARTS" ] || [ "$quick" -ge 3 ]; then
+            echo "$(date '+%F %T') group $index failed $restarts times ($quick within ${FT_MIN_UPTIME_S} s of its start): giving up" >&2
             return "$status"
         fi
         echo "$(date '+%F %T') group $index exited ($status): starting it again, it rejoins the live groups" >&2

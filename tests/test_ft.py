@@ -197,6 +197,7 @@ def test_the_launcher_restarts_the_whole_job_from_each_groups_checkpoint(healed)
         "NPROC_PER_NODE": "2",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # torchrun and the lighthouse
     }
     args = [*healed["args"], f"--num_steps={last + 3}", "--checkpoint_interval=1000"]
     proc = subprocess.run(
@@ -230,19 +231,23 @@ def test_start_up_errors_name_the_flag(tmp_path, lighthouse):
         wait_for_lighthouse(FTSettings.of(cfg))
 
 
-def test_a_group_with_another_model_ends_in_one_line_and_the_other_trains_on(tmp_path, lighthouse):
-    """Group 1 runs another batch size: it ends at its first step with the one line naming the flags to
-    compare; group 0 (the lowest-numbered) trains its steps alone."""
-    args = [*FT, f"--ft_lighthouse={lighthouse}", "--num_steps=3", "--checkpoint_interval=0", "--ft_timeout_seconds=10"]
-    args += [f"--ckpt_save_path={tmp_path / 'run'}"]
+def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each(tmp_path, lighthouse):
+    """Group 1 runs another batch size: it ends at its first step in the one line naming what to compare.
+    Group 0 (the lowest-numbered) is not the one that differs, but with --ft_min_replicas=2 it is left
+    alone: its steps do not commit, and after --ft_step_timeout_seconds it ends in the one line naming
+    that flag."""
+    args = [*FT, f"--ft_lighthouse={lighthouse}", "--num_steps=3", "--ft_timeout_seconds=10", "--ft_min_replicas=2"]
+    args += [f"--ckpt_save_path={tmp_path / 'run'}", "--ft_step_timeout_seconds=3"]
     first, odd = Group(0, args, tmp_path, "g0"), Group(1, [*args, "--batch_size=4"], tmp_path, "g1")
-    assert odd.wait() != 0 and first.wait() == 0, first.output()[-2000:] + odd.output()[-2000:]
+    assert odd.wait() == 2 and first.wait() == 1, first.output()[-2000:] + odd.output()[-2000:]
     assert (
         "error: --fault_tolerance: group 1 runs another model or mesh than group 0: every group must run the "
         "same flags" in odd.output()
     ), odd.output()[-2000:]
-    assert "Traceback" not in odd.output()
-    assert steps_of(tmp_path / "run" / "group_0") == [1, 2, 3]
+    line = r"error: --fault_tolerance: fewer than --ft_min_replicas=2 groups took part \(1\) for \d+ s \(--ft_step_"
+    assert re.search(line, first.output()), first.output()[-2000:]
+    assert "Traceback" not in odd.output() + first.output()
+    assert reported(tmp_path / "run" / "group_0") == 0  # no step committed
 
 
 def test_the_watchdog_ends_a_hung_process_in_one_line():
