@@ -2,7 +2,7 @@
 step's quorum of live groups, its Manager averages gradients across them and carries a healthy group's
 state to one that comes back; no quorum or recovery protocol of our own.
 
-Each replica group is an ordinary torchrun job that shards with FSDP2 (and TP, CP) inside. FSDP's
+Each replica group is an ordinary torchrun job that shards with FSDP2 inside (TP and CP too, untested). FSDP's
 all-reduce hook averages every unit's reduce-scattered gradient shard with the same rank of the other
 live groups (torchtitan's choice), so a group is HSDP's replicate dimension that may lose and regain
 members. A step (`begin`, forward and backward, `commit`):
@@ -358,14 +358,14 @@ class FaultTolerance:
 
     def begin(self, step: int) -> Optional[Healed]:
         """Before step `step`'s forward: the quorum (a group behind the others loads the live state
-        here: returned; the first step of a fresh job waits up to --ft_timeout_seconds for every
-        group), then every live group's fingerprint; the watchdog is armed from the second step of
+        here: returned; the first quorum of a process alone in it waits up to --ft_timeout_seconds
+        for every group), then every live group's fingerprint; the watchdog is armed from the second step of
         this process (the first compiles)."""
         if self.step > self.first_step:
             self.watchdog.arm(step)
         self.healed = None
         self._quorum()
-        if self.step == 0 and not self.present:  # a fresh job: every group from its first step
+        if not self.present:  # this process's first quorum: a job (re)started waits for all its groups
             deadline = time.monotonic() + self.settings.timeout.total_seconds()
             while self.manager.num_participants() < self.settings.groups and time.monotonic() < deadline:
                 time.sleep(0.2)

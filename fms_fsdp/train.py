@@ -151,6 +151,20 @@ def _accumulate(
     return total, z_total, wait
 
 
+def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter) -> int:
+    """--fault_tolerance: the replica groups' quorum before step `step` + 1; a group behind the others
+    heals there, and goes on from the step it got (and the data position, when it came with it)."""
+    healed = ft.begin(step + 1)
+    if healed is None:
+        return step
+    reporter.healed(healed.step, healed.tokens_seen)
+    if healed.position:
+        batches.restart()
+    else:
+        batches.again()
+    return healed.step
+
+
 def _fingerprint(run: Run) -> str:
     """What every replica group must share (--fault_tolerance): the model, the mesh and the batch."""
     cfg = run.cfg
@@ -227,9 +241,8 @@ def write_run_config(run: Run) -> None:
 
 def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
     cfg, info = run.cfg, run.info
-    loader = get_data_loader(
-        cfg, info.data_rank, info.data_size, run.vocab_size
-    )  # bad data fails here, before the model
+    # bad data fails here, before the model
+    loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)
     evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
     model, pipeline = build_stages(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
@@ -277,16 +290,9 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             step = start
             while step < cfg.num_steps:
                 if ft is not None:
-                    healed = ft.begin(step + 1)  # the quorum; a group behind the others loads the live state
-                    if healed is not None:
-                        step = healed.step
-                        reporter.healed(step, healed.tokens_seen)
-                        if healed.position:  # the group's own position came with the state: read from there
-                            batches.restart()
-                        else:
-                            batches.again()
-                        if step >= cfg.num_steps:
-                            break
+                    step = _quorum(ft, step, batches, reporter)
+                    if step >= cfg.num_steps:
+                        break
                 step += 1
                 report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
                 attempt = time.perf_counter()

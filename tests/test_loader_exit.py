@@ -123,7 +123,9 @@ def repl(shards: Path) -> None:
 
 
 def ctrl_c(shards: Path) -> None:
-    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the loop waits."""
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the loop waits. The
+    process takes SIGINT as a terminal's would even where the suite's own shell ignores it (a shell's
+    background job does, and its children inherit that)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _setup(shards) + "print('ready', flush=True)\ntime.sleep(60)"],
         stdout=subprocess.PIPE,
@@ -131,6 +133,7 @@ def ctrl_c(shards: Path) -> None:
         text=True,
         cwd=ROOT,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     for line in proc.stdout:
