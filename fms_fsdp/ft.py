@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -42,7 +43,9 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.compat import local_tensor, tree_map_only
 from fms_fsdp.config import train_config
+from fms_fsdp.distributed import agreement_group
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
+from fms_fsdp.guard import StepGuard
 from fms_fsdp.parallel import MeshShape
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -185,8 +188,8 @@ class Watchdog:
     """Ends the process when a step makes no progress for `seconds`: a hung group still heartbeats to
     the lighthouse from torchft's own thread, so only its exit lets the others drop it."""
 
-    def __init__(self, seconds: float, say: Callable[[str], None]):
-        self.seconds, self.say = seconds, say
+    def __init__(self, seconds: float, say: Callable[[str], None], end: Callable[[int], None] = os._exit):
+        self.seconds, self.say, self.end = seconds, say, end
         self.deadline: Optional[float] = None
         self.step = 0
         self.lock = threading.Lock()
@@ -211,7 +214,8 @@ class Watchdog:
                     f"error: --fault_tolerance: step {self.step} made no progress in {self.seconds:g} s "
                     "(--ft_step_timeout_seconds); this group exits so that the others drop it"
                 )
-                os._exit(1)
+                self.end(1)  # at once: a hung collective would never return to an exception
+                return
 
 
 @dataclass
@@ -252,6 +256,7 @@ class FaultTolerance:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         loader: Any,
+        guard: StepGuard,
         fingerprint: str,
         device: torch.device,
         say: Callable[[str], None],
@@ -261,6 +266,7 @@ class FaultTolerance:
 
         self.settings, self.device, self.say = settings, device, say
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.guard = guard
         self.fingerprint = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "big") + 1
         self.table: dict[int, bytes] = {}  # group -> its loader state at its last committed step
         self.present: list[int] = []  # the groups of the current step
@@ -323,6 +329,7 @@ class FaultTolerance:
             "tensors": self._tensors,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "scheduler": self.scheduler.state_dict(),
+            "guard": self.guard.state_dict() if self.guard.skipping else None,
             "step": step,
             "tokens_seen": tokens_seen,
             "table": dict(self.table),
@@ -339,6 +346,8 @@ class FaultTolerance:
         for group, theirs in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(theirs)
         self.scheduler.load_state_dict(state["scheduler"])
+        if state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])
         self.table = dict(state["table"])
         own = self.table.get(self.settings.index)
         if own is not None:
@@ -358,18 +367,19 @@ class FaultTolerance:
 
     def begin(self, step: int) -> Optional[Healed]:
         """Before step `step`'s forward: the quorum (a group behind the others loads the live state
-        here: returned; the first quorum of a process alone in it waits up to --ft_timeout_seconds
-        for every group), then every live group's fingerprint; the watchdog is armed from the second step of
+        here: returned; the first quorum of a process alone in it waits about --ft_timeout_seconds
+        for another group), then every live group's fingerprint; the watchdog is armed from the second step of
         this process (the first compiles)."""
         if self.step > self.first_step:
             self.watchdog.arm(step)
         self.healed = None
         self._quorum()
-        if not self.present:  # this process's first quorum: a job (re)started waits for all its groups
-            deadline = time.monotonic() + self.settings.timeout.total_seconds()
-            while self.manager.num_participants() < self.settings.groups and time.monotonic() < deadline:
+        if not self.present:  # this process's first quorum: alone in it, it waits for the other groups
+            attempts = int(self.settings.timeout.total_seconds() / 0.2)  # a count: every rank asks alike
+            while self.manager.num_participants() == 1 < self.settings.groups and attempts > 0:
                 time.sleep(0.2)
                 self._quorum()
+                attempts -= 1
         healed = self.healed
         if healed is not None:
             self.say(
@@ -395,17 +405,18 @@ class FaultTolerance:
             ) from None
 
     def _check_groups(self, step: int) -> None:
-        """Which groups take part in `step`, agreed over the live groups; ConfigError when one runs
-        another model or mesh (the group differing from the lowest-numbered one raises)."""
+        """Which groups take part in `step`, agreed over the live groups; ConfigError in a group that runs
+        another model or mesh than most of them (on a tie, than the lowest-numbered group of a kind)."""
         seen = torch.zeros(self.settings.groups, dtype=torch.int64)
         seen[self.settings.index] = self.fingerprint
         seen = self._sum(seen)
         if self.manager.errored() or seen is None:
             return
         present = [g for g in range(self.settings.groups) if seen[g] != 0]
-        first = present[0]
-        if self.settings.index != first and int(seen[first]) != self.fingerprint:
-            raise ConfigError(self._differs(f"group {first}"))
+        prints = [int(seen[g]) for g in present]
+        most = max(prints, key=lambda p: (prints.count(p), -prints.index(p)))  # ties: the lowest group's
+        if self.fingerprint != most:
+            raise ConfigError(self._differs(f"group {present[prints.index(most)]}"))
         if self.present and present != self.present:
             gone = sorted(set(self.present) - set(present))
             came = sorted(set(present) - set(self.present))
@@ -428,7 +439,7 @@ class FaultTolerance:
     def _sum(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """`t` summed over the live groups (on the host), or None when a collective failed."""
         out = t.to(self.device)
-        self.manager.allreduce(out, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self.manager.allreduce(out, reduce_op=dist.ReduceOp.SUM).wait()
         return None if self.manager.errored() else out.cpu()
 
     def commit(self) -> bool:
@@ -461,10 +472,13 @@ class FaultTolerance:
         self.failing += 1
         if self.failing == 1:
             self.failing_since = time.monotonic() - seconds
-        failing_s = time.monotonic() - self.failing_since
         error = self.manager.errored()
         limit = self.settings.step_timeout
-        if error is None and limit and failing_s > limit:
+        # the group's ranks decide alike: on the longest of their clocks, and on whether any saw an error
+        seen = torch.tensor([time.monotonic() - self.failing_since, error is not None], dtype=torch.float64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=agreement_group())
+        failing_s, errored = float(seen[0]), bool(seen[1])
+        if not errored and limit and failing_s > limit:
             raise TrainingError(
                 f"--fault_tolerance: fewer than --ft_min_replicas={self.settings.min_replicas} groups took part "
                 f"({len(self.present)}) for {failing_s:.0f} s (--ft_step_timeout_seconds): no step committed; "

@@ -70,6 +70,16 @@ class StepGuard:
         var = torch.where(valid, (self.norms - mean) ** 2, 0).sum() / (n - 1).clamp(min=1)
         return (n >= SPIKE_MIN_HISTORY) & (norm > mean + self.sigma * var.sqrt())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What spike detection has seen (copies): a replica group that heals takes the others' (ft.py),
+        so that every group skips the same steps."""
+        return {"norms": self.norms.clone(), "kept_steps": self.kept_steps.clone(), "in_a_row": self.in_a_row.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.norms.copy_(state["norms"])
+        self.kept_steps.copy_(state["kept_steps"])
+        self.in_a_row = state["in_a_row"].to(self.in_a_row.device)
+
     def skipped_since_report(self) -> int:
         """Steps left out since the last call (reads the device: call at report steps)."""
         count = int(self.skipped)

@@ -151,13 +151,14 @@ def _accumulate(
     return total, z_total, wait
 
 
-def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter) -> int:
+def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:
     """--fault_tolerance: the replica groups' quorum before step `step` + 1; a group behind the others
     heals there, and goes on from the step it got (and the data position, when it came with it)."""
     healed = ft.begin(step + 1)
     if healed is None:
         return step
     reporter.healed(healed.step, healed.tokens_seen)
+    triggers.moved(healed.step)
     if healed.position:
         batches.restart()
     else:
@@ -248,9 +249,12 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     records: list[dict[str, Any]] = []
     with ExitStack() as stack:  # closed on the way out, an exception too
+        guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         ft = None
         if run.ft is not None:
-            ft = FaultTolerance(run.ft, model, optimizer, scheduler, loader, _fingerprint(run), info.device, run.log)
+            ft = FaultTolerance(
+                run.ft, model, optimizer, scheduler, loader, guard, _fingerprint(run), info.device, run.log
+            )
             stack.callback(ft.close)
         checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
         stack.callback(checkpointer.release)
@@ -275,7 +279,6 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
         )
         stack.callback(reporter.close)
         triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
-        guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         model.train()
         step, stopped = start, None
         # the loader's workers and the profiler stop with the loop, before the last commit
@@ -290,7 +293,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             step = start
             while step < cfg.num_steps:
                 if ft is not None:
-                    step = _quorum(ft, step, batches, reporter)
+                    step = _quorum(ft, step, batches, reporter, triggers)
                     if step >= cfg.num_steps:
                         break
                 step += 1

@@ -190,6 +190,11 @@ class StepTriggers:
             stop=stop, save=saves and (stop is not None or bool(flags[1]) or interval), written=not flags[2]
         )
 
+    def moved(self, step: int) -> None:
+        """The run goes on from `step` (a replica group healed, --fault_tolerance): the next step agrees
+        and measures the step time again."""
+        self.last_agreement, self.next_agreement = (step, time.monotonic()), step + 1
+
     def saved(self, stall_s: float) -> None:
         """A checkpoint was saved, training waited `stall_s` for it: restart the save clock."""
         self.clock.saved(stall_s)

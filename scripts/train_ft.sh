@@ -13,7 +13,8 @@
 # Settings (environment):
 #   FT_GROUPS                replica groups of the job (2)
 #   FT_LIGHTHOUSE            host:port of the lighthouse (localhost:29510); `lighthouse` binds its port
-#   FT_MIN_REPLICAS          groups a step needs to commit, and the lighthouse's quorum minimum (1)
+#   FT_MIN_REPLICAS          groups a step needs to commit (--ft_min_replicas; the lighthouse forms a
+#                            quorum of any live groups) (1)
 #   FT_HEARTBEAT_TIMEOUT_MS  a group silent this long is dropped: the stall of the others when one dies (5000)
 #   FT_JOIN_TIMEOUT_MS       how long a quorum waits for a group that heartbeats but is late (10000)
 #   FT_MAX_RESTARTS          restarts of a failed group before its launcher gives up (100); it also gives up
@@ -32,9 +33,11 @@ FT_MIN_UPTIME_S=${FT_MIN_UPTIME_S:-60}
 lighthouse() {
     # the console script: `python -c ...lighthouse_main()` would hand Python's own arguments to its parser
     command -v torchft_lighthouse >/dev/null || { echo "error: torchft_lighthouse not found: pip install torchft==0.2.0" >&2; exit 2; }
+    local child=
     trap 'kill "$child" 2>/dev/null; exit 0' TERM INT
     while true; do  # a single point of failure: restarted at once; the groups ride out its restart
-        torchft_lighthouse --min_replicas "$FT_MIN_REPLICAS" --bind "[::]:${FT_LIGHTHOUSE##*:}" \
+        # a quorum of any live groups: the groups' --ft_min_replicas decides whether a step commits
+        torchft_lighthouse --min_replicas 1 --bind "[::]:${FT_LIGHTHOUSE##*:}" \
             --heartbeat_timeout_ms "$FT_HEARTBEAT_TIMEOUT_MS" --join_timeout_ms "$FT_JOIN_TIMEOUT_MS" &
         child=$!
         wait "$child"
@@ -70,12 +73,14 @@ case "${1:-}" in
     local)
         shift
         gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        per=${NPROC_PER_NODE:-$(( ${gpus:-0} >= FT_GROUPS ? gpus / FT_GROUPS : 1 ))}
+        per=${NPROC_PER_NODE:-$(( ${gpus:-0} >= 2 * FT_GROUPS ? gpus / FT_GROUPS : 2 ))}  # CPU: 2 processes
         lighthouse & lh=$!
         pids=()
         for ((i = 0; i < FT_GROUPS; i++)); do
             (   # each group its own GPUs
-                [ "${gpus:-0}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=$(seq -s, $((i * per)) $((i * per + per - 1)))
+                if [ "${gpus:-0}" -ge $((per * FT_GROUPS)) ]; then
+                    export CUDA_VISIBLE_DEVICES=$(seq -s, $((i * per)) $((i * per + per - 1)))
+                fi
                 NPROC_PER_NODE=$per group "$i" "$@"
             ) & pids+=($!)
         done
