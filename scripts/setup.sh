@@ -13,16 +13,14 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    python -m pip install -q --no-compile "torch>=2.11"
+    python -m pip install -q "torch>=2.11"
   else
-    python -m pip install -q --no-compile "${TORCH_CPU_SPEC:-torch==2.13.0}"
+    python -m pip install -q "${TORCH_CPU_SPEC:-torch==2.13.0}"
   fi
 fi
 req=requirements.txt
 [ "${1:-}" = "test" ] && req=requirements-test.txt
-# --no-compile (here and for torch above): modules are byte-compiled when first imported instead; compiling every installed file up
-# front was ~40% of the install's time, mostly for modules never imported
-python -m pip install -q --no-compile -r "$req"
+python -m pip install -q -r "$req"
 # the package itself, editable and without dependencies, for its commands (fms-train, fms-prepare-data,
 # fms-inspect-data, fms-export-model, fms-to-hf); skipped when every command of pyproject.toml is there
 # and points where pyproject.toml says
