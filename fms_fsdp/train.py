@@ -290,7 +290,6 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
             else pipeline.no_data(cfg.batch_size, cfg.seq_length)
         )
         with closing(lines) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
-            step = start
             while step < cfg.num_steps:
                 if ft is not None:
                     step = _quorum(ft, step, batches, reporter, triggers)
