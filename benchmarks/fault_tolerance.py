@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fms_fsdp.distributed import free_port  # noqa: E402
+
 TRAIN = [
     "--model_variant=tiny",
     "--device=cpu",
@@ -41,12 +44,6 @@ TRAIN = [
     "--num_steps=100000",
     "--sharding_strategy=fsdp",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen:

@@ -445,24 +445,28 @@ class FaultTolerance:
     def commit(self) -> bool:
         """After backward: exchange the groups' data positions after this step (this rank's loader
         state), then torchft's decision; the table keeps the positions of a committed step."""
-        blob = pickle.dumps(self.loader.state_dict())
-        sizes = torch.zeros(self.settings.groups, dtype=torch.int64)
-        sizes[self.settings.index] = len(blob)
-        every = self._sum(sizes)
-        blobs = None
-        if every is not None:
-            data = torch.zeros(self.settings.groups, int(every.max()), dtype=torch.uint8)
-            data[self.settings.index, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            blobs = self._sum(data)
+        positions = self._exchange(pickle.dumps(self.loader.state_dict()))
         ok = self.manager.should_commit()
         if ok:
             self.failing = 0
-        if ok and blobs is not None:
-            for g in range(self.settings.groups):
-                if every is not None and every[g]:
-                    self.table[g] = blobs[g, : int(every[g])].numpy().tobytes()
+            self.table.update(positions or {})
         self.watchdog.disarm()
         return ok
+
+    def _exchange(self, blob: bytes) -> Optional[dict[int, bytes]]:
+        """Every live group's `blob` by group (its size, then its bytes, summed over the groups, each
+        group in its own row), or None when a collective failed."""
+        sizes = torch.zeros(self.settings.groups, dtype=torch.int64)
+        sizes[self.settings.index] = len(blob)
+        every = self._sum(sizes)
+        if every is None:
+            return None
+        data = torch.zeros(self.settings.groups, int(every.max()), dtype=torch.uint8)
+        data[self.settings.index, : len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        rows = self._sum(data)
+        if rows is None:
+            return None
+        return {g: rows[g, : int(n)].numpy().tobytes() for g, n in enumerate(every.tolist()) if n}
 
     def failed_attempt(self, seconds: float) -> None:
         """A step that did not commit, and the seconds it cost (reported with the interval); TrainingError
