@@ -2,7 +2,7 @@
 over C ranks (--context_parallel_size=C), each launch through torchrun:
 
     python benchmarks/context_parallel.py [--model_variant=tiny] [--seq_length=32768] [--cp=2] [--steps=3]
-        [--device=cpu] [--document_masking=False]
+        [--device=cpu] [--document_masking=False] [--cp_attention=allgather]
 
 One `CP variant=... seq=... cp=... max_rss_gb=... peak_memory_gb=... step_s=... loss=...` line per run
 (the peak resident memory per rank on the CPU, the peak allocated GPU memory on CUDA), then the ratio
@@ -32,6 +32,7 @@ OPTIONS = {
     "steps": "3",
     "device": "cpu",
     "document_masking": "False",
+    "cp_attention": "allgather",
 }
 
 
@@ -44,6 +45,7 @@ def run(opts: dict[str, str], cp: int, out: Path) -> dict:
         f"--num_steps={opts['steps']}",
         f"--document_masking={opts['document_masking']}",
         f"--context_parallel_size={cp}",
+        f"--cp_attention={opts['cp_attention']}",
         "--use_dummy_dataset=True",
         "--use_torch_compile=False",
         f"--mixed_precision={opts['device'] != 'cpu'}",

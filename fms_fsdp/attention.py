@@ -19,7 +19,9 @@ device, without a host sync, once per forward pass and shared by every block:
   as two flash attentions per chunk merged by their log-sum-exps (`_LineAttention`: no seq^2 mask, and
   the keys and values gathered again in the backward rather than kept), or under the documents' mask
   (a BlockMask or a boolean one of this rank's queries). Rotary positions are the tokens' places in the
-  whole line (or in their document).
+  whole line (or in their document). With --cp_attention=ring, causal lines go through torch's ring
+  attention instead (`_ring_attention`): C steps, each attending to the keys and values the previous
+  rank passed on while passing its own to the next, so no rank ever holds the whole line's.
 Results equal one rank's unsplit, unmasked-as-packed computation (tests/test_attention.py,
 tests/test_meshes.py).
 """
@@ -43,13 +45,17 @@ from fms_fsdp.compat import (
     all_reduce_sum,
     cpu_flash_attention,
     cpu_flash_attention_backward,
+    group_named,
     reduce_scatter_rows,
+    ring_attention,
+    ring_attention_backward,
 )
 from fms_fsdp.config import train_config
 from fms_fsdp.loss import IGNORE_INDEX
 
 FLEX = "fms_fsdp_flex"
 CONTEXT = "fms_fsdp_context_parallel"
+RING = "fms_fsdp_ring"
 
 
 @dataclass(frozen=True)
@@ -100,12 +106,13 @@ class ContextParallel:
 @dataclass(frozen=True)
 class LinePlan:
     """How a line's tokens are attended to: documents (eos, positions restarted or not), a split over
-    ranks, FlexAttention or SDPA."""
+    ranks (keys and values all-gathered, or passed round a ring), FlexAttention or SDPA."""
 
     eos: Optional[int]  # --document_masking: documents end at this token
     restart_positions: bool
     context: Optional[ContextParallel]
     flex: bool
+    ring: bool = False  # --cp_attention=ring
 
     @staticmethod
     def of(cfg: train_config, device: torch.device, context: Optional[ContextParallel]) -> Optional["LinePlan"]:
@@ -115,7 +122,8 @@ class LinePlan:
             return None
         eos = cfg.eos_token if cfg.document_masking else None
         flex = flex_documents(cfg.use_torch_compile, device.type)
-        return LinePlan(eos, cfg.document_positions == "document", context, flex)
+        ring = context is not None and cfg.cp_attention == "ring"
+        return LinePlan(eos, cfg.document_positions == "document", context, flex, ring)
 
     def prepare(
         self, x: torch.Tensor, labels: Optional[torch.Tensor]
@@ -139,11 +147,13 @@ class LinePlan:
             query_doc = doc[:, queries]
             mask = (queries[:, None] >= index[None, :]) & (query_doc[:, :, None] == doc[:, None, :])
             kwargs.update(mask=mask[:, None], is_causal_mask=False)
-        elif cp is not None and x.device.type != "cpu":  # made here: torch.compile cannot build them in a block
+        elif (
+            cp is not None and not self.ring and x.device.type != "cpu"
+        ):  # made here: torch.compile cannot build them in a block
             kwargs["causal"] = [causal_lower_right(stop - start, stop) for start, stop in cp.chunks(seq)]
         if cp is None:
             return x, labels, kwargs
-        kwargs.update(attn_name=CONTEXT, context=cp, position_ids=cp.split(positions, 1))
+        kwargs.update(attn_name=RING if self.ring else CONTEXT, context=cp, position_ids=cp.split(positions, 1))
         return cp.split(x, 1), None if labels is None else cp.split(labels, 1), kwargs
 
 
@@ -238,6 +248,87 @@ def _context_compute_op(
             offset += n
         out = torch.cat(outs, 2)
     return out.transpose(2, 1).contiguous()
+
+
+def _ring_compute_op(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    nheads: int,
+    kvheads: int,
+    p_dropout: float,
+    scale_factor: Optional[float],
+    **attn_kwargs: Any,
+) -> torch.Tensor:
+    """This rank's queries against the whole line, causal, by torch's ring attention (--cp_attention=ring)."""
+    q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
+    cp: ContextParallel = attn_kwargs["context"]
+    out, _ = _ring_attention(q, k, v, cp.group.group_name, scale_factor)
+    return out.transpose(2, 1).contiguous()
+
+
+@torch.library.custom_op("fms_fsdp::ring_attention", mutates_args=())
+def _ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, scale: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's ring attention (compat.ring_attention) over the process group named `group`: (output,
+    log-sum-exp). An op of its own, opaque to torch.compile, which cannot trace torch's ring."""
+    out, lse = ring_attention(group_named(group), q, k, v, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@_ring_attention.register_fake
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, scale: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("fms_fsdp::ring_attention_backward", mutates_args=())
+def _ring_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: str,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `_ring_attention`: the keys and values go round the ring again."""
+    dq, dk, dv = ring_attention_backward(group_named(group), grad.contiguous(), q, k, v, out, lse, scale)
+    return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer, and outputs may not alias
+
+
+@_ring_attention_backward.register_fake
+def _(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: str,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The backward keeps only this rank's queries, keys, values, output and log-sum-exp."""
+    q, k, v, ctx.group, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _ring_backward(
+    ctx: Any, grad: torch.Tensor, _grad_lse: Optional[torch.Tensor]
+) -> tuple[Optional[torch.Tensor], ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _ring_attention_backward(grad, q, k, v, out, lse, ctx.group, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
 
 
 class _LineAttention(torch.autograd.Function):
@@ -339,3 +430,4 @@ def _chunk_backward(
 
 register_attention_op(FLEX, _sdpa_store_op, _flex_compute_op)
 register_attention_op(CONTEXT, _sdpa_store_op, _context_compute_op)
+register_attention_op(RING, _sdpa_store_op, _ring_compute_op)

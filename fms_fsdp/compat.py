@@ -50,12 +50,19 @@ from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
 
+# a custom op's process group, passed by name (attention's ring)
+from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+
 # a mesh's groups get the --collective_timeout_minutes of the default group (torchtitan does the same)
 from torch.distributed.distributed_c10d import _set_pg_timeout as set_group_timeout  # noqa: E402
 from torch.distributed.tensor._utils import (  # noqa: E402
     _compute_local_shape_and_global_offset as local_shape_and_offset_at,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+# torch's ring attention (what torch.distributed.tensor.experimental.context_parallel runs under its
+# SDPA dispatch), called with the attention kernels directly (--cp_attention=ring)
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp  # noqa: E402
 
 # Muon's Newton-Schulz orthogonalisation and learning-rate adjustment, as torch.optim.Muon computes them
 # (optim.MuonWithAdamW runs them on whole matrices gathered from their shards)
@@ -162,6 +169,107 @@ def cpu_flash_attention_backward(
     return dq, dk, dv
 
 
+def ring_attention(
+    group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's ring attention over `group` of this rank's queries, keys and values ([batch, heads,
+    seq, dim]; chunks r and 2C-1-r of the line, torch's round-robin balance), causal: each of C steps
+    attends to the keys and values passed on from the previous rank (all-to-all) while sending its
+    own on, merged by log-sum-exps in fp32: (output, log-sum-exp)."""
+    _ring_options()
+    out, lse, *_ = torch_cp._templated_ring_attention(
+        group, 2, _ring_kernels(q)[0], q, k, v, is_causal=True, dropout_p=0.0, scale=scale
+    )
+    return out, lse
+
+
+def ring_attention_backward(
+    group: Any,
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `ring_attention`: the keys and values go round the ring again, and their
+    gradients round after them back to the ranks that hold them."""
+    _ring_options()
+    dq, dk, dv, *_ = torch_cp._templated_ring_attention_backward(
+        group,
+        2,
+        _ring_kernels(q)[1],
+        grad_out=grad,
+        grad_out_name="grad_out",
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse,
+        is_causal=True,
+        dropout_p=0.0,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+def group_named(name: str) -> Any:
+    """The process group of this name (ProcessGroup.group_name), as functional collectives find theirs:
+    a custom op takes a group by its name."""
+    return _resolve_process_group(name)
+
+
+def _ring_options() -> None:
+    """torch's ring settings, process-wide: keys and values sent to the next rank at each step
+    (all-to-all; its default all-gathers them all at once), the round-robin load balance our chunks
+    follow, merged in fp32."""
+    torch_cp._cp_options.rotate_method = torch_cp._RotateMethod.ALL_TO_ALL
+    torch_cp._cp_options.enable_load_balance = True
+    torch_cp._cp_options.convert_to_f32 = True
+
+
+def _ring_kernels(q: torch.Tensor) -> tuple[Any, Any]:
+    """(forward, backward) attention kernels of one ring step: the CPU flash kernel, which takes
+    grouped-query keys and values as they are; CUDA's flash kernel, with each KV head repeated for its
+    query heads and their gradients summed back."""
+    if not q.is_cuda:
+        aten = torch.ops.aten
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
+    return _cuda_flash, _cuda_flash_backward
+
+
+def _cuda_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, **kwargs)
+    return out, lse
+
+
+def _cuda_flash_backward(
+    *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+) -> tuple[Any, ...]:
+    """Dense lines without dropout: no cumulative lengths, and the RNG state is a placeholder, as the
+    forward kernel itself returns it without dropout."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    unused = dict(
+        cum_seq_q=None,
+        cum_seq_k=None,
+        max_q=query.shape[2],
+        max_k=key.shape[2],
+        philox_seed=query.new_empty(2, dtype=torch.uint64),
+        philox_offset=query.new_empty((), dtype=torch.uint64),
+    )
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        query=query, key=key, value=value, **kwargs, **unused
+    )
+    return dq, dk.unflatten(1, (-1, groups)).sum(2), dv.unflatten(1, (-1, groups)).sum(2)
+
+
 def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     """Mesh dimensions `dims` flattened into one named `name` on `mesh` (DeviceMesh._flatten, as
     torchtitan flattens shard x cp for FSDP)."""
@@ -197,6 +305,7 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "flatten_mesh",
+    "group_named",
     "TORCH",
     "check_torch",
     "Shard",
@@ -214,6 +323,8 @@ __all__ = [
     "cuda_memory_snapshot",
     "record_cuda_memory_history",
     "reduce_scatter_op",
+    "ring_attention",
+    "ring_attention_backward",
     "reusable_stager",
     "set_group_timeout",
     "tree_map_only",

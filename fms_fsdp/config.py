@@ -118,8 +118,13 @@ class train_config:
     )
     context_parallel_size: int = _f(
         1,
-        "Ranks that split every line (context parallelism: each holds 2 of 2C chunks and all-gathers keys and values per attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",
+        "Ranks that split every line (context parallelism: each holds 2 of 2C chunks; keys and values all-gathered or passed round a ring, see cp_attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",
         min=1,
+    )
+    cp_attention: str = _f(
+        "allgather",
+        "Attention across context_parallel_size ranks: allgather (each attention all-gathers the line's keys and values; any mask) or ring (torch's ring attention: keys and values passed rank to rank, C steps; causal lines only, bf16 on CUDA).",
+        choices=("allgather", "ring"),
     )
     pipeline_parallel_size: int = _f(
         1,

@@ -329,12 +329,13 @@ class Planner:
     ) -> tuple[int, int, int]:
         """A rank of a context-parallel group of C keeps 1/C of what the unsplit line saves (its tokens),
         plus, in every block not checkpointed whole, the whole line's keys and values (all-gathered for
-        attention and kept for its backward; the CPU's unmasked path gathers them again instead), and
+        attention and kept for its backward; the CPU's unmasked path gathers them again instead, and
+        --cp_attention=ring passes them round the ranks and keeps none), and
         under SDPA's --document_masking the boolean mask of its queries against the line (batch x seq /
         C x seq bytes, one for all blocks)."""
         cp, tokens = self.mesh.cp, setting.batch * self.cfg.seq_length
         keys_values = tokens * self.kv_width * self.compute // self.mesh.tp
-        if self.cfg.device == "cpu" and not self.cfg.document_masking:
+        if self.cfg.cp_attention == "ring" or (self.cfg.device == "cpu" and not self.cfg.document_masking):
             keys_values = 0
         kept = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
         mask = tokens * self.cfg.seq_length // cp if self.cfg.document_masking and not self._flex else 0

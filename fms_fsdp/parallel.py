@@ -113,12 +113,22 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
     return MeshShape(dp // group, group, tp, cp, pp)
 
 
-def check_context_parallel(cfg: train_config) -> None:
+def check_context_parallel(cfg: train_config, device: torch.device) -> None:
     """--context_parallel_size=C cuts every line into 2C equal chunks (and, under tensor parallelism,
     each rank's part again T ways): ConfigError naming the numbers, or a setting it does not serve."""
     cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
     if cp == 1:
         return
+    if cfg.cp_attention == "ring" and cfg.document_masking:
+        raise ConfigError(
+            "--cp_attention=ring passes keys and values round the ranks for causal lines only: "
+            "--document_masking=True needs --cp_attention=allgather"
+        )
+    if cfg.cp_attention == "ring" and device.type == "cuda" and not cfg.mixed_precision:
+        raise ConfigError(
+            "--cp_attention=ring runs CUDA's flash attention, which takes bf16: set --mixed_precision=True "
+            "or --cp_attention=allgather"
+        )
     if cfg.seq_length % (2 * cp):
         raise ConfigError(
             f"--context_parallel_size={cp} cuts each line into 2 x {cp} = {2 * cp} chunks: --seq_length="

@@ -140,7 +140,7 @@ def facts(cfg: train_config) -> Run:
         cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
     )
     check_tensor_parallel(cfg, model_config)
-    check_context_parallel(cfg)
+    check_context_parallel(cfg, device)
     check_pipeline(cfg, model_config)
     pipeline = PipelinePlan.of(cfg, model_config)
     KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)

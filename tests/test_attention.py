@@ -110,15 +110,26 @@ def test_a_run_trains_with_document_masking(tmp):
             8,
             "each rank's 18 tokens of a line must divide by 4",
         ),
+        (
+            ["--context_parallel_size=2", "--cp_attention=ring", "--document_masking=True"],
+            2,
+            "--document_masking=True needs --cp_attention=allgather",
+        ),
+        (
+            ["--context_parallel_size=2", "--cp_attention=ring", "--device=cuda"],
+            2,
+            "--cp_attention=ring runs CUDA's flash attention, which takes bf16: set --mixed_precision=True",
+        ),
     ],
 )
 def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, message):
     from fms_fsdp.parallel import check_context_parallel, mesh_shape
 
     cfg = parse_args([*TINY, *args])
+    device = "cuda" if "--device=cuda" in args else "cpu"
     with pytest.raises(ConfigError, match=re.escape(message)):
         mesh_shape(cfg, world, world)
-        check_context_parallel(cfg)
+        check_context_parallel(cfg, torch.device(device))
 
 
 def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
@@ -130,6 +141,31 @@ def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
     cfg = parse_args([*TINY, "--context_parallel_size=2", "--use_torch_compile=True"])
     monkeypatch.setattr(compat, "TORCH", (2, 11))
     with pytest.raises(ConfigError, match="with --use_torch_compile=True needs torch 2.13 or later"):
-        check_context_parallel(cfg)
+        check_context_parallel(cfg, torch.device("cpu"))
     monkeypatch.setattr(compat, "TORCH", (2, 13))
-    check_context_parallel(cfg)
+    check_context_parallel(cfg, torch.device("cpu"))
+
+
+def test_ring_attention_compiles_as_one_op_and_is_causal_attention(tmp_path):
+    """--cp_attention=ring's op (torch's ring attention) in a fullgraph-compiled function, forward and
+    backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5.
+    Its split over ranks is tests/test_meshes.py's (C=2 eager, and under TP)."""
+    import torch.distributed as dist
+
+    from fms_fsdp.attention import _ring_attention
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 4, 32, 16, generator=gen).requires_grad_()
+        k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
+        name = dist.group.WORLD.group_name
+        ring = torch.compile(lambda q, k, v: _ring_attention(q, k, v, name, None)[0], fullgraph=True)
+        got = ring(q, k, v)
+        grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        expected = torch.autograd.grad(want.square().sum(), (q, k, v))
+        assert torch.allclose(got, want, atol=1e-5)
+        assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
+    finally:
+        dist.destroy_process_group()

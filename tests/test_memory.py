@@ -201,6 +201,9 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     # the CPU's unmasked path gathers the keys and values again in the backward: none kept
     on_cpu = plan_for(make_config(**long, context_parallel_size=2, device="cpu"), 8, 8, 1 << 40).plan(setting)
     assert two.activations - on_cpu.activations == 12 * 8192 * cp.kv_width * cp.compute
+    # ring attention passes them round the ranks on every device: none kept either
+    ring = plan_for(make_config(**long, context_parallel_size=2, cp_attention="ring"), 8, 8, 1 << 40).plan(setting)
+    assert ring.activations == on_cpu.activations
 
 
 def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():

@@ -27,6 +27,7 @@ TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
 Z_LOSS = "--z_loss_weight=1e-3"  # gqa_tp1, gqa_tp2 and gqa_tp2_ac: z-loss under loss parallel too
 # context parallelism in compiled blocks needs torch 2.13 (compat.context_parallel_compiles): eager before
 CP_COMPILE = ["--use_torch_compile=True"] if context_parallel_compiles() else []
+RING = ["--cp_attention=ring"]  # cp1_to2 and cp2_tp2: torch's ring attention (compiled: test_attention.py)
 DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with each step
 # pipeline runs (P=2) of dp2_ref's training, by schedule: GPipe resumes dp2_ref's step 2; interleaved
 # saves step 2 (resumed at P=1 and P=4) and exports step 4 from both stages, periodically and at the
@@ -83,9 +84,9 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
       one step at learning rate 0;
     - cp2: gqa_tp1's run with each line split over 2 ranks (--context_parallel_size=2), its blocks
       checkpointed whole and compiled (fullgraph: no graph break), checkpointed at step 2, which cp2_to1
-      resumes on one rank; cp1_to2 resumes dp2_ref's step 2 at C=2; docs_ref (one rank) and cp2_docs
-      (C=2) with document masking and positions; on 4 ranks fsdp2_cp2 (2 data-parallel ranks x C=2, the
-      same global batch) and cp2_tp2 (C=2 x T=2);
+      resumes on one rank; cp1_to2 resumes dp2_ref's step 2 at C=2 with ring attention;
+      docs_ref (one rank) and cp2_docs (C=2) with document masking and positions; on 4 ranks fsdp2_cp2
+      (2 data-parallel ranks x C=2, the same global batch) and cp2_tp2 (C=2 x T=2, ring attention);
     - pp2_<schedule>: dp2_ref's training at P=2 (PP_SCHEDULES); pp2_to1 and pp2_to4 resume
       pp2_interleaved's step 2 at P=1 and P=4; pp2_fsdp2 and pp2_tp2 on 4 ranks; pp2_eval and eval_ref
       start from tp2's export and evaluate, at P=2 and on one rank."""
@@ -206,7 +207,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
                 f"--ckpt_save_path={out['cp2']}",
             ],
             [*gqa, Z_LOSS, *cp, *docs, f"--ckpt_save_path={out['cp2_docs']}"],
-            [*TINY, "--num_steps=4", "--batch_size=4", *cp, f"--ckpt_save_path={out['cp1_to2']}"],
+            [*TINY, "--num_steps=4", "--batch_size=4", *cp, *RING, f"--ckpt_save_path={out['cp1_to2']}"],
             *[[*pp, *PP_SCHEDULES[name], f"--ckpt_save_path={out[f'pp2_{name}']}"] for name in PP_SCHEDULES],
             [*muon, "--batch_size=2", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['muon_fsdp2']}"],
             flags(
@@ -274,7 +275,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             flags(data, out["resumed_4"], *RESUME_EXPORT, "--sharding_strategy=hsdp", "--sharding_group_size=2"),
             flags(data, out["tp4"], *chain, "--tensor_parallel_size=4"),
             [*gqa, Z_LOSS, *cp, "--batch_size=1", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['fsdp2_cp2']}"],
-            [*gqa, Z_LOSS, *cp, "--tensor_parallel_size=2", f"--ckpt_save_path={out['cp2_tp2']}"],
+            [*gqa, Z_LOSS, *cp, *RING, "--tensor_parallel_size=2", f"--ckpt_save_path={out['cp2_tp2']}"],
             [*pp, "--pipeline_schedule=1F1B", f"--ckpt_save_path={out['pp2_to4']}", "--pipeline_parallel_size=4"],
             [*pp, "--batch_size=2", "--sharding_strategy=fsdp", f"--ckpt_save_path={out['pp2_fsdp2']}"],
             [*pp, "--tensor_parallel_size=2", f"--ckpt_save_path={out['pp2_tp2']}"],
@@ -409,9 +410,9 @@ def test_a_model_file_or_checkpoint_initialises_a_tensor_parallel_run(runs):
 
 
 def test_context_parallel_takes_the_steps_of_one_rank(runs):
-    """Lines split over 2 ranks (each 2 of 4 chunks, keys and values all-gathered) train as one rank
-    does, z-loss included: alone, with document masking, under FSDP 2 x CP 2 and CP 2 x TP 2; the tokens
-    are counted once per line."""
+    """Lines split over 2 ranks (each 2 of 4 chunks, keys and values all-gathered, or passed round a
+    ring) train as one rank does, z-loss included: alone, with document masking, under FSDP 2 x CP 2 and
+    CP 2 x TP 2 (ring); the tokens are counted once per line."""
     want, docs = losses(runs["gqa_tp1"]), losses(runs["docs_ref"])
     assert close(losses(runs["cp2"]), want) and close(losses(runs["cp2_tp2"]), want)
     assert close(losses(runs["fsdp2_cp2"]), want, DP_TOL)
@@ -422,7 +423,8 @@ def test_context_parallel_takes_the_steps_of_one_rank(runs):
 
 
 def test_checkpoints_resume_across_context_parallel_sizes(runs):
-    """A checkpoint saved at C=2 goes on at C=1, and one saved at C=1 at C=2, on the same curve."""
+    """A checkpoint saved at C=2 goes on at C=1, and one saved at C=1 at C=2 (ring attention),
+    on the same curve."""
     want = losses(runs["gqa_tp1"])
     got = losses(runs["cp2_to1"])
     assert sorted(got) == [3, 4] and close(got, {s: want[s] for s in got}), (got, want)
