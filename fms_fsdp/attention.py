@@ -329,6 +329,7 @@ def _ring_backward(
 
 
 _ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+RING_ATTENTION = torch.ops.fms_fsdp.ring_attention.default  # the op --ac_mode=op keeps (parallel.py)
 
 
 class _LineAttention(torch.autograd.Function):

@@ -244,7 +244,8 @@ def _ring_kernels(q: torch.Tensor) -> tuple[Any, Any]:
 
 def _cuda_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
     groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, **kwargs)
     return out, lse
 
@@ -255,7 +256,8 @@ def _cuda_flash_backward(
     """Dense lines without dropout: no cumulative lengths, and the RNG state is a placeholder, as the
     forward kernel itself returns it without dropout."""
     groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     unused = dict(
         cum_seq_q=None,
         cum_seq_k=None,
@@ -267,7 +269,9 @@ def _cuda_flash_backward(
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
         query=query, key=key, value=value, **kwargs, **unused
     )
-    return dq, dk.unflatten(1, (-1, groups)).sum(2), dv.unflatten(1, (-1, groups)).sum(2)
+    if groups == 1:
+        return dq, dk, dv
+    return dq, *(g.unflatten(1, (-1, groups)).sum(2, dtype=torch.float32).to(g.dtype) for g in (dk, dv))
 
 
 def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:

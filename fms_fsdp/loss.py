@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
-# fp32 logits of one chunk at most this big: small on CPU, where eager ops hold 2-3 copies of a chunk
-# (measured: 128 MiB keeps the vocab-128k tiny benchmark at 2.18 GiB RSS, 256 MiB 2.55), larger on GPU
+# fp32 logits of one chunk at most this big: small on CPU, where eager ops held 2-3 copies of a chunk
+# (measured then: 128 MiB kept the vocab-128k tiny benchmark at 2.18 GiB RSS, 256 MiB 2.55; the softmax
+# is now made in place of the logits), larger on GPU
 # where the compiled chunk is fused and bigger matmuls run closer to peak (1 GiB: not yet measured)
 CHUNK_BYTES = 1 << 27
 CUDA_CHUNK_BYTES = 1 << 30
@@ -58,13 +59,17 @@ def chunk_tokens(n_tokens: int, vocab_size: int, max_bytes: int = CHUNK_BYTES) -
 def _summed_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's fp32 logits, their log-sum-exp, the valid-label mask and targets ([C, 1] each), and
-    the summed cross entropy over labels != IGNORE_INDEX."""
+    """One chunk's softmax (fp32, made in place of its logits: no second chunk-sized tensor, which
+    logsumexp would make), the logits' log-sum-exp, the valid-label mask and targets ([C, 1] each),
+    and the summed cross entropy over labels != IGNORE_INDEX."""
     logits = (hidden @ weight.t()).float()
-    lse = logits.logsumexp(dim=-1, keepdim=True)
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
-    return logits, lse, valid, target, torch.where(valid, lse - logits.gather(1, target), 0.0).sum()
+    picked = logits.gather(1, target)
+    top = logits.amax(dim=-1, keepdim=True)
+    sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = top + sums.log()
+    return logits.div_(sums), lse, valid, target, torch.where(valid, lse - picked, 0.0).sum()
 
 
 def _parallel_summed_loss(
@@ -115,9 +120,8 @@ def chunk_loss(
     """For one chunk: the summed cross entropy and lse^2 over labels != IGNORE_INDEX (fp32) and the
     gradient of cross entropy + z_weight * lse^2 w.r.t. the logits (softmax (1 + 2 w lse) - one-hot,
     zero on ignored rows), in the hidden states' dtype."""
-    logits, lse, valid, target, loss = _summed_loss(hidden, weight, labels)
+    grad, lse, valid, target, loss = _summed_loss(hidden, weight, labels)  # the softmax, in place of the logits
     z, factor = _z_terms(lse, valid, z_weight)
-    grad = logits.sub_(lse).exp_()  # in place: one chunk of logits becomes its gradient
     if z_weight:
         grad.mul_(factor)
     grad = grad.scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)

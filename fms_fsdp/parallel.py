@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from fms_fsdp.attention import RING_ATTENTION
 from fms_fsdp.compat import context_parallel_compiles, flatten_mesh, reduce_scatter_op, set_group_timeout
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.distributed import collective_timeout
@@ -272,9 +273,9 @@ def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
     return chosen
 
 
-# kept by --ac_mode=op: the outputs of matmuls and attention (and, under tensor parallelism, of the
-# sequence-parallel reduce-scatters, as torchtitan keeps them: not redone in backward); everything
-# else is recomputed
+# kept by --ac_mode=op: the outputs of matmuls and attention (ring attention's op whole: its K/V
+# exchanges are not redone either; and, under tensor parallelism, of the sequence-parallel
+# reduce-scatters, as torchtitan keeps them: not redone in backward); everything else is recomputed
 _OP_MODE_SAVED = [
     getattr(torch.ops.aten, name).default
     for name in (
@@ -287,7 +288,7 @@ _OP_MODE_SAVED = [
         "_scaled_dot_product_flash_attention_for_cpu",
     )
     if hasattr(torch.ops.aten, name)
-] + [reduce_scatter_op()]
+] + [reduce_scatter_op(), RING_ATTENTION]
 _CONTEXTS: dict[str, Callable[[], Any]] = {
     "block": noop_context_fn,
     "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED),

@@ -15,4 +15,4 @@ venv=".venv-torch${version}"
 "$venv/bin/python" -m pip install -q -r requirements-test.txt
 "$venv/bin/python" -m pip install -q --no-deps -e .
 echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-exec "$venv/bin/python" -m pytest "$@"
+exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@"  # as scripts/test.sh

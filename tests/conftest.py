@@ -20,6 +20,24 @@ import torch
 from fms_fsdp.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# the files whose runs take longest (seconds on 2 cores), started first so that neither of
+# scripts/test.sh's two workers is left with one of them at the end
+SLOWEST_FILES = (
+    "test_meshes.py",
+    "test_ft.py",
+    "test_multinode.py",
+    "test_checkpoint.py",
+    "test_faults.py",
+    "test_object_storage.py",
+    "test_slurm.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first, the rest in their order (pytest-xdist hands out whole files in this order)."""
+    first = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
 
 # a tiny CPU run: fp32 (bf16 is slow on CPU), no compile, short sequences
 TINY = [
