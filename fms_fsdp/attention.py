@@ -147,9 +147,8 @@ class LinePlan:
             query_doc = doc[:, queries]
             mask = (queries[:, None] >= index[None, :]) & (query_doc[:, :, None] == doc[:, None, :])
             kwargs.update(mask=mask[:, None], is_causal_mask=False)
-        elif (
-            cp is not None and not self.ring and x.device.type != "cpu"
-        ):  # made here: torch.compile cannot build them in a block
+        elif cp is not None and not self.ring and x.device.type != "cpu":
+            # the chunks' causal masks, made here: torch.compile cannot build them in a block
             kwargs["causal"] = [causal_lower_right(stop - start, stop) for start, stop in cp.chunks(seq)]
         if cp is None:
             return x, labels, kwargs
