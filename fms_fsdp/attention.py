@@ -228,7 +228,8 @@ def _context_compute_op(
     mask, biases = attn_kwargs.get("mask"), attn_kwargs.get("causal")
     block_mask = attn_kwargs.get("block_mask")
     if mask is None and biases is None and block_mask is None:  # the CPU: no seq^2 mask, the line's keys not kept
-        return _LineAttention.apply(q, k, v, cp, scale_factor).transpose(2, 1).contiguous()
+        out = _LineAttention.apply(q, k, _own_values(v), cp, scale_factor)
+        return out.transpose(2, 1).contiguous()  # no copy: laid out tokens first
     k, v = cp.gather(k, 2), cp.gather(v, 2)
     if block_mask is not None:  # documents, compiled on CUDA
         out = flex_attention(q, k, v, block_mask=block_mask, scale=scale_factor, enable_gqa=gqa)
@@ -249,6 +250,20 @@ def _context_compute_op(
     return out.transpose(2, 1).contiguous()
 
 
+def _tokens_major(out: torch.Tensor) -> torch.Tensor:
+    """`out` [batch, heads, seq, dim] laid out as [batch, seq, heads, dim] in memory, as SDPA's kernels
+    make theirs: the attention keeps it for its backward and the output projection, transposed back,
+    keeps the same tensor instead of a copy of it."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _own_values(v: torch.Tensor) -> torch.Tensor:
+    """A copy of the values for an attention that keeps them for its backward: v is a view into the
+    fused q, k, v projection's output, which the view would keep whole (4x the values under Llama's
+    grouped-query attention); with the copy it goes once the block's forward ends."""
+    return v.clone(memory_format=torch.contiguous_format)
+
+
 def _ring_compute_op(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -262,25 +277,28 @@ def _ring_compute_op(
     """This rank's queries against the whole line, causal, by torch's ring attention (--cp_attention=ring)."""
     q, k, v = _heads_first(query, key_cache, value_cache, kvheads)
     cp: ContextParallel = attn_kwargs["context"]
-    out, _ = _ring_attention(q, k, v, cp.group.group_name, scale_factor)
-    return out.transpose(2, 1).contiguous()
+    out, _ = _ring_attention(q, k, _own_values(v), cp.group.group_name, scale_factor)
+    return out
 
 
 @torch.library.custom_op("fms_fsdp::ring_attention", mutates_args=())
 def _ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, scale: Optional[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's ring attention (compat.ring_attention) over the process group named `group`: (output,
-    log-sum-exp). An op of its own, opaque to torch.compile, which cannot trace torch's ring."""
+    """torch's ring attention (compat.ring_attention) over the process group named `group`: (output
+    [batch, seq, heads, dim], tokens first as the output projection reads it, so that the one copy is
+    kept for both backwards; log-sum-exp). An op of its own, opaque to torch.compile, which cannot
+    trace torch's ring."""
     out, lse = ring_attention(group_named(group), q, k, v, scale)
-    return out.contiguous(), lse.contiguous()
+    return out.transpose(1, 2).contiguous(), lse.contiguous()
 
 
 @_ring_attention.register_fake
 def _(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, scale: Optional[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    batch, heads, seq, dim = q.shape
+    return q.new_empty(batch, seq, heads, dim), q.new_empty(batch, heads, seq, dtype=torch.float32)
 
 
 @torch.library.custom_op("fms_fsdp::ring_attention_backward", mutates_args=())
@@ -294,8 +312,10 @@ def _ring_attention_backward(
     group: str,
     scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `_ring_attention`: the keys and values go round the ring again."""
-    dq, dk, dv = ring_attention_backward(group_named(group), grad.contiguous(), q, k, v, out, lse, scale)
+    """(dq, dk, dv) of `_ring_attention` (`grad` and `out` tokens first): the keys and values go round
+    the ring again."""
+    grad, out = grad.transpose(1, 2).contiguous(), out.transpose(1, 2)
+    dq, dk, dv = ring_attention_backward(group_named(group), grad, q, k, v, out, lse, scale)
     return dq.contiguous(), dk.clone(), dv.clone()  # dk, dv: views of one buffer, and outputs may not alias
 
 
@@ -358,7 +378,7 @@ class _LineAttention(torch.autograd.Function):
             outs.append(o)
             lses.append(s)
             offset += n
-        out = torch.cat(outs, 2)
+        out = _tokens_major(torch.cat(outs, 2))
         ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
         ctx.cp, ctx.scale = cp, scale
         return out

@@ -1,6 +1,7 @@
 """Document masking (--document_masking, --document_positions; fms_fsdp/attention.py): a packed line's
 documents are scored as if each were alone, by FlexAttention and by SDPA with a mask alike."""
 
+import functools
 import re
 
 import pytest
@@ -146,6 +147,40 @@ def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
     check_context_parallel(cfg, torch.device("cpu"))
 
 
+def _saved_bytes(forward) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of `forward()`."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(storages.values())
+
+
+def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, tmp_path):
+    """Both context-parallel attentions, on a group of one rank (the whole line), keep no more for the
+    backward than plain SDPA does: their output once (laid out as the output projection reads it) and
+    their own copy of the values, not the fused q, k, v projection's output that the values view."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cp = ContextParallel(dist.group.WORLD, 0, 1)
+        line = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(4))
+        model.train()
+        plain = _saved_bytes(lambda: model(line))
+        for ring in (False, True):
+            kwargs = LinePlan(None, False, cp, flex=False, ring=ring).prepare(line, None)[2]
+            assert torch.allclose(model(line, **kwargs), model(line), atol=1e-5), ring
+            assert _saved_bytes(functools.partial(model, line, **kwargs)) <= plain, ring
+    finally:
+        model.eval()
+        dist.destroy_process_group()
+
+
 def test_ring_attention_compiles_as_one_op_and_is_causal_attention(tmp_path):
     """--cp_attention=ring's op (torch's ring attention) in a fullgraph-compiled function, forward and
     backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5.
@@ -161,7 +196,7 @@ def test_ring_attention_compiles_as_one_op_and_is_causal_attention(tmp_path):
         k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
         name = dist.group.WORLD.group_name
         ring = torch.compile(lambda q, k, v: _ring_attention(q, k, v, name, None)[0], fullgraph=True)
-        got = ring(q, k, v)
+        got = ring(q, k, v).transpose(1, 2)  # tokens first
         grads = torch.autograd.grad(got.square().sum(), (q, k, v))
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         expected = torch.autograd.grad(want.square().sum(), (q, k, v))
