@@ -162,8 +162,10 @@ def _saved_bytes(forward) -> int:
 
 def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, tmp_path):
     """Both context-parallel attentions, on a group of one rank (the whole line), keep no more for the
-    backward than plain SDPA does: their output once (laid out as the output projection reads it) and
-    their own copy of the values, not the fused q, k, v projection's output that the values view."""
+    backward than plain SDPA does with its keys and values one per KV head (fms's SDPA keeps them
+    repeated for every query head): their output once (laid out as the output projection reads it, one
+    tensor for both backwards) and their own copy of the values, not the fused q, k, v projection's
+    output that the values view. Either regression alone fails this."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -171,7 +173,10 @@ def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, tm
         cp = ContextParallel(dist.group.WORLD, 0, 1)
         line = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(4))
         model.train()
-        plain = _saved_bytes(lambda: model(line))
+        config, (batch, seq) = model.config, line.shape
+        head_dim = config.emb_dim // config.nheads
+        repeated = config.nlayers * 2 * (config.nheads - config.kvheads) * batch * seq * head_dim * 4  # fp32 K/V
+        plain = _saved_bytes(lambda: model(line)) - repeated
         for ring in (False, True):
             kwargs = LinePlan(None, False, cp, flex=False, ring=ring).prepare(line, None)[2]
             assert torch.allclose(model(line, **kwargs), model(line), atol=1e-5), ring
