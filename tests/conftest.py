@@ -125,6 +125,16 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
     return records(out)
 
 
+@pytest.fixture
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone (the default group), stopped after the test."""
+    from fms_fsdp.distributed import stop_process_group
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    stop_process_group()
+
+
 @contextlib.contextmanager
 def here() -> Iterator[io.StringIO]:
     """Run a command's entry point in this process, one rank (no start-up of a new interpreter): the

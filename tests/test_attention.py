@@ -160,19 +160,16 @@ def _saved_bytes(forward) -> int:
     return sum(storages.values())
 
 
-def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, tmp_path):
+def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, one_process_group):
     """Both context-parallel attentions, on a group of one rank (the whole line), keep no more for the
     backward than plain SDPA does with its keys and values one per KV head (fms's SDPA keeps them
     repeated for every query head): their output once (laid out as the output projection reads it, one
     tensor for both backwards) and their own copy of the values, not the fused q, k, v projection's
     output that the values view. Either regression alone fails this."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    cp = ContextParallel(torch.distributed.group.WORLD, 0, 1)
+    line = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(4))
+    model.train()
     try:
-        cp = ContextParallel(dist.group.WORLD, 0, 1)
-        line = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(4))
-        model.train()
         config, (batch, seq) = model.config, line.shape
         head_dim = config.emb_dim // config.nheads
         repeated = config.nlayers * 2 * (config.nheads - config.kvheads) * batch * seq * head_dim * 4  # fp32 K/V
@@ -183,29 +180,22 @@ def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, tm
             assert _saved_bytes(functools.partial(model, line, **kwargs)) <= plain, ring
     finally:
         model.eval()
-        dist.destroy_process_group()
 
 
-def test_ring_attention_compiles_as_one_op_and_is_causal_attention(tmp_path):
+def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_group):
     """--cp_attention=ring's op (torch's ring attention) in a fullgraph-compiled function, forward and
     backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5.
     Its split over ranks is tests/test_meshes.py's (C=2 eager, and under TP)."""
-    import torch.distributed as dist
-
     from fms_fsdp.attention import _ring_attention
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        gen = torch.Generator().manual_seed(3)
-        q = torch.randn(2, 4, 32, 16, generator=gen).requires_grad_()
-        k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
-        name = dist.group.WORLD.group_name
-        ring = torch.compile(lambda q, k, v: _ring_attention(q, k, v, name, None)[0], fullgraph=True)
-        got = ring(q, k, v).transpose(1, 2)  # tokens first
-        grads = torch.autograd.grad(got.square().sum(), (q, k, v))
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        expected = torch.autograd.grad(want.square().sum(), (q, k, v))
-        assert torch.allclose(got, want, atol=1e-5)
-        assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
-    finally:
-        dist.destroy_process_group()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 32, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
+    name = torch.distributed.group.WORLD.group_name
+    ring = torch.compile(lambda q, k, v: _ring_attention(q, k, v, name, None)[0], fullgraph=True)
+    got = ring(q, k, v).transpose(1, 2)  # tokens first
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = torch.autograd.grad(want.square().sum(), (q, k, v))
+    assert torch.allclose(got, want, atol=1e-5)
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))

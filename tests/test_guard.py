@@ -8,11 +8,9 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 import fms_fsdp.train
-from fms_fsdp.distributed import stop_process_group
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
@@ -20,13 +18,6 @@ from fms_fsdp.optim import clip_gradients
 from fms_fsdp.run import facts
 
 from conftest import TINY, records, run_here
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    stop_process_group()
 
 
 def test_a_bad_step_leaves_the_weights_and_adam_state_as_they_were(one_process_group):
