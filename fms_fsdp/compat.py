@@ -6,7 +6,8 @@ there, not in the middle of a run.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -176,10 +177,10 @@ def ring_attention(
     seq, dim]; chunks r and 2C-1-r of the line, torch's round-robin balance), causal: each of C steps
     attends to the keys and values passed on from the previous rank (all-to-all) while sending its
     own on, merged by log-sum-exps in fp32: (output, log-sum-exp)."""
-    _ring_options()
-    out, lse, *_ = torch_cp._templated_ring_attention(
-        group, 2, _ring_kernels(q)[0], q, k, v, is_causal=True, dropout_p=0.0, scale=scale
-    )
+    with _ring_options():
+        out, lse, *_ = torch_cp._templated_ring_attention(
+            group, 2, _ring_kernels(q)[0], q, k, v, is_causal=True, dropout_p=0.0, scale=scale
+        )
     return out, lse
 
 
@@ -195,22 +196,22 @@ def ring_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `ring_attention`: the keys and values go round the ring again, and their
     gradients round after them back to the ranks that hold them."""
-    _ring_options()
-    dq, dk, dv, *_ = torch_cp._templated_ring_attention_backward(
-        group,
-        2,
-        _ring_kernels(q)[1],
-        grad_out=grad,
-        grad_out_name="grad_out",
-        query=q,
-        key=k,
-        value=v,
-        out=out,
-        logsumexp=lse,
-        is_causal=True,
-        dropout_p=0.0,
-        scale=scale,
-    )
+    with _ring_options():
+        dq, dk, dv, *_ = torch_cp._templated_ring_attention_backward(
+            group,
+            2,
+            _ring_kernels(q)[1],
+            grad_out=grad,
+            grad_out_name="grad_out",
+            query=q,
+            key=k,
+            value=v,
+            out=out,
+            logsumexp=lse,
+            is_causal=True,
+            dropout_p=0.0,
+            scale=scale,
+        )
     return dq, dk, dv
 
 
@@ -220,13 +221,22 @@ def group_named(name: str) -> Any:
     return _resolve_process_group(name)
 
 
-def _ring_options() -> None:
-    """torch's ring settings, process-wide: keys and values sent to the next rank at each step
-    (all-to-all; its default all-gathers them all at once), the round-robin load balance our chunks
-    follow, merged in fp32."""
-    torch_cp._cp_options.rotate_method = torch_cp._RotateMethod.ALL_TO_ALL
-    torch_cp._cp_options.enable_load_balance = True
-    torch_cp._cp_options.convert_to_f32 = True
+@contextlib.contextmanager
+def _ring_options() -> Iterator[None]:
+    """torch's ring settings (process-wide, so restored after): keys and values sent to the next rank
+    at each step (all-to-all; its default all-gathers them all at once), the round-robin load balance
+    our chunks follow, merged in fp32."""
+    options = torch_cp._cp_options
+    saved = options.rotate_method, options.enable_load_balance, options.convert_to_f32
+    options.rotate_method, options.enable_load_balance, options.convert_to_f32 = (
+        torch_cp._RotateMethod.ALL_TO_ALL,
+        True,
+        True,
+    )
+    try:
+        yield
+    finally:
+        options.rotate_method, options.enable_load_balance, options.convert_to_f32 = saved
 
 
 def _ring_kernels(q: torch.Tensor) -> tuple[Any, Any]:

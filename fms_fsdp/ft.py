@@ -97,6 +97,26 @@ class FTSettings:
         )
 
 
+# Flags every replica group must share beyond the model and the mesh: what sets each group's batches
+# and every update (data and its order, optimizer, learning-rate schedule, precision, adapters). Paths,
+# logging and checkpoint cadence may differ from group to group.
+SHARED_FLAGS = (
+    "batch_size", "seq_length", "grad_accum_steps", "seed", "data_path", "datasets", "weights",
+    "weights_schedule", "logical_shards", "bos_token", "eos_token", "strip_tokens", "document_masking",
+    "document_positions", "optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+    "adam_eps", "muon_momentum", "muon_adjust_lr", "grad_clip_thresh", "z_loss_weight", "skip_bad_steps",
+    "spike_sigma", "weight_decay_norms_and_embeddings", "lr_schedule", "lr_cycles", "lr_cycle_length",
+    "lr_cycle_ends", "warmup_steps", "lr_rewarmup", "decay_steps", "min_lr_ratio", "num_steps",
+    "training_stage", "mixed_precision", "float8", "float8_recipe", "lora_rank", "lora_alpha",
+    "lora_dropout", "lora_targets",
+)  # fmt: skip
+
+
+def fingerprint(cfg: train_config, model_config: Any, shape: MeshShape) -> str:
+    """What every replica group must share: the model, the mesh and SHARED_FLAGS."""
+    return "|".join([str(model_config), str(shape), *(f"{f}={getattr(cfg, f)!r}" for f in SHARED_FLAGS)])
+
+
 def _flag_or_env(value: Optional[int], flag: str, env: str) -> int:
     if value is not None:
         return value
@@ -433,7 +453,8 @@ class FaultTolerance:
     def _differs(self, other: str) -> str:
         return (
             f"--fault_tolerance: group {self.settings.index} runs another model or mesh than {other}: every "
-            "group must run the same flags (model variant, world size, parallelism, batch) — compare their config.yaml"
+            "group must run the same flags (model variant, world size, parallelism, batch, data, seed, optimizer, "
+            "learning-rate schedule, precision) — compare their config.yaml"
         )
 
     def _sum(self, t: torch.Tensor) -> Optional[torch.Tensor]:

@@ -56,29 +56,42 @@ def chunk_tokens(n_tokens: int, vocab_size: int, max_bytes: int = CHUNK_BYTES) -
     return even if 2 * even >= uneven else uneven
 
 
-def _summed_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's softmax (fp32, made in place of its logits: no second chunk-sized tensor, which
-    logsumexp would make), the logits' log-sum-exp, the valid-label mask and targets ([C, 1] each),
-    and the summed cross entropy over labels != IGNORE_INDEX."""
+class _Chunk(NamedTuple):
+    """One chunk's terms. `exps`: exp(logits - max), made in place of its fp32 logits (no second
+    chunk-sized tensor, which logsumexp would make). Over the whole vocabulary (every slice under loss
+    parallel), [C, 1] each: the sum of those exponentials, the log-sum-exp, the valid-label mask, the
+    targets, and the one-hot's value at each target (-1; 0 where another slice holds it). `loss`: the
+    summed cross entropy over labels != IGNORE_INDEX."""
+
+    exps: torch.Tensor
+    sums: torch.Tensor
+    lse: torch.Tensor
+    valid: torch.Tensor
+    target: torch.Tensor
+    one_hot: torch.Tensor
+    loss: torch.Tensor
+
+
+def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> _Chunk:
+    """One chunk's terms over the whole vocabulary."""
     logits = (hidden @ weight.t()).float()
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
     picked = logits.gather(1, target)
     top = logits.amax(dim=-1, keepdim=True)
-    sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    exps = logits.sub_(top).exp_()
+    sums = exps.sum(dim=-1, keepdim=True)
     lse = top + sums.log()
-    return logits.div_(sums), lse, valid, target, torch.where(valid, lse - picked, 0.0).sum()
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    return _Chunk(exps, sums, lse, valid, target, torch.full_like(lse, -1.0), loss)
 
 
 def _parallel_summed_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: VocabShard
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_summed_loss over a slice of the vocabulary: this slice's fp32 logits, the log-sum-exp over all
-    slices (the max, then the sum of exponentials with the target logit from the slice that holds it:
-    two all-reduces of [C, 1] and [C, 2]), the valid-label mask, the local targets and which of them
-    this slice holds, and the summed cross entropy."""
+) -> _Chunk:
+    """One chunk's terms when `weight` is a slice of the vocabulary: the max, then the sum of
+    exponentials with the target logit from the slice that holds it, are all-reduced over the group
+    ([C, 1] and [C, 2]); `exps` and `target` stay this slice's."""
     logits = (hidden @ weight.t()).float()
     top = logits.amax(dim=-1, keepdim=True)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
@@ -86,12 +99,13 @@ def _parallel_summed_loss(
     target = (labels - shard.start).unsqueeze(1)
     owned = valid & (target >= 0) & (target < logits.shape[1])
     target = target.clamp(0, logits.shape[1] - 1)
-    sums = torch.cat(
-        [(logits - top).exp().sum(dim=-1, keepdim=True), torch.where(owned, logits.gather(1, target), 0.0)], dim=1
-    )
+    picked = torch.where(owned, logits.gather(1, target), 0.0)
+    exps = logits.sub_(top).exp_()
+    sums = torch.cat([exps.sum(dim=-1, keepdim=True), picked], dim=1)
     dist.all_reduce(sums, group=shard.group)
     lse = top + sums[:, :1].log()
-    return logits, lse, valid, target, owned, torch.where(valid, lse - sums[:, 1:], 0.0).sum()
+    loss = torch.where(valid, lse - sums[:, 1:], 0.0).sum()
+    return _Chunk(exps, sums[:, :1], lse, valid, target, torch.where(owned, -1.0, 0.0), loss)
 
 
 def _z_terms(lse: torch.Tensor, valid: torch.Tensor, z_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,18 +114,25 @@ def _z_terms(lse: torch.Tensor, valid: torch.Tensor, z_weight: float) -> tuple[t
     return torch.where(valid, lse.square(), 0.0).sum(), 1.0 + 2.0 * z_weight * lse
 
 
+def _loss_and_gradient(
+    chunk: _Chunk, z_weight: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed cross entropy and lse^2, and the gradient w.r.t. the logits: softmax (1 + 2 w lse) -
+    one-hot, zero on ignored rows, made in place of `chunk.exps`, in `dtype`."""
+    z, factor = _z_terms(chunk.lse, chunk.valid, z_weight)
+    grad = chunk.exps.div_(chunk.sums)
+    if z_weight:
+        grad.mul_(factor)
+    grad = grad.scatter_add_(1, chunk.target, chunk.one_hot).masked_fill_(~chunk.valid, 0.0)
+    return chunk.loss, z, grad.to(dtype)
+
+
 def parallel_chunk_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_weight: float, shard: VocabShard
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunk_loss over a slice of the vocabulary: the summed cross entropy and lse^2 (the same on every
     rank of the group) and the gradient w.r.t. this slice's logits."""
-    logits, lse, valid, target, owned, loss = _parallel_summed_loss(hidden, weight, labels, shard)
-    z, factor = _z_terms(lse, valid, z_weight)
-    grad = logits.sub_(lse).exp_()
-    if z_weight:
-        grad.mul_(factor)
-    grad = grad.scatter_add_(1, target, torch.where(owned, -1.0, 0.0)).masked_fill_(~valid, 0.0)
-    return loss, z, grad.to(hidden.dtype)
+    return _loss_and_gradient(_parallel_summed_loss(hidden, weight, labels, shard), z_weight, hidden.dtype)
 
 
 def chunk_loss(
@@ -120,12 +141,7 @@ def chunk_loss(
     """For one chunk: the summed cross entropy and lse^2 over labels != IGNORE_INDEX (fp32) and the
     gradient of cross entropy + z_weight * lse^2 w.r.t. the logits (softmax (1 + 2 w lse) - one-hot,
     zero on ignored rows), in the hidden states' dtype."""
-    grad, lse, valid, target, loss = _summed_loss(hidden, weight, labels)  # the softmax, in place of the logits
-    z, factor = _z_terms(lse, valid, z_weight)
-    if z_weight:
-        grad.mul_(factor)
-    grad = grad.scatter_add_(1, target, torch.full_like(lse, -1.0)).masked_fill_(~valid, 0.0)
-    return loss, z, grad.to(hidden.dtype)
+    return _loss_and_gradient(_summed_loss(hidden, weight, labels), z_weight, hidden.dtype)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -209,5 +225,5 @@ def chunked_cross_entropy(
         loss, z_loss = _ChunkedCrossEntropy.apply(hidden, weight, labels, fn, max_chunk_bytes, z_weight, backward_twice)
         return loss, z_loss
     n, step = hidden.shape[0], chunk_tokens(hidden.shape[0], weight.shape[0], max_chunk_bytes)
-    total = sum(summed(hidden[i : i + step], weight, labels[i : i + step])[-1] for i in range(0, n, step))
+    total = sum(summed(hidden[i : i + step], weight, labels[i : i + step]).loss for i in range(0, n, step))
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1), None

@@ -36,7 +36,7 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
-from fms_fsdp.ft import FaultTolerance, Replay
+from fms_fsdp.ft import FaultTolerance, Replay, fingerprint
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.lease import RunLease
@@ -166,12 +166,6 @@ def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsRep
     return healed.step
 
 
-def _fingerprint(run: Run) -> str:
-    """What every replica group must share (--fault_tolerance): the model, the mesh and the batch."""
-    cfg = run.cfg
-    return f"{run.model_config}|{run.shape}|{cfg.batch_size}x{cfg.seq_length}x{cfg.grad_accum_steps}|{cfg.optimizer}"
-
-
 def out_of_memory_error(
     step: int, error: torch.OutOfMemoryError, cfg: train_config, device: torch.device
 ) -> TrainingError:
@@ -253,7 +247,15 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
         ft = None
         if run.ft is not None:
             ft = FaultTolerance(
-                run.ft, model, optimizer, scheduler, loader, guard, _fingerprint(run), info.device, run.log
+                run.ft,
+                model,
+                optimizer,
+                scheduler,
+                loader,
+                guard,
+                fingerprint(run.cfg, run.model_config, run.shape),
+                info.device,
+                run.log,
             )
             stack.callback(ft.close)
         checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)

@@ -184,10 +184,15 @@ def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, on
 
 def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_group):
     """--cp_attention=ring's op (torch's ring attention) in a fullgraph-compiled function, forward and
-    backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5.
-    Its split over ranks is tests/test_meshes.py's (C=2 eager, and under TP)."""
+    backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5,
+    leaving torch's own context-parallel settings as they were. Its split over ranks is tests/test_meshes.py's (C=2 eager, and under TP)."""
     from fms_fsdp.attention import _ring_attention
+    from fms_fsdp.compat import torch_cp
 
+    def options() -> tuple:
+        return tuple(vars(torch_cp._cp_options).values())
+
+    before = options()
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 32, 16, generator=gen).requires_grad_()
     k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
@@ -199,3 +204,4 @@ def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_g
     expected = torch.autograd.grad(want.square().sum(), (q, k, v))
     assert torch.allclose(got, want, atol=1e-5)
     assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, expected))
+    assert options() == before  # torch's process-wide ring settings are its own again

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fms_fsdp.distributed import free_port
-from fms_fsdp.ft import Watchdog
+from fms_fsdp.ft import SHARED_FLAGS, Watchdog, fingerprint
 
 from conftest import ROOT, TINY, records, run_here
 
@@ -196,6 +196,27 @@ def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each
     assert re.search(line, first.output()), first.output()[-2000:]
     assert "Traceback" not in odd.output() + first.output()
     assert reported(tmp_path / "run" / "group_0") == 0  # no step committed
+
+
+def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
+    """Each flag that sets a group's batches or updates (seed, learning rate, schedule...) changes the
+    fingerprint, so such a group ends in the one line above; paths and logging may differ."""
+    from fms_fsdp.config import train_config
+
+    cfg = train_config()
+    base = fingerprint(cfg, "llama", "mesh")
+
+    def changed(flag: str, value: Any) -> str:
+        other = train_config()
+        setattr(other, flag, value)
+        return fingerprint(other, "llama", "mesh")
+
+    assert all(hasattr(cfg, f) for f in SHARED_FLAGS)
+    assert {f for f in SHARED_FLAGS if changed(f, ("another", getattr(cfg, f))) == base} == set()
+    assert {"seed", "learning_rate", "warmup_steps", "lr_schedule", "batch_size"} <= set(SHARED_FLAGS)
+    for flag, value in (("ckpt_save_path", "/elsewhere"), ("ft_group_index", 3), ("report_interval", 7)):
+        assert changed(flag, value) == base, flag
+    assert fingerprint(cfg, "llama", "another mesh") != base != fingerprint(cfg, "another model", "mesh")
 
 
 def test_the_watchdog_ends_a_hung_step_in_one_line():
