@@ -313,7 +313,10 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
         collectives = [e for e in events if e["name"].startswith("c10d::")]
         ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
         assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
-        assert len(ours) <= 1 and all(e["args"]["Input Dims"][0] == [[5]] for e in ours), ours  # the stop agreement
+        # the agreement (triggers.py): a handful of figures in one all-reduce, in a step that comes due on a
+        # slow machine
+        tensors = [e["args"]["Input Dims"][0] for e in ours]  # [[figures]]: one 1-D tensor
+        assert len(ours) <= 1 and all(len(t) == 1 and len(t[0]) == 1 and t[0][0] <= 8 for t in tensors), ours
 
 
 def inside(e: dict, outer: dict) -> bool:
