@@ -9,7 +9,7 @@ members. A step (`begin`, forward and backward, `commit`):
 
 - `begin` asks for the quorum (synchronously: a group that comes back loads the live state before its
   forward, and nothing else runs while torchft's thread serves the state, which the training thread
-  built) and checks that every live group runs the same model and mesh (a fingerprint);
+  built) and checks that every live group runs the same model, mesh and SHARED_FLAGS (a fingerprint);
 - `commit` exchanges every group's data position with the other live groups (their loader states, in
   the same step as the gradients they produced) and asks torchft whether the step commits: it does
   not when a collective failed (a group died) or fewer than --ft_min_replicas groups took part; the
@@ -98,16 +98,17 @@ class FTSettings:
 
 
 # Flags every replica group must share beyond the model and the mesh: what sets each group's batches
-# and every update (data and its order, optimizer, learning-rate schedule, precision, adapters). Paths,
-# logging and checkpoint cadence may differ from group to group.
+# and every update (data layout and order, optimizer, learning-rate schedule, precision, adapters).
+# Paths (the data's too: a copy on another mount), logging and checkpoint cadence may differ.
 SHARED_FLAGS = (
-    "batch_size", "seq_length", "grad_accum_steps", "seed", "data_path", "datasets", "weights",
-    "weights_schedule", "logical_shards", "bos_token", "eos_token", "strip_tokens", "document_masking",
-    "document_positions", "optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_eps", "muon_momentum", "muon_adjust_lr", "grad_clip_thresh", "z_loss_weight", "skip_bad_steps",
-    "spike_sigma", "weight_decay_norms_and_embeddings", "lr_schedule", "lr_cycles", "lr_cycle_length",
-    "lr_cycle_ends", "warmup_steps", "lr_rewarmup", "decay_steps", "min_lr_ratio", "num_steps",
-    "training_stage", "mixed_precision", "float8", "float8_recipe", "lora_rank", "lora_alpha",
+    "use_dummy_dataset", "file_type", "col_name", "text_field", "weights", "weights_schedule",
+    "seq_length", "bos_token", "eos_token", "document_masking", "document_positions", "bol_token",
+    "eol_token", "strip_tokens", "logical_shards", "batch_size", "grad_accum_steps", "num_steps", "seed",
+    "optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+    "muon_momentum", "muon_adjust_lr", "grad_clip_thresh", "z_loss_weight", "skip_bad_steps",
+    "spike_sigma", "weight_decay_norms_and_embeddings", "training_stage", "lr_schedule", "lr_cycles",
+    "lr_cycle_length", "lr_cycle_ends", "warmup_steps", "lr_rewarmup", "decay_steps", "min_lr_ratio",
+    "mixed_precision", "float8", "float8_recipe", "float8_min_size", "lora_rank", "lora_alpha",
     "lora_dropout", "lora_targets",
 )  # fmt: skip
 
@@ -426,7 +427,7 @@ class FaultTolerance:
 
     def _check_groups(self, step: int) -> None:
         """Which groups take part in `step`, agreed over the live groups; ConfigError in a group that runs
-        another model or mesh than most of them (on a tie, than the lowest-numbered group of a kind)."""
+        another model, mesh or flags than most of them (on a tie, than the lowest-numbered group of a kind)."""
         seen = torch.zeros(self.settings.groups, dtype=torch.int64)
         seen[self.settings.index] = self.fingerprint
         seen = self._sum(seen)
@@ -452,9 +453,9 @@ class FaultTolerance:
 
     def _differs(self, other: str) -> str:
         return (
-            f"--fault_tolerance: group {self.settings.index} runs another model or mesh than {other}: every "
-            "group must run the same flags (model variant, world size, parallelism, batch, data, seed, optimizer, "
-            "learning-rate schedule, precision) — compare their config.yaml"
+            f"--fault_tolerance: group {self.settings.index} runs another model, mesh or flags than {other}: every "
+            "group must run the same flags (model variant, world size, parallelism, batch, data layout, seed, "
+            "optimizer, learning-rate schedule, precision) — compare their config.yaml"
         )
 
     def _sum(self, t: torch.Tensor) -> Optional[torch.Tensor]:

@@ -189,7 +189,7 @@ def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each
     first, odd = Group(0, args, tmp_path, "g0"), Group(1, [*args, "--batch_size=4"], tmp_path, "g1")
     assert odd.wait() == 2 and first.wait() == 1, first.output()[-2000:] + odd.output()[-2000:]
     assert (
-        "error: --fault_tolerance: group 1 runs another model or mesh than group 0: every group must run the "
+        "error: --fault_tolerance: group 1 runs another model, mesh or flags than group 0: every group must run the "
         "same flags" in odd.output()
     ), odd.output()[-2000:]
     line = r"error: --fault_tolerance: fewer than --ft_min_replicas=2 groups took part \(1\) for \d+ s \(--ft_step_"
@@ -200,7 +200,7 @@ def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each
 
 def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
     """Each flag that sets a group's batches or updates (seed, learning rate, schedule...) changes the
-    fingerprint, so such a group ends in the one line above; paths and logging may differ."""
+    fingerprint, so such a group ends in the one line above; paths (the data's too) and logging may differ."""
     from fms_fsdp.config import train_config
 
     cfg = train_config()
@@ -214,7 +214,7 @@ def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
     assert all(hasattr(cfg, f) for f in SHARED_FLAGS)
     assert {f for f in SHARED_FLAGS if changed(f, ("another", getattr(cfg, f))) == base} == set()
     assert {"seed", "learning_rate", "warmup_steps", "lr_schedule", "batch_size"} <= set(SHARED_FLAGS)
-    for flag, value in (("ckpt_save_path", "/elsewhere"), ("ft_group_index", 3), ("report_interval", 7)):
+    for flag, value in (("ckpt_save_path", "/b"), ("data_path", "/b"), ("ft_group_index", 3), ("report_interval", 7)):
         assert changed(flag, value) == base, flag
     assert fingerprint(cfg, "llama", "another mesh") != base != fingerprint(cfg, "another model", "mesh")
 
