@@ -185,7 +185,8 @@ def test_a_context_parallel_rank_keeps_no_more_per_token_than_one_rank(model, on
 def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_group):
     """--cp_attention=ring's op (torch's ring attention) in a fullgraph-compiled function, forward and
     backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5,
-    leaving torch's own context-parallel settings as they were. Its split over ranks is tests/test_meshes.py's (C=2 eager, and under TP)."""
+    leaving torch's own context-parallel settings as they were. Its split over ranks is
+    tests/test_meshes.py's (C=2 eager, and under TP)."""
     from fms_fsdp.attention import _ring_attention
     from fms_fsdp.compat import torch_cp
 
