@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -741,6 +742,11 @@ def _torchrun(b: Bench) -> Job:
 SERVER = multiprocessing.get_context("forkserver")
 SERVER.set_forkserver_preload(["fms_fsdp.cli", "fms_fsdp.train", "fms_fsdp.evaluate", "fms_fsdp.checkpoint.hf"])
 LAUNCHED = itertools.count()  # names the processes' output files
+# multiprocessing's forkserver processes are not thread-safe: two threads polling one process (and
+# Process.start polls every live child) can both see it end, and the one that reads second gets EOF
+# and reports status 255 for a rank that exited 0 or 2. The matrix's threads start and poll under
+# this lock.
+SERVER_LOCK = threading.Lock()
 ENTRY_POINTS = {e.name: e.value for e in entry_points(group="console_scripts") if e.value.startswith("fms_fsdp.")}
 
 
@@ -773,11 +779,15 @@ class Proc:
             return
         self.popen = None
         self.process = SERVER.Process(target=_command, args=(argv[0], argv[1:], env, str(self.out), str(self.err)))
-        self.process.start()
+        with SERVER_LOCK:
+            self.process.start()
         self.pid = self.process.pid
 
     def poll(self) -> Optional[int]:
-        return self.popen.poll() if self.popen else self.process.exitcode
+        if self.popen:
+            return self.popen.poll()
+        with SERVER_LOCK:
+            return self.process.exitcode
 
     def send_signal(self, sig: signal.Signals) -> None:
         if self.poll() is None:
@@ -789,8 +799,10 @@ class Proc:
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         if self.popen:
             return self.popen.wait(timeout)
-        self.process.join(timeout)
-        return self.process.exitcode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+        return self.poll()
 
     def output(self) -> tuple[str, str]:
         return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
@@ -928,3 +940,24 @@ def troubleshooting_table() -> str:
         line = re.sub(r"\{(\w+)\}", r"<\1>", f.says).replace("|", "\\|")
         rows.append(f"| {f.what} | `{line}` | {f.status} |")
     return "\n".join(rows)
+
+
+def test_the_matrix_reads_each_status_while_threads_poll(server, tmp_path):
+    """The matrix's threads poll its processes at once (and starting one polls them all): each
+    status is still the one the process exited with (without the lock, some read 255)."""
+    procs = [Proc(["fms-train", "--no_such_flag=1" if k % 2 else "--help"], {}, tmp_path) for k in range(12)]
+    stop = threading.Event()
+
+    def poll_all() -> None:
+        while not stop.is_set():
+            for p in procs:
+                p.poll()
+
+    pollers = [threading.Thread(target=poll_all) for _ in range(3)]
+    for t in pollers:
+        t.start()
+    codes = [p.wait(60) for p in procs]
+    stop.set()
+    for t in pollers:
+        t.join()
+    assert codes == [2 if k % 2 else 0 for k in range(12)]
