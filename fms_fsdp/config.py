@@ -27,9 +27,11 @@ TRACKERS = ("tensorboard", "wandb", "aim")
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None) -> Any:
-    """A dataclass field carrying its help text and constraints for validation and docs."""
-    meta = {"help": help, "choices": tuple(choices), "min": min}
+def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None, *, shared: bool) -> Any:
+    """A dataclass field carrying its help text and constraints for validation and docs, and whether
+    every --fault_tolerance replica group must share its value (`shared`: it sets a group's batches or
+    updates; the model's and the mesh's flags are compared through the model config and mesh shape)."""
+    meta = {"help": help, "choices": tuple(choices), "min": min, "shared": shared}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -41,362 +43,450 @@ class train_config:
 
     # model
     model_variant: str = _f(
-        "llama2_7b", "Model variant (e.g. llama2_7b, llama3_8b, 7b, tiny); see docs/configuration.md."
+        "llama2_7b", "Model variant (e.g. llama2_7b, llama3_8b, 7b, tiny); see docs/configuration.md.", shared=False
     )
     vocab_size: Optional[int] = _f(
-        None, "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).", min=1
+        None,
+        "Vocabulary size; when given, overrides the variant's (for tokenizers of other sizes).",
+        min=1,
+        shared=False,
     )
     rope_theta: Optional[float] = _f(
-        None, "Rotary base; when given, overrides the variant's (raise it to extend a model's context).", min=1
+        None,
+        "Rotary base; when given, overrides the variant's (raise it to extend a model's context).",
+        min=1,
+        shared=False,
     )
     rope_scaling_factor: Optional[float] = _f(
         None,
         "Llama 3.1's rotary scaling (rope_type llama3: low_freq_factor 1, high_freq_factor 4, over the variant's original context) by this factor; 1: none; default: the variant's (8 for llama3.1_*, 32 for llama3.2_*).",
         min=1,
+        shared=False,
     )
 
     # data
     use_dummy_dataset: bool = _f(
-        False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests)."
+        False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests).", shared=True
     )
     data_path: str = _f(
         "/fsx/data",
         "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder of Arrow/Parquet shards (or raw text) per dataset.",
+        shared=False,
     )
-    file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"))
-    col_name: str = _f("tokens", "Column holding the token ids.")
+    file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"), shared=True)
+    col_name: str = _f("tokens", "Column holding the token ids.", shared=True)
     text_field: str = _f(
-        "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path)."
+        "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).", shared=True
     )
     datasets: Optional[list[str]] = _f(
         None,
         "Comma list of datasets: sub-folders of data_path (default: all but meta), or name=pattern|pattern entries whose files are anywhere, with brace ranges and globs, e.g. web=s3://b/web-{000..127}.jsonl.gz|s3://b/more/*.jsonl.gz (brace lists {a,b} in a config file's list, where commas do not split).",
+        shared=False,
     )
     weights: Optional[list[float]] = _f(
-        None, "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens)."
+        None,
+        "Comma list of token proportions, one per dataset (default: each dataset's share of all tokens).",
+        shared=True,
     )
     weights_schedule: Optional[str] = _f(
         None,
         "Weights that change at given steps (Levanter's stage weights): step:weights;step:weights, the first at step 0, e.g. '0:3,1,1;20000:1,1,2' (from the 20001st step on); instead of --weights.",
+        shared=True,
     )
-    seq_length: int = _f(4096, "Tokens per training sequence.", min=1)
-    bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0)
-    eos_token: int = _f(0, "Token id separating documents.", min=0)
+    seq_length: int = _f(4096, "Tokens per training sequence.", min=1, shared=True)
+    bos_token: Optional[int] = _f(None, "Token id put before each document (none by default).", min=0, shared=True)
+    eos_token: int = _f(0, "Token id separating documents.", min=0, shared=True)
     document_masking: bool = _f(
         False,
         "Attention stays inside each document of a packed line (documents end at eos_token), as Llama 3 trained: FlexAttention when compiled on CUDA, else SDPA with a mask.",
+        shared=True,
     )
     document_positions: str = _f(
         "line",
         "Rotary positions with document_masking: line (a token's place in the line) or document (restarting at each document).",
         choices=("line", "document"),
+        shared=True,
     )
-    bol_token: Optional[int] = _f(None, "Token id put at the beginning of each line (none by default).", min=0)
-    eol_token: Optional[int] = _f(None, "Token id put at the end of each line (none by default).", min=0)
-    strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.")
-    logical_shards: int = _f(1024, "Logical data shards (the unit of data-parallel rescaling).", min=1)
-    num_workers: int = _f(1, "Data loader worker processes per rank.", min=0)
+    bol_token: Optional[int] = _f(
+        None, "Token id put at the beginning of each line (none by default).", min=0, shared=True
+    )
+    eol_token: Optional[int] = _f(None, "Token id put at the end of each line (none by default).", min=0, shared=True)
+    strip_tokens: list[int] = _f([], "Comma list of token ids stripped from both ends of every document.", shared=True)
+    logical_shards: int = _f(1024, "Logical data shards (the unit of data-parallel rescaling).", min=1, shared=True)
+    num_workers: int = _f(1, "Data loader worker processes per rank.", min=0, shared=False)
 
     # parallelism
     device: str = _f(
-        "auto", "Device: cuda when one is available (NCCL), else cpu (gloo).", choices=("auto", "cuda", "cpu")
+        "auto",
+        "Device: cuda when one is available (NCCL), else cpu (gloo).",
+        choices=("auto", "cuda", "cpu"),
+        shared=False,
     )
     sharding_strategy: str = _f(
         "hsdp",
         "fsdp: shard over all ranks; hsdp: shard in a group, replicate across groups; ddp: replicate only. A run of one rank trains the module itself, without FSDP's parameter copies.",
         choices=("fsdp", "hsdp", "ddp"),
+        shared=False,
     )
     sharding_group_size: Optional[int] = _f(
         None,
         "Data-parallel ranks one HSDP shard group spans (default: the node, LOCAL_WORLD_SIZE / --tensor_parallel_size).",
         min=1,
+        shared=False,
     )
     tensor_parallel_size: int = _f(
         1,
         "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.",
         min=1,
+        shared=False,
     )
     context_parallel_size: int = _f(
         1,
         "Ranks that split every line (context parallelism: each holds 2 of 2C chunks; keys and values all-gathered or passed round a ring, see cp_attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",
         min=1,
+        shared=False,
     )
     cp_attention: str = _f(
         "allgather",
         "Attention across context_parallel_size ranks: allgather (each attention all-gathers the line's keys and values; any mask) or ring (torch's ring attention: keys and values passed rank to rank, C steps; causal lines only, bf16 on CUDA).",
         choices=("allgather", "ring"),
+        shared=False,
     )
     pipeline_parallel_size: int = _f(
         1,
         "Pipeline stages' ranks (pipeline parallelism, outermost: across nodes): the blocks split into stages run by --pipeline_schedule; divides the world size.",
         min=1,
+        shared=False,
     )
     pipeline_schedule: str = _f(
         "Interleaved1F1B",
         "torch.distributed.pipelining's schedule: GPipe and 1F1B run one stage per rank, Interleaved1F1B and InterleavedZeroBubble --pipeline_stages_per_rank looped, ZBVZeroBubble and DualPipeV two V-shaped.",
         choices=PIPELINE_SCHEDULES,
+        shared=False,
     )
     pipeline_microbatches: int = _f(
         0,
         "Microbatches each step's --batch_size lines are cut into (the pipeline's gradient accumulation); 0: the fewest that divide --batch_size and are at least the stages.",
         min=0,
+        shared=False,
     )
     pipeline_stages_per_rank: int = _f(
-        0, "Stages (virtual stages) per pipeline rank; 0: 1 for GPipe and 1F1B, 2 for the others.", min=0
+        0, "Stages (virtual stages) per pipeline rank; 0: 1 for GPipe and 1F1B, 2 for the others.", min=0, shared=False
     )
     pipeline_split: Optional[str] = _f(
         None,
         "Blocks of each stage, comma-separated (such as 3,5,5,3); default: balanced by cost (a block's parameters, the embedding's with the first stage, the head's with the last).",
+        shared=False,
     )
     fsdp_activation_checkpointing: bool = _f(
-        False, "Checkpoint activations of the blocks chosen by selective_checkpointing."
+        False, "Checkpoint activations of the blocks chosen by selective_checkpointing.", shared=False
     )
-    selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.")
+    selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.", shared=False)
     ac_mode: str = _f(
         "block",
         "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).",
         choices=("block", "op"),
+        shared=False,
     )
     mixed_precision: bool = _f(
         True,
         "bf16 compute with fp32 master weights, gradient reduction and optimizer state (FSDP2's bf16 parameters; on one rank, without FSDP, bf16 autocast).",
+        shared=True,
     )
     float8: bool = _f(
         False,
         "Float8 matmuls in the blocks' Linear layers through torchao (extra float8; a GPU of compute capability 8.9+, emulated on CPU); checkpoints and exports stay the same.",
+        shared=True,
     )
     float8_recipe: str = _f(
         "tensorwise",
         "Float8 scaling: tensorwise (one scale per tensor; weights all-gathered in float8) or rowwise (one per row: more accurate, slower).",
         choices=("tensorwise", "rowwise"),
+        shared=True,
     )
     float8_min_size: int = _f(
         2048,
         "Only Linear layers with at least this many input and output features use float8 (smaller ones are slower in float8; 2048 from torchao's H100 tables).",
         min=16,
+        shared=True,
     )
     collective_timeout_minutes: Optional[float] = _f(
         None,
         "A training collective (FSDP's, the loss report, the finite check) that waits longer fails the run with one line naming the lost peer, e.g. when a node dies without closing its connections (default: torch's, 10 min for NCCL, 30 for gloo; checkpoint and rank-0 work keep 30 min).",
         min=0.05,
+        shared=False,
     )
     fault_tolerance: bool = _f(
         False,
         "Train as one of --ft_replica_groups replica groups (torchft, extra ft): each group is a torchrun job sharding with FSDP2 inside; gradients are averaged across the live groups, a group that dies is dropped at the next step and one that comes back gets the weights, optimizer and its data position live from a healthy group (docs/launching.md).",
+        shared=False,
     )
     ft_replica_groups: Optional[int] = _f(
-        None, "--fault_tolerance: replica groups of the job (default: $NUM_REPLICA_GROUPS).", min=1
+        None, "--fault_tolerance: replica groups of the job (default: $NUM_REPLICA_GROUPS).", min=1, shared=False
     )
     ft_group_index: Optional[int] = _f(
-        None, "--fault_tolerance: this group's index, 0 .. groups - 1 (default: $REPLICA_GROUP_ID).", min=0
+        None,
+        "--fault_tolerance: this group's index, 0 .. groups - 1 (default: $REPLICA_GROUP_ID).",
+        min=0,
+        shared=False,
     )
     ft_lighthouse: Optional[str] = _f(
-        None, "--fault_tolerance: the torchft lighthouse, host:port (default: $TORCHFT_LIGHTHOUSE)."
+        None, "--fault_tolerance: the torchft lighthouse, host:port (default: $TORCHFT_LIGHTHOUSE).", shared=False
     )
     ft_min_replicas: int = _f(
-        1, "--fault_tolerance: a step commits only when at least this many groups took part.", min=1
+        1, "--fault_tolerance: a step commits only when at least this many groups took part.", min=1, shared=False
     )
     ft_timeout_seconds: float = _f(
         60.0,
         "--fault_tolerance: how long a cross-group collective, the quorum or a live transfer may wait before the step is given up and retried with the groups still alive.",
         min=1.0,
+        shared=False,
     )
     ft_step_timeout_seconds: float = _f(
         600.0,
         "--fault_tolerance: the watchdog: a group whose step (after its first) makes no progress for this long exits, so that the lighthouse drops it instead of the other groups waiting on a hung one (0: off).",
         min=0.0,
+        shared=False,
     )
-    low_cpu_fsdp: bool = _f(False, "Build the model on the meta device; each rank materialises only its shard.")
-    use_torch_compile: bool = _f(True, "torch.compile each transformer block.")
+    low_cpu_fsdp: bool = _f(
+        False, "Build the model on the meta device; each rank materialises only its shard.", shared=False
+    )
+    use_torch_compile: bool = _f(True, "torch.compile each transformer block.", shared=False)
 
     # training
     batch_size: int = _f(
-        2, "Sequences per micro-batch per GPU (per tensor-parallel group with --tensor_parallel_size).", min=1
+        2,
+        "Sequences per micro-batch per GPU (per tensor-parallel group with --tensor_parallel_size).",
+        min=1,
+        shared=True,
     )
-    grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1)
-    num_steps: int = _f(1000000, "Optimizer steps to train.", min=1)
-    seed: int = _f(2023, "Random seed for weights and data.", min=0)
+    grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1, shared=True)
+    num_steps: int = _f(1000000, "Optimizer steps to train.", min=1, shared=True)
+    seed: int = _f(2023, "Random seed for weights and data.", min=0, shared=True)
 
     # optimizer
-    learning_rate: float = _f(3e-4, "Peak learning rate.", min=0.0)
-    weight_decay: float = _f(0.1, "AdamW weight decay.", min=0.0)
-    adam_beta1: float = _f(0.9, "AdamW beta1.", min=0.0)
-    adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0)
-    adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
-    grad_clip_thresh: float = _f(1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0)
+    learning_rate: float = _f(3e-4, "Peak learning rate.", min=0.0, shared=True)
+    weight_decay: float = _f(0.1, "AdamW weight decay.", min=0.0, shared=True)
+    adam_beta1: float = _f(0.9, "AdamW beta1.", min=0.0, shared=True)
+    adam_beta2: float = _f(0.95, "AdamW beta2.", min=0.0, shared=True)
+    adam_eps: float = _f(1e-8, "AdamW epsilon.", min=0.0, shared=True)
+    grad_clip_thresh: float = _f(
+        1.0, "Clip the global gradient norm to this value (0 disables clipping).", min=0.0, shared=True
+    )
     z_loss_weight: float = _f(
         0.0,
         "z-loss: add this weight x logsumexp(logits)^2 per token to the training loss (1e-4 in PaLM and OLMo), which keeps the output logits from drifting; the term is reported as z_loss and included in loss. Evaluation reports cross entropy alone.",
         min=0.0,
+        shared=True,
     )
     optimizer: str = _f(
         "adamw",
         "adamw; or muon: torch.optim.Muon's update (momentum, Newton-Schulz orthogonalisation) for the blocks' matrices, each orthogonalised whole however it is sharded, and AdamW for the embedding, head and norms (the Muon papers' split).",
         choices=("adamw", "muon"),
+        shared=True,
     )
-    muon_momentum: float = _f(0.95, "--optimizer=muon: the momentum of the matrices' updates (Nesterov).", min=0.0)
+    muon_momentum: float = _f(
+        0.95, "--optimizer=muon: the momentum of the matrices' updates (Nesterov).", min=0.0, shared=True
+    )
     muon_adjust_lr: str = _f(
         "match_rms_adamw",
         "--optimizer=muon: how --learning_rate scales for a matrix of A x B: match_rms_adamw, 0.2 sqrt(max(A, B)), gives updates of AdamW's size so one learning rate serves both (Moonlight's); original, sqrt(max(1, A/B)) (Keller Jordan's, which wants a learning rate near 0.02).",
         choices=("match_rms_adamw", "original"),
+        shared=True,
     )
     optimizer_impl: str = _f(
         "auto",
         "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.",
         choices=("auto", "fused", "foreach"),
+        shared=False,
     )
     skip_bad_steps: int = _f(
         0,
         "Skip (no optimizer update) a step whose global gradient norm is not finite or spikes (see spike_sigma), up to this many in a row, then stop; 0: a non-finite step stops the run.",
         min=0,
+        shared=True,
     )
     spike_sigma: Optional[float] = _f(
         6.0,
         "With skip_bad_steps: a gradient norm more than this many standard deviations above the mean of the last 128 kept steps is a spike (none: skip non-finite steps only).",
         min=0.0,
+        shared=True,
     )
     weight_decay_norms_and_embeddings: bool = _f(
         True,
         "Decay every weight, as fms-fsdp does; False exempts norms, biases and embeddings from weight decay (OLMo's and GPT-NeoX's choice).",
+        shared=True,
     )
 
     # evaluation
     eval_data_path: Optional[str] = _f(
         None,
         "Held-out data, laid out as --data_path (every sub-folder is an eval dataset unless --eval_datasets names them).",
+        shared=False,
     )
     eval_datasets: Optional[list[str]] = _f(
-        None, "Eval datasets as --datasets gives them: folders under eval_data_path (default: all), or name=patterns."
+        None,
+        "Eval datasets as --datasets gives them: folders under eval_data_path (default: all), or name=patterns.",
+        shared=False,
     )
     eval_interval: int = _f(
-        0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0
+        0, "Steps between evaluations on eval_data_path, one also at the last step (0: none).", min=0, shared=False
     )
     eval_batches: int = _f(
         0,
         "Lines evaluated per dataset: the first eval_batches x eval_batch_size, shared by the ranks (0: every line, one full pass).",
         min=0,
+        shared=False,
     )
     eval_batch_size: Optional[int] = _f(
-        None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1
+        None, "Lines per forward pass of a rank when evaluating (default: batch_size).", min=1, shared=False
     )
     eval_harness_tasks: Optional[str] = _f(
         None,
         "lm-eval-harness tasks (comma list of task, group or tag names; needs lm-eval and --tokenizer_path) scored on the model as it trains, at the last step and every eval_harness_interval steps; scored kinds only (multiple_choice, loglikelihood, loglikelihood_rolling).",
+        shared=False,
     )
     eval_harness_interval: int = _f(
         0,
         "Steps between lm-eval-harness runs of eval_harness_tasks, one also at the last step (0: at the last step only).",
         min=0,
+        shared=False,
     )
     eval_harness_include_path: Optional[str] = _f(
-        None, "A folder of lm-eval task yaml files (lm-eval's --include_path): tasks of your own, on local data."
+        None,
+        "A folder of lm-eval task yaml files (lm-eval's --include_path): tasks of your own, on local data.",
+        shared=False,
     )
-    eval_harness_limit: int = _f(0, "Documents scored per harness task: the first N (0: all).", min=0)
+    eval_harness_limit: int = _f(0, "Documents scored per harness task: the first N (0: all).", min=0, shared=False)
 
     # learning-rate schedule
     training_stage: str = _f(
         "initial",
         "initial: lr_schedule below; annealing: linear decay from learning_rate to 0.",
         choices=("initial", "annealing"),
+        shared=True,
     )
     lr_schedule: str = _f(
         "cosine",
         "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; inv: warmup then 1 / (1 + (1/min_lr_ratio - 1) t / decay), reaching min_lr_ratio after the decay steps (Levanter's inv); wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).",
         choices=("cosine", "linear", "inv_sqrt", "inv", "wsd", "constant"),
+        shared=True,
     )
     lr_cycles: int = _f(
         1,
         "Run the schedule this many times over num_steps, each cycle warming up again (Levanter's cycles); warmup_steps and decay_steps then count per cycle.",
         min=1,
+        shared=True,
     )
     lr_cycle_length: Optional[str] = _f(
         None,
         "Cycles of this many steps (1000; steps left over join the last cycle), this fraction of num_steps (0.25), or these lengths one after another (1000,2000,4000; steps left after them make one more cycle). Instead of --lr_cycles.",
+        shared=True,
     )
     lr_cycle_ends: Optional[list[int]] = _f(
         None,
         "Cycles that end at these steps (e.g. 1000,3000,10000); the last cycle runs to num_steps. Instead of --lr_cycles.",
+        shared=True,
     )
     warmup_steps: Optional[float] = _f(
         None,
         "Quadratic warmup: steps, or a fraction of the run (of each cycle) when below 1 (default: min(2000, steps // 20) of the run, or of each cycle, as fms-fsdp).",
         min=0,
+        shared=True,
     )
     lr_rewarmup: Optional[float] = _f(
         None,
         "Warmup of every cycle after the first: steps, or a fraction of the cycle when below 1 (default: --warmup_steps; 0 goes straight on at the peak, Levanter's default).",
         min=0,
+        shared=True,
     )
     decay_steps: Optional[float] = _f(
         None,
         "wsd: steps of the final decay (default: a fifth of the run or cycle); inv: steps to reach min_lr_ratio (default: the rest of the cycle). A fraction of the cycle when below 1.",
         min=0,
+        shared=True,
     )
     min_lr_ratio: float = _f(
-        0.1, "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, inv, wsd).", min=0.0
+        0.1,
+        "Final learning rate as a fraction of learning_rate (cosine, linear, inv_sqrt, inv, wsd).",
+        min=0.0,
+        shared=True,
     )
 
     # checkpoints
     ckpt_load_path: Optional[str] = _f(
         None,
         "Initialise the model (only) from a checkpoint folder, a Hugging Face folder or a .pth/.safetensors file (a path or an s3://... URL), when ckpt_save_path holds no checkpoint to resume.",
+        shared=False,
     )
     ckpt_save_path: str = _f(
         "output",
         "Folder for this run's outputs: metrics.jsonl, config.yaml, checkpoints/ (resumed from when present), exports; a path or an object-storage URL (s3://bucket/prefix, gs://, az://).",
+        shared=False,
     )
     checkpoint_interval: Union[int, str] = _f(
         10000,
         "Steps between checkpoints (one is also saved at the last step); 0 saves none at all, not even at the end or on a stop signal (benchmarks); auto: the time between saves that loses least to failures plus saving, sqrt(2 x save stall x expected_hours_between_failures) (Young), re-estimated from each measured save stall.",
         min=0,
+        shared=False,
     )
     checkpoint_minutes: Optional[float] = _f(
-        None, "Also save when this many minutes have passed since the last save.", min=0.0
+        None, "Also save when this many minutes have passed since the last save.", min=0.0, shared=False
     )
     expected_hours_between_failures: Optional[float] = _f(
         None,
         "For --checkpoint_interval=auto: hours between failures of the whole job (default: 50000 GPU-hours / GPUs, at most a week: Llama 3 saw an unexpected interruption every 3.1 h on 16384 GPUs).",
         min=0.0,
+        shared=False,
     )
     max_run_minutes: Optional[float] = _f(
         None,
         "End the run with a checkpoint once this many minutes have passed since it started, start-up included, less the longest save so far, so that the last save fits (HyperPod's time_limit); the same command resumes it. With --checkpoint_interval=0 the run just ends.",
         min=0.0,
+        shared=False,
     )
-    checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1)
+    checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1, shared=False)
     checkpoint_keep_policy: str = _f(
-        "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'."
+        "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.", shared=False
     )
     checkpoint_keep_best: int = _f(
         0,
         "Also keep the this many best checkpoints by --checkpoint_monitor, measured by evaluation at their steps (needs --eval_data_path and an --eval_interval that is a multiple of --checkpoint_interval).",
         min=0,
+        shared=False,
     )
     checkpoint_monitor: str = _f(
         "eval_loss",
         "The evaluation metric --checkpoint_keep_best ranks by: eval_loss, eval_ppl or eval_loss/<dataset> (lower is better for a loss or a perplexity, higher for anything else).",
+        shared=False,
     )
-    async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.")
+    async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.", shared=False)
     on_checkpoint_error: str = _f(
-        "stop", "A failed save stops the run (stop) or is reported and skipped (warn).", choices=("stop", "warn")
+        "stop",
+        "A failed save stops the run (stop) or is reported and skipped (warn).",
+        choices=("stop", "warn"),
+        shared=False,
     )
     export_model_at_end: bool = _f(
-        False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors."
+        False, "At the end, write the whole model to <ckpt_save_path>/model_step_<N>.safetensors.", shared=False
     )
     export_interval: int = _f(
         0,
         "Also export the whole model every this many steps (0: never) to <ckpt_save_path>/exports/step_<N> (fms: model.safetensors; hf: a Hugging Face folder).",
         min=0,
+        shared=False,
     )
     export_format: str = _f(
         "fms",
         "Periodic exports as fms (one safetensors file of this package's weights) or hf (config.json, model.safetensors and, with --tokenizer_path, the tokenizer: a folder transformers loads).",
         choices=("fms", "hf"),
+        shared=False,
     )
-    export_keep: int = _f(2, "Latest periodic exports kept.", min=1)
+    export_keep: int = _f(2, "Latest periodic exports kept.", min=1, shared=False)
     tokenizer_path: Optional[str] = _f(
         None,
         "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.",
+        shared=False,
     )
 
     # LoRA
@@ -404,57 +494,72 @@ class train_config:
         0,
         "LoRA: train rank-r adapters of --lora_targets, every other weight frozen, from --ckpt_load_path (0: train every weight).",
         min=0,
+        shared=True,
     )
-    lora_alpha: float = _f(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank.", min=0.0)
-    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (< 1).", min=0.0)
+    lora_alpha: float = _f(
+        16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank.", min=0.0, shared=True
+    )
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (< 1).", min=0.0, shared=True)
     lora_targets: list[str] = _f(
         ["qkv_fused", "dense", "wg1_fused", "w2"],
         "LoRA: the block layers adapted (fms names: qkv_fused = q/k/v, dense = attention output, wg1_fused = gate/up, w2 = down).",
+        shared=True,
     )
 
     # memory plan
     dry_run: bool = _f(
         False,
         "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.",
+        shared=False,
     )
     plan_world_size: Optional[int] = _f(
         None,
         "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).",
         min=1,
+        shared=False,
     )
     plan_device_memory_gib: Optional[float] = _f(
         None,
         "Device memory per rank the plan is checked against, GiB (default: the visible GPU's, else this machine's memory over its ranks).",
         min=0.001,
+        shared=False,
     )
 
     # metrics
-    report_interval: int = _f(100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1)
+    report_interval: int = _f(
+        100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1, shared=False
+    )
     peak_tflops: Optional[float] = _f(
-        None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0
+        None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0, shared=False
     )
     tracker: Optional[list[str]] = _f(
         None,
         "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.",
         choices=TRACKERS,
+        shared=False,
     )
-    tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).")
-    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.")
+    tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).", shared=False)
+    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.", shared=False)
     tracker_run_id: Optional[str] = _f(
         None,
         "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).",
+        shared=False,
     )
 
     # profiler
     use_profiler: bool = _f(
         False,
         "Record torch.profiler traces (CPU and CUDA) of the 4th to 6th steps this process trains (after one skipped and two warm-up steps; a resumed run counts from where it resumed).",
+        shared=False,
     )
-    profiler_rank0_only: bool = _f(True, "Profile rank 0 only (else every rank writes its own trace).")
-    profiler_dir: Optional[str] = _f(None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).")
+    profiler_rank0_only: bool = _f(True, "Profile rank 0 only (else every rank writes its own trace).", shared=False)
+    profiler_dir: Optional[str] = _f(
+        None, "Folder for profiler traces (default: <ckpt_save_path>/profiler).", shared=False
+    )
     profiler_memory_snapshot: bool = _f(
         False,
         "With use_profiler on CUDA: also record the allocator's history up to the end of the profiled steps and write memory_snapshot_rank<N>.pickle per profiled rank (view it at pytorch.org/memory_viz).",
+        shared=False,
     )
 
 

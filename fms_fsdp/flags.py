@@ -297,6 +297,8 @@ def markdown_reference() -> str:
             extra.append("one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"]))
         if f.metadata["min"] is not None:
             extra.append(f">= {f.metadata['min']}")
+        if f.metadata["shared"]:
+            extra.append("shared by every --fault_tolerance replica group")
         meaning = f.metadata["help"] + (f" ({'; '.join(extra)})" if extra else "")
         rows.append(f"| `--{name}` | {_type_name(HINTS[name])} | `{_default(f)!r}` | {meaning} |")
     return "\n".join(rows)

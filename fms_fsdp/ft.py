@@ -23,6 +23,7 @@ no sample is lost or repeated. A group with no live peer resumes from its own ch
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -97,20 +98,11 @@ class FTSettings:
         )
 
 
-# Flags every replica group must share beyond the model and the mesh: what sets each group's batches
-# and every update (data layout and order, optimizer, learning-rate schedule, precision, adapters).
-# Paths (the data's too: a copy on another mount), logging and checkpoint cadence may differ.
-SHARED_FLAGS = (
-    "use_dummy_dataset", "file_type", "col_name", "text_field", "weights", "weights_schedule",
-    "seq_length", "bos_token", "eos_token", "document_masking", "document_positions", "bol_token",
-    "eol_token", "strip_tokens", "logical_shards", "batch_size", "grad_accum_steps", "num_steps", "seed",
-    "optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-    "muon_momentum", "muon_adjust_lr", "grad_clip_thresh", "z_loss_weight", "skip_bad_steps",
-    "spike_sigma", "weight_decay_norms_and_embeddings", "training_stage", "lr_schedule", "lr_cycles",
-    "lr_cycle_length", "lr_cycle_ends", "warmup_steps", "lr_rewarmup", "decay_steps", "min_lr_ratio",
-    "mixed_precision", "float8", "float8_recipe", "float8_min_size", "lora_rank", "lora_alpha",
-    "lora_dropout", "lora_targets",
-)  # fmt: skip
+# Flags every replica group must share beyond the model and the mesh: the fields marked `shared` in
+# config.py (what sets each group's batches and every update: data layout and order, optimizer,
+# learning-rate schedule, precision, adapters). Paths (the data's too: a copy on another mount),
+# logging and checkpoint cadence may differ.
+SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metadata["shared"])
 
 
 def fingerprint(cfg: train_config, model_config: Any, shape: MeshShape) -> str:

@@ -751,7 +751,10 @@ ENTRY_POINTS = {e.name: e.value for e in entry_points(group="console_scripts") i
 
 
 def _command(name: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """A command's process: its environment, stdout and stderr, then its console script's function."""
+    """A command's process: its environment, stdout and stderr, then its console script's function.
+    Its loader workers start as a console script's would (the platform's default start method), not
+    from the forkserver it inherited (on 3.11 that one's start fails now and then, unexpected EOF)."""
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
