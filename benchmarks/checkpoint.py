@@ -90,7 +90,7 @@ def bench(run: Run) -> None:
         exporter.export(6)
         figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)
         exporter.finish()
-        exporter.release()
+        exporter.close()
         figures[f"export_{fmt}_total_s"] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
     ckpt.resume()

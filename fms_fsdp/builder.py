@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.attention import ContextParallel, LinePlan
+from fms_fsdp.attention import LinePlan
+from fms_fsdp.context_parallel import ContextParallel
 from fms_fsdp.float8 import Float8Settings, scale_hook
 from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.memory import fits_or_warning

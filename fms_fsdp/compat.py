@@ -112,6 +112,21 @@ def local_tensor(dtensor: Any) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def matmul_and_attention_ops() -> list[Any]:
+    """The aten ops of matmuls and of SDPA's attention kernels (those of this release), whose outputs
+    --ac_mode=op keeps; the attention kernels are private aten ops."""
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return [getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)]
+
+
 def reduce_scatter_op() -> Any:
     """The functional reduce-scatter op that --ac_mode=op keeps under tensor parallelism (torchtitan's
     policy)."""
@@ -331,6 +346,7 @@ __all__ = [
     "fsspec_storage",
     "local_shape_and_offset_at",
     "local_tensor",
+    "matmul_and_attention_ops",
     "mem_tracker",
     "muon_adjusted_lr",
     "muon_orthogonalize",

@@ -25,6 +25,9 @@ from fms_fsdp.errors import ConfigError
 TRACKERS = ("tensorboard", "wandb", "aim")
 # --pipeline_schedule: torch.distributed.pipelining's schedules, by its names
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# --lora_targets' default, every layer it may name: fms's names of the blocks' projections (lora.TARGETS;
+# hf.FMS_PROJECTIONS says what each is in Hugging Face)
+LORA_TARGETS = ("qkv_fused", "dense", "wg1_fused", "w2")
 
 
 def _f(default: Any, help: str, choices: Sequence[Any] = (), min: Optional[float] = None, *, shared: bool) -> Any:
@@ -501,7 +504,7 @@ class train_config:
     )
     lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (< 1).", min=0.0, shared=True)
     lora_targets: list[str] = _f(
-        ["qkv_fused", "dense", "wg1_fused", "w2"],
+        list(LORA_TARGETS),
         "LoRA: the block layers adapted (fms names: qkv_fused = q/k/v, dense = attention output, wg1_fused = gate/up, w2 = down).",
         shared=True,
     )
@@ -582,6 +585,18 @@ def parse_fraction(name: str, value: str) -> Fraction:
 
 def validate(cfg: train_config) -> None:
     """Check ranges, choices and cross-field rules; raise ConfigError naming the flag."""
+    _check_ranges(cfg)
+    _check_schedule(cfg)
+    parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+    _check_weights(cfg)
+    _check_trackers(cfg)
+    _check_evaluation_and_documents(cfg)
+    _check_checkpoints(cfg)
+    _check_paths_and_profiler(cfg)
+
+
+def _check_ranges(cfg: train_config) -> None:
+    """Every field's choices and lower bound, and the flags that must stay below 1."""
     for name, f in FIELDS.items():
         value = getattr(cfg, name)
         choices, low = f.metadata["choices"], f.metadata["min"]
@@ -594,6 +609,10 @@ def validate(cfg: train_config) -> None:
     for name in ("adam_beta1", "adam_beta2", "lora_dropout"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
+
+
+def _check_schedule(cfg: train_config) -> None:
+    """The learning-rate schedule's flags against --num_steps and each other."""
     if cfg.lr_cycles > cfg.num_steps:
         raise ConfigError(f"--lr_cycles={cfg.lr_cycles} is more than --num_steps={cfg.num_steps}")
     if cfg.min_lr_ratio > 1:
@@ -606,14 +625,21 @@ def validate(cfg: train_config) -> None:
         value = getattr(cfg, flag)
         if value is not None and value >= 1 and value != int(value):
             raise ConfigError(f"--{flag}={value:g}: give a number of steps (an integer) or a fraction below 1")
-    parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+
+
+def _check_weights(cfg: train_config) -> None:
+    """--weights: positive, one per dataset, and not given twice (--weights_schedule)."""
     if cfg.weights is not None and any(w <= 0 for w in cfg.weights):
         raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")
     if cfg.weights is not None and cfg.datasets is not None and len(cfg.weights) != len(cfg.datasets):
         raise ConfigError(f"--weights has {len(cfg.weights)} values but --datasets names {len(cfg.datasets)} datasets")
     if cfg.weights is not None and cfg.weights_schedule is not None:
         raise ConfigError("--weights and --weights_schedule both give the weights: put them in --weights_schedule")
-    _check_trackers(cfg)
+
+
+def _check_evaluation_and_documents(cfg: train_config) -> None:
+    """Evaluation's flags that go together (--eval_interval with --eval_data_path, the harness's with
+    its tasks and a folder of them), and restarted positions with documents."""
     if (cfg.eval_interval > 0) != (cfg.eval_data_path is not None):
         raise ConfigError(
             "--eval_interval and --eval_data_path go together: set both (evaluation every N steps "
@@ -630,6 +656,10 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             f"--eval_harness_include_path: {cfg.eval_harness_include_path} is not a folder (of task yaml files)"
         )
+
+
+def _check_checkpoints(cfg: train_config) -> None:
+    """--checkpoint_interval (steps or auto), --checkpoint_keep_best, and --checkpoint_minutes with it."""
     if isinstance(cfg.checkpoint_interval, str) and cfg.checkpoint_interval != "auto":
         raise ConfigError(f"--checkpoint_interval: expected a number of steps or auto, got {cfg.checkpoint_interval!r}")
     _check_keep_best(cfg)
@@ -640,18 +670,23 @@ def validate(cfg: train_config) -> None:
             "--checkpoint_minutes needs checkpoints: --checkpoint_interval=0 saves none; "
             "set a --checkpoint_interval (e.g. 1000000 to save by time only)"
         )
+
+
+def _check_paths_and_profiler(cfg: train_config) -> None:
+    """The tokenizer exists, the memory snapshot has the profiler, and the trackers' and profiler's
+    files get a local folder when checkpoints go to object storage."""
     if cfg.tokenizer_path is not None and not Path(cfg.tokenizer_path).exists():
         raise ConfigError(
             f"--tokenizer_path: {cfg.tokenizer_path} does not exist (a tokenizer folder or tokenizer.json)"
         )
     if cfg.profiler_memory_snapshot and not cfg.use_profiler:
         raise ConfigError("--profiler_memory_snapshot records the profiled steps: add --use_profiler=True")
-    if _in_object_storage(cfg.ckpt_save_path):  # the trackers' and the profiler's files need a local folder
+    if is_object_storage(cfg.ckpt_save_path):  # the trackers' and the profiler's files need a local folder
         for flag, used, given in (
             ("tracker_dir", cfg.tracker, cfg.tracker_dir),
             ("profiler_dir", cfg.use_profiler, cfg.profiler_dir),
         ):
-            if used and (given is None or _in_object_storage(given)):
+            if used and (given is None or is_object_storage(given)):
                 raise ConfigError(
                     f"--{flag}: set a local folder: --ckpt_save_path={cfg.ckpt_save_path} is object "
                     "storage, where these files cannot be written as they grow"
@@ -677,8 +712,9 @@ def _check_keep_best(cfg: train_config) -> None:
         )
 
 
-def _in_object_storage(path: str) -> bool:
-    """A URL of object storage (storage.is_remote's rule; config imports nothing of the package)."""
+def is_object_storage(path: str) -> bool:
+    """Whether a path flag names object storage: a URL other than file:// (the one rule; storage.is_remote
+    applies it to Paths and UPaths, and config imports nothing of the package)."""
     return "://" in path and not path.startswith("file://")
 
 

@@ -31,6 +31,7 @@ from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.loss import IGNORE_INDEX
+from fms_fsdp.periodic import Report
 from fms_fsdp.pipeline import Pipeline
 from fms_fsdp.run import Run, facts, started
 from fms_fsdp.storage import location
@@ -79,11 +80,15 @@ def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarra
 
 
 class Evaluator:
-    """The eval datasets of --eval_data_path, held as this rank's share of their lines."""
+    """The eval datasets of --eval_data_path, held as this rank's share of their lines; periodic work
+    of the loop (periodic.Periodic) every --eval_interval steps and at the last."""
+
+    reads_model = True
 
     def __init__(self, run: Run):
         cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
+        self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train.py)
         self.batch = cfg.eval_batch_size or cfg.batch_size  # --batch_size under pipeline parallelism (pipeline.py)
         self.pipelined = cfg.pipeline_parallel_size > 1  # whose stages take batches of one shape
         self.eos = cfg.eos_token
@@ -112,6 +117,24 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
+
+    def run(self, step: int, model: torch.nn.Module) -> Report:
+        """The evaluation at `step` as a record of its own, which --checkpoint_keep_best ranks by."""
+        record = self.evaluate(model, step, self.pipeline)
+        per_dataset = ", ".join(
+            f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")
+        )
+        line = (
+            f"eval step {step} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
+            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s"
+        )
+        return Report(record["eval_seconds"], record, line, scores_checkpoint=True)
+
+    def finish(self) -> None:
+        """Nothing in flight."""
+
+    def close(self) -> None:
+        """Nothing held."""
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, step: int, pipeline: Optional[Pipeline] = None) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from fms_fsdp.config import train_config
 from fms_fsdp.data.text import load_tokenizer
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.periodic import Report
 
 SCORED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 MIN_TOKENS = 64  # the shortest forward pass: lengths are 2^k from here to seq_length
@@ -176,7 +177,10 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
 
 
 class HarnessEvaluator:
-    """--eval_harness_tasks, loaded at start-up; `evaluate` scores the model on them (every rank)."""
+    """--eval_harness_tasks, loaded at start-up; `evaluate` scores the model on them (every rank). Periodic
+    work of the loop (periodic.Periodic) every --eval_harness_interval steps and at the last."""
+
+    reads_model = True
 
     def __init__(self, cfg: train_config, info: DistInfo):
         self.cfg, self.info = cfg, info
@@ -188,6 +192,24 @@ class HarnessEvaluator:
     def due(self, step: int) -> bool:
         interval = self.cfg.eval_harness_interval
         return self.tasks is not None and ((interval > 0 and step % interval == 0) or step == self.cfg.num_steps)
+
+    def run(self, step: int, model: torch.nn.Module) -> Report:
+        """The scores at `step` as a record of their own."""
+        record = self.evaluate(model, step)
+        scores = ", ".join(
+            f"{k.split('/', 1)[1]} {v:.4f}"
+            for k, v in record.items()
+            if k.startswith("harness/") and not k.endswith("/sample_len")
+        )
+        return Report(
+            record["harness_seconds"], record, f"harness step {step} | {scores} | {record['harness_seconds']:.1f}s"
+        )
+
+    def finish(self) -> None:
+        """Nothing in flight."""
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, Any]:
         """{"step", "harness/<task>/<metric>": value, ..., "harness_seconds"}. Every rank calls it."""

@@ -3,9 +3,9 @@ matrices, lora_A [r, in] and lora_B [out, r], and compute W x + (alpha / r) B A 
 weight is frozen, so it holds no gradient and no optimizer state, and checkpoints hold only the
 adapters (and their optimizer state). The base weights come from --ckpt_load_path at every start.
 
-A layer keeps its class's name and its parameters' names (its class becomes a subclass that adds the
-adapter, as activation checkpointing does), so the base weights load and export under their usual
-keys. Exports are the merged model (W + (alpha / r) B A), in every format the run exports, and a PEFT
+A layer keeps its parameters' names and stays an nn.Linear (its class becomes LoRA<class>, a subclass
+that adds the adapter: see LoRAMixin), so the base weights load and export under their usual keys.
+Exports are the merged model (W + (alpha / r) B A), in every format the run exports, and a PEFT
 adapter folder (adapter_config.json, adapter_model.safetensors) for the Hugging Face base model: the
 fused q/k/v and gate/up adapters are split as the weights are, lora_A shared by the parts.
 """
@@ -18,16 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fms_fsdp.config import train_config
+from fms_fsdp.config import LORA_TARGETS, train_config
 from fms_fsdp.errors import ConfigError
 
-# --lora_targets: fms's names of the blocks' projections (hf.FMS_PROJECTIONS says what each is in Hugging Face)
-TARGETS = ("qkv_fused", "dense", "wg1_fused", "w2")
+TARGETS = LORA_TARGETS  # the layers --lora_targets may name (config.py's, its default)
 ADAPTER = ("lora_A", "lora_B")
 
 
 class LoRAMixin:
-    """What a Linear layer gains; mixed into its class by add_adapters."""
+    """What a Linear layer gains, mixed into its class in place by add_adapters (`layer.__class__`
+    becomes LoRA<class>, made once per class), as fully_shard mixes FSDPModule into the classes it
+    shards and parallel.Checkpointed into checkpointed blocks.
+
+    Why a class swap: a wrapper module (PEFT's `base_layer.weight`) or a parametrization
+    (`parametrizations.weight.original`) renames the base weight, so checkpoints, exports and
+    --ckpt_load_path would need their keys remapped; and the layer must stay an nn.Linear, which
+    models.py's init rules and optim.py's weight decay test with isinstance. A forward hook would keep
+    both too, but then `layer.forward(x)` skips the adapter, and the adapter's place among other hooks
+    on the layer (tensor parallelism registers its own) would depend on the order they were registered
+    in; here it is part of the layer's forward. The adapted layer keeps its state_dict keys (plus
+    lora_A and lora_B) and, while lora_B is zero, computes what the base layer does (tests/test_lora.py)."""
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
@@ -89,7 +99,7 @@ def add_adapters(model: nn.Module, spec: LoRASpec) -> int:
         assert isinstance(module, nn.Linear), name
         cls = type(module)
         if cls not in _CLASSES:
-            _CLASSES[cls] = type(cls.__name__, (LoRAMixin, cls), {})
+            _CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRAMixin, cls), {})
         module.__class__ = _CLASSES[cls]
         device = module.weight.device
         module.lora_A = nn.Parameter(torch.empty(spec.rank, module.in_features, device=device))

@@ -6,11 +6,10 @@ and FSDP2's sharding: fp32 master shards (each parameter's first dimension padde
 fp32 gradient shards, AdamW's two fp32 moments. FSDP2 holds whole, in the compute dtype: the block in
 use and the one prefetched, the last block and the final norm with the head (kept from forward to
 backward), and one block's unsharded gradients before their reduce-scatter. Activations are not
-counted from a formula: a 1- and a 2-block copy of the model, in the compute dtype, runs forward and
-backward on fake tensors (no memory, no compute) under torch's MemTracker, at micro-batches 1 and 2,
-for each activation-checkpointing mode; what stays alive after forward gives, per block and outside
-the blocks, what autograd saves, and the head's forward gives the loss's working set. Activations
-grow linearly in the micro-batch, so the plan extends to any batch size and checkpointing fraction.
+counted from a formula: they are traced on fake tensors under torch's MemTracker (activation_trace.py),
+per block and outside the blocks, with the loss's working set, for each activation-checkpointing mode.
+Activations grow linearly in the micro-batch, so the plan extends to any batch size and checkpointing
+fraction.
 
 The predicted peak is params + optimizer + in-flight blocks + the larger of (activations + loss) at
 the end of forward and the gradient shards at the end of backward, plus one block's recomputation
@@ -28,47 +27,22 @@ import math
 import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
 from fms.models.llama import LLaMAConfig
 
+from fms_fsdp.activation_trace import Activations, Shape, trace_activations
 from fms_fsdp.attention import flex_documents
-from fms_fsdp.compat import mem_tracker
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.lora import LoRASpec, add_adapters
-from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
-from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import (
-    TP_COLWISE,
-    TP_ROWWISE,
-    MeshShape,
-    apply_activation_checkpointing,
-    apply_autocast,
-    blocks_of,
-    checkpointed_blocks,
-)
+from fms_fsdp.models import build_model
+from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, MeshShape, blocks_of, checkpointed_blocks
 from fms_fsdp.pipeline import PipelinePlan, microbatches_in_flight, prune
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
 PLAN_FIELDS = ("params", "grads", "optimizer", "gathered", "activations", "loss", "peak", "device")
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Bytes alive after forward, linear in the micro-batch B: outside the blocks, per block (one per
-    checkpointing mode: none, block, op), and the loss's (saved and transient)."""
-
-    outside: tuple[float, float]  # (at B=0, per sample)
-    per_block: dict[str, tuple[float, float]]
-    loss_saved: tuple[float, float]  # the gradients the chunked loss computes in forward
-    loss_transient: tuple[float, float]  # one chunk's logits and their gradient
-
-    @staticmethod
-    def at(line: tuple[float, float], batch: int) -> int:
-        return int(line[0] + line[1] * batch)
 
 
 @dataclass(frozen=True)
@@ -93,86 +67,6 @@ class Plan:
         """The one machine-readable line."""
         values = " ".join(f"{name}_bytes={getattr(self, name)}" for name in PLAN_FIELDS)
         return f"PLAN {values} fits={str(self.fits).lower()}"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What activations depend on: the model, the sequence length and the compute dtype."""
-
-    variant: str
-    vocab_size: Optional[int]
-    seq_length: int
-    mixed_precision: bool
-    gpu: bool  # the loss's chunks are sized for a GPU
-    lora: Optional[LoRASpec]  # adapters, the base frozen
-    autocast: bool = False  # bf16 through autocast over fp32 weights (one rank, no FSDP)
-
-
-@lru_cache(maxsize=64)
-def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int, int]:
-    """(activation bytes alive after forward outside the loss, loss bytes saved, loss transient peak) of
-    a `blocks`-block copy of the model at micro-batch `batch`, on fake tensors."""
-    FakeTensorMode, MemTracker, _ModState = mem_tracker()
-
-    config = get_model_config(shape.variant, shape.vocab_size, shape.seq_length).updated(nlayers=blocks)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if shape.mixed_precision and not shape.autocast else torch.float32)
-    try:
-        with FakeTensorMode():
-            model = build_model(config, torch.device("cpu"))
-            model.head.max_chunk_bytes = CUDA_CHUNK_BYTES if shape.gpu else CHUNK_BYTES
-            if shape.lora is not None:  # left trainable, as MemTracker hooks every parameter: an adapted
-                add_adapters(model, shape.lora)  # layer's input is saved for lora_A's gradient either way
-                model.requires_grad_(True)
-            if mode != "none":
-                apply_activation_checkpointing(model, Fraction(1), mode)
-            if shape.autocast:
-                apply_autocast(model)
-            tokens = torch.zeros(batch, shape.seq_length, dtype=torch.long)
-            tracker = MemTracker()
-            tracker.track_external(model)
-            with tracker:
-                before = tracker.get_tracker_snapshot("current")
-                loss = model(tokens, labels=tokens)
-                after = tracker.get_tracker_snapshot("current")
-                loss.backward()
-            head = tracker.memory_tracking[model.head].snapshots
-    finally:
-        torch.set_default_dtype(dtype)
-    (device,) = after
-
-    def total(snapshot: list) -> int:
-        return snapshot[-1][device]["Total"]
-
-    saved = total(head[_ModState.POST_FW]) - total(head[_ModState.PRE_FW])
-    transient = total(head[_ModState.PEAK_FW]) - total(head[_ModState.POST_FW])
-    alive = after[device].get("Activation", 0) - before[device].get("Activation", 0)
-    return alive - saved, saved, transient
-
-
-def _line(at1: float, at2: float) -> tuple[float, float]:
-    """(value at B=0, per sample) through the values at B=1 and B=2."""
-    return 2 * at1 - at2, at2 - at1
-
-
-def trace_activations(shape: Shape, modes: tuple[str, ...]) -> Activations:
-    """Activations of the model for the given checkpointing modes ('none' always); each trace is run
-    once per process."""
-    runs = {
-        (mode, blocks, batch): _traced(shape, mode, blocks, batch)
-        for mode in dict.fromkeys(("none", *modes))
-        for blocks in (1, 2)
-        for batch in (1, 2)
-    }
-    one, two = ([runs["none", 1, b][0] for b in (1, 2)], [runs["none", 2, b][0] for b in (1, 2)])
-    per_block = {}
-    for mode in dict.fromkeys(("none", *modes)):
-        deltas = [runs[mode, 2, b][0] - runs[mode, 1, b][0] for b in (1, 2)]
-        per_block[mode] = _line(*deltas)
-    outside = _line(*(o - (t - o) for o, t in zip(one, two)))
-    saved = _line(*(runs["none", 1, b][1] for b in (1, 2)))
-    transient = _line(*(runs["none", 1, b][2] for b in (1, 2)))
-    return Activations(outside, per_block, saved, transient)
 
 
 # under tensor parallelism (parallel.py's plan): the weights split by rows (column-wise Linear layers,
@@ -391,10 +285,42 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     planners = [Planner(cfg, shape, model_config, device_bytes, r) for r in range(shape.pp)]
     peaks = [p.plan(setting).peak for p in planners]
     planner = planners[peaks.index(max(peaks))]  # the pipeline rank with the highest peak (or the one rank)
-    world_size = planner.world_size
     plan = planner.plan(setting)
+    lines = _report_header(cfg, planner, setting, peaks)
+    lines += _report_table(cfg, planner, plan, device_name)
+    lines += _report_suggestions(cfg, planner, plan, setting)
+    lines.append(plan.line())
+    return "\n".join(lines)
+
+
+def _report_header(cfg: train_config, planner: Planner, setting: Setting, peaks: list[int]) -> list[str]:
+    """The report's first line (model, mesh, micro-batch, precision, checkpointing) and, under pipeline
+    parallelism, the rank planned (the highest peak) and every rank's peak."""
     compute = "bf16" if cfg.mixed_precision else "fp32"
     chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
+    dims = planner.mesh.dims()
+    lines = [
+        f"memory plan, per rank: {cfg.model_variant} on {planner.world_size} ranks, mesh "
+        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}, "
+        f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
+        f"{compute}, activation checkpointing: "
+        + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
+    ]
+    if planner.pipeline is not None:
+        stages = planner.pipeline.stages_of(planner.pp_rank)
+        blocks = [i for s in stages for i in range(*planner.pipeline.blocks[s])]
+        lines.append(
+            f"  pipeline rank {planner.pp_rank} of {planner.mesh.pp} has the highest peak: stages "
+            f"{', '.join(map(str, stages))} ({len(blocks)} blocks), {microbatches_in_flight(planner.pipeline, planner.pp_rank):g} "
+            f"of {planner.pipeline.microbatches} microbatches of {-(-cfg.batch_size // planner.pipeline.microbatches)} "
+            f"lines in flight; every rank's peak: " + ", ".join(f"{_gib(p).strip()}" for p in peaks)
+        )
+    return lines
+
+
+def _report_table(cfg: train_config, planner: Planner, plan: Plan, device_name: str) -> list[str]:
+    """The report's table of bytes by kind, its notes on what is estimated, and whether the peak fits."""
+    compute = "bf16" if cfg.mixed_precision else "fp32"
     whole = planner.mesh.whole
     copies = ", bf16 weight copies included" if planner.shape.autocast else ""
     rows = [
@@ -413,24 +339,7 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
         (f"device ({device_name})", plan.device),
     ]
     width = max(len(name) for name, _ in rows)
-    dims = planner.mesh.dims()
-    lines = [
-        f"memory plan, per rank: {cfg.model_variant} on {world_size} ranks, mesh "
-        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}, "
-        f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
-        f"{compute}, activation checkpointing: "
-        + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
-    ]
-    if planner.pipeline is not None:
-        stages = planner.pipeline.stages_of(planner.pp_rank)
-        blocks = [i for s in stages for i in range(*planner.pipeline.blocks[s])]
-        lines.append(
-            f"  pipeline rank {planner.pp_rank} of {shape.pp} has the highest peak: stages "
-            f"{', '.join(map(str, stages))} ({len(blocks)} blocks), {microbatches_in_flight(planner.pipeline, planner.pp_rank):g} "
-            f"of {planner.pipeline.microbatches} microbatches of {-(-cfg.batch_size // planner.pipeline.microbatches)} "
-            f"lines in flight; every rank's peak: " + ", ".join(f"{_gib(p).strip()}" for p in peaks)
-        )
-    lines += [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
+    lines = [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
     if planner.mesh.tp > 1 or planner.mesh.cp > 1:
         lines.append("  (tensor or context parallel: activations and loss estimated from the unsplit model's traces)")
     if whole:
@@ -441,6 +350,12 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
     lines.append(
         f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within {HEADROOM:.0%})"
     )
+    return lines
+
+
+def _report_suggestions(cfg: train_config, planner: Planner, plan: Plan, setting: Setting) -> list[str]:
+    """The report's suggestions: the largest micro-batch that fits with this checkpointing, and the least
+    checkpointing that fits --batch_size (else a smaller batch, or how many ranks the state needs)."""
     largest = planner.largest_batch(setting)
     state = plan.params + plan.grads + plan.optimizer  # divided among the ranks sharing the model
     room = HEADROOM * plan.device - plan.gathered
@@ -451,11 +366,9 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
         f"none: the model's state alone takes {_gib(state).strip()} per rank; shard it over {need}ranks "
         "(--sharding_strategy=fsdp, a larger --sharding_group_size, or --tensor_parallel_size)"
     )
-    lines.append(
-        "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none")
-    )
     least = planner.least_checkpointing(cfg.batch_size)
-    lines.append(
+    return [
+        "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
         f"least checkpointing that fits --batch_size={cfg.batch_size}: "
         + (
             least.flags().split(" ", 1)[1]
@@ -463,10 +376,8 @@ def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local
             else "none does: lower --batch_size"
             if cfg.batch_size > 1 and not state_alone
             else more_ranks
-        )
-    )
-    lines.append(plan.line())
-    return "\n".join(lines)
+        ),
+    ]
 
 
 def fits_or_warning(

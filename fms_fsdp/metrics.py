@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.periodic import Report
 from fms_fsdp.run import Run
 from fms_fsdp.storage import is_remote, storage_error
 from fms_fsdp.trackers import Trackers
@@ -88,7 +89,7 @@ class MetricsReporter:
         self.steps = 0
         self.data_wait = 0.0
         self.checkpoint_stall: Optional[float] = None
-        self.export_time: Optional[float] = None
+        self.interval_sums: dict[str, float] = {}  # periodic work's figures of the interval (export_s)
         self.paused = 0.0  # seconds of the interval spent saving, exporting, evaluating: not steps
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -128,14 +129,15 @@ class MetricsReporter:
         self.paused += stall_s
         self.log.flush()
 
-    def paused_for(self, seconds: float) -> None:
-        """Seconds spent outside the steps (a checkpoint's commit): not counted in step_time."""
-        self.paused += seconds
-
-    def exported(self, seconds: float) -> None:
-        """Record the seconds a periodic export took (reported with the interval, not in step_time)."""
-        self.export_time = (self.export_time or 0.0) + seconds
-        self.paused += seconds
+    def record(self, report: Report) -> None:
+        """What periodic work or a checkpoint's commit reports (periodic.Report): its seconds are not
+        counted in step_time, its interval figures join the next interval record, and rank 0 prints its
+        record and appends it to metrics.jsonl and the trackers."""
+        self.paused += report.seconds
+        for key, value in report.interval.items():
+            self.interval_sums[key] = self.interval_sums.get(key, 0.0) + value
+        if report.record is not None and self.info.is_main:
+            self._write(report.record, report.line)
 
     def report(
         self,
@@ -173,33 +175,17 @@ class MetricsReporter:
         }
         if self.z_loss_sum is not None:
             record["z_loss"] = float(sums[2]) / max(1, self.steps) / self.info.world_size
-        if self.dataset_lines is not None:
-            lines = self.dataset_lines()
-            counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
-            if not self.info.first_stage:  # counted on the first pipeline stage, which always reads
-                counts.zero_()
-            dist.all_reduce(counts)  # a tensor- (context-) parallel group reads the same lines: counted once
-            record.update(
-                {
-                    f"tokens/{name}": n * self.seq_length // (self.info.tp * self.info.cp)
-                    for name, n in zip(lines, counts.tolist())
-                }
-            )
+        record.update(self._dataset_tokens())
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         if skipped_steps is not None:
             record["skipped_steps"] = skipped_steps
         if self.checkpoint_stall is not None:
             record["checkpoint_stall_s"] = self.checkpoint_stall
-        if self.export_time is not None:
-            record["export_s"] = self.export_time
+        record.update(self.interval_sums)
         if self.peak is not None:
             record["mfu"] = tps * self.flops_per_token / self.peak
-        if self.device.type == "cuda":
-            record["peak_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            record["peak_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        else:
-            record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        record.update(self._memory())
         record.update(extra or {})
         if self.info.is_main:
             self._emit(record)
@@ -208,38 +194,31 @@ class MetricsReporter:
         self._reset(time.perf_counter())
         return record
 
+    def _dataset_tokens(self) -> dict[str, int]:
+        """tokens/<dataset> of every rank so far (all-reduced: every rank calls it), none without datasets."""
+        if self.dataset_lines is None:
+            return {}
+        lines = self.dataset_lines()
+        counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
+        if not self.info.first_stage:  # counted on the first pipeline stage, which always reads
+            counts.zero_()
+        dist.all_reduce(counts)  # a tensor- (context-) parallel group reads the same lines: counted once
+        parts = self.info.tp * self.info.cp
+        return {f"tokens/{name}": n * self.seq_length // parts for name, n in zip(lines, counts.tolist())}
+
+    def _memory(self) -> dict[str, float]:
+        """This rank's peak memory: the CUDA allocator's since the last report, else the process's RSS."""
+        if self.device.type == "cuda":
+            return {
+                "peak_memory_allocated_gb": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 2**30,
+            }
+        return {"max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
     def _emit(self, record: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
         self._write(record, format_record(record))
-
-    def evaluated(self, record: dict[str, Any]) -> None:
-        """Rank 0 prints an evaluation's record and appends it to metrics.jsonl and the trackers (its
-        eval_seconds are not counted in step_time)."""
-        self.paused += record["eval_seconds"]
-        if not self.info.is_main:
-            return
-        per_dataset = ", ".join(
-            f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")
-        )
-        self._write(
-            record,
-            f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
-            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s",
-        )
-
-    def harness_evaluated(self, record: dict[str, Any]) -> None:
-        """Rank 0 prints an lm-eval-harness record and appends it to metrics.jsonl and the trackers (its
-        harness_seconds are not counted in step_time)."""
-        self.paused += record["harness_seconds"]
-        if not self.info.is_main:
-            return
-        scores = ", ".join(
-            f"{k.split('/', 1)[1]} {v:.4f}"
-            for k, v in record.items()
-            if k.startswith("harness/") and not k.endswith("/sample_len")
-        )
-        self._write(record, f"harness step {record['step']} | {scores} | {record['harness_seconds']:.1f}s")
 
     def _write(self, record: dict[str, Any], line: str) -> None:
         """Append `record` to metrics.jsonl, send it to the trackers, print `line` (above the bar)."""

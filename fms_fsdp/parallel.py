@@ -34,9 +34,15 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from fms_fsdp.attention import RING_ATTENTION
-from fms_fsdp.compat import context_parallel_compiles, flatten_mesh, reduce_scatter_op, set_group_timeout
+from fms_fsdp.compat import (
+    context_parallel_compiles,
+    flatten_mesh,
+    matmul_and_attention_ops,
+    reduce_scatter_op,
+    set_group_timeout,
+)
 from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.context_parallel import RING_ATTENTION
 from fms_fsdp.distributed import collective_timeout
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.float8 import Float8Settings, convert_to_float8
@@ -276,19 +282,7 @@ def checkpointed_blocks(n_blocks: int, fraction: Fraction) -> list[bool]:
 # kept by --ac_mode=op: the outputs of matmuls and attention (ring attention's op whole: its K/V
 # exchanges are not redone either; and, under tensor parallelism, of the sequence-parallel
 # reduce-scatters, as torchtitan keeps them: not redone in backward); everything else is recomputed
-_OP_MODE_SAVED = [
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(torch.ops.aten, name)
-] + [reduce_scatter_op(), RING_ATTENTION]
+_OP_MODE_SAVED = [*matmul_and_attention_ops(), reduce_scatter_op(), RING_ATTENTION]
 _CONTEXTS: dict[str, Callable[[], Any]] = {
     "block": noop_context_fn,
     "op": partial(create_selective_checkpoint_contexts, _OP_MODE_SAVED),
@@ -296,9 +290,18 @@ _CONTEXTS: dict[str, Callable[[], Any]] = {
 
 
 class Checkpointed(nn.Module):
-    """Mixed into a block's class (as fully_shard mixes in FSDPModule): its forward runs under
-    non-reentrant torch.utils.checkpoint. The block keeps its parameters, their names and its other
-    methods; it can be deep-copied and compiled (dynamo traces the checkpoint as one region)."""
+    """Mixed into a block's class in place (`block.__class__ = checkpointed_class(...)`, as fully_shard
+    mixes FSDPModule into the classes it shards): its forward runs under non-reentrant
+    torch.utils.checkpoint.
+
+    Why a class swap: torch's public checkpoint_wrapper puts the block inside a module of its own,
+    which inserts `_checkpoint_wrapped_module` into every parameter's name, so checkpoints, exports and
+    --ckpt_load_path would need their keys remapped both ways; torch's name-keeping, hook-based
+    checkpoint (torch.distributed._composable) is private API; and a forward patched onto the instance
+    as a closure would, in a deep copy, still run the original's weights. The swapped block stays an
+    instance of its class and keeps its parameters, their names and its other methods; it can be
+    deep-copied (the copy runs its own weights) and compiled (dynamo traces the checkpoint as one
+    region). tests/test_parallel.py checks each."""
 
     ac_context: Callable[[], Any] = noop_context_fn
 
@@ -355,10 +358,18 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Opt
 
 
 class Autocast(nn.Module):
-    """Mixed into the model's class where no FSDP casts its parameters (one rank): its forward, the
-    loss included, runs under bf16 autocast while the parameters stay fp32, the optimizer's master
-    weights. Each weight's bf16 copy is made at its use and kept only where autograd saves it (no cast
-    cache: a checkpointed block's copies are freed with its activations and made again in backward)."""
+    """Mixed into the model's class in place (apply_autocast) where no FSDP casts its parameters (one
+    rank): its forward, the loss included, runs under bf16 autocast while the parameters stay fp32, the
+    optimizer's master weights. Each weight's bf16 copy is made at its use and kept only where autograd
+    saves it (no cast cache: a checkpointed block's copies are freed with its activations and made
+    again in backward).
+
+    Why a class swap (as Checkpointed and fully_shard do): a module wrapped around the model would
+    prefix every parameter's name (checkpoint and export keys) and hide the model's type and the
+    attributes the loop, checkpoints and exports read (config, base_model, head); a forward pre-hook
+    and post-hook pair cannot hold the `with torch.autocast(...)` block (a forward that raises would
+    leave autocast on). The model stays an instance of its class with the same state_dict; its forward
+    is the class's, under autocast (tests/test_parallel.py)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device = next(self.parameters()).device.type

@@ -1,5 +1,6 @@
 """torch.profiler traces of a few training steps (use_profiler), and on CUDA an optional memory
-snapshot of the same steps (profiler_memory_snapshot)."""
+snapshot of the same steps (profiler_memory_snapshot); `StepProfiler` is the loop's periodic work
+(periodic.Periodic) that steps it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fms_fsdp.compat import cuda_memory_snapshot, record_cuda_memory_history
 from fms_fsdp.config import train_config
 from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.periodic import Report
 
 # skip 1 step, warm up 2, record 3: past compilation and FSDP's first all-gathers, bounded in size
 WAIT, WARMUP, ACTIVE = 1, 2, 3
@@ -92,3 +94,28 @@ def maybe_profiler(settings: ProfilerSettings, info: DistInfo, run_folder: Path)
     finally:
         if settings.memory_snapshot:  # a run that ended before the profiled steps stops recording too
             record_cuda_memory_history(enabled=None)
+
+
+class StepProfiler:
+    """The profiler of a run (maybe_profiler), stepped after every training step while it is on."""
+
+    reads_model = False
+
+    def __init__(self, settings: ProfilerSettings, info: DistInfo, run_folder: Path):
+        self._stack = contextlib.ExitStack()
+        self.prof = self._stack.enter_context(maybe_profiler(settings, info, run_folder))
+
+    def due(self, step: int) -> bool:
+        return self.prof is not None
+
+    def run(self, step: int, model: torch.nn.Module) -> Report:
+        assert self.prof is not None
+        self.prof.step()
+        return Report()
+
+    def finish(self) -> None:
+        """Stop profiling (a trace not yet written is written now)."""
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()

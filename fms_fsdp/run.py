@@ -7,7 +7,8 @@ receive the `Run` or the part they need; none derives these again.
 flags alone): the torch release, the model variant, the mesh, what tensor parallelism must divide,
 the keep policy, the device for float8, the profiler and the optimizer's kernels, LoRA, what
 --ckpt_load_path names, and the tokenizer, each by the module that uses it. All of it happens before
-any process group, data or model.
+any process group, data or model, and none of it waits: `started` waits for --fault_tolerance's
+lighthouse, then starts the process group.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
 from fms_fsdp.float8 import check_float8
-from fms_fsdp.ft import FTSettings, check_fault_tolerance
+from fms_fsdp.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.harness import check_harness
 from fms_fsdp.lora import check_lora
 from fms_fsdp.models import get_model_config
@@ -126,7 +127,7 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
 
 def facts(cfg: train_config) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
-    data or model is touched."""
+    data or model is touched, and nothing is waited for (`started` waits for the lighthouse)."""
     check_torch()
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
@@ -217,7 +218,10 @@ def record(run: Run) -> str:
 
 @contextmanager
 def started(run: Run) -> Iterator[Run]:
-    """The process group of `run` (and its mesh) for the block, torn down after it."""
+    """The process group of `run` (and its mesh) for the block, torn down after it; under
+    --fault_tolerance, once the lighthouse answers (ConfigError after --ft_timeout_seconds)."""
+    if run.ft is not None:
+        wait_for_lighthouse(run.ft)
     start_process_group(run.device, run.cfg.collective_timeout_minutes)
     try:
         yield with_mesh(run)

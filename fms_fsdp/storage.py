@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from fms_fsdp.config import is_object_storage
 from fms_fsdp.errors import DataError, first_line
 
 COMPLETE = "COMPLETE"
@@ -29,7 +30,8 @@ _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "googl
 
 
 def is_remote(path: Any) -> bool:
-    return "://" in str(path) and not str(path).startswith("file://")
+    """Whether a path (a str, a Path or a UPath) is in object storage (config.is_object_storage's rule)."""
+    return is_object_storage(str(path))
 
 
 def storage_error(error: BaseException) -> bool:

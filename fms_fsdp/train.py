@@ -9,12 +9,16 @@ from the device and takes no collective beyond FSDP's (and the norm's all-reduce
 every few seconds the ranks agree on stop requests and time-based saves (triggers.py). Bad steps are
 judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py), commits the checkpoint, exports and evaluates (evaluate.py; harness.py:
-lm-eval's tasks). Under --fault_tolerance (ft.py) each step begins with the replica groups' quorum (a
-group behind the others heals there and goes on from the step it got) and commits only when torchft
-says so; one that does not runs again on the same batches. What the loop opens is closed through one
+(metrics.py, trackers.py), commits the checkpoint, then runs the periodic work that is due
+(periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
+take). Under --fault_tolerance (ft.py) each step begins with the replica groups' quorum (a group
+behind the others heals there and goes on from the step it got) and commits only when torchft says
+so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
 staging buffers.
+
+`_build` makes the loop's collaborators (a `Loop`), `_steps` runs the steps, `_after_step` is the
+order of what follows each (the loop's contract), `_end` says how the run ended.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import ExitStack, closing
+from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
@@ -36,7 +41,8 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluate import Evaluator
-from fms_fsdp.ft import FaultTolerance, Replay, fingerprint
+from fms_fsdp.ft import FaultTolerance, Replay
+from fms_fsdp.ft_settings import fingerprint
 from fms_fsdp.guard import StepGuard
 from fms_fsdp.harness import HarnessEvaluator
 from fms_fsdp.lease import RunLease
@@ -45,8 +51,9 @@ from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.models import CausalLM, flops_per_token
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel import set_gradient_sync
+from fms_fsdp.periodic import Periodic, Report
 from fms_fsdp.pipeline import Pipeline
-from fms_fsdp.profiling import ProfilerSettings, maybe_profiler
+from fms_fsdp.profiling import ProfilerSettings, StepProfiler
 from fms_fsdp.run import Run, facts, record, started
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
@@ -234,135 +241,206 @@ def write_run_config(run: Run) -> None:
         ) from None
 
 
+@dataclass
+class Loop:
+    """The collaborators of one training loop, built once by `_build`."""
+
+    run: Run
+    loader: Any
+    model: CausalLM
+    pipeline: Optional[Pipeline]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    guard: StepGuard
+    ft: Optional[FaultTolerance]
+    checkpointer: Checkpointer
+    reporter: MetricsReporter
+    triggers: StepTriggers
+    periodic: list[Periodic]  # run in this order at a step: export, evaluation, lm-eval tasks, profiler
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
 def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
-    cfg, info = run.cfg, run.info
-    # bad data fails here, before the model
-    loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)
-    evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
-    model, pipeline = build_stages(run)
-    optimizer, scheduler = build_optimizer_and_schedule(run, model)
-    records: list[dict[str, Any]] = []
     with ExitStack() as stack:  # closed on the way out, an exception too
-        guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
-        ft = None
-        if run.ft is not None:
-            ft = FaultTolerance(
-                run.ft,
-                model,
-                optimizer,
-                scheduler,
-                loader,
-                guard,
-                fingerprint(run.cfg, run.model_config, run.shape),
-                info.device,
-                run.log,
-            )
-            stack.callback(ft.close)
-        checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
-        stack.callback(checkpointer.release)
-        exporter = PeriodicExporter(run, model)
-        stack.callback(exporter.release)
-        start, tokens_seen = checkpointer.start()
-        if ft is not None:
-            ft.resumed(start, tokens_seen)
-        on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
-        if start >= cfg.num_steps:
-            run.log(
-                f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
-                "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
-            )
-        reporter = MetricsReporter(
-            run,
-            flops_per_token(model.config, cfg.seq_length),
-            start,
-            tokens_seen,
-            trackers,
-            getattr(loader, "lines_by_dataset", None),  # the synthetic loader has no datasets
-        )
-        stack.callback(reporter.close)
-        triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
-        model.train()
-        step, stopped = start, None
-        # the loader's workers and the profiler stop with the loop, before the last commit
-        lines: Any = (
-            Replay(loader)  # a step that does not commit runs again on its batches
-            if ft is not None
-            else iter(loader)
-            if pipeline is None or pipeline.reads_data(model)
-            else pipeline.no_data(cfg.batch_size, cfg.seq_length)
-        )
-        with closing(lines) as batches, maybe_profiler(ProfilerSettings.of(cfg), info, run.paths.root) as prof:
-            while step < cfg.num_steps:
-                if ft is not None:
-                    step = _quorum(ft, step, batches, reporter, triggers)
-                    if step >= cfg.num_steps:
-                        break
-                step += 1
-                report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
-                attempt = time.perf_counter()
-                try:
-                    done = train_step(
-                        model, optimizer, guard, step, batches, cfg, info.device, report_step, pipeline, ft
-                    )
-                except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
-                    raise out_of_memory_error(step, e, cfg, info.device) from None
-                if done is None:  # --fault_tolerance: not committed; the same batches again, with the live groups
-                    assert ft is not None
-                    ft.failed_attempt(time.perf_counter() - attempt)
-                    batches.again()
-                    step -= 1
-                    continue
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                reporter.step_done(done.loss, done.data_wait, guard.kept, done.z_loss, len(ft.present) if ft else 1)
-                if ft is not None:
-                    batches.committed()
-                    ft.publish(step, reporter.tokens_seen)
-                boundary = triggers.poll(step, writing=checkpointer.writing())
-                if boundary.written:
-                    checkpointer.commit_pending()
-                export, evaluate, downstream = exporter.due(step), evaluator.due(step), harness.due(step)
-                if boundary.save or report_step or boundary.stop or export or evaluate or downstream:
-                    guard.check()  # never save, export, evaluate or report a diverged model
-                if boundary.save:
-                    stall = checkpointer.save(step, reporter.tokens_seen)
-                    reporter.checkpoint_saved(stall)
-                if report_step or boundary.stop:  # before the commit: a checkpoint's step has its record
-                    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
-                    skipped = guard.skipped_since_report() if guard.skipping else None
-                    extra = ft.report() if ft is not None else None
-                    records.append(reporter.report(step, lr, done.grad_norm if global_norm else None, skipped, extra))
-                if boundary.save:
-                    commit_s = checkpointer.commit_written()
-                    reporter.paused_for(commit_s)
-                    triggers.saved(stall + commit_s)
-                if export:
-                    reporter.exported(exporter.export(step))
-                if evaluate:
-                    result = evaluator.evaluate(model, step, pipeline)
-                    reporter.evaluated(result)
-                    checkpointer.scored(step, result)  # --checkpoint_keep_best ranks this step's checkpoint
-                if downstream:
-                    reporter.harness_evaluated(harness.evaluate(model, step))
-                if boundary.stop is not None:
-                    stopped = boundary.stop
-                    break
-                if prof is not None:
-                    prof.step()
-        checkpointer.finish()
-        exporter.finish()
-    if stopped is not None:
-        outcome = (
-            "the checkpoint is saved, resume by running the same command"
-            if cfg.checkpoint_interval != 0
-            else "no checkpoint (--checkpoint_interval=0)"
-        )
-        if stopped == LAUNCHER_DIED.name:  # an error, so that torchrun on every node ends now
-            raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
-        run.log(f"stopping after step {step} on {stopped}: {outcome}")
-    elif cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(model, run.paths.model_file(step), step, ExportSettings.of(cfg), pipeline is not None)
+        loop, start = _build(run, stop, trackers, lease, stack)
+        # the loader's workers stop with the loop, before the last commit
+        with closing(_batches(loop)) as batches:
+            step, stopped = _steps(loop, batches, start)
+        loop.checkpointer.finish()
+        for work in loop.periodic:
+            work.finish()
+    _end(loop, step, stopped)
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=agreement_group())
-    return records
+    return loop.records
+
+
+def _build(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, stack: ExitStack) -> tuple[Loop, int]:
+    """The loop's collaborators, each closed by `stack`, and the step it starts from (a resume's)."""
+    cfg, info = run.cfg, run.info
+    loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
+    evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
+    model, pipeline = build_stages(run)
+    evaluator.pipeline = pipeline
+    optimizer, scheduler = build_optimizer_and_schedule(run, model)
+    guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
+    ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
+    checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
+    stack.callback(checkpointer.release)
+    exporter = PeriodicExporter(run, model)
+    stack.callback(exporter.close)
+    start, tokens_seen = checkpointer.start()
+    if ft is not None:
+        ft.resumed(start, tokens_seen)
+    on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
+    if start >= cfg.num_steps:
+        run.log(
+            f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
+            "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
+        )
+    lines = getattr(loader, "lines_by_dataset", None)  # the synthetic loader has no datasets
+    reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers, lines)
+    stack.callback(reporter.close)
+    triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
+    profiler = StepProfiler(ProfilerSettings.of(cfg), info, run.paths.root)
+    stack.callback(profiler.close)
+    model.train()
+    periodic: list[Periodic] = [exporter, evaluator, harness, profiler]
+    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers, periodic)
+    return Loop(run, *parts), start
+
+
+def _fault_tolerance(
+    run: Run, model: CausalLM, optimizer: Any, scheduler: Any, loader: Any, guard: StepGuard, stack: ExitStack
+) -> Optional[FaultTolerance]:
+    """--fault_tolerance's replica-group membership (closed by `stack`), None without it."""
+    if run.ft is None:
+        return None
+    fp = fingerprint(run.cfg, run.model_config, run.shape)
+    ft = FaultTolerance(run.ft, model, optimizer, scheduler, loader, guard, fp, run.device, run.log)
+    stack.callback(ft.close)
+    return ft
+
+
+def _batches(loop: Loop) -> Any:
+    """The loop's batches: replayable under --fault_tolerance (a step that does not commit runs again on
+    its batches), placeholders on a pipeline stage that reads no data."""
+    cfg = loop.run.cfg
+    if loop.ft is not None:
+        return Replay(loop.loader)
+    if loop.pipeline is None or loop.pipeline.reads_data(loop.model):
+        return iter(loop.loader)
+    return loop.pipeline.no_data(cfg.batch_size, cfg.seq_length)
+
+
+def _steps(loop: Loop, batches: Any, step: int) -> tuple[int, Optional[str]]:
+    """Train from `step` to --num_steps or a stop request: (the last step, the stop signal's name or
+    None). Under --fault_tolerance each step begins with the replica groups' quorum."""
+    cfg = loop.run.cfg
+    while step < cfg.num_steps:
+        if loop.ft is not None:
+            step = _quorum(loop.ft, step, batches, loop.reporter, loop.triggers)
+            if step >= cfg.num_steps:
+                break
+        step += 1
+        report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
+        done = _attempt(loop, step, batches, report_step)
+        if done is None:  # --fault_tolerance: not committed; the same batches again, with the live groups
+            step -= 1
+            continue
+        stopped = _after_step(loop, step, done, report_step, batches)
+        if stopped is not None:
+            return step, stopped
+    return step, None
+
+
+def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional[StepResult]:
+    """Optimizer step `step` (train_step); None under --fault_tolerance when it did not commit, its
+    batches then served again."""
+    run = loop.run
+    started_at = time.perf_counter()
+    try:
+        done = train_step(
+            loop.model,
+            loop.optimizer,
+            loop.guard,
+            step,
+            batches,
+            run.cfg,
+            run.device,
+            report_step,
+            loop.pipeline,
+            loop.ft,
+        )
+    except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
+        raise out_of_memory_error(step, e, run.cfg, run.device) from None
+    if done is None:
+        assert loop.ft is not None
+        loop.ft.failed_attempt(time.perf_counter() - started_at)
+        batches.again()
+    return done
+
+
+def _after_step(loop: Loop, step: int, done: StepResult, report_step: bool, batches: Any) -> Optional[str]:
+    """What follows a committed step, in the order docs/checkpoints.md gives: the schedule, the stop and
+    save agreement, a checkpoint written, the report, the checkpoint's commit, then the periodic work
+    that is due (exports, evaluation, lm-eval tasks, the profiler). The stop signal's name when the run
+    stops here."""
+    ft, reporter, checkpointer = loop.ft, loop.reporter, loop.checkpointer
+    lr = loop.scheduler.get_last_lr()[0]
+    loop.scheduler.step()
+    reporter.step_done(done.loss, done.data_wait, loop.guard.kept, done.z_loss, len(ft.present) if ft else 1)
+    if ft is not None:
+        batches.committed()
+        ft.publish(step, reporter.tokens_seen)
+    boundary = loop.triggers.poll(step, writing=checkpointer.writing())
+    if boundary.written:
+        checkpointer.commit_pending()
+    due = [work for work in loop.periodic if work.due(step)]
+    if boundary.save or report_step or boundary.stop or any(work.reads_model for work in due):
+        loop.guard.check()  # never save, export, evaluate or report a diverged model
+    if boundary.save:
+        stall = checkpointer.save(step, reporter.tokens_seen)
+        reporter.checkpoint_saved(stall)
+    if report_step or boundary.stop:  # before the commit: a checkpoint's step has its record
+        loop.records.append(_report(loop, step, lr, done.grad_norm, report_step))
+    if boundary.save:
+        commit_s = checkpointer.commit_written()
+        reporter.record(Report(commit_s))
+        loop.triggers.saved(stall + commit_s)
+    for work in due:
+        report = work.run(step, loop.model)
+        reporter.record(report)
+        if report.scores_checkpoint and report.record is not None:
+            checkpointer.scored(step, report.record)  # --checkpoint_keep_best ranks this step's checkpoint
+    return boundary.stop
+
+
+def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_step: bool) -> dict[str, Any]:
+    """The interval's record (every rank calls it): the gradient norm where it is global (the step's
+    clipping or guard made it so, or a report step asked for it), the steps left out by
+    --skip_bad_steps, and --fault_tolerance's figures."""
+    cfg, guard = loop.run.cfg, loop.guard
+    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
+    skipped = guard.skipped_since_report() if guard.skipping else None
+    extra = loop.ft.report() if loop.ft is not None else None
+    return loop.reporter.report(step, lr, grad_norm if global_norm else None, skipped, extra)
+
+
+def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
+    """A stopped run's line (an error when the launcher died, so that torchrun on every node ends now),
+    or a finished run's --export_model_at_end."""
+    run = loop.run
+    if stopped is not None:
+        outcome = (
+            "the checkpoint is saved, resume by running the same command"
+            if run.cfg.checkpoint_interval != 0
+            else "no checkpoint (--checkpoint_interval=0)"
+        )
+        if stopped == LAUNCHER_DIED.name:
+            raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
+        run.log(f"stopping after step {step} on {stopped}: {outcome}")
+    elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
+        settings = ExportSettings.of(run.cfg)
+        export_trained_model(loop.model, run.paths.model_file(step), step, settings, loop.pipeline is not None)

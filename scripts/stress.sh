@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hunt flaky outcomes: the fault matrix N times in a row, then the whole suite M times on 3 pytest-xdist
+# Hunt flaky outcomes: the fault matrix N times in a row, then the whole suite (both tiers) M times on 3 pytest-xdist
 # workers (more load than CI's 2 on a 2-core machine), on one torch release; prints each run's result
 # and ends non-zero if any run failed.
 #   bash scripts/stress.sh [torch version, default: .venv's] [N, default 10] [M, default 3]
@@ -29,10 +29,10 @@ run() {  # name, pytest arguments...
   fi
 }
 for i in $(seq 1 "$matrix_runs"); do
-  run "matrix$i" -q tests/test_faults.py -k test_every_fault
+  run "matrix$i" -q -m slow tests/test_faults.py -k test_every_fault
 done
 for i in $(seq 1 "$suite_runs"); do
-  run "suite$i" -q -n 3 --dist loadfile
+  run "suite$i" -q -n 3 --dist loadfile -m ""
 done
 echo "$failed failed of $((matrix_runs + suite_runs)) runs"
 [ "$failed" = 0 ]

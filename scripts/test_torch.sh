@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite on another torch release, in a virtual environment of its own (.venv-torch<V>):
+# The whole test suite (the slow tier too) on another torch release, in a virtual environment of its own (.venv-torch<V>):
 #   bash scripts/test_torch.sh 2.11.0 [pytest arguments]
 # The index's build of that release is installed (a CUDA build, which runs on the CPU here), then the
 # test dependencies and this package; torch releases from 2.11 (the floor requirements.txt declares)
@@ -15,4 +15,4 @@ venv=".venv-torch${version}"
 "$venv/bin/python" -m pip install -q -r requirements-test.txt
 "$venv/bin/python" -m pip install -q --no-deps -e .
 echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-exec "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@"  # as scripts/test.sh
+exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -m "" "$@"  # as scripts/test.sh, both tiers (-m "")

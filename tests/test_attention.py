@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from fms_fsdp.attention import ContextParallel, LinePlan
+from fms_fsdp.attention import LinePlan
+from fms_fsdp.context_parallel import ContextParallel
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.models import build_model, get_model_config
@@ -187,8 +188,8 @@ def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_g
     backward, on a group of one rank: causal attention with grouped-query keys and values, within 1e-5,
     leaving torch's own context-parallel settings as they were. Its split over ranks is
     tests/test_meshes.py's (C=2 eager, and under TP)."""
-    from fms_fsdp.attention import _ring_attention
     from fms_fsdp.compat import torch_cp
+    from fms_fsdp.context_parallel import ring_attention_op
 
     def options() -> tuple:
         return tuple(vars(torch_cp._cp_options).values())
@@ -198,7 +199,7 @@ def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_g
     q = torch.randn(2, 4, 32, 16, generator=gen).requires_grad_()
     k, v = (torch.randn(2, 2, 32, 16, generator=gen).requires_grad_() for _ in range(2))
     name = torch.distributed.group.WORLD.group_name
-    ring = torch.compile(lambda q, k, v: _ring_attention(q, k, v, name, None)[0], fullgraph=True)
+    ring = torch.compile(lambda q, k, v: ring_attention_op(q, k, v, name, None)[0], fullgraph=True)
     got = ring(q, k, v).transpose(1, 2)  # tokens first
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

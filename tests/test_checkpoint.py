@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 
 import fms_fsdp.train
 from fms_fsdp.checkpoint.export import export_checkpoint
-from fms_fsdp.checkpoint.io import Checkpointer, write_failure
+from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.save import write_failure
 from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here

@@ -23,6 +23,9 @@ def test_every_private_torch_api_is_where_compat_takes_it_from():
     assert hasattr(reader, "read_metadata") and hasattr(writer, "write_data")
     local, offset = compat.local_shape_and_offset_at((8, 4), (2,), [1], [torch.distributed.tensor.Shard(0)])
     assert (tuple(local), tuple(offset)) == ((4, 4), (4, 0))
+    ops = compat.matmul_and_attention_ops()
+    assert torch.ops.aten.mm.default in ops
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in ops
 
 
 def test_no_other_module_reaches_into_torch_privately():
@@ -41,6 +44,7 @@ def test_no_other_module_reaches_into_torch_privately():
             elif isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch."):
                 names = [ast.unparse(node)]
             assert not any(private.search(n) for n in names), (path.name, node.lineno, names)
+        assert "torch.ops.aten" not in path.read_text(), f"{path.name}: aten ops are compat.py's"
 
 
 def test_the_torch_version_is_read_and_supported(monkeypatch):

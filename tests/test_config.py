@@ -10,10 +10,11 @@ import torch
 import yaml
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.config import FIELDS, to_yaml
+from fms_fsdp.config import FIELDS, is_object_storage, to_yaml
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.run import facts
+from fms_fsdp.storage import is_remote
 
 from conftest import ROOT
 
@@ -57,7 +58,7 @@ def test_fire_style_flag_forms():
 def test_every_field_has_help_and_round_trips_through_a_file(tmp_path):
     cfg = parse()
     assert all(f.metadata["help"] for f in FIELDS.values())
-    # and says whether fault-tolerance replica groups must share it (ft.SHARED_FLAGS is made of those)
+    # and says whether fault-tolerance replica groups must share it (ft_settings.SHARED_FLAGS is made of those)
     undecided = [name for name, f in FIELDS.items() if not isinstance(f.metadata.get("shared"), bool)]
     assert not undecided, f"say shared=True or shared=False for {undecided} (config._f)"
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
@@ -233,3 +234,12 @@ def test_memory_snapshot_without_a_gpu_is_refused_before_training():
 
 def test_a_repeated_flag_takes_the_later_value():
     assert parse("--batch_size=3", "--batch_size=5").batch_size == 5
+
+
+def test_one_rule_says_which_paths_are_object_storage():
+    """config's checks of path flags and storage's reads and writes go by the same rule."""
+    for path, remote in [("s3://b/run", True), ("gs://b", True), ("file:///tmp/run", False), ("/tmp/run", False)]:
+        assert is_object_storage(path) is remote and is_remote(path) is remote, path
+    with pytest.raises(ConfigError, match="--profiler_dir: set a local folder: --ckpt_save_path=s3://b/run"):
+        parse("--ckpt_save_path=s3://b/run", "--use_profiler=True")
+    parse("--ckpt_save_path=file:///tmp/run", "--use_profiler=True")

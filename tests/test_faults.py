@@ -914,6 +914,7 @@ def server():
             stop()
 
 
+@pytest.mark.slow
 def test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint(server, data, uninterrupted, tmp_path):
     assert {p.name for p in BIN.iterdir()} >= set(COMMANDS), "the package's commands are installed (scripts/setup.sh)"
     assert len(FAULTS) >= 25

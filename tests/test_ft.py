@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fms_fsdp.distributed import free_port
-from fms_fsdp.ft import SHARED_FLAGS, Watchdog, fingerprint
+from fms_fsdp.ft import Watchdog
+from fms_fsdp.ft_settings import SHARED_FLAGS, fingerprint
 
 from conftest import ROOT, TINY, records, run_here
 
@@ -137,6 +138,7 @@ def healed(tmp_path_factory, lighthouse) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     """Group 0 never stops (its steps go on, 1 group, the stall reported); group 1 heals from it at a
     later step with its own data position (its loader has taken exactly the batches of the steps it
@@ -179,6 +181,7 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
 
 
+@pytest.mark.slow
 def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each(tmp_path, lighthouse):
     """Group 1 runs another batch size: it ends at its first step in the one line naming what to compare.
     Group 0 (the lowest-numbered) is not the one that differs, but with --ft_min_replicas=2 it is left

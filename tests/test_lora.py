@@ -2,12 +2,14 @@
 checkpointed, a resume is exact, the merged export is the base plus a low-rank update, and the PEFT
 adapter folder gives our logits on the Hugging Face base model."""
 
+import copy
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert as hf_convert
@@ -15,7 +17,8 @@ from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.evaluate import evaluate_checkpoint
 from fms_fsdp.flags import make_config
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.lora import TARGETS, LoRASpec, add_adapters
+from fms_fsdp.models import build_model, get_model_config, init_weights
 from fms_fsdp.run import facts
 
 from conftest import train, train_here
@@ -153,3 +156,39 @@ def test_lora_flags_are_checked_at_start_up():
         facts(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", float8=True))
     with pytest.raises(ConfigError, match="--lora_targets: unknown q_proj"):
         facts(make_config(model_variant="tiny", lora_rank=4, ckpt_load_path="x", lora_targets=["q_proj"]))
+
+
+def test_an_adapted_layer_is_still_its_linear_with_its_keys_and_forward():
+    """add_adapters swaps each target layer's class for LoRA<class>: it stays an nn.Linear with the same
+    parameter names (the adapters added), runs the base layer's forward while lora_B is zero and adds
+    (alpha / r) B A x once it is not; a deep copy runs its own adapters."""
+    plain = build_model(get_model_config("tiny", 256), torch.device("cpu"))
+    init_weights(plain, 0)
+    lora = copy.deepcopy(plain)
+    assert add_adapters(lora, LoRASpec(4, 8.0, 0.0, TARGETS)) == 4 * plain.config.nlayers
+    init_weights(lora, 0)  # lora_A drawn, lora_B zero
+    adapted = {n for n, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert len(adapted) == 4 * plain.config.nlayers
+    for name in adapted:
+        layer, base = lora.get_submodule(name), plain.get_submodule(name)
+        assert isinstance(layer, type(base)) and isinstance(layer, nn.Linear), name
+        assert type(layer).__name__ == f"LoRA{type(base).__name__}"
+    extra = {f"{n}.{a}" for n in adapted for a in ("lora_A", "lora_B")}
+    assert set(lora.state_dict()) == set(plain.state_dict()) | extra
+    missing, unexpected = lora.load_state_dict(plain.state_dict(), strict=False)  # the base, under its keys
+    assert (set(missing), unexpected) == (extra, [])
+    assert {n for n, p in lora.named_parameters() if p.requires_grad} == extra
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lora(tokens), plain(tokens))
+        name = sorted(adapted)[0]
+        layer = lora.get_submodule(name)
+        layer.lora_B.normal_(generator=torch.Generator().manual_seed(1))
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2))
+        expected = plain.get_submodule(name)(x) + 2.0 * x @ layer.lora_A.t() @ layer.lora_B.t()
+        assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(lora(tokens), plain(tokens))
+        twin = copy.deepcopy(lora)
+        twin.get_submodule(name).lora_B.zero_()
+        assert torch.equal(twin(tokens), plain(tokens))
+        assert not torch.equal(lora(tokens), plain(tokens))

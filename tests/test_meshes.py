@@ -23,12 +23,17 @@ from fms_fsdp.models import flops_per_token, get_model_config
 from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses, weights
 
-TOL = 1e-5  # fp32: the split matmuls and reductions only reorder sums
+# fp32: the split matmuls and reductions only reorder sums; how much that moves a loss depends on the
+# CPU's kernels (up to 1.3e-5 at step 4 of a pipeline on an Intel Xeon, under 1e-5 on an AMD EPYC)
+TOL = 5e-5
 Z_LOSS = "--z_loss_weight=1e-3"  # gqa_tp1, gqa_tp2 and gqa_tp2_ac: z-loss under loss parallel too
 # context parallelism in compiled blocks needs torch 2.13 (compat.context_parallel_compiles): eager before
 CP_COMPILE = ["--use_torch_compile=True"] if context_parallel_compiles() else []
 RING = ["--cp_attention=ring"]  # cp1_to2 and cp2_tp2: torch's ring attention (compiled: test_attention.py)
 DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with each step
+# Muon orthogonalises in bf16 (torch's), which magnifies the reordering: 2.5e-5 at step 4 on 2 ranks of
+# an AMD EPYC, 3.3e-4 at step 3 on an Intel Xeon; AdamW's steps are 0.2 away (the test tells them apart)
+MUON_TOL = 2e-3
 # pipeline runs (P=2) of dp2_ref's training, by schedule: GPipe resumes dp2_ref's step 2; interleaved
 # saves step 2 (resumed at P=1 and P=4) and exports step 4 from both stages, periodically and at the
 # end; 1f1b checkpoints its blocks
@@ -329,11 +334,9 @@ def test_muon_on_sharded_matrices_takes_the_steps_of_one_rank(runs):
     under FSDP on 2 ranks, and FSDP 2 x TP 2 trains from scratch, with the losses of one rank."""
     want = losses(runs["muon_ref"])
     got2, got4 = losses(runs["muon_fsdp2"]), losses(runs["muon_tp"])
-    # the data-parallel average reorders fp32 sums, and Muon's bf16 orthogonalisation (torch's) magnifies
-    # that: DP_TOL; measured 2.5e-5 at step 4 on 2 ranks
-    assert sorted(got2) == [3, 4] and close(got2, {s: want[s] for s in got2}, DP_TOL), (got2, want)
-    assert len(got4) == 4 and close(got4, want, DP_TOL), (got4, want)
-    assert not close(want, losses(runs["dp2_ref"]), 1e-3)  # Muon's steps, not AdamW's
+    assert sorted(got2) == [3, 4] and close(got2, {s: want[s] for s in got2}, MUON_TOL), (got2, want)
+    assert len(got4) == 4 and close(got4, want, MUON_TOL), (got4, want)
+    assert not close(want, losses(runs["dp2_ref"]), 0.1)  # Muon's steps, not AdamW's
 
 
 def test_tp2_gives_the_tp1_loss_step_for_step(runs):

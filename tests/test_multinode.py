@@ -113,6 +113,7 @@ def ended_within(nodes: dict, pids: list[int], seconds: float) -> dict[str, str]
     return {n: p.communicate(timeout=30)[0] for n, p in nodes.items()}
 
 
+@pytest.mark.slow
 def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exactly(two_nodes, tmp_path):
     out = tmp_path / "run"
     args = [

@@ -10,7 +10,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.models import build_model, get_model_config, init_weights
-from fms_fsdp.parallel import apply_activation_checkpointing, check_tensor_parallel, checkpointed_blocks, mesh_shape
+from fms_fsdp.parallel import (
+    apply_activation_checkpointing,
+    apply_autocast,
+    check_tensor_parallel,
+    checkpointed_blocks,
+    mesh_shape,
+)
 
 T, F = True, False
 
@@ -125,6 +131,7 @@ def test_checkpointed_blocks_keep_names_gradients_and_deep_copies():
         ac.zero_grad(set_to_none=True)
         assert apply_activation_checkpointing(ac, Fraction(1), mode) == plain.config.nlayers
         assert type(ac.base_model.layers[0]).__name__ == "CheckpointedLLaMABlock"
+        assert isinstance(ac.base_model.layers[0], type(plain.base_model.layers[0]))
         assert [n for n, _ in ac.named_parameters()] == [n for n, _ in plain.named_parameters()]
         assert ac.state_dict().keys() == plain.state_dict().keys()
         flops[mode] = backward_flops(ac, tokens)
@@ -136,3 +143,22 @@ def test_checkpointed_blocks_keep_names_gradients_and_deep_copies():
                 p.zero_()
             assert not torch.equal(twin(tokens), ac(tokens)), mode
     assert flops["op"] == flops["none"] < flops["block"], flops
+
+
+def test_an_autocast_model_is_still_its_class_with_its_keys_and_runs_under_autocast():
+    """apply_autocast swaps the model's class for Autocast<class>: same object type for isinstance,
+    same state_dict, fp32 parameters, and its forward is the class's under bf16 autocast (not fp32)."""
+    plain = build_model(get_model_config("tiny", 256), torch.device("cpu"))
+    init_weights(plain, 0)
+    model = copy.deepcopy(plain)
+    apply_autocast(model)
+    assert isinstance(model, type(plain)) and type(model).__name__ == f"Autocast{type(plain).__name__}"
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            expected = plain(tokens)
+        assert out.dtype == expected.dtype and torch.equal(out, expected)
+        assert not torch.equal(out.float(), plain(tokens).float())

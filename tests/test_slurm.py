@@ -137,6 +137,7 @@ def _records(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
+@pytest.mark.slow
 def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigterm(
     slurm: dict[str, str], tmp_path: Path
 ):

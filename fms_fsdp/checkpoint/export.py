@@ -30,6 +30,7 @@ from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.lora import LoRASpec, merged
 from fms_fsdp.models import CausalLM, fuse_full
+from fms_fsdp.periodic import Report
 from fms_fsdp.run import Run
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
 
@@ -141,7 +142,9 @@ class PeriodicExporter:
     only time training waits, as for an async checkpoint) and writes them in the background as a DCP
     folder (writer.py); rank 0 then reads it whole, writes <ckpt_save_path>/exports/step_<N> as
     --export_format and deletes the DCP folder. The latest --export_keep are kept. A failure is raised
-    on every rank at the next export or at `finish`."""
+    on every rank at the next export or at `finish`. Periodic work of the loop (periodic.Periodic)."""
+
+    reads_model = True
 
     def __init__(self, run: Run, model: CausalLM):
         self.settings, self.info, self.model = ExportSettings.of(run.cfg), run.info, model
@@ -167,6 +170,12 @@ class PeriodicExporter:
 
     def due(self, step: int) -> bool:
         return self.settings.interval > 0 and step % self.settings.interval == 0
+
+    def run(self, step: int, model: torch.nn.Module) -> Report:
+        """The export of `step` started (of the model given at construction): training's wait for it,
+        reported with the interval as export_s."""
+        seconds = self.export(step)
+        return Report(seconds, interval={"export_s": seconds})
 
     def export(self, step: int) -> float:
         """Stage this rank's shards and start writing the export of `step`; returns the seconds training
@@ -200,7 +209,7 @@ class PeriodicExporter:
         if first is not None:
             raise CheckpointError(f"export to {self.root} failed: {first}")
 
-    def release(self) -> None:
+    def close(self) -> None:
         """Stop the converter thread (after the export it is writing) and free the staging buffers; no
         collective (also on the way out of a failed run)."""
         if self.converter is not None:

@@ -33,8 +33,15 @@ from tqdm import tqdm
 
 from fms_fsdp.atomic import fsync_path, write_text_atomic
 from fms_fsdp.data.shards import FileEntry, write_counts
-from fms_fsdp.data.text import check_text, encode, open_binary, parse_line, text_column, tokenizer_json
-from fms_fsdp.data.text import load_tokenizer as text_tokenizer
+from fms_fsdp.data.text import (
+    check_text,
+    encode,
+    load_tokenizer,
+    open_binary,
+    parse_line,
+    text_column,
+    tokenizer_json,
+)
 from fms_fsdp.errors import ConfigError, DataError, first_line
 
 EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
@@ -135,11 +142,12 @@ def tokenizer_file(spec: str) -> Optional[Path]:
     return None if spec == "byte" else tokenizer_json(spec, "tokenizer")
 
 
-def load_tokenizer(path: Optional[Path]) -> Callable[[str], pa.Array]:
-    """text -> uint32 token ids, without special tokens (the loader adds the separators)."""
+def load_encoder(path: Optional[Path]) -> Callable[[str], pa.Array]:
+    """The encoder of a tokenizer.json (None: the byte tokenizer): text -> uint32 token ids, without
+    special tokens (the loader adds the separators)."""
     if path is None:
         return lambda text: pa.array(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32))
-    tok = text_tokenizer(str(path), "tokenizer")
+    tok = load_tokenizer(str(path), "tokenizer")
     return lambda text: pa.array(encode(tok, text), type=pa.uint32())
 
 
@@ -148,7 +156,7 @@ _encode: Callable[[str], pa.Array]
 
 def init_worker(path: Optional[Path]) -> None:
     global _encode
-    _encode = load_tokenizer(path)
+    _encode = load_encoder(path)
 
 
 # ---------------------------------------------------------------- output
@@ -371,7 +379,7 @@ def prepare_data(
     if out.is_file():
         raise ConfigError(f"--output={output} is a file; give a folder <data_path>/<dataset>")
     tok_file = tokenizer_file(tokenizer)
-    load_tokenizer(tok_file)  # fail now, not in every worker
+    load_encoder(tok_file)  # fail now, not in every worker
     fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
     settings = {
         "tokenizer": fingerprint,
