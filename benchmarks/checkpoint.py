@@ -24,16 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
-from fms_fsdp.guard import StepGuard  # noqa: E402
 from fms_fsdp.run import Run, facts, started  # noqa: E402
-from fms_fsdp.train import train_step  # noqa: E402
+from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
+from fms_fsdp.train.guard import StepGuard  # noqa: E402
+from fms_fsdp.train.loop import train_step  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fms_fsdp.distributed import free_port  # noqa: E402
+from fms_fsdp.parallel.process_group import free_port  # noqa: E402
 
 TRAIN = [
     "--model_variant=tiny",

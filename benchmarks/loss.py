@@ -1,6 +1,6 @@
-"""The loss through the output head alone (fms_fsdp/loss.py), at a model's head shapes: forward and
+"""The loss through the output head alone (fms_fsdp/model/loss.py), at a model's head shapes: forward and
 backward seconds and peak memory by chunk size, then the head gradient's accumulation both ways (a bf16
-[V, D] product added into the fp32 sum, as loss.py does today, or one addmm with out_dtype=float32,
+[V, D] product added into the fp32 sum, as model/loss.py does today, or one addmm with out_dtype=float32,
 which CUDA has), to choose loss.CUDA_CHUNK_BYTES and that accumulation by measurement:
 
     python benchmarks/loss.py [--model_variant=llama3_1.8b_4k] [--tokens=8192] [--chunk_mib=128,256,512,1024,2048]
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.options import parse_options  # noqa: E402
-from fms_fsdp.loss import chunk_tokens, chunked_cross_entropy  # noqa: E402
-from fms_fsdp.models import get_model_config  # noqa: E402
+from fms_fsdp.model.loss import chunk_tokens, chunked_cross_entropy  # noqa: E402
+from fms_fsdp.model.variants import get_model_config  # noqa: E402
 
 OPTIONS = {
     "model_variant": "llama3_1.8b_4k",

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from benchmarks.options import parse_options  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
-from fms_fsdp.models import build_model, get_model_config  # noqa: E402
+from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
 from fms_fsdp.optim import OptimizerSettings, build_optimizer  # noqa: E402
 
 OPTIONS = {"model_variant": "tiny", "device": "cpu", "repeat": "5"}

@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
 
         return train_config
     if name == "get_model_config":
-        from fms_fsdp.models import get_model_config
+        from fms_fsdp.model.variants import get_model_config
 
         return get_model_config
     raise AttributeError(f"module 'fms_fsdp' has no attribute {name!r}")

@@ -17,10 +17,11 @@ from typing import Optional
 import torch
 
 from fms_fsdp.compat import mem_tracker
-from fms_fsdp.lora import LoRASpec, add_adapters
-from fms_fsdp.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
-from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import apply_activation_checkpointing, apply_autocast
+from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.loss import CHUNK_BYTES, CUDA_CHUNK_BYTES
+from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
+from fms_fsdp.parallel.parallelize import apply_autocast
 
 
 @dataclass(frozen=True)

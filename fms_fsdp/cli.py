@@ -2,8 +2,8 @@
 
 | command (console script)      | script                    | what runs                                  |
 |-------------------------------|---------------------------|--------------------------------------------|
-| fms-train                     | main_training.py          | train.run_training (train.dry_run)         |
-| fms-evaluate                  | scripts/evaluate.py       | evaluate.evaluate_checkpoint               |
+| fms-train                     | main_training.py          | train/loop.run_training (dry_run)          |
+| fms-evaluate                  | scripts/evaluate.py       | evaluation/evaluate.evaluate_checkpoint    |
 | fms-prepare-data              | scripts/prepare_data.py   | data/prepare.prepare_data                  |
 | fms-inspect-data              | scripts/inspect_data.py   | data/inspect.inspect_data                  |
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
@@ -78,7 +78,7 @@ def guarded(work: Callable[[], Any]) -> None:
         fail(e)
     except Exception as e:
         if "torch" in sys.modules:
-            from fms_fsdp.distributed import lost_peer
+            from fms_fsdp.parallel.process_group import lost_peer
 
             if lost_peer(e):
                 cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". This is typically")[0]  # gloo's path
@@ -113,7 +113,7 @@ def quiet_library_noise() -> None:
     # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
     logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
     # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
-    # traceback; ft.py says what happened in one line. A live transfer's tensors come from a read-only buffer
+    # traceback; train/ft.py says what happened in one line. A live transfer's tensors come from a read-only buffer
     os.environ.setdefault("RUST_LOG", "warn")
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -145,8 +145,8 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(argv)
 
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
-        from fms_fsdp.distributed import LAUNCHER_DIED, exit_with_parent
-        from fms_fsdp.train import dry_run, run_training
+        from fms_fsdp.parallel.process_group import LAUNCHER_DIED, exit_with_parent
+        from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)
@@ -168,7 +168,7 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(args)
 
     def work() -> None:
-        from fms_fsdp.evaluate import evaluate_checkpoint
+        from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
 
         quiet_library_noise()
         evaluate_checkpoint(cfg)

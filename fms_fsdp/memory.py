@@ -16,7 +16,7 @@ the end of forward and the gradient shards at the end of backward, plus one bloc
 when blocks are checkpointed. A plan fits when the peak is at most 90% of the device's memory (the
 rest for the CUDA context, communication buffers and allocator fragmentation).
 
-One rank trains the plain module (parallel.py): its parameters, gradients and optimizer state are
+One rank trains the plain module (parallel/parallelize.py): its parameters, gradients and optimizer state are
 whole and nothing is gathered; in bf16 the traces run under autocast over fp32 weights, so the bf16
 copies of the weights that autograd keeps count among the activations.
 """
@@ -33,12 +33,14 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.activation_trace import Activations, Shape, trace_activations
-from fms_fsdp.attention import flex_documents
 from fms_fsdp.config import parse_fraction, train_config
-from fms_fsdp.lora import LoRASpec, add_adapters
-from fms_fsdp.models import build_model
-from fms_fsdp.parallel import TP_COLWISE, TP_ROWWISE, MeshShape, blocks_of, checkpointed_blocks
-from fms_fsdp.pipeline import PipelinePlan, microbatches_in_flight, prune
+from fms_fsdp.model.attention import flex_documents
+from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.variants import build_model
+from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
+from fms_fsdp.parallel.mesh import MeshShape
+from fms_fsdp.parallel.pipeline import PipelinePlan, blocks_of, microbatches_in_flight, prune
+from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
@@ -69,7 +71,7 @@ class Plan:
         return f"PLAN {values} fits={str(self.fits).lower()}"
 
 
-# under tensor parallelism (parallel.py's plan): the weights split by rows (column-wise Linear layers,
+# under tensor parallelism (parallel/tensor_parallel.py's plan): the weights split by rows (column-wise Linear layers,
 # the embedding and the head over the vocabulary) and by columns (row-wise ones); the norms are whole
 _TP_ROWS = (*(f".{name}.weight" for name in TP_COLWISE), "base_model.embedding.weight", "head.weight")
 _TP_COLS = tuple(f".{name}.weight" for name in TP_ROWWISE)

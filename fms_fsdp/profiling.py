@@ -16,9 +16,9 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from fms_fsdp.compat import cuda_memory_snapshot, record_cuda_memory_history
 from fms_fsdp.config import train_config
-from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.periodic import Report
+from fms_fsdp.parallel.process_group import DistInfo
+from fms_fsdp.train.periodic import Report
 
 # skip 1 step, warm up 2, record 3: past compilation and FSDP's first all-gathers, bounded in size
 WAIT, WARMUP, ACTIVE = 1, 2, 3

@@ -32,18 +32,24 @@ from fms_fsdp.compat import check_torch
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.data.mixture import MixtureSchedule
-from fms_fsdp.distributed import DistInfo, resolve_device, start_process_group, stop_process_group, world_from_env
-from fms_fsdp.float8 import check_float8
-from fms_fsdp.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
-from fms_fsdp.harness import check_harness
-from fms_fsdp.lora import check_lora
-from fms_fsdp.models import get_model_config
+from fms_fsdp.evaluation.harness import check_harness
+from fms_fsdp.model.float8 import check_float8
+from fms_fsdp.model.lora import check_lora
+from fms_fsdp.model.variants import get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
-from fms_fsdp.parallel import MeshShape, build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
-from fms_fsdp.pipeline import PipelinePlan, check_pipeline
+from fms_fsdp.parallel.mesh import MeshShape, build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
+from fms_fsdp.parallel.pipeline import PipelinePlan, check_pipeline
+from fms_fsdp.parallel.process_group import (
+    DistInfo,
+    resolve_device,
+    start_process_group,
+    stop_process_group,
+    world_from_env,
+)
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.schedule import ScheduleSettings
 from fms_fsdp.storage import location
+from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
 RECORDED_ENV = ("NCCL_", "TORCH_", "CUDA_")  # environment variables a run record keeps

@@ -17,8 +17,8 @@ from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.config import to_dict, train_config
-from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, TrackerError, first_line
+from fms_fsdp.parallel.process_group import on_rank0
 
 RUN_IDS_FILE = "tracker_runs.json"
 

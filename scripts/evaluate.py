@@ -1,5 +1,5 @@
 """Evaluate a model (checkpoint folder, safetensors/.pth file or Hugging Face folder) on held-out data,
-under torchrun or plain python (the logic: fms_fsdp/evaluate.py, behind fms_fsdp/cli.py;
+under torchrun or plain python (the logic: fms_fsdp/evaluation/evaluate.py, behind fms_fsdp/cli.py;
 installed as `fms-evaluate`):
 python scripts/evaluate.py --ckpt_load_path=... --eval_data_path=... [model and data flags]"""
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 
-from fms_fsdp.distributed import free_port
+from fms_fsdp.parallel.process_group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # the files whose runs take longest (seconds on 2 cores), started first so that neither of
@@ -128,7 +128,7 @@ def train(tmp: Path, args: list[str], nproc: Optional[int] = 2, **kw: Any) -> li
 @pytest.fixture
 def one_process_group(tmp_path: Path) -> Iterator[None]:
     """A gloo process group of this process alone (the default group), stopped after the test."""
-    from fms_fsdp.distributed import stop_process_group
+    from fms_fsdp.parallel.process_group import stop_process_group
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
@@ -156,7 +156,7 @@ def run_here(args: list[str]) -> str:
     """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
     command line is not under test."""
     from fms_fsdp.flags import parse_args
-    from fms_fsdp.train import run_training
+    from fms_fsdp.train.loop import run_training
 
     with here() as out:
         run_training(parse_args([*TINY, *args]))

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import start_process_group, stop_process_group
 from fms_fsdp.flags import parse_args
-from fms_fsdp.parallel import set_gradient_sync
+from fms_fsdp.parallel.parallelize import set_gradient_sync
+from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
 from fms_fsdp.run import facts, with_mesh
+from fms_fsdp.train.build import build_sharded_model
 
 
 def peak_rss_mb() -> float:

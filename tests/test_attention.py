@@ -1,4 +1,4 @@
-"""Document masking (--document_masking, --document_positions; fms_fsdp/attention.py): a packed line's
+"""Document masking (--document_masking, --document_positions; fms_fsdp/model/attention.py): a packed line's
 documents are scored as if each were alone, by FlexAttention and by SDPA with a mask alike."""
 
 import functools
@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from fms_fsdp.attention import LinePlan
-from fms_fsdp.context_parallel import ContextParallel
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.model.attention import LinePlan
+from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.parallel.context_parallel import ContextParallel
 
 from conftest import TINY, train_here
 
@@ -125,7 +125,7 @@ def test_a_run_trains_with_document_masking(tmp):
     ],
 )
 def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, message):
-    from fms_fsdp.parallel import check_context_parallel, mesh_shape
+    from fms_fsdp.parallel.mesh import check_context_parallel, mesh_shape
 
     cfg = parse_args([*TINY, *args])
     device = "cuda" if "--device=cuda" in args else "cpu"
@@ -138,7 +138,7 @@ def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
     """torch 2.11's compiled backward of the merged attention took wrong steps (tests/test_meshes.py's
     compiled C=2 run on 2.11): refused there, in one line."""
     from fms_fsdp import compat
-    from fms_fsdp.parallel import check_context_parallel
+    from fms_fsdp.parallel.mesh import check_context_parallel
 
     cfg = parse_args([*TINY, "--context_parallel_size=2", "--use_torch_compile=True"])
     monkeypatch.setattr(compat, "TORCH", (2, 11))
@@ -189,7 +189,7 @@ def test_ring_attention_compiles_as_one_op_and_is_causal_attention(one_process_g
     leaving torch's own context-parallel settings as they were. Its split over ranks is
     tests/test_meshes.py's (C=2 eager, and under TP)."""
     from fms_fsdp.compat import torch_cp
-    from fms_fsdp.context_parallel import ring_attention_op
+    from fms_fsdp.parallel.context_parallel import ring_attention_op
 
     def options() -> tuple:
         return tuple(vars(torch_cp._cp_options).values())

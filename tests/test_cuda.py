@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
-from fms_fsdp.guard import StepGuard
 from fms_fsdp.memory import GIB, Planner, setting_of
 from fms_fsdp.run import facts, started
-from fms_fsdp.train import train_step
+from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
+from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.loop import train_step
 
 from conftest import here, launch, records, run_here
 
@@ -229,8 +229,8 @@ def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the
 def test_compiled_flex_attention_masks_documents_as_sdpa_does():
     """--document_masking on CUDA and compiled: FlexAttention under a BlockMask built each batch; its
     logits and gradients equal SDPA's under the boolean mask, and a second batch compiles nothing new."""
-    from fms_fsdp.attention import LinePlan
-    from fms_fsdp.models import build_model, get_model_config
+    from fms_fsdp.model.attention import LinePlan
+    from fms_fsdp.model.variants import build_model, get_model_config
 
     torch.manual_seed(0)
     model = build_model(get_model_config("tiny", 512, 512), torch.device("cuda"))

@@ -14,7 +14,7 @@ from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.evaluate import eval_lines
+from fms_fsdp.evaluation.evaluate import eval_lines
 from fms_fsdp.flags import parse_args
 
 from conftest import TINY, here, records, run_here

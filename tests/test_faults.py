@@ -740,7 +740,9 @@ def _torchrun(b: Bench) -> Job:
 # started by torchrun or the console script, from its first line: no import time per launch); the
 # torchrun case runs the installed command under torchrun itself
 SERVER = multiprocessing.get_context("forkserver")
-SERVER.set_forkserver_preload(["fms_fsdp.cli", "fms_fsdp.train", "fms_fsdp.evaluate", "fms_fsdp.checkpoint.hf"])
+SERVER.set_forkserver_preload(
+    ["fms_fsdp.cli", "fms_fsdp.train.loop", "fms_fsdp.evaluation.evaluate", "fms_fsdp.checkpoint.hf"]
+)
 LAUNCHED = itertools.count()  # names the processes' output files
 # multiprocessing's forkserver processes are not thread-safe: two threads polling one process (and
 # Process.start polls every live child) can both see it end, and the one that reads second gets EOF
@@ -815,7 +817,7 @@ def start(
     argv: list[str], nproc: Optional[int], folder: Path, env: Optional[dict[str, str]] = None, torchrun: bool = False
 ) -> list[Proc]:
     """The processes of a launch: one, or `nproc` ranks started as torchrun starts them (or torchrun)."""
-    from fms_fsdp.distributed import free_port
+    from fms_fsdp.parallel.process_group import free_port
 
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):

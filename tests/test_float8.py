@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.flags import make_config
-from fms_fsdp.float8 import Float8Settings, convert_to_float8
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.model.float8 import Float8Settings, convert_to_float8
+from fms_fsdp.model.variants import build_model, get_model_config
 
 from conftest import TINY, run_here, train_here
 from test_checkpoint import losses, run, weights

@@ -16,9 +16,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from fms_fsdp.distributed import free_port
-from fms_fsdp.ft import Watchdog
-from fms_fsdp.ft_settings import SHARED_FLAGS, fingerprint
+from fms_fsdp.parallel.process_group import free_port
+from fms_fsdp.train.ft import Watchdog
+from fms_fsdp.train.ft_settings import SHARED_FLAGS, fingerprint
 
 from conftest import ROOT, TINY, records, run_here
 

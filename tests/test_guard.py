@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fms_fsdp.train
+import fms_fsdp.train.loop
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.guard import SPIKE_MIN_HISTORY, StepGuard
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.run import facts
+from fms_fsdp.train.guard import SPIKE_MIN_HISTORY, StepGuard
 
 from conftest import TINY, records, run_here
 
@@ -69,7 +69,7 @@ def poison(monkeypatch, steps: set[int]) -> None:
             return norm * math.nan
         return norm
 
-    monkeypatch.setattr(fms_fsdp.train, "clip_gradients", clip)
+    monkeypatch.setattr(fms_fsdp.train.loop, "clip_gradients", clip)
 
 
 def test_a_run_skips_nan_steps_then_stops_after_too_many_in_a_row(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""lm-eval-harness in the loop (--eval_harness_tasks; fms_fsdp/harness.py): tasks of our own, defined in
+"""lm-eval-harness in the loop (--eval_harness_tasks; fms_fsdp/evaluation/harness.py): tasks of our own, defined in
 local yaml over local jsonl (a multiple-choice and a perplexity kind), scored by two FSDP ranks as the
 model trains, by `fms-evaluate` on the saved model, and by lm-eval's own Hugging Face model on the
 export: the same figures. Needs the `harness` extra (lm-eval): `bash scripts/test_harness.sh`, which

@@ -17,7 +17,7 @@ from fms_fsdp.checkpoint.hf import read_hf_model
 from fms_fsdp.checkpoint.reader import model_reader, read_model
 from fms_fsdp.cli import to_hf as to_hf_command
 from fms_fsdp.errors import HFError
-from fms_fsdp.models import build_model, get_model_config
+from fms_fsdp.model.variants import build_model, get_model_config
 
 from conftest import ROOT, TINY, launch, train_here
 
@@ -275,7 +275,7 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits_past_1
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fms_fsdp.checkpoint.hf import hf_config
-    from fms_fsdp.models import hidden_dim
+    from fms_fsdp.model.variants import hidden_dim
 
     config = get_model_config("tiny_llama3", 512, 10_240, rope_theta=1e6, rope_scaling_factor=8).updated(nlayers=1)
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)

@@ -15,10 +15,10 @@ from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.evaluate import evaluate_checkpoint
+from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
 from fms_fsdp.flags import make_config
-from fms_fsdp.lora import TARGETS, LoRASpec, add_adapters
-from fms_fsdp.models import build_model, get_model_config, init_weights
+from fms_fsdp.model.lora import TARGETS, LoRASpec, add_adapters
+from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.run import facts
 
 from conftest import train, train_here

@@ -1,11 +1,11 @@
-"""The chunked cross entropy (loss.py) against torch's, and the model's loss path against its logits."""
+"""The chunked cross entropy (model/loss.py) against torch's, and the model's loss path against its logits."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fms_fsdp.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy
-from fms_fsdp.models import build_model, get_model_config, init_weights
+from fms_fsdp.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy
+from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:

@@ -12,8 +12,10 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
 from fms_fsdp.memory import Planner, Setting, fits_or_warning, report
-from fms_fsdp.models import build_model, get_model_config
-from fms_fsdp.parallel import apply_activation_checkpointing, apply_autocast, mesh_shape
+from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
+from fms_fsdp.parallel.mesh import mesh_shape
+from fms_fsdp.parallel.parallelize import apply_autocast
 
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 

@@ -23,9 +23,9 @@ from fms_fsdp.checkpoint.hf import convert
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.data import DataError
-from fms_fsdp.distributed import free_port
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
@@ -261,7 +261,7 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
 def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3, tmp_path, monkeypatch, capsys):
     import s3fs
 
-    from fms_fsdp.train import run_training
+    from fms_fsdp.train.loop import run_training
 
     def error(flag: str, path: str) -> str:
         s3fs.S3FileSystem.clear_instance_cache()  # a new client, which reads the endpoint variable again

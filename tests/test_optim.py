@@ -5,7 +5,7 @@ import torch
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.models import build_model, get_model_config, init_weights
+from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.optim import (
     OptimizerSettings,
     build_optimizer,

@@ -1,4 +1,4 @@
-"""Pipeline parallelism's plan (fms_fsdp/pipeline.py): the stages each rank holds, the split of the
+"""Pipeline parallelism's plan (fms_fsdp/parallel/pipeline.py): the stages each rank holds, the split of the
 blocks, the microbatches, and every start-up error in one line. The runs themselves (every schedule
 against one rank, with FSDP and TP, resumed across P) are tests/test_meshes.py's."""
 
@@ -6,12 +6,12 @@ import re
 
 import pytest
 
-from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.models import get_model_config
-from fms_fsdp.parallel import mesh_shape
-from fms_fsdp.pipeline import PipelinePlan, balanced_split, check_pipeline
+from fms_fsdp.model.variants import get_model_config
+from fms_fsdp.parallel.mesh import mesh_shape
+from fms_fsdp.parallel.pipeline import PipelinePlan, balanced_split, check_pipeline
+from fms_fsdp.parallel.process_group import DistInfo
 
 from conftest import TINY
 

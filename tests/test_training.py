@@ -17,16 +17,16 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.builder import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.flags import parse_args
-from fms_fsdp.guard import StepGuard
-from fms_fsdp.models import build_model, get_model_config, init_weights
-from fms_fsdp.parallel import apply_fsdp
+from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.parallel.parallelize import apply_fsdp
 from fms_fsdp.run import facts, started
 from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 from fms_fsdp.storage import umask
-from fms_fsdp.train import out_of_memory_error, train_step
+from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
+from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.loop import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
 
@@ -313,7 +313,7 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
         collectives = [e for e in events if e["name"].startswith("c10d::")]
         ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
         assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
-        # the agreement (triggers.py): a handful of figures in one all-reduce, in a step that comes due on a
+        # the agreement (train/triggers.py): a handful of figures in one all-reduce, in a step that comes due on a
         # slow machine
         tensors = [e["args"]["Input Dims"][0] for e in ours]  # [[figures]]: one 1-D tensor
         assert len(ours) <= 1 and all(len(t) == 1 and len(t[0]) == 1 and t[0][0] <= 8 for t in tensors), ours

@@ -26,13 +26,13 @@ from fms_fsdp.checkpoint.reader import read_model, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import train_config
-from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.lora import LoRASpec, merged
-from fms_fsdp.models import CausalLM, fuse_full
-from fms_fsdp.periodic import Report
+from fms_fsdp.model.lora import LoRASpec, merged
+from fms_fsdp.model.variants import CausalLM, fuse_full
+from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
+from fms_fsdp.train.periodic import Report
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = (

@@ -29,7 +29,7 @@ from fms_fsdp.compat import (
     local_shape_and_offset_at,
     local_tensor,
 )
-from fms_fsdp.models import fused_parts
+from fms_fsdp.model.variants import fused_parts
 
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
 

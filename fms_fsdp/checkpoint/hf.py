@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from fms_fsdp.checkpoint.reader import TensorReader, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
-from fms_fsdp.lora import LoRASpec
-from fms_fsdp.models import build_model, get_model_config, hidden_dim
+from fms_fsdp.model.lora import LoRASpec
+from fms_fsdp.model.variants import build_model, get_model_config, hidden_dim
 from fms_fsdp.storage import local_copy, location, publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

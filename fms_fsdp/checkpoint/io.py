@@ -30,9 +30,9 @@ from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
 from fms_fsdp.checkpoint.reader import damage, safe_reader, unreadable
 from fms_fsdp.checkpoint.save import CheckpointSaver
 from fms_fsdp.checkpoint.weights import load_weights
-from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
+from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
 
 _LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)

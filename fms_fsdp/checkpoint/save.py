@@ -40,14 +40,14 @@ from fms_fsdp.checkpoint.reader import root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import to_dict, train_config
-from fms_fsdp.distributed import agreement_group, failures, on_rank0
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
-from fms_fsdp.lease import RunLease
+from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
+from fms_fsdp.train.lease import RunLease
 
 if TYPE_CHECKING:
-    from fms_fsdp.ft import FaultTolerance
+    from fms_fsdp.train.ft import FaultTolerance
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)

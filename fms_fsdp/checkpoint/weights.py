@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fms_fsdp.checkpoint.fused import fuse
 from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config, read_hf_model
 from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
-from fms_fsdp.distributed import agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, first_line
-from fms_fsdp.lora import is_adapter
-from fms_fsdp.models import split_full
+from fms_fsdp.model.lora import is_adapter
+from fms_fsdp.model.variants import split_full
+from fms_fsdp.parallel.process_group import agreement_group, on_rank0
 from fms_fsdp.storage import local_copy, location, storage_error
 
 # a whole model from one file: read on rank 0 only, each rank receives its shards

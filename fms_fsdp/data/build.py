@@ -14,8 +14,8 @@ from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset, Layout, dataset_sources, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
-from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.parallel.process_group import on_rank0
 from fms_fsdp.storage import location
 
 

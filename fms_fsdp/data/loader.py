@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
-from fms_fsdp.distributed import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.errors import DataError
+from fms_fsdp.parallel.process_group import STOP_SIGNALS, exit_with_parent
 
 STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]

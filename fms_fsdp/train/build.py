@@ -1,5 +1,5 @@
 """The model and optimizer of a run, built as training and evaluation build them: fms's LLaMA (on the
-meta device with --low_cpu_fsdp), LoRA's adapters, parallelised over the run's mesh (parallel.py) and
+meta device with --low_cpu_fsdp), LoRA's adapters, parallelised over the run's mesh (parallel/parallelize.py) and
 initialised to the same weights at any mesh (models.init_weights); AdamW and the LR schedule."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.attention import LinePlan
-from fms_fsdp.context_parallel import ContextParallel
-from fms_fsdp.float8 import Float8Settings, scale_hook
-from fms_fsdp.lora import LoRASpec, add_adapters
 from fms_fsdp.memory import fits_or_warning
-from fms_fsdp.models import CausalLM, build_model, count_params, init_weights
+from fms_fsdp.model.attention import LinePlan
+from fms_fsdp.model.float8 import Float8Settings, scale_hook
+from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.variants import CausalLM, build_model, count_params, init_weights
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
-from fms_fsdp.parallel import Parallelized, ParallelSettings, parallelize, sharded
-from fms_fsdp.pipeline import Pipeline, prune
+from fms_fsdp.parallel.context_parallel import ContextParallel
+from fms_fsdp.parallel.mesh import sharded
+from fms_fsdp.parallel.parallelize import Parallelized, ParallelSettings, parallelize
+from fms_fsdp.parallel.pipeline import Pipeline, prune
 from fms_fsdp.run import Run
 from fms_fsdp.schedule import ScheduleSettings, build_scheduler
 

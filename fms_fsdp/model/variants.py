@@ -1,7 +1,7 @@
 """Model variants (names -> ibm-fms LLaMAConfig), model construction, weight init and FLOPs.
 
 The model is ibm-fms's LLaMA; `CausalLM` only gives it a head that, given labels, returns the loss
-without materialising the logits (loss.py; under tensor parallelism over each rank's slice of the
+without materialising the logits (model/loss.py; under tensor parallelism over each rank's slice of the
 vocabulary). `init_weights` draws the same values fms's `reset_parameters` distributions call for,
 but from generators seeded per parameter and per block of rows, so a parameter initialised whole
 (eager path) and one initialised shard by shard after FSDP2 and tensor parallelism on the meta
@@ -25,10 +25,10 @@ from fms.modules.head import LinearClassificationHead
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fms_fsdp.attention import LinePlan
 from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
+from fms_fsdp.model.attention import LinePlan
+from fms_fsdp.model.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 
@@ -249,7 +249,7 @@ def hidden_dim(model_config: LLaMAConfig) -> int:
 
 
 class LMHead(LinearClassificationHead):
-    """fms's output head; called with labels it returns the mean cross entropy (chunked, see loss.py)
+    """fms's output head; called with labels it returns the mean cross entropy (chunked, see model/loss.py)
     instead of the logits, plus `z_loss_weight` x the mean lse^2 when training (--z_loss_weight; that
     term of the last forward, detached, in `z_loss`). `chunk_fn` is replaced by a compiled copy when
     the run compiles; `max_chunk_bytes` (default: by device) is set by the memory plan to trace a GPU's
@@ -307,7 +307,7 @@ class LMHead(LinearClassificationHead):
 
 class CausalLM(LLaMA):
     """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits. With a
-    `lines` plan (attention.py) the attention stays inside each document of a packed line
+    `lines` plan (model/attention.py) the attention stays inside each document of a packed line
     (--document_masking) and the line is split over a context-parallel group: the forward takes whole
     lines, computes on this rank's part, and returns the whole line's logits, or its share of the loss."""
 

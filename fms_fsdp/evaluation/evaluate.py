@@ -21,20 +21,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.builder import build_sharded_model
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.data.shards import Dataset, dataset_sources, scan
 from fms_fsdp.data.stream import Packing, strip_ends
-from fms_fsdp.distributed import on_rank0
 from fms_fsdp.errors import ConfigError, DataError
-from fms_fsdp.harness import HarnessEvaluator
-from fms_fsdp.loss import IGNORE_INDEX
-from fms_fsdp.periodic import Report
-from fms_fsdp.pipeline import Pipeline
+from fms_fsdp.evaluation.harness import HarnessEvaluator
+from fms_fsdp.model.loss import IGNORE_INDEX
+from fms_fsdp.parallel.pipeline import Pipeline
+from fms_fsdp.parallel.process_group import on_rank0
 from fms_fsdp.run import Run, facts, started
 from fms_fsdp.storage import location
+from fms_fsdp.train.build import build_sharded_model
+from fms_fsdp.train.periodic import Report
 
 _PAD = -1  # marks the padding of the last line
 
@@ -88,8 +88,10 @@ class Evaluator:
     def __init__(self, run: Run):
         cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
-        self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train.py)
-        self.batch = cfg.eval_batch_size or cfg.batch_size  # --batch_size under pipeline parallelism (pipeline.py)
+        self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train/loop.py)
+        self.batch = (
+            cfg.eval_batch_size or cfg.batch_size
+        )  # --batch_size under pipeline parallelism (parallel/pipeline.py)
         self.pipelined = cfg.pipeline_parallel_size > 1  # whose stages take batches of one shape
         self.eos = cfg.eos_token
         self.lines: dict[str, np.ndarray] = {}

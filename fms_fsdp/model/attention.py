@@ -1,6 +1,6 @@
 """Attention over packed lines, and lines split over ranks: --document_masking keeps every token's
 attention inside its own document (--document_positions=document restarts the rotary positions at
-each document); --context_parallel_size=C splits every line over C ranks (context_parallel.py: a
+each document); --context_parallel_size=C splits every line over C ranks (parallel/context_parallel.py: a
 rank's chunks of the line, and the attentions that ops registered here call).
 
 A line packs documents, each ended by --eos_token; a token belongs to the document of the eos that
@@ -40,7 +40,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fms_fsdp.config import train_config
-from fms_fsdp.context_parallel import ContextParallel, LineAttention, own_values, ring_attention_op
+from fms_fsdp.parallel.context_parallel import ContextParallel, LineAttention, own_values, ring_attention_op
 
 FLEX = "fms_fsdp_flex"
 CONTEXT = "fms_fsdp_context_parallel"

@@ -8,7 +8,7 @@ whole model's CausalLM pruned to those stages' modules under their own names (`b
 as in the whole model, the embedding only with the first stage, the final norm and head only with the
 last), so the optimizer, clipping and checkpoints see one module named as the whole model is: a
 checkpoint saved at any P resumes at any other. Each stage is a `StagePart` over that model's modules:
-the module the schedule runs and FSDP2 roots (parallel.py). Microbatches are the gradient
+the module the schedule runs and FSDP2 roots (parallelize.py). Microbatches are the gradient
 accumulation: the step's --batch_size lines are cut into --pipeline_microbatches, each microbatch's
 loss is its mean and the schedule averages the gradients over them, as --grad_accum_steps does."""
 
@@ -27,8 +27,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from fms_fsdp.compat import v_shaped_schedules_run
 from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.loss import IGNORE_INDEX
-from fms_fsdp.models import CausalLM, hidden_dim
+from fms_fsdp.model.loss import IGNORE_INDEX
+from fms_fsdp.model.variants import CausalLM, hidden_dim
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
 # schedules that run a stage's backward twice: its inputs' gradients first, its weights' later
@@ -226,7 +226,7 @@ def prune(model: CausalLM, plan: PipelinePlan, pp_rank: int) -> None:
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in sorted(kept)})
     if 0 not in stages:
         base.embedding = None
-    if plan.stages - 1 not in stages:  # parallel.py and the stages check for a missing head
+    if plan.stages - 1 not in stages:  # parallelize.py and the stages check for a missing head
         base.dec_norm = None
         model.head = None  # type: ignore[assignment]
 
@@ -264,7 +264,7 @@ class StagePart(nn.Module):
 
 
 class Pipeline:
-    """The rank's stages (`parts`, which parallel.py wraps) and the schedule that runs them (`start`,
+    """The rank's stages (`parts`, which parallelize.py wraps) and the schedule that runs them (`start`,
     once they are wrapped); `step` trains one batch (and reports its z-loss term with `z_loss`)."""
 
     def __init__(
@@ -343,3 +343,10 @@ def _counted(labels: torch.Tensor) -> torch.Tensor:
 def _microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The last stage returns its microbatch's loss already (as a 1-element tensor)."""
     return output.sum()
+
+
+def blocks_of(model: CausalLM) -> list[nn.Module]:
+    """The model's blocks in order: all of them, or a pipeline rank's (`prune` keeps them in a
+    ModuleDict under their whole-model numbers)."""
+    layers = model.base_model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)

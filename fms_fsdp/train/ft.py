@@ -20,7 +20,7 @@ step, tokens and the table of every group's last committed data position, from w
 no sample is lost or repeated. A group with no live peer resumes from its own checkpoints
 (<ckpt_save_path>/group_<i>). A watchdog ends a group whose step hangs, so that the lighthouse drops it.
 
-The settings, their start-up checks and the fingerprint are in ft_settings.py.
+The settings, their start-up checks and the fingerprint are in train/ft_settings.py.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.compat import local_tensor, tree_map_only
-from fms_fsdp.distributed import agreement_group
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
-from fms_fsdp.ft_settings import FTSettings
-from fms_fsdp.guard import StepGuard
+from fms_fsdp.parallel.process_group import agreement_group
+from fms_fsdp.train.ft_settings import FTSettings
+from fms_fsdp.train.guard import StepGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 QUORUM_RETRIES = 3  # torchft's own retries of a quorum request to the lighthouse (a brief network failure)

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from fms_fsdp.config import train_config
 from fms_fsdp.data.text import load_tokenizer
-from fms_fsdp.distributed import DistInfo
 from fms_fsdp.errors import ConfigError, first_line
-from fms_fsdp.periodic import Report
+from fms_fsdp.parallel.process_group import DistInfo
+from fms_fsdp.train.periodic import Report
 
 SCORED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 MIN_TOKENS = 64  # the shortest forward pass: lengths are 2^k from here to seq_length

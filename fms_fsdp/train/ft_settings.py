@@ -1,7 +1,7 @@
-"""The settings of --fault_tolerance (ft.py) and its start-up checks: the flags with torchft's and
+"""The settings of --fault_tolerance (train/ft.py) and its start-up checks: the flags with torchft's and
 torchx's environment filled in, torchft installed, FSDP inside each replica group, no pipeline; the wait
 for a lighthouse that answers (run.started); and the fingerprint of what every replica group must share
-(the model, the mesh and SHARED_FLAGS), which ft.py compares across the live groups at each step.
+(the model, the mesh and SHARED_FLAGS), which train/ft.py compares across the live groups at each step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.parallel import MeshShape
+from fms_fsdp.parallel.mesh import MeshShape
 
 
 @dataclass(frozen=True)

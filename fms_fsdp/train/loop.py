@@ -1,17 +1,17 @@
 """The training loop, top to bottom.
 
 `run_training`: the run's facts and start-up checks (run.py), the process group and mesh, then
-`train`: the run lease on --ckpt_save_path (lease.py; before any write there) and the trackers, the
+`train`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and the trackers, the
 data loader first (bad data fails before the model is built), the model parallelised and its
-optimizer (builder.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
+optimizer (train/build.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
-every few seconds the ranks agree on stop requests and time-based saves (triggers.py). Bad steps are
-judged on the device (guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
+every few seconds the ranks agree on stop requests and time-based saves (train/triggers.py). Bad steps are
+judged on the device (train/guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
 (metrics.py, trackers.py), commits the checkpoint, then runs the periodic work that is due
-(periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
-take). Under --fault_tolerance (ft.py) each step begins with the replica groups' quorum (a group
+(train/periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
+take). Under --fault_tolerance (train/ft.py) each step begins with the replica groups' quorum (a group
 behind the others heals there and goes on from the step it got) and commits only when torchft says
 so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
@@ -33,31 +33,31 @@ import torch
 import torch.distributed as dist
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.builder import build_optimizer_and_schedule, build_stages
 from fms_fsdp.checkpoint.export import ExportSettings, PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.config import parse_fraction, to_yaml, train_config
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.distributed import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
-from fms_fsdp.evaluate import Evaluator
-from fms_fsdp.ft import FaultTolerance, Replay
-from fms_fsdp.ft_settings import fingerprint
-from fms_fsdp.guard import StepGuard
-from fms_fsdp.harness import HarnessEvaluator
-from fms_fsdp.lease import RunLease
+from fms_fsdp.evaluation.evaluate import Evaluator
+from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
-from fms_fsdp.models import CausalLM, flops_per_token
+from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.optim import clip_gradients
-from fms_fsdp.parallel import set_gradient_sync
-from fms_fsdp.periodic import Periodic, Report
-from fms_fsdp.pipeline import Pipeline
+from fms_fsdp.parallel.parallelize import set_gradient_sync
+from fms_fsdp.parallel.pipeline import Pipeline
+from fms_fsdp.parallel.process_group import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.profiling import ProfilerSettings, StepProfiler
 from fms_fsdp.run import Run, facts, record, started
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
-from fms_fsdp.triggers import StepTriggers, StopRequest, TriggerSettings
+from fms_fsdp.train.build import build_optimizer_and_schedule, build_stages
+from fms_fsdp.train.ft import FaultTolerance, Replay
+from fms_fsdp.train.ft_settings import fingerprint
+from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.lease import RunLease
+from fms_fsdp.train.periodic import Periodic, Report
+from fms_fsdp.train.triggers import StepTriggers, StopRequest, TriggerSettings
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 

@@ -1,11 +1,11 @@
-"""Work the training loop runs at some steps, beside the steps themselves: evaluation (evaluate.py),
-lm-eval tasks (harness.py), periodic exports (checkpoint/export.py) and the profiler (profiling.py).
+"""Work the training loop runs at some steps, beside the steps themselves: evaluation (evaluation/evaluate.py),
+lm-eval tasks (evaluation/harness.py), periodic exports (checkpoint/export.py) and the profiler (profiling.py).
 
 Each is a `Periodic`: the loop asks it whether it is `due` at a step, `run`s it (every rank, after the
 step's checkpoint is committed) and hands the `Report` it returns to the metrics reporter; `finish`
 once the loop has ended normally (a collective: waits for work still in flight, raises its failure),
 `close` on every way out (no collective: threads, buffers). The step guard, checkpointing and fault
-tolerance are not periodic work: their order is the loop's contract (train.py).
+tolerance are not periodic work: their order is the loop's contract (train/loop.py).
 """
 
 from __future__ import annotations

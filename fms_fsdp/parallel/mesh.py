@@ -1,0 +1,192 @@
+"""The DeviceMesh: its shape from the flags (`MeshShape`: pipeline, replicate, shard, context and
+tensor parallel dimensions), the checks of what tensor and context parallelism need, and the mesh's
+sub-meshes (data parallel, a stage's ranks)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from fms.models.llama import LLaMAConfig
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fms_fsdp.compat import (
+    context_parallel_compiles,
+    flatten_mesh,
+    set_group_timeout,
+)
+from fms_fsdp.config import train_config
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.model.variants import hidden_dim
+from fms_fsdp.parallel.process_group import collective_timeout
+
+
+class MeshShape(NamedTuple):
+    """Sizes of the mesh dimensions: pipeline parallel (pp, outermost), data parallel (replicate x
+    shard), context parallel (cp) and tensor parallel (tp, innermost)."""
+
+    replicate: int
+    shard: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    def dims(self) -> list[tuple[str, int]]:
+        """The mesh's dimensions, outermost first: pp where used, replicate, shard, then cp and tp where
+        used."""
+        return (
+            [("pp", self.pp)] * (self.pp > 1)
+            + [("replicate", self.replicate), ("shard", self.shard)]
+            + [("cp", self.cp)] * (self.cp > 1)
+            + [("tp", self.tp)] * (self.tp > 1)
+        )
+
+    @property
+    def whole(self) -> bool:
+        """One rank per pipeline stage: the plain module (or stage) is trained, without FSDP."""
+        return self.dp * self.tp * self.cp == 1
+
+
+def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
+    """The mesh for the sharding strategy and --tensor_parallel_size; ConfigError naming the numbers
+    when they don't divide. HSDP's shard group (--sharding_group_size, default: the node) counts
+    data-parallel ranks: with TP, a node holds ranks per node / T of them. Pipeline parallelism takes
+    the outermost factor P of the world; the rest is laid out inside each stage's world / P ranks."""
+    pp = cfg.pipeline_parallel_size
+    if world_size % pp:
+        raise ConfigError(f"--pipeline_parallel_size={pp} must divide the world size {world_size}")
+    # each pipeline stage's ranks: what the rest is laid out over
+    world = f"world size {world_size}" + (f" / --pipeline_parallel_size={pp}" if pp > 1 else "")
+    world_size //= pp
+    world += f" = {world_size}" if pp > 1 else ""
+    tp, cp = cfg.tensor_parallel_size, cfg.context_parallel_size
+    if tp > 1 and (local_world_size % tp or world_size % tp):
+        raise ConfigError(
+            f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
+            f"{world}: tensor parallelism stays inside a node"
+        )
+    if (world_size // tp) % cp:
+        raise ConfigError(
+            f"--context_parallel_size={cp} must divide the {world}"
+            + (f" / --tensor_parallel_size={tp} = {world_size // tp}" if tp > 1 else "")
+        )
+    dp = world_size // (tp * cp)
+    if cfg.sharding_strategy == "fsdp":
+        return MeshShape(1, dp, tp, cp, pp)
+    if cfg.sharding_strategy == "ddp":
+        return MeshShape(dp, 1, tp, cp, pp)
+    group = cfg.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
+    if dp % group:
+        raise ConfigError(
+            f"--sharding_group_size={group} does not divide the {world}"
+            + (f" / --tensor_parallel_size={tp} = {dp} data-parallel ranks" if tp > 1 else "")
+            + "; pick a divisor (default: ranks per node"
+            + (f" / {tp}" if tp > 1 else "")
+            + ")"
+        )
+    return MeshShape(dp // group, group, tp, cp, pp)
+
+
+def check_context_parallel(cfg: train_config, device: torch.device) -> None:
+    """--context_parallel_size=C cuts every line into 2C equal chunks (and, under tensor parallelism,
+    each rank's part again T ways): ConfigError naming the numbers, or a setting it does not serve."""
+    cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+    if cp == 1:
+        return
+    if cfg.cp_attention == "ring" and cfg.document_masking:
+        raise ConfigError(
+            "--cp_attention=ring passes keys and values round the ranks for causal lines only: "
+            "--document_masking=True needs --cp_attention=allgather"
+        )
+    if cfg.cp_attention == "ring" and device.type == "cuda" and not cfg.mixed_precision:
+        raise ConfigError(
+            "--cp_attention=ring runs CUDA's flash attention, which takes bf16: set --mixed_precision=True "
+            "or --cp_attention=allgather"
+        )
+    if cfg.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--context_parallel_size={cp} cuts each line into 2 x {cp} = {2 * cp} chunks: --seq_length="
+            f"{cfg.seq_length} must be a multiple of {2 * cp}"
+        )
+    if (cfg.seq_length // cp) % tp:
+        raise ConfigError(
+            f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {cfg.seq_length // cp} "
+            f"tokens of a line must divide by {tp} (sequence parallel); pick a --seq_length that does"
+        )
+    if cfg.use_torch_compile and not context_parallel_compiles():
+        raise ConfigError(
+            f"--context_parallel_size={cp} with --use_torch_compile=True needs torch 2.13 or later (torch "
+            f"{torch.__version__} computes wrong gradients there); set --use_torch_compile=False or upgrade torch"
+        )
+
+
+def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
+    """--tensor_parallel_size=T splits heads, KV heads, the FFN width, the vocabulary and the sequence
+    (sequence parallel) T ways: ConfigError naming the first that T does not divide, or a feature that
+    does not combine with it yet."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        return
+    for what, n in (
+        ("attention heads", model_config.nheads),
+        ("KV heads", model_config.kvheads),
+        ("FFN width", hidden_dim(model_config)),
+        ("vocabulary size", model_config.src_vocab_size),
+        ("sequence length (--seq_length)", cfg.seq_length),
+    ):
+        if n % tp:
+            raise ConfigError(f"--tensor_parallel_size={tp} must divide the model's {what}, {n}; pick a divisor")
+    for flag, used in (
+        ("--float8", cfg.float8),
+        ("--lora_rank", cfg.lora_rank),
+        ("a head tied to the embedding", model_config.tie_heads),
+    ):
+        if used:
+            raise ConfigError(
+                f"--tensor_parallel_size={tp} does not combine with {flag} yet; use "
+                "--tensor_parallel_size=1 (FSDP/HSDP) for it"
+            )
+
+
+def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional[float]) -> DeviceMesh:
+    """The mesh ('pp' first under pipeline parallelism, then 'replicate', 'shard'), then 'cp' under
+    context parallelism (with 'shard_cp' flattened from shard x cp for FSDP) and 'tp' innermost under
+    tensor parallelism, whose groups fail a
+    collective after --collective_timeout_minutes, as the default group does (torchtitan sets its
+    groups' timeouts alike)."""
+    dims = shape.dims()
+    names = tuple(name for name, _ in dims)
+    mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=names)
+    if shape.cp > 1:
+        flatten_mesh(mesh, ("shard", "cp"), "shard_cp")
+    timeout = collective_timeout(timeout_minutes)
+    if timeout is not None:
+        for dim in range(mesh.ndim):
+            set_group_timeout(timeout, mesh.get_group(dim))
+        if shape.cp > 1:  # the group FSDP gathers and reduces over
+            set_group_timeout(timeout, mesh["shard_cp"].get_group())
+    return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (replicate, shard) mesh FSDP2 runs over, of this rank's pipeline stage: (replicate,
+    shard_cp) under context parallelism."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" in names:
+        return mesh["replicate", "shard_cp"]
+    return mesh["replicate", "shard"] if "tp" in names or "pp" in names else mesh
+
+
+def stage_ranks(mesh: DeviceMesh) -> int:
+    """The ranks of this rank's pipeline stage (the whole mesh without pipeline parallelism)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size() // (mesh.size(names.index("pp")) if "pp" in names else 1)
+
+
+def sharded(mesh: DeviceMesh) -> bool:
+    """Whether FSDP shards the parameters (over more than one rank of a replica)."""
+    return dp_mesh(mesh).size(1) > 1
