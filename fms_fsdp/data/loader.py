@@ -100,7 +100,7 @@ class _Workers(IterableDataset):
                 if self.schedule is not None:
                     reader.set_weights(self.schedule.weights_at(batch // self.accum))
                 batch += self.workers
-                lines = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
+                lines: np.ndarray = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
                 for line in lines:
                     reader.next_line(line)
                 yield lines, reader.state()  # numpy crosses the worker pipe faster than a shared tensor

@@ -70,7 +70,7 @@ def eval_lines(ds: Dataset, packing: Packing, limit: Optional[int]) -> np.ndarra
             every_rank=True,
         )
     n = -(-len(stream) // body)
-    lines = np.full((n, body), _PAD, np.int64)
+    lines: np.ndarray = np.full((n, body), _PAD, np.int64)
     lines.reshape(-1)[: len(stream)] = stream
     if packing.bol is not None:
         lines = np.concatenate([np.full((n, 1), packing.bol, np.int64), lines], axis=1)
