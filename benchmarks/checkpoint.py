@@ -82,7 +82,7 @@ def bench(run: Run) -> None:
             totals.pop(0)
         figures[f"{mode}_stall_s"] = round(min(stalls), 3)
         figures[f"{mode}_total_s"] = round(min(totals), 3)
-        ckpt.release()
+        ckpt.close()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
         export_cfg = dataclasses.replace(cfg, export_interval=1, export_format=fmt)
         exporter = PeriodicExporter(dataclasses.replace(run, cfg=export_cfg), model)

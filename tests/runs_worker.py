@@ -10,7 +10,7 @@ import os
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
 from fms_fsdp.run import facts, with_mesh
-from fms_fsdp.train.loop import train
+from fms_fsdp.train.loop import train_run
 from fms_fsdp.train.triggers import StopRequest
 
 # every run's flags before any process group; each run's facts just before it (a run may load what an
@@ -21,7 +21,7 @@ start_process_group(first.device, first.cfg.collective_timeout_minutes)
 stop = StopRequest()
 try:
     for cfg in configs:
-        train(with_mesh(facts(cfg)), stop)
+        train_run(with_mesh(facts(cfg)), stop)
 finally:
     stop.restore()
     stop_process_group()

@@ -148,7 +148,7 @@ class CheckpointSaver:
         """Commit the background save, if any (every rank calls it)."""
         self.commit_pending()
 
-    def release(self) -> None:
+    def close(self) -> None:
         """Free the staging buffers (no collective: also on the way out of a failed run)."""
         if self.writer is not None:
             self.writer.close()

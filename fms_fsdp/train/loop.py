@@ -1,7 +1,7 @@
 """The training loop, top to bottom.
 
 `run_training`: the run's facts and start-up checks (run.py), the process group and mesh, then
-`train`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and the trackers, the
+`train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and the trackers, the
 data loader first (bad data fails before the model is built), the model parallelised and its
 optimizer (train/build.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
@@ -78,7 +78,7 @@ def run_training(cfg: train_config) -> list[dict[str, Any]]:
     stop = StopRequest()
     try:
         with started(facts(cfg)) as run:
-            return train(run, stop)
+            return train_run(run, stop)
     finally:
         stop.restore()
 
@@ -198,7 +198,7 @@ def out_of_memory_error(
     return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
 
 
-def train(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
+def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one, until
     done or `stop` is requested; returns the metric records of this run (rank 0 also printed, saved and
     tracked them). Every rank calls it, with the process group up."""
@@ -287,7 +287,7 @@ def _build(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, sta
     guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
     checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
-    stack.callback(checkpointer.release)
+    stack.callback(checkpointer.close)
     exporter = PeriodicExporter(run, model)
     stack.callback(exporter.close)
     start, tokens_seen = checkpointer.start()
