@@ -23,6 +23,9 @@ from fms_fsdp.model.variants import flops_per_token, get_model_config
 from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses, weights
 
+# the slow tier: the 4-rank launches take most of a run of the suite on 2 cores (about 5 minutes)
+pytestmark = pytest.mark.slow
+
 # fp32: the split matmuls and reductions only reorder sums; how much that moves a loss depends on the
 # CPU's kernels (up to 1.3e-5 at step 4 of a pipeline on an Intel Xeon, under 1e-5 on an AMD EPYC)
 TOL = 5e-5
