@@ -261,6 +261,7 @@ class Loop:
 
 
 def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
+    """Build the loop, run its steps, finish what is in flight, say how it ended; its records."""
     with ExitStack() as stack:  # closed on the way out, an exception too
         loop, start = _build(run, stop, trackers, lease, stack)
         # the loader's workers stop with the loop, before the last commit
