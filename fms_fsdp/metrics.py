@@ -88,8 +88,7 @@ class MetricsReporter:
         self.z_loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
         self.data_wait = 0.0
-        self.checkpoint_stall: Optional[float] = None
-        self.interval_sums: dict[str, float] = {}  # periodic work's figures of the interval (export_s)
+        self.interval_sums: dict[str, float] = {}  # figures summed over the interval (checkpoint_stall_s, export_s)
         self.paused = 0.0  # seconds of the interval spent saving, exporting, evaluating: not steps
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -125,8 +124,7 @@ class MetricsReporter:
     def checkpoint_saved(self, stall_s: float) -> None:
         """Record the seconds training waited for a checkpoint save (reported with the interval); the
         log so far is uploaded (object storage), so it keeps what the checkpoint covers."""
-        self.checkpoint_stall = (self.checkpoint_stall or 0.0) + stall_s
-        self.paused += stall_s
+        self.record(Report(stall_s, interval={"checkpoint_stall_s": stall_s}))
         self.log.flush()
 
     def record(self, report: Report) -> None:
@@ -180,8 +178,6 @@ class MetricsReporter:
             record["grad_norm"] = float(grad_norm)
         if skipped_steps is not None:
             record["skipped_steps"] = skipped_steps
-        if self.checkpoint_stall is not None:
-            record["checkpoint_stall_s"] = self.checkpoint_stall
         record.update(self.interval_sums)
         if self.peak is not None:
             record["mfu"] = tps * self.flops_per_token / self.peak
@@ -189,7 +185,7 @@ class MetricsReporter:
         record.update(extra or {})
         if self.info.is_main:
             self._emit(record)
-            if self.checkpoint_stall is not None:  # the record of the checkpoint's step too
+            if "checkpoint_stall_s" in self.interval_sums:  # the record of the checkpoint's step too
                 self.log.flush()
         self._reset(time.perf_counter())
         return record
