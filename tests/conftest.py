@@ -66,7 +66,12 @@ def launch(
     gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...), which skips torchrun's 2 s agent
     start-up (torchrun's own behaviour is tested with it: logs, kills, SIGTERM, Slurm). Rank outputs are
     joined, rank 0's first; the status is the first failing rank's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(extra_env or {}),
+    }
     if nproc is None or torchrun_args:
         cmd = [sys.executable]
         if nproc is not None:

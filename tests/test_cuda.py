@@ -138,15 +138,19 @@ def test_attention_runs_a_fused_sdpa_kernel_not_the_math_fallback():
 
 
 def test_float8_trains_within_1_percent_of_bf16_and_its_checkpoint_resumes_in_bf16(tmp_path):
-    """50 steps of `small` in bf16, float8 tensorwise and float8 rowwise: mean losses over the last 10
+    """120 steps of `small` in bf16, float8 tensorwise and float8 rowwise: mean losses over the last 10
     steps within 1% of bf16's; the tensorwise run's checkpoint goes on without float8."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9 or newer")
-    common = ["--model_variant=small", "--num_steps=50", "--learning_rate=6e-4", "--seq_length=512", "--batch_size=8"]
+    # A vocabulary of 8192 lets the synthetic bigrams be learnt (the loss falls from 9.2 to about 6.2);
+    # measured on an H200, the three curves cross each other while they fall steeply (at 50 steps the
+    # tails were 5% apart) and agree within 0.7% once they flatten, at 120 steps.
+    common = ["--model_variant=small", "--num_steps=120", "--learning_rate=1e-3", "--seq_length=512"]
+    common += ["--batch_size=8", "--vocab_size=8192"]
     float8 = ["--float8=True", "--float8_min_size=16"]
     curves = {
         "bf16": losses(train_gpu(tmp_path / "bf16", *common)),
-        "tensorwise": losses(train_gpu(tmp_path / "tensorwise", *common, *float8, "--checkpoint_interval=50")),
+        "tensorwise": losses(train_gpu(tmp_path / "tensorwise", *common, *float8, "--checkpoint_interval=120")),
         "rowwise": losses(train_gpu(tmp_path / "rowwise", *common, *float8, "--float8_recipe=rowwise")),
     }
     tail = {name: sum(c[-10:]) / 10 for name, c in curves.items()}
@@ -154,11 +158,11 @@ def test_float8_trains_within_1_percent_of_bf16_and_its_checkpoint_resumes_in_bf
     for name in ("tensorwise", "rowwise"):
         assert abs(tail[name] - tail["bf16"]) < 0.01 * tail["bf16"], tail
         assert curves[name] != curves["bf16"]  # the matmuls really were float8
-    out = run_here([*GPU, *common, "--num_steps=52", f"--ckpt_save_path={tmp_path / 'tensorwise'}"])
-    assert "at step 50" in out
+    out = run_here([*GPU, *common, "--num_steps=122", f"--ckpt_save_path={tmp_path / 'tensorwise'}"])
+    assert "at step 120" in out
     resumed = {r["step"]: r["loss"] for r in records(tmp_path / "tensorwise") if "loss" in r}
     last = curves["tensorwise"][-1]
-    assert abs(resumed[51] - last) < 0.1 * last + 0.05, (resumed[51], last)  # the trained weights go on
+    assert abs(resumed[121] - last) < 0.1 * last + 0.05, (resumed[121], last)  # the trained weights go on
 
 
 @pytest.mark.parametrize(
