@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from benchmarks.options import parse_options  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
-from fms_fsdp.optim import OptimizerSettings, build_optimizer  # noqa: E402
+from fms_fsdp.optim import build_optimizer  # noqa: E402
+from fms_fsdp.settings import optimizer_of  # noqa: E402
 
 OPTIONS = {"model_variant": "tiny", "device": "cpu", "repeat": "5"}
 OPTIMIZERS = {
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> None:
         p.grad = torch.randn_like(p) * 1e-3
     for name, flags in OPTIMIZERS.items():
         cfg = parse_args([f"--model_variant={opts['model_variant']}", "--use_dummy_dataset=True", *flags])
-        optimizer = build_optimizer(model, OptimizerSettings.of(cfg), device)
+        optimizer = build_optimizer(model, optimizer_of(cfg), device)
         optimizer.step()  # the state is made at the first step
         times = []
         for _ in range(repeat):

@@ -35,12 +35,13 @@ from fms.models.llama import LLaMAConfig
 from fms_fsdp.activation_trace import Activations, Shape, trace_activations
 from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.model.attention import flex_documents
-from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
 from fms_fsdp.parallel.mesh import MeshShape
 from fms_fsdp.parallel.pipeline import PipelinePlan, blocks_of, microbatches_in_flight, prune
 from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
+from fms_fsdp.settings import lora_of
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 GIB = 2**30
@@ -128,7 +129,7 @@ class Planner:
         self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp * shape.cp * shape.pp, device_bytes
         self.mesh = shape
         model = build_model(model_config, torch.device("meta"))
-        self.lora = LoRASpec.of(cfg) if cfg.lora_rank else None
+        self.lora = lora_of(cfg)
         if self.lora is not None:
             add_adapters(model, self.lora)
         self.pipeline = PipelinePlan.of(cfg, model_config)

@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from fms_fsdp.compat import muon_adjusted_lr, muon_orthogonalize
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.variants import local_box, part_rows
 
@@ -77,30 +76,15 @@ class OptimizerSettings:
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "match_rms_adamw"
 
-    @staticmethod
-    def of(cfg: train_config) -> "OptimizerSettings":
-        return OptimizerSettings(
-            cfg.learning_rate,
-            cfg.weight_decay,
-            cfg.weight_decay_norms_and_embeddings,
-            (cfg.adam_beta1, cfg.adam_beta2),
-            cfg.adam_eps,
-            cfg.optimizer_impl,
-            cfg.skip_bad_steps,
-            cfg.optimizer == "muon",
-            cfg.muon_momentum,
-            cfg.muon_adjust_lr,
-        )
 
-
-def check_optimizer(cfg: train_config) -> None:
+def check_optimizer(settings: OptimizerSettings, lora: bool) -> None:
     """ConfigError for what --optimizer=muon does not combine with (run at start-up)."""
-    if cfg.optimizer == "muon" and cfg.skip_bad_steps:
+    if settings.muon and settings.skip_bad_steps:
         raise ConfigError(
             "--skip_bad_steps leaves steps out inside AdamW's fused kernels, which --optimizer=muon's "
             "matrices do not use: drop one of them"
         )
-    if cfg.optimizer == "muon" and cfg.lora_rank:
+    if settings.muon and lora:
         raise ConfigError(
             "--optimizer=muon updates the blocks' matrices, which --lora_rank freezes: use AdamW for LoRA"
         )

@@ -15,7 +15,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from fms_fsdp.compat import cuda_memory_snapshot, record_cuda_memory_history
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.parallel.process_group import DistInfo
 from fms_fsdp.train.periodic import Report
@@ -34,19 +33,10 @@ class ProfilerSettings:
     folder: Optional[str]  # None: <ckpt_save_path>/profiler
     memory_snapshot: bool
 
-    @staticmethod
-    def of(cfg: train_config) -> "ProfilerSettings":
-        return ProfilerSettings(
-            cfg.use_profiler,
-            cfg.profiler_rank0_only,
-            cfg.profiler_dir,
-            cfg.use_profiler and cfg.profiler_memory_snapshot,
-        )
 
-
-def check_profiler(cfg: train_config, device: torch.device) -> None:
+def check_profiler(settings: ProfilerSettings, device: torch.device) -> None:
     """ConfigError when the profiler settings need what this run lacks (before any expensive work)."""
-    if ProfilerSettings.of(cfg).memory_snapshot and device.type != "cuda":
+    if settings.memory_snapshot and device.type != "cuda":
         raise ConfigError(
             "--profiler_memory_snapshot records the CUDA allocator: this run has no GPU; drop the flag or run on CUDA"
         )

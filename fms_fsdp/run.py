@@ -1,6 +1,7 @@
 """The run's facts, worked out once at start-up: where it writes (`Paths`), where this process sits
 (ranks, device, tensor-parallel size, hence the data-parallel rank and size: `DistInfo`), the mesh's
-shape and, once the process group is up, the mesh, the model config and its vocabulary. Modules
+shape and, once the process group is up, the mesh, the model config and its vocabulary, and every
+component's settings (`run.settings`, fms_fsdp/settings.py: built from the flags once, here). Modules
 receive the `Run` or the part they need; none derives these again.
 
 `facts` also runs every start-up check that needs more than the flags (config.validate judged the
@@ -8,7 +9,9 @@ flags alone): the torch release, the model variant, the mesh, what tensor parall
 the keep policy, the device for float8, the profiler and the optimizer's kernels, LoRA, what
 --ckpt_load_path names, and the tokenizer, each by the module that uses it. All of it happens before
 any process group, data or model, and none of it waits: `started` waits for --fault_tolerance's
-lighthouse, then starts the process group.
+lighthouse, then starts the process group. The checks stay written out in `facts`, in order, rather
+than in a registry: each needs the facts worked out before it (the device, the mesh's shape, the
+model config), and the order decides which of two errors a user sees first.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
 from fms_fsdp.config import train_config
 from fms_fsdp.data.build import check_tokenizer
-from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
@@ -47,7 +48,7 @@ from fms_fsdp.parallel.process_group import (
     world_from_env,
 )
 from fms_fsdp.profiling import check_profiler
-from fms_fsdp.schedule import ScheduleSettings
+from fms_fsdp.settings import Settings, settings_of
 from fms_fsdp.storage import location
 from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
@@ -94,6 +95,7 @@ class Run:
     """The facts of one run, the same for every module."""
 
     cfg: train_config
+    settings: Settings  # every component's settings, built from cfg once (fms_fsdp/settings.py)
     info: DistInfo
     shape: MeshShape
     model_config: LLaMAConfig
@@ -150,17 +152,14 @@ def facts(cfg: train_config) -> Run:
     check_context_parallel(cfg, device)
     check_pipeline(cfg, model_config)
     pipeline = PipelinePlan.of(cfg, model_config)
-    KeepPolicy.parse(cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor)
-    ScheduleSettings.of(cfg)  # the cycles and decay the flags give
-    check_optimizer(cfg)
-    if cfg.weights_schedule is not None:
-        MixtureSchedule.parse(cfg.weights_schedule)
+    settings = settings_of(cfg)  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag
+    check_optimizer(settings.optimizer, settings.lora is not None)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
-        if cfg.float8:
+        if settings.parallel.float8 is not None:
             check_float8(device)
-        check_profiler(cfg, device)
-    adamw_kernels(cfg.optimizer_impl, device, cfg.skip_bad_steps)
-    check_lora(cfg)
+        check_profiler(settings.profiler, device)
+    adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
+    check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
     check_harness(cfg)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path)
@@ -174,7 +173,7 @@ def facts(cfg: train_config) -> Run:
     ft = check_fault_tolerance(cfg, shape, world_size)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
-    return Run(cfg, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
+    return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
 
 
 def with_mesh(run: Run) -> Run:

@@ -21,12 +21,11 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 
 
@@ -50,51 +49,40 @@ class ScheduleSettings:
     decay: Optional[float]
     min_ratio: float
 
-    @staticmethod
-    def of(cfg: train_config) -> "ScheduleSettings":
-        """The settings; ConfigError naming the flag whose cycles or decay cannot be."""
-        settings = ScheduleSettings(
-            cfg.training_stage,
-            cfg.lr_schedule,
-            cfg.num_steps,
-            cycle_starts(cfg),
-            cfg.warmup_steps,
-            cfg.lr_rewarmup,
-            cfg.decay_steps,
-            cfg.min_lr_ratio,
-        )
-        shortest = min(b - a for a, b in zip(settings.starts, [*settings.starts[1:], cfg.num_steps]))
-        if cfg.decay_steps is not None and cfg.decay_steps >= 1 and cfg.decay_steps > shortest:
-            raise ConfigError(f"--decay_steps={cfg.decay_steps:g} is more than the {shortest} steps of a cycle")
-        return settings
+    def __post_init__(self) -> None:
+        """ConfigError for a decay longer than the shortest cycle."""
+        shortest = min(b - a for a, b in zip(self.starts, [*self.starts[1:], self.steps]))
+        if self.decay is not None and self.decay >= 1 and self.decay > shortest:
+            raise ConfigError(f"--decay_steps={self.decay:g} is more than the {shortest} steps of a cycle")
 
 
-def cycle_starts(cfg: train_config) -> tuple[int, ...]:
-    """The steps the schedule's cycles start at (0 first): --lr_cycles equal cycles, --lr_cycle_length
-    (steps, a fraction of the run, or a list of lengths) or --lr_cycle_ends; ConfigError naming the
-    flag for a form it cannot read or more than one of them."""
-    n = cfg.num_steps
+def cycle_starts(
+    n: int, cycles: int = 1, length: Optional[str] = None, ends_given: Optional[Sequence[int]] = None
+) -> tuple[int, ...]:
+    """The steps the schedule's cycles start at (0 first) in a run of `n` steps: --lr_cycles equal
+    cycles, --lr_cycle_length (steps, a fraction of the run, or a list of lengths) or --lr_cycle_ends;
+    ConfigError naming the flag for a form it cannot read or more than one of them."""
     given = [
         f
         for f, on in (
-            ("--lr_cycles", cfg.lr_cycles > 1),
-            ("--lr_cycle_length", cfg.lr_cycle_length),
-            ("--lr_cycle_ends", cfg.lr_cycle_ends),
+            ("--lr_cycles", cycles > 1),
+            ("--lr_cycle_length", length),
+            ("--lr_cycle_ends", ends_given),
         )
         if on
     ]
     if len(given) > 1:
         raise ConfigError(f"{' and '.join(given)} both set the cycles: give one")
-    if cfg.lr_cycle_ends is not None:
-        ends = list(cfg.lr_cycle_ends)
+    if ends_given is not None:
+        ends = list(ends_given)
         if not ends or ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > n:
             raise ConfigError(
                 f"--lr_cycle_ends={','.join(map(str, ends))}: give increasing steps from 1 to --num_steps={n}"
             )
         return (0, *(e for e in ends if e < n))
-    if cfg.lr_cycle_length is not None:
-        return _starts_of_lengths(cfg.lr_cycle_length, n)
-    return tuple(i * n // cfg.lr_cycles for i in range(cfg.lr_cycles))
+    if length is not None:
+        return _starts_of_lengths(length, n)
+    return tuple(i * n // cycles for i in range(cycles))
 
 
 def _starts_of_lengths(text: str, n: int) -> tuple[int, ...]:

@@ -15,7 +15,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
 from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
-from fms_fsdp.schedule import ScheduleSettings, lr_multiplier  # noqa: E402
+from fms_fsdp.schedule import lr_multiplier  # noqa: E402
+from fms_fsdp.settings import schedule_of  # noqa: E402
 
 
 def variants_table() -> str:
@@ -83,7 +84,7 @@ def plot_lr_schedules(path: Path) -> None:
     fig, axes = plt.subplots(1, len(SCHEDULE_PLOTS), figsize=(15, 3.6), sharey=True)
     for ax, (title, schedules) in zip(axes, SCHEDULE_PLOTS.items()):
         for name, flags in schedules.items():
-            f = lr_multiplier(ScheduleSettings.of(parse_args(["--num_steps=1000", "--warmup_steps=100", *flags])))
+            f = lr_multiplier(schedule_of(parse_args(["--num_steps=1000", "--warmup_steps=100", *flags])))
             ax.plot(range(1000), [f(x) for x in range(1000)], label=name)
         ax.set(title=title, xlabel="step")
         ax.title.set_fontsize(9)

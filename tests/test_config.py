@@ -224,12 +224,13 @@ def test_cli_error_is_one_line_before_any_process_group_starts():
 
 def test_memory_snapshot_without_a_gpu_is_refused_before_training():
     from fms_fsdp.profiling import check_profiler
+    from fms_fsdp.settings import settings_of
 
     with pytest.raises(ConfigError, match="add --use_profiler=True"):
         parse("--profiler_memory_snapshot", "--device=cuda")
     cfg = parse("--use_profiler", "--profiler_memory_snapshot")  # the device is known once resolved
     with pytest.raises(ConfigError, match="--profiler_memory_snapshot records the CUDA allocator: this run has no GPU"):
-        check_profiler(cfg, torch.device("cpu"))
+        check_profiler(settings_of(cfg).profiler, torch.device("cpu"))
 
 
 def test_a_repeated_flag_takes_the_later_value():

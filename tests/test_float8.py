@@ -6,8 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.flags import make_config
-from fms_fsdp.model.float8 import Float8Settings, convert_to_float8
+from fms_fsdp.model.float8 import convert_to_float8
 from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.settings import float8_of
 
 from conftest import TINY, run_here, train_here
 from test_checkpoint import losses, run, weights
@@ -20,7 +21,7 @@ def converted(min_size: int) -> list[str]:
 
     model = build_model(get_model_config("tiny", 256), torch.device("meta"))
     convert_to_float8(
-        model, Float8Settings.of(make_config(model_variant="tiny", float8=True, float8_min_size=min_size)), "cpu", False
+        model, float8_of(make_config(model_variant="tiny", float8=True, float8_min_size=min_size)), "cpu", False
     )
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 

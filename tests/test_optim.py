@@ -7,7 +7,6 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.optim import (
-    OptimizerSettings,
     build_optimizer,
     check_optimizer,
     clip_gradients,
@@ -15,6 +14,7 @@ from fms_fsdp.optim import (
     keep_kernels,
     muon_params,
 )
+from fms_fsdp.settings import optimizer_of
 
 from conftest import TINY
 
@@ -26,22 +26,18 @@ def model():
 
 def test_auto_is_fused_on_cpu_and_foreach_can_be_chosen(model):
     cpu = torch.device("cpu")
-    assert build_optimizer(model, OptimizerSettings.of(parse_args(TINY)), cpu).defaults["fused"] is True
-    optimizer = build_optimizer(model, OptimizerSettings.of(parse_args([*TINY, "--optimizer_impl=foreach"])), cpu)
+    assert build_optimizer(model, optimizer_of(parse_args(TINY)), cpu).defaults["fused"] is True
+    optimizer = build_optimizer(model, optimizer_of(parse_args([*TINY, "--optimizer_impl=foreach"])), cpu)
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
     with pytest.raises(ConfigError, match="--optimizer_impl=fused: no fused AdamW on meta"):
-        build_optimizer(
-            model, OptimizerSettings.of(parse_args([*TINY, "--optimizer_impl=fused"])), torch.device("meta")
-        )
+        build_optimizer(model, optimizer_of(parse_args([*TINY, "--optimizer_impl=fused"])), torch.device("meta"))
 
 
 def test_a_resumed_optimizer_keeps_this_runs_kernels(model):
     """load_state_dict restores the saved groups' settings: a foreach checkpoint would resume foreach."""
     cpu = torch.device("cpu")
-    saved = build_optimizer(
-        model, OptimizerSettings.of(parse_args([*TINY, "--optimizer_impl=foreach"])), cpu
-    ).state_dict()
-    fused = build_optimizer(model, OptimizerSettings.of(parse_args(TINY)), cpu)
+    saved = build_optimizer(model, optimizer_of(parse_args([*TINY, "--optimizer_impl=foreach"])), cpu).state_dict()
+    fused = build_optimizer(model, optimizer_of(parse_args(TINY)), cpu)
     fused.load_state_dict(saved)
     assert not fused.param_groups[0]["fused"]
     keep_kernels(fused, fused.defaults["fused"], fused.defaults["foreach"])
@@ -50,11 +46,11 @@ def test_a_resumed_optimizer_keeps_this_runs_kernels(model):
 
 def test_weight_decay_exempts_norms_and_embeddings_only_when_asked(model):
     names = {id(p): n for n, p in model.named_parameters()}
-    (every,) = build_optimizer(model, OptimizerSettings.of(parse_args(TINY)), torch.device("cpu")).param_groups
+    (every,) = build_optimizer(model, optimizer_of(parse_args(TINY)), torch.device("cpu")).param_groups
     assert every["weight_decay"] == 0.1 and len(every["params"]) == len(names)
     decay, exempt = build_optimizer(
         model,
-        OptimizerSettings.of(parse_args([*TINY, "--weight_decay_norms_and_embeddings=False"])),
+        optimizer_of(parse_args([*TINY, "--weight_decay_norms_and_embeddings=False"])),
         torch.device("cpu"),
     ).param_groups
     assert decay["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
@@ -84,7 +80,7 @@ def test_muon_takes_torch_muons_steps_on_the_blocks_matrices_and_adamw_on_the_re
     init_weights(ours, 0)
     theirs.load_state_dict(ours.state_dict())
     cfg = parse_args([*TINY, "--optimizer=muon", "--learning_rate=0.01", "--weight_decay=0.1"])
-    optimizer = build_optimizer(ours, OptimizerSettings.of(cfg), cpu)
+    optimizer = build_optimizer(ours, optimizer_of(cfg), cpu)
     matrices = {n for n, p in ours.named_parameters() if p in muon_params(ours)}
     assert len(matrices) == 4 * 7  # q, k, v, dense, gate, up, down in each of tiny's 4 blocks
     mine = [p for n, p in theirs.named_parameters() if n in matrices]
@@ -117,6 +113,6 @@ def init_state(seed: int) -> dict:
 
 def test_muon_does_not_combine_with_skipping_bad_steps_or_lora():
     with pytest.raises(ConfigError, match="--skip_bad_steps leaves steps out inside AdamW's fused kernels"):
-        check_optimizer(parse_args([*TINY, "--optimizer=muon", "--skip_bad_steps=3"]))
+        check_optimizer(optimizer_of(parse_args([*TINY, "--optimizer=muon", "--skip_bad_steps=3"])), lora=False)
     with pytest.raises(ConfigError, match="--optimizer=muon updates the blocks' matrices, which --lora_rank freezes"):
-        check_optimizer(parse_args([*TINY, "--optimizer=muon", "--lora_rank=8", "--ckpt_load_path=x"]))
+        check_optimizer(optimizer_of(parse_args([*TINY, "--optimizer=muon"])), lora=True)

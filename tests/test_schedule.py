@@ -7,11 +7,12 @@ import torch
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.schedule import ScheduleSettings, build_scheduler, lr_multiplier
+from fms_fsdp.schedule import build_scheduler, lr_multiplier
+from fms_fsdp.settings import schedule_of
 
 
 def schedule(*flags):
-    return lr_multiplier(ScheduleSettings.of(parse_args(["--use_dummy_dataset", *flags])))
+    return lr_multiplier(schedule_of(parse_args(["--use_dummy_dataset", *flags])))
 
 
 def fms_fsdp_initial(x, n):
@@ -63,7 +64,7 @@ SCHEDULES = [
 def test_short_runs_work(n, flags):
     cfg = parse_args(["--use_dummy_dataset", f"--num_steps={n}", *flags])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build_scheduler(opt, ScheduleSettings.of(cfg))
+    sched = build_scheduler(opt, schedule_of(cfg))
     lrs = []
     for _ in range(n):
         lrs.append(sched.get_last_lr()[0])

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from fms_fsdp.flags import parse_args
 from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.parallel.parallelize import apply_fsdp
 from fms_fsdp.run import facts, started
-from fms_fsdp.schedule import ScheduleSettings, build_scheduler
+from fms_fsdp.schedule import build_scheduler
+from fms_fsdp.settings import schedule_of
 from fms_fsdp.storage import umask
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
@@ -211,7 +213,7 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
             weight_decay=cfg.weight_decay,
             foreach=True,
         )
-        scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
+        scheduler = build_scheduler(optimizer, schedule_of(cfg))
         batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
         reference = []
         for _ in range(STEPS):
@@ -264,12 +266,11 @@ def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags(
         "3.12 GiB is free. Including non-PyTorch memory, this process has 76.06 GiB memory in use."
     )
     cfg = parse_args([*TINY, "--batch_size=8", "--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"])
-    message = str(out_of_memory_error(12, error, cfg, torch.device("cpu")))
+    message = str(out_of_memory_error(12, error, cfg.batch_size, Fraction(1, 2), torch.device("cpu")))
     assert "\n" not in message
     assert message.startswith("step 12: out of memory allocating 15.66 GiB on cpu")
     assert "--batch_size (now 8)" in message and "--selective_checkpointing=1" in message
-    cfg = parse_args([*TINY, "--fsdp_activation_checkpointing=True"])
-    assert "shard over more GPUs" in str(out_of_memory_error(1, error, cfg, torch.device("cpu")))
+    assert "shard over more GPUs" in str(out_of_memory_error(1, error, 8, Fraction(1), torch.device("cpu")))
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp):

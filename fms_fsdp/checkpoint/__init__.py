@@ -5,7 +5,8 @@
 - disk.py     the free-space guard run before each save
 - io.py       `Checkpointer`: the start of a run (resume, else --ckpt_load_path), resume
 - save.py     its saving (`CheckpointSaver`): DCP save (sync or async), commit, failures agreed by
-              every rank; the flags of checkpoints (`CheckpointSettings`)
+              every rank
+- settings.py the flags of checkpoints and exports (`CheckpointSettings`, `ExportSettings`)
 - weights.py  a model's weights from --ckpt_load_path (checkpoint folder, Hugging Face folder, file)
 - writer.py   the background writer of async checkpoints and periodic exports
 - fused.py    fms's fused keys for a model built unfused (tensor parallel)

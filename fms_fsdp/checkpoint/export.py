@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,11 +22,11 @@ from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.checkpoint.hf import write_hf_folder, write_peft_adapter
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import read_model, storage_writer
+from fms_fsdp.checkpoint.settings import ExportSettings
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.model.lora import LoRASpec, merged
+from fms_fsdp.model.lora import merged
 from fms_fsdp.model.variants import CausalLM, fuse_full
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
@@ -44,34 +43,6 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    """The flags of exports: --export_interval, --export_format, --export_keep; the tokenizer and the
-    bos/eos tokens a Hugging Face folder records; a LoRA run's adapters and the base they adapt."""
-
-    interval: int
-    format: str
-    keep: int
-    tokenizer_path: Optional[str]
-    bos: Optional[int]
-    eos: Optional[int]
-    lora: Optional[LoRASpec]
-    base: Optional[str]
-
-    @staticmethod
-    def of(cfg: train_config) -> "ExportSettings":
-        return ExportSettings(
-            cfg.export_interval,
-            cfg.export_format,
-            cfg.export_keep,
-            cfg.tokenizer_path,
-            cfg.bos_token,
-            cfg.eos_token,
-            LoRASpec.of(cfg) if cfg.lora_rank else None,
-            cfg.ckpt_load_path,
-        )
 
 
 def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> Path:
@@ -147,7 +118,7 @@ class PeriodicExporter:
     reads_model = True
 
     def __init__(self, run: Run, model: CausalLM):
-        self.settings, self.info, self.model = ExportSettings.of(run.cfg), run.info, model
+        self.settings, self.info, self.model = run.settings.export, run.info, model
         self.root = run.paths.exports
         self.pending: Optional[Future] = None
         enabled = self.settings.interval > 0

@@ -1,6 +1,6 @@
 """Saving the whole training state with torch.distributed.checkpoint (DCP): `CheckpointSaver`, the
-save half of io.py's `Checkpointer` (which adds the start of a run and resume), and the flags of
-checkpoints (`CheckpointSettings`).
+save half of io.py's `Checkpointer` (which adds the start of a run and resume), as the run's
+`CheckpointSettings` say.
 
 A save of step N is written under a temporary folder (DCP's files of the model and optimizer,
 metadata.pth, one loader_state_<rank>.pth per data-parallel rank; see io.py), synchronously or in the
@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -35,11 +34,10 @@ from fms_fsdp.checkpoint.layout import (
     step_folder,
     temp_folder,
 )
-from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.reader import root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
-from fms_fsdp.config import to_dict, train_config
+from fms_fsdp.config import to_dict
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
@@ -53,30 +51,6 @@ if TYPE_CHECKING:
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
 _SAVE_ERRORS = (Exception, dcp.CheckpointException)
 _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    """The flags of checkpoints: the keep policy, background saves, what a failed save does, and the
-    weights a run starts from (--ckpt_load_path; with --lora_rank the base, loaded at every start)."""
-
-    policy: KeepPolicy
-    background: bool
-    on_error: str
-    load_path: Optional[str]
-    lora: bool
-
-    @staticmethod
-    def of(cfg: train_config) -> "CheckpointSettings":
-        return CheckpointSettings(
-            KeepPolicy.parse(
-                cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
-            ),
-            cfg.async_checkpoint,
-            cfg.on_checkpoint_error,
-            cfg.ckpt_load_path,
-            bool(cfg.lora_rank),
-        )
 
 
 class CheckpointSaver:
@@ -93,7 +67,7 @@ class CheckpointSaver:
         lease: Optional[RunLease] = None,
         ft: Optional[FaultTolerance] = None,
     ):
-        self.run, self.info, self.settings = run, run.info, CheckpointSettings.of(run.cfg)
+        self.run, self.info, self.settings = run, run.info, run.settings.checkpoint
         self.lease = lease  # confirmed (on rank 0) before each save
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.ft = ft  # --fault_tolerance: every group's data position is kept with this rank's

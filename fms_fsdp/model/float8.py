@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
@@ -70,11 +69,6 @@ class Float8Settings:
 
     recipe: str
     min_size: int
-
-    @staticmethod
-    def of(cfg: train_config) -> Optional["Float8Settings"]:
-        """The settings, or None without --float8."""
-        return Float8Settings(cfg.float8_recipe, cfg.float8_min_size) if cfg.float8 else None
 
     def all_gather(self, sharded: bool) -> bool:
         """Whether FSDP all-gathers the float8 weights (tensorwise scaling, sharded parameters)."""

@@ -13,12 +13,13 @@ fused q/k/v and gate/up adapters are split as the weights are, lora_A shared by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fms_fsdp.config import LORA_TARGETS, train_config
+from fms_fsdp.config import LORA_TARGETS
 from fms_fsdp.errors import ConfigError
 
 TARGETS = LORA_TARGETS  # the layers --lora_targets may name (config.py's, its default)
@@ -62,27 +63,23 @@ class LoRASpec:
     dropout: float
     targets: tuple[str, ...]
 
-    @staticmethod
-    def of(cfg: train_config) -> "LoRASpec":
-        return LoRASpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets))
 
-
-def check_lora(cfg: train_config) -> None:
-    """--lora_* flags that make sense together (ConfigError)."""
-    if not cfg.lora_rank:
+def check_lora(spec: Optional[LoRASpec], load_path: Optional[str], float8: bool) -> None:
+    """--lora_* flags that make sense together, and with --ckpt_load_path and --float8 (ConfigError)."""
+    if spec is None:
         return
-    if not cfg.ckpt_load_path:
+    if not load_path:
         raise ConfigError(
             "--lora_rank needs the model to adapt: set --ckpt_load_path (a Hugging Face folder, a "
             "checkpoint of this package or an export)"
         )
-    if cfg.float8:
+    if float8:
         raise ConfigError(
             "--lora_rank with --float8 is not supported: torchao's float8 layers drop the adapters; "
             "use one or the other"
         )
-    unknown = [t for t in cfg.lora_targets if t not in TARGETS]
-    if unknown or not cfg.lora_targets:
+    unknown = [t for t in spec.targets if t not in TARGETS]
+    if unknown or not spec.targets:
         raise ConfigError(
             f"--lora_targets: unknown {', '.join(unknown) or '(none given)'}; choose from "
             f"{', '.join(TARGETS)} (q/k/v, attention output, gate/up, down projections)"

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.model.float8 import Float8Settings, convert_to_float8
 from fms_fsdp.model.loss import chunk_loss
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -100,17 +99,6 @@ class ParallelSettings:
     compile: bool
     mixed_precision: bool
     float8: Optional[Float8Settings]
-
-    @staticmethod
-    def of(cfg: train_config) -> "ParallelSettings":
-        fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
-        return ParallelSettings(
-            fraction if cfg.fsdp_activation_checkpointing else None,
-            cfg.ac_mode,
-            cfg.use_torch_compile,
-            cfg.mixed_precision,
-            Float8Settings.of(cfg),
-        )
 
 
 class Parallelized(NamedTuple):

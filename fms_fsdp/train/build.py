@@ -12,16 +12,16 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.memory import fits_or_warning
 from fms_fsdp.model.attention import LinePlan
-from fms_fsdp.model.float8 import Float8Settings, scale_hook
-from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.float8 import scale_hook
+from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import CausalLM, build_model, count_params, init_weights
-from fms_fsdp.optim import OptimizerSettings, build_optimizer
+from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.parallel.mesh import sharded
-from fms_fsdp.parallel.parallelize import Parallelized, ParallelSettings, parallelize
+from fms_fsdp.parallel.parallelize import Parallelized, parallelize
 from fms_fsdp.parallel.pipeline import Pipeline, prune
 from fms_fsdp.run import Run
-from fms_fsdp.schedule import ScheduleSettings, build_scheduler
+from fms_fsdp.schedule import build_scheduler
 
 
 def build_sharded_model(run: Run) -> CausalLM:
@@ -42,7 +42,7 @@ def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
         if warning:
             run.log(warning)
     model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
-    n_lora = add_adapters(model, LoRASpec.of(cfg)) if cfg.lora_rank else 0
+    n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
     model.head.z_loss_weight = cfg.z_loss_weight
     model.lines = LinePlan.of(cfg, device, context_parallel(run))
     pipeline = None
@@ -52,7 +52,7 @@ def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
         pipeline = Pipeline(run.pipeline, model, group, device, cfg.z_loss_weight > 0)
     if not cfg.low_cpu_fsdp:
         init_weights(model, cfg.seed)
-    done = parallelize(model, ParallelSettings.of(cfg), run.mesh, None if pipeline is None else list(pipeline.parts))
+    done = parallelize(model, run.settings.parallel, run.mesh, None if pipeline is None else list(pipeline.parts))
     if cfg.low_cpu_fsdp:
         model.to_empty(device=device)
         init_weights(model, cfg.seed)
@@ -104,9 +104,9 @@ def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str
 def build_optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW over the model's trainable parameters (with float8 all-gather, the scales of the next
     all-gather computed after each step) and its LR scheduler."""
-    optimizer = build_optimizer(model, OptimizerSettings.of(run.cfg), run.device)
-    float8 = Float8Settings.of(run.cfg)
+    optimizer = build_optimizer(model, run.settings.optimizer, run.device)
+    float8 = run.settings.parallel.float8
     assert run.mesh is not None
     if float8 is not None and float8.all_gather(sharded(run.mesh)):
         optimizer.register_step_post_hook(scale_hook(model))
-    return optimizer, build_scheduler(optimizer, ScheduleSettings.of(run.cfg))
+    return optimizer, build_scheduler(optimizer, run.settings.schedule)

@@ -27,15 +27,16 @@ import re
 import time
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.checkpoint.export import ExportSettings, PeriodicExporter, export_trained_model
+from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
-from fms_fsdp.config import parse_fraction, to_yaml, train_config
+from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluation.evaluate import Evaluator
@@ -47,7 +48,7 @@ from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import LAUNCHER_DIED, agreement_group, on_rank0
-from fms_fsdp.profiling import ProfilerSettings, StepProfiler
+from fms_fsdp.profiling import StepProfiler
 from fms_fsdp.run import Run, facts, record, started
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
@@ -57,7 +58,7 @@ from fms_fsdp.train.ft_settings import fingerprint
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.lease import RunLease
 from fms_fsdp.train.periodic import Periodic, Report
-from fms_fsdp.train.triggers import StepTriggers, StopRequest, TriggerSettings
+from fms_fsdp.train.triggers import StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -174,7 +175,7 @@ def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsRep
 
 
 def out_of_memory_error(
-    step: int, error: torch.OutOfMemoryError, cfg: train_config, device: torch.device
+    step: int, error: torch.OutOfMemoryError, batch_size: int, checkpointing: Optional[Fraction], device: torch.device
 ) -> TrainingError:
     """The one-line error for an out-of-memory at `step`: what was being allocated, the device's
     memory, and the flags that lower the peak."""
@@ -187,14 +188,13 @@ def out_of_memory_error(
             f"{props.name} ({props.total_memory / 2**30:.1f} GiB, "
             f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated)"
         )
-    fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
-    if not cfg.fsdp_activation_checkpointing or fraction < 1:
+    if checkpointing is None or checkpointing < 1:
         advice = (
-            f"lower --batch_size (now {cfg.batch_size}) or checkpoint more blocks "
+            f"lower --batch_size (now {batch_size}) or checkpoint more blocks "
             "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)"
         )
     else:
-        advice = f"lower --batch_size (now {cfg.batch_size}) or shard over more GPUs"
+        advice = f"lower --batch_size (now {batch_size}) or shard over more GPUs"
     return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
 
 
@@ -303,8 +303,8 @@ def _build(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, sta
     lines = getattr(loader, "lines_by_dataset", None)  # the synthetic loader has no datasets
     reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers, lines)
     stack.callback(reporter.close)
-    triggers = StepTriggers(TriggerSettings.of(cfg), info, stop, start)
-    profiler = StepProfiler(ProfilerSettings.of(cfg), info, run.paths.root)
+    triggers = StepTriggers(run.settings.triggers, info, stop, start)
+    profiler = StepProfiler(run.settings.profiler, info, run.paths.root)
     stack.callback(profiler.close)
     model.train()
     periodic: list[Periodic] = [exporter, evaluator, harness, profiler]
@@ -375,7 +375,9 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
             loop.ft,
         )
     except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
-        raise out_of_memory_error(step, e, run.cfg, run.device) from None
+        raise out_of_memory_error(
+            step, e, run.cfg.batch_size, run.settings.parallel.checkpointing, run.device
+        ) from None
     if done is None:
         assert loop.ft is not None
         loop.ft.failed_attempt(time.perf_counter() - started_at)
@@ -443,5 +445,6 @@ def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        settings = ExportSettings.of(run.cfg)
-        export_trained_model(loop.model, run.paths.model_file(step), step, settings, loop.pipeline is not None)
+        export_trained_model(
+            loop.model, run.paths.model_file(step), step, run.settings.export, loop.pipeline is not None
+        )

@@ -24,7 +24,6 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.config import train_config
 from fms_fsdp.parallel.process_group import STOP_SIGNALS, DistInfo, collective_timeout
 
 AGREE_SECONDS = 2.0
@@ -64,17 +63,6 @@ class TriggerSettings:
     hours_between_failures: Optional[float]
     timeout_minutes: Optional[float]
     max_run_minutes: Optional[float] = None
-
-    @staticmethod
-    def of(cfg: train_config) -> "TriggerSettings":
-        return TriggerSettings(
-            cfg.num_steps,
-            cfg.checkpoint_interval,
-            cfg.checkpoint_minutes,
-            cfg.expected_hours_between_failures,
-            cfg.collective_timeout_minutes,
-            cfg.max_run_minutes,
-        )
 
 
 class SaveClock:

@@ -1,0 +1,138 @@
+"""Every component's settings, built once from the flags at the door (`run.facts`) and kept on the
+`Run` as `run.settings`: a component receives its own small settings object, never the flat config.
+
+Each fact the flags state is parsed here once: the fraction of checkpointed blocks, the keep policy,
+the schedule's cycles and the mixture's schedule. A settings object that cannot be (a decay longer
+than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
+from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.data.mixture import MixtureSchedule
+from fms_fsdp.model.float8 import Float8Settings
+from fms_fsdp.model.lora import LoRASpec
+from fms_fsdp.optim import OptimizerSettings
+from fms_fsdp.parallel.parallelize import ParallelSettings
+from fms_fsdp.profiling import ProfilerSettings
+from fms_fsdp.schedule import ScheduleSettings, cycle_starts
+from fms_fsdp.train.triggers import TriggerSettings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of the run's components, one object each."""
+
+    schedule: ScheduleSettings
+    optimizer: OptimizerSettings
+    parallel: ParallelSettings
+    lora: Optional[LoRASpec]  # None without --lora_rank
+    profiler: ProfilerSettings
+    triggers: TriggerSettings
+    checkpoint: CheckpointSettings
+    export: ExportSettings
+    mixture: Optional[MixtureSchedule]  # None without --weights_schedule
+
+
+def settings_of(cfg: train_config) -> Settings:
+    """Every component's settings from the flags (ConfigError naming the flag that cannot be)."""
+    lora = lora_of(cfg)
+    return Settings(
+        schedule=schedule_of(cfg),
+        optimizer=optimizer_of(cfg),
+        parallel=parallel_of(cfg),
+        lora=lora,
+        profiler=ProfilerSettings(
+            cfg.use_profiler,
+            cfg.profiler_rank0_only,
+            cfg.profiler_dir,
+            cfg.use_profiler and cfg.profiler_memory_snapshot,
+        ),
+        triggers=TriggerSettings(
+            cfg.num_steps,
+            cfg.checkpoint_interval,
+            cfg.checkpoint_minutes,
+            cfg.expected_hours_between_failures,
+            cfg.collective_timeout_minutes,
+            cfg.max_run_minutes,
+        ),
+        checkpoint=CheckpointSettings(
+            KeepPolicy.parse(
+                cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
+            ),
+            cfg.async_checkpoint,
+            cfg.on_checkpoint_error,
+            cfg.ckpt_load_path,
+            bool(cfg.lora_rank),
+        ),
+        export=ExportSettings(
+            cfg.export_interval,
+            cfg.export_format,
+            cfg.export_keep,
+            cfg.tokenizer_path,
+            cfg.bos_token,
+            cfg.eos_token,
+            lora,
+            cfg.ckpt_load_path,
+        ),
+        mixture=None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule),
+    )
+
+
+def schedule_of(cfg: train_config) -> ScheduleSettings:
+    """The learning-rate schedule's settings (ConfigError for cycles or a decay that cannot be)."""
+    starts = cycle_starts(cfg.num_steps, cfg.lr_cycles, cfg.lr_cycle_length, cfg.lr_cycle_ends)
+    return ScheduleSettings(
+        cfg.training_stage,
+        cfg.lr_schedule,
+        cfg.num_steps,
+        starts,
+        cfg.warmup_steps,
+        cfg.lr_rewarmup,
+        cfg.decay_steps,
+        cfg.min_lr_ratio,
+    )
+
+
+def optimizer_of(cfg: train_config) -> OptimizerSettings:
+    """The optimizer's settings (AdamW, or Muon for the blocks' matrices)."""
+    return OptimizerSettings(
+        cfg.learning_rate,
+        cfg.weight_decay,
+        cfg.weight_decay_norms_and_embeddings,
+        (cfg.adam_beta1, cfg.adam_beta2),
+        cfg.adam_eps,
+        cfg.optimizer_impl,
+        cfg.skip_bad_steps,
+        cfg.optimizer == "muon",
+        cfg.muon_momentum,
+        cfg.muon_adjust_lr,
+    )
+
+
+def lora_of(cfg: train_config) -> Optional[LoRASpec]:
+    """--lora_rank's adapters, or None without it."""
+    return LoRASpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank else None
+
+
+def float8_of(cfg: train_config) -> Optional[Float8Settings]:
+    """--float8's settings, or None without it."""
+    return Float8Settings(cfg.float8_recipe, cfg.float8_min_size) if cfg.float8 else None
+
+
+def parallel_of(cfg: train_config) -> ParallelSettings:
+    """What `parallelize` applies: activation checkpointing (the fraction parsed here, once), compile,
+    bf16 and float8."""
+    fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
+    return ParallelSettings(
+        fraction if cfg.fsdp_activation_checkpointing else None,
+        cfg.ac_mode,
+        cfg.use_torch_compile,
+        cfg.mixed_precision,
+        float8_of(cfg),
+    )
