@@ -22,7 +22,7 @@ import yaml
 from fms_fsdp.errors import ConfigError
 
 # --tracker names; each is also the name of the package it needs
-TRACKERS = ("tensorboard", "wandb", "aim")
+TRACKERS = ("tensorboard", "wandb", "aim", "mlflow")
 # --pipeline_schedule: torch.distributed.pipelining's schedules, by its names
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # --lora_targets' default, every layer it may name: fms's names of the blocks' projections (lora.TARGETS;
@@ -537,12 +537,12 @@ class train_config:
     )
     tracker: Optional[list[str]] = _f(
         None,
-        "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.",
+        "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim, mlflow (the server of MLFLOW_TRACKING_URI, else a local store in --tracker_dir); none by default.",
         choices=TRACKERS,
         shared=False,
     )
     tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).", shared=False)
-    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.", shared=False)
+    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim, mlflow) name.", shared=False)
     tracker_run_id: Optional[str] = _f(
         None,
         "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).",
