@@ -448,6 +448,12 @@ class train_config:
         min=0.0,
         shared=False,
     )
+    stop_exit_status: int = _f(
+        0,
+        "Exit status of every rank of a run that stops before --num_steps with its checkpoint saved (on SIGTERM or SIGUSR1, or at --max_run_minutes): 0, as under Slurm, whose requeue resumes the run; 143 on Kubernetes (scripts/train_k8s.sh sets it), whose controllers restart only pods that failed.",
+        min=0,
+        shared=False,
+    )
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1, shared=False)
     checkpoint_keep_policy: str = _f(
         "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.", shared=False
@@ -609,6 +615,8 @@ def _check_ranges(cfg: train_config) -> None:
     for name in ("adam_beta1", "adam_beta2", "lora_dropout"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
+    if cfg.stop_exit_status > 255:
+        raise ConfigError(f"--stop_exit_status: must be <= 255 (an exit status), got {cfg.stop_exit_status}")
 
 
 def _check_schedule(cfg: train_config) -> None:
