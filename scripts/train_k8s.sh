@@ -10,10 +10,11 @@
 #     (JOBSET_SUBDOMAIN, default the JobSet's name), on MASTER_PORT (default 29500).
 #   NPROC_PER_NODE (else PET_NPROC_PER_NODE, else the GPU count, else 1) processes per pod.
 #
-# Kubernetes sends SIGTERM to this process (torchrun, exec'ed) when it takes the pod away: torchrun
-# passes it to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for them (set it below the
-# pod's terminationGracePeriodSeconds); the ranks of every pod save a checkpoint and exit with status
-# 143 (--stop_exit_status), so the controller restarts the pods, which resume from it.
+# Kubernetes sends SIGTERM to this script alone (the container's main process) when it takes the pod
+# away, and SIGKILL after terminationGracePeriodSeconds. The script sends it on to the ranks, as Slurm
+# signals every process; torchrun ignores it and waits for them (as in train.sh). The ranks of every pod
+# save a checkpoint and exit with status 143 (--stop_exit_status), so torchrun fails and the controller
+# restarts the pods, which resume from that checkpoint.
 set -euo pipefail
 REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -35,7 +36,36 @@ gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 NPROC_PER_NODE=${NPROC_PER_NODE:-${PET_NPROC_PER_NODE:-$(gpu_count)}}
 [ "${NPROC_PER_NODE:-0}" != 0 ] || NPROC_PER_NODE=1
 export PET_NPROC_PER_NODE=$NPROC_PER_NODE
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 
 echo "$(hostname): torchrun node ${PET_NODE_RANK} of ${PET_NNODES} x ${PET_NPROC_PER_NODE} process(es), rendezvous ${PET_MASTER_ADDR}:${PET_MASTER_PORT}"
-exec torchrun "${REPO}/main_training.py" --stop_exit_status=143 "$@"
+children() {  # the processes whose parent is $1 (torchrun's: its ranks, each in a session of its own)
+    local stat line
+    for stat in /proc/[0-9]*/stat; do
+        line=$(cat "$stat" 2>/dev/null) || continue
+        set -- "$1" ${line##*) }  # the parent, then the fields after the command's name: state, ppid, ...
+        [ "$3" != "$1" ] || echo "${stat//[^0-9]/}"
+    done
+}
+interrupted=0
+on_term() {
+    interrupted=1
+    echo "SIGTERM: every rank saves a checkpoint and stops"
+    [ -z "$pid" ] || kill -TERM $(children "$pid") 2>/dev/null || true
+}
+pid=""
+trap on_term TERM  # before torchrun starts: a SIGTERM to PID 1 without a handler would be lost
+(
+    trap '' TERM USR1
+    export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
+    exec torchrun "${REPO}/main_training.py" --stop_exit_status=143 "$@"
+) &
+pid=$!
+status=0
+wait "$pid" || status=$?
+while [ "$interrupted" = 1 ]; do  # `wait` returned for the signal: wait again for torchrun's status
+    interrupted=0
+    status=0
+    wait "$pid" || status=$?
+done
+exit "$status"
