@@ -22,7 +22,7 @@ import yaml
 from fms_fsdp.errors import ConfigError
 
 # --tracker names; each is also the name of the package it needs
-TRACKERS = ("tensorboard", "wandb", "aim")
+TRACKERS = ("tensorboard", "wandb", "aim", "mlflow")
 # --pipeline_schedule: torch.distributed.pipelining's schedules, by its names
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # --lora_targets' default, every layer it may name: fms's names of the blocks' projections (lora.TARGETS;
@@ -448,6 +448,12 @@ class train_config:
         min=0.0,
         shared=False,
     )
+    stop_exit_status: int = _f(
+        0,
+        "Exit status of every rank of a run that stops before --num_steps with its checkpoint saved (on SIGTERM or SIGUSR1, or at --max_run_minutes): 0, as under Slurm, whose requeue resumes the run; 143 on Kubernetes (scripts/train_k8s.sh sets it), whose controllers restart only pods that failed.",
+        min=0,
+        shared=False,
+    )
     checkpoint_keep: int = _f(2, "Latest complete checkpoints kept.", min=1, shared=False)
     checkpoint_keep_policy: str = _f(
         "", "Checkpoints kept for good, by step, e.g. 'every 1000 until 10000, then every 5000'.", shared=False
@@ -537,12 +543,12 @@ class train_config:
     )
     tracker: Optional[list[str]] = _f(
         None,
-        "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim; none by default.",
+        "Experiment trackers, comma-separated: tensorboard, wandb (WANDB_MODE=offline works without a network), aim, mlflow (the server of MLFLOW_TRACKING_URI, else a local store in --tracker_dir); none by default.",
         choices=TRACKERS,
         shared=False,
     )
     tracker_dir: Optional[str] = _f(None, "Folder for tracker files (default: <ckpt_save_path>/tracker).", shared=False)
-    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim) name.", shared=False)
+    tracker_project_name: str = _f("llama", "Project (wandb) or experiment (aim, mlflow) name.", shared=False)
     tracker_run_id: Optional[str] = _f(
         None,
         "Tracker run id to go on with (default: the id saved in <ckpt_save_path>/tracker_runs.json, else a new run).",
@@ -609,6 +615,8 @@ def _check_ranges(cfg: train_config) -> None:
     for name in ("adam_beta1", "adam_beta2", "lora_dropout"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
+    if cfg.stop_exit_status > 255:
+        raise ConfigError(f"--stop_exit_status: must be <= 255 (an exit status), got {cfg.stop_exit_status}")
 
 
 def _check_schedule(cfg: train_config) -> None:

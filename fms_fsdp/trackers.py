@@ -1,4 +1,4 @@
-"""Experiment trackers (--tracker): TensorBoard, Weights & Biases and Aim, one or several at once.
+"""Experiment trackers (--tracker): TensorBoard, Weights & Biases, Aim and MLflow, one or several at once.
 
 Rank 0 sends each tracker the records that go to metrics.jsonl, and the resolved config as
 hyper-parameters. Each tracker's run id is kept in <ckpt_save_path>/tracker_runs.json, so a resumed
@@ -9,11 +9,14 @@ requeued job is never lost to a tracker.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.config import to_dict, train_config
@@ -117,6 +120,79 @@ class AimTracker:
         self.run.close()
 
 
+class MLflowTracker:
+    """An MLflow run in the experiment --tracker_project_name, on the server of MLFLOW_TRACKING_URI or
+    else in the local store <tracker_dir>/mlflow/mlflow.db; resumed by its run id. The config goes in
+    as params, which MLflow never changes: a resumed run keeps the values it started with."""
+
+    def __init__(self, folder: Path, project: str, run_id: Optional[str], config: dict[str, Any]):
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        local = folder / "mlflow"
+        if not uri:
+            local.mkdir(parents=True, exist_ok=True)
+        try:
+            with _mlflow_fails_fast():
+                self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{local / 'mlflow.db'}")
+                if run_id:  # a run of an earlier attempt: running again
+                    self.client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id or self._new_run(project, None if uri else (local / "artifacts").as_uri())
+                self._log_params(config)
+        except MlflowException as e:
+            raise TrackerError(f"--tracker=mlflow: {_mlflow_reason(e, uri)}") from None
+
+    def _new_run(self, project: str, artifacts: Optional[str]) -> str:
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project, artifacts)
+        return self.client.create_run(experiment_id).info.run_id
+
+    def _log_params(self, config: dict[str, Any]) -> None:
+        """The config values the run has no param for yet (all of them in a new run)."""
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        logged = self.client.get_run(self.run_id).data.params
+        params = [Param(k, str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in config.items() if k not in logged]
+        for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+@contextlib.contextmanager
+def _mlflow_fails_fast() -> Iterator[None]:
+    """At start-up, a tracking server that does not answer fails in seconds, not after MLflow's default
+    retries (about 4 minutes); an MLFLOW_HTTP_REQUEST_MAX_RETRIES of the user's is kept."""
+    name = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+    given = os.environ.get(name)
+    os.environ.setdefault(name, "2")
+    try:
+        yield
+    finally:
+        if given is None:
+            del os.environ[name]
+
+
+def _mlflow_reason(e: BaseException, uri: Optional[str]) -> str:
+    import requests
+
+    if isinstance(e.__context__, requests.exceptions.RequestException):
+        return (
+            f"cannot reach the tracking server {uri} (MLFLOW_TRACKING_URI): start it (`mlflow server`) "
+            "or unset MLFLOW_TRACKING_URI to log to a local store"
+        )
+    return first_line(e)
+
+
 class Trackers:
     """The trackers of this run (none on ranks other than 0). A tracker that fails while logging is
     reported once and dropped: training and metrics.jsonl go on."""
@@ -164,6 +240,8 @@ def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str], res
         return TensorBoardTracker(folder / "tensorboard" / (run_id or ""), config)
     if name == "wandb":
         return WandbTracker(folder, cfg.tracker_project_name, run_id or "", config)
+    if name == "mlflow":
+        return MLflowTracker(folder, cfg.tracker_project_name, run_id, config)
     return AimTracker(folder, cfg.tracker_project_name, run_id, config, take_over=resumed)
 
 
@@ -180,7 +258,7 @@ def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
     trackers: dict[str, Tracker] = {}
     try:
         for name in cfg.tracker:
-            if name != "aim":  # an Aim run's hash is Aim's to choose
+            if name not in ("aim", "mlflow"):  # an Aim run's hash and an MLflow run's id are theirs to choose
                 ids.setdefault(name, uuid.uuid4().hex[:12])
             resumed = name in saved and saved[name] == ids.get(name)
             try:
@@ -196,7 +274,7 @@ def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
                     ) from None
                 raise
             trackers[name] = tracker
-            if isinstance(tracker, AimTracker):
+            if isinstance(tracker, (AimTracker, MLflowTracker)):
                 ids[name] = tracker.run_id
         try:
             write_text_atomic(ids_path, json.dumps(ids, indent=1) + "\n")

@@ -30,6 +30,7 @@ SLOWEST_FILES = (
     "test_faults.py",
     "test_object_storage.py",
     "test_slurm.py",
+    "test_kubernetes.py",
 )
 
 

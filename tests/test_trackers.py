@@ -1,21 +1,27 @@
-"""--tracker: TensorBoard, W&B (offline) and Aim together get metrics.jsonl's records and the config,
-and a resumed run goes on in the same tracker runs; a tracker that is not installed is refused."""
+"""--tracker: TensorBoard, W&B (offline), Aim and MLflow (a real `mlflow server`, and the local store) get
+metrics.jsonl's records and the config, and a resumed run goes on in the same tracker runs; a tracker
+that is not installed is refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from fms_fsdp.errors import ConfigError
+from fms_fsdp.errors import ConfigError, TrackerError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.parallel.process_group import free_port
+from fms_fsdp.trackers import open_trackers
 
-from conftest import ROOT, TINY, launch, train
+from conftest import ROOT, TINY, launch, train, train_here
 
 
 def _tensorboard_scalars(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
@@ -99,9 +105,6 @@ def test_a_tracker_that_is_not_installed_is_refused_at_start_up(tmp):
 
 
 def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
-    from fms_fsdp.errors import TrackerError
-    from fms_fsdp.trackers import open_trackers
-
     monkeypatch.setenv("HOME", str(tmp))  # no ~/.netrc, so no W&B login
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -131,7 +134,7 @@ def test_a_tracker_that_cannot_start_stops_every_rank_with_one_line(tmp):
 @pytest.mark.parametrize(
     "flag, message",
     [
-        ("tensorboard,mlflow", "--tracker: 'mlflow' is not one of tensorboard, wandb, aim"),
+        ("tensorboard,comet", "--tracker: 'comet' is not one of tensorboard, wandb, aim, mlflow"),
         ("aim,aim", "--tracker: aim is named twice"),
     ],
 )
@@ -144,3 +147,97 @@ def test_unknown_or_repeated_tracker_is_a_config_error(flag, message):
 def test_no_tracker_spellings():
     assert parse_args(["--tracker=none"]).tracker is None
     assert parse_args(["--tracker=wandb"]).tracker == ["wandb"]
+
+
+class MLflowServer:
+    """A real `mlflow server` (SQLite store) on a free local port, started in a session of its own so
+    that stop() ends all its processes."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir()
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--workers=1", "--host=127.0.0.1"]
+        cmd += [f"--port={self.uri.rsplit(':', 1)[1]}", f"--backend-store-uri=sqlite:///{folder / 'mlflow.db'}"]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.log = open(folder / "server.log", "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 120) -> str:
+        """Its URI, once it answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
+                    return self.uri
+            except OSError:
+                time.sleep(0.25)
+        raise AssertionError(f"mlflow server did not answer in {timeout} s")
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp, monkeypatch):
+    """Against a real `mlflow server`; while it starts, the local store (no MLFLOW_TRACKING_URI)."""
+    from mlflow import MlflowClient
+
+    server = MLflowServer(tmp / "server")
+    try:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        _check_the_local_store(tmp / "local")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.wait())
+        flags = ["--tracker=mlflow", "--report_interval=2", "--tracker_project_name=tests"]
+        train_here(tmp, [*flags, "--num_steps=4"])
+        run_id = json.loads((tmp / "run" / "tracker_runs.json").read_text())["mlflow"]
+        records = train_here(tmp, [*flags, "--num_steps=6"])  # resumes at step 4
+        assert json.loads((tmp / "run" / "tracker_runs.json").read_text()) == {"mlflow": run_id}
+
+        client = MlflowClient(server.uri)
+        experiment = client.get_experiment_by_name("tests")
+        assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        params = run.data.params
+        assert params["model_variant"] == "tiny" and params["tracker"] == "['mlflow']"
+        assert params["num_steps"] == "4"  # MLflow keeps a param's first value
+        loss = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+        assert sorted(loss) == [2, 4, 6]
+        assert loss == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)
+        assert {"lr", "grad_norm", "tokens_seen", "tokens_per_sec_per_gpu"} <= set(run.data.metrics)
+    finally:
+        server.stop()
+
+
+def _check_the_local_store(run: Path) -> None:
+    """Without MLFLOW_TRACKING_URI the run goes to <tracker_dir>/mlflow/mlflow.db, and opening the
+    trackers again (a resumed run) goes on in the same MLflow run."""
+    from mlflow import MlflowClient
+
+    cfg = parse_args(["--tracker=mlflow", "--tracker_project_name=local"])
+    for step in (1, 2):
+        trackers = open_trackers(cfg, run)
+        trackers.log({"step": step, "loss": 5.0 - step})
+        trackers.close()
+    run_id = json.loads((run / "tracker_runs.json").read_text())["mlflow"]
+    client = MlflowClient(f"sqlite:///{run / 'tracker' / 'mlflow' / 'mlflow.db'}")
+    history = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 4.0), (2, 3.0)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_experiment_by_name("local").artifact_location.startswith((run / "tracker").as_uri())
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line_within_seconds(tmp, monkeypatch):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    start = time.monotonic()
+    with pytest.raises(TrackerError) as e:
+        open_trackers(parse_args(["--tracker=mlflow"]), tmp / "run")
+    assert time.monotonic() - start < 30
+    assert str(e.value) == (
+        f"--tracker=mlflow: cannot reach the tracking server {uri} (MLFLOW_TRACKING_URI): start it "
+        "(`mlflow server`) or unset MLFLOW_TRACKING_URI to log to a local store"
+    )
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # MLflow's retries are as they were

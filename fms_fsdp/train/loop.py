@@ -75,13 +75,17 @@ class StepResult(NamedTuple):
 def run_training(cfg: train_config) -> list[dict[str, Any]]:
     """Check the flags the modules judge, start the process group, train, and tear it down; the stop
     signals are this function's from its first line (a signal during start-up stops the run after its
-    first step) to its last."""
+    first step) to its last. A run stopped before --num_steps then exits with --stop_exit_status when
+    it is not 0."""
     stop = StopRequest()
     try:
         with started(facts(cfg)) as run:
-            return train_run(run, stop)
+            records = train_run(run, stop)
     finally:
         stop.restore()
+    if stop.agreed is not None and cfg.stop_exit_status:  # stopped early: Kubernetes restarts a failed pod
+        raise SystemExit(cfg.stop_exit_status)
+    return records
 
 
 def dry_run(cfg: train_config) -> None:
@@ -267,6 +271,7 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
         # the loader's workers stop with the loop, before the last commit
         with closing(_batches(loop)) as batches:
             step, stopped = _steps(loop, batches, start)
+            stop.agreed = stopped
         loop.checkpointer.finish()
         for work in loop.periodic:
             work.finish()
@@ -443,6 +448,8 @@ def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
         )
         if stopped == LAUNCHER_DIED.name:
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
+        if run.cfg.stop_exit_status:
+            outcome += f" (exit status {run.cfg.stop_exit_status}, --stop_exit_status)"
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
         export_trained_model(

@@ -40,6 +40,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.signal = 0
+        self.agreed: Optional[str] = None  # what every rank stopped on, once they did (the loop sets it)
         self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
