@@ -19,8 +19,11 @@ ConfigError's, or what torch raised and the rank it raised on).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
+from multiprocessing import get_context
 from typing import Iterator
 
 import torch
@@ -47,8 +50,14 @@ def rehearsed_ranks(run: Run) -> list[int]:
 
 def rehearse(run: Run) -> list[State]:
     """Each pipeline rank's state as its real shards hold it, from a rehearsal of its start; rank 0's
-    start-up line is logged as a real start logs it. ConfigError (one line) where the wrapping fails."""
-    return [_rehearse(run, rank) for rank in rehearsed_ranks(run)]
+    start-up line is logged as a real start logs it. ConfigError (one line) where the wrapping fails.
+    Each rank is rehearsed in a process of its own, forked from this one, as many at once as there are
+    cores: DTensor's caches keep the meshes of a finished world, whose groups the next world lacks."""
+    ranks = rehearsed_ranks(run)
+    if run.cfg.use_torch_compile:  # torch's compiler imported here once, not in every rank's process
+        torch.compile(_state)  # (nothing is compiled until called)
+    with get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
+        return list(pool.imap(partial(_rehearse, run), ranks))  # the first rank's error first
 
 
 @contextmanager
@@ -80,7 +89,7 @@ def _rehearse(run: Run, rank: int) -> State:
                 f"parallelised: {type(e).__name__}: {first_line(e)}"
             ) from None
         if rank == 0:
-            run.log(describe(as_rank, model, done, n_lora))
+            run.log(describe(replace(as_rank, info=run.info), model, done, n_lora))  # on the run's device
         return _state(model, optimizer)
 
 
@@ -89,6 +98,8 @@ def _first_step(run: Run, model: nn.Module) -> torch.optim.Optimizer:
     by the foreach kernels: the fused ones take no meta tensors, and hold the same state)."""
     settings = replace(OptimizerSettings.of(run.cfg), impl="foreach", skip_bad_steps=0)
     optimizer = build_optimizer(model, settings, REHEARSED_ON)
+    for group in optimizer.param_groups:
+        group["foreach"] = False
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)

@@ -1,0 +1,147 @@
+"""--dry_run's rehearsal (train/rehearsal.py): the start's own parallelisation under torch's fake process
+group of --plan_world_size ranks, one rank per pipeline stage. Its shards' parameters, gradients and
+optimizer state against the analytic plan (memory.py) on FSDP, HSDP, TP, PP and CP meshes; a config
+error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
+ranks, PP 8 x TP 8, in under 5 minutes."""
+
+import os
+import re
+import site
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import make_config
+from fms_fsdp.memory import AGREEMENT, Planner
+from fms_fsdp.model.variants import count_params, get_model_config
+from fms_fsdp.run import facts
+from fms_fsdp.train.rehearsal import rehearse
+
+from conftest import ROOT, launch
+
+MESHES = {
+    "fsdp": dict(plan_world_size=8),
+    "hsdp, muon": dict(plan_world_size=16, sharding_strategy="hsdp", sharding_group_size=4, optimizer="muon"),
+    "fsdp x tp": dict(plan_world_size=8, tensor_parallel_size=2),
+    "pp x fsdp": dict(plan_world_size=8, pipeline_parallel_size=2, batch_size=4),
+    "fsdp x cp": dict(plan_world_size=8, context_parallel_size=2),
+}
+
+
+def rehearsed(**flags):
+    cfg = make_config(
+        **{
+            "dry_run": True,
+            "model_variant": "tiny",
+            "seq_length": 256,
+            "use_torch_compile": False,
+            "sharding_strategy": "fsdp",
+            **flags,
+        }
+    )
+    run = facts(cfg)
+    return cfg, run, rehearse(run)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_the_real_shards_agree_with_the_analytic_plan(mesh):
+    cfg, run, states = rehearsed(**MESHES[mesh])
+    assert len(states) == run.shape.pp
+    for pp_rank, state in enumerate(states):
+        analytic = Planner(cfg, run.shape, run.model_config, 1 << 40, pp_rank).state
+        assert state.gap(analytic) <= AGREEMENT, (state, analytic)
+        assert state.grads == state.params  # every parameter trained, its gradient shard fp32 like it
+        if cfg.optimizer == "adamw":
+            assert state.optimizer == 2 * state.params
+        else:  # Muon keeps one buffer for the blocks' matrices
+            assert state.params < state.optimizer < 2 * state.params
+    # the shards split the fp32 model over shard x cp x tp (the norms, whole on every TP rank, a little more)
+    sharing = run.shape.shard * run.shape.cp * run.shape.tp
+    whole = 4 * count_params(run.model_config)
+    assert whole / sharing <= sum(s.params for s in states) < 1.02 * whole / sharing
+    if run.shape.pp > 1:  # the embedding on the first stage, the head on the last: not alike
+        assert states[0] != states[1]
+
+
+def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(tmp_path):
+    """--float8 needs torchao: a real start checks for it up front; a dry run, which may be planned on
+    another machine, meets it only when the rehearsal converts the Linear layers, and says the same line."""
+    site_packages = next(p for p in map(str, site.getsitepackages()) if os.path.isdir(p))
+    without = tmp_path / "site"
+    without.mkdir()
+    for entry in os.scandir(site_packages):
+        if not entry.name.startswith("torchao"):
+            (without / entry.name).symlink_to(entry.path)
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
+        "from fms_fsdp.cli import train; train(sys.argv[1:])"
+    )
+    flags = [
+        "--dry_run=True",
+        "--model_variant=tiny",
+        "--plan_world_size=8",
+        "--float8=True",
+        "--use_torch_compile=False",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: --float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)"
+
+
+def test_what_torch_raises_while_wrapping_is_one_line_naming_the_rank():
+    """A pipeline split for more blocks than the model has (which the start-up checks refuse; here
+    forced past them): the second pipeline rank's last stage names block 3 of a model of 3, and its
+    wrapping fails there: one line, no traceback."""
+    cfg = make_config(dry_run=True, model_variant="tiny", plan_world_size=8, pipeline_parallel_size=2, batch_size=4)
+    run = facts(cfg)
+    assert run.pipeline is not None and run.pipeline.blocks == ((0, 1), (1, 2), (2, 3), (3, 4))
+    with pytest.raises(ConfigError) as e:
+        rehearse(replace(run, model_config=replace(run.model_config, nlayers=3)))
+    message = str(e.value)
+    assert message == (
+        "--dry_run: these flags fail at the start of rank 4 of 8, where the model is parallelised: "
+        "IndexError: index 3 is out of range"
+    )
+
+
+@pytest.mark.slow
+def test_llama3_405b_on_1024_ranks_is_rehearsed_in_under_5_minutes():
+    started = time.monotonic()
+    proc = launch(
+        "main_training.py",
+        [
+            "--dry_run=True",
+            "--model_variant=llama3.1_405b",
+            "--plan_world_size=1024",
+            "--pipeline_parallel_size=8",
+            "--tensor_parallel_size=8",
+            "--sharding_strategy=fsdp",
+            "--seq_length=8192",
+            "--batch_size=16",
+            "--fsdp_activation_checkpointing=True",
+            "--plan_device_memory_gib=80",
+        ],
+        None,
+        timeout=300,
+    )
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert seconds < 300
+    out = proc.stdout
+    assert "mesh (pp, replicate, shard, tp) = (8, 1, 16, 8): ranks 0, 128, 256, 384, 512, 640, 768, 896" in out
+    assert re.search(r"the rehearsal's real shards; the analytic plan within 0\.\d\d% of them", out), out
+    fields = dict(item.split("=") for item in out.splitlines()[-1].split()[1:])
+    # pipeline rank 7's fp32 shards: its 15 blocks and the head, over 16 x 8 ranks
+    model = get_model_config("llama3.1_405b")
+    assert int(fields["params_bytes"]) == pytest.approx(4 * count_params(model) / 1024, rel=0.1)
+    assert fields["fits"] == "true"
