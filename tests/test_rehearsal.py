@@ -4,24 +4,22 @@ optimizer state against the analytic plan (memory.py) on FSDP, HSDP, TP, PP and 
 error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
 ranks, PP 8 x TP 8, in under 5 minutes."""
 
-import os
 import re
-import site
-import subprocess
 import sys
 import time
 from dataclasses import replace
 
 import pytest
 
+from fms_fsdp.cli import train as main
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory import AGREEMENT, Planner
+from fms_fsdp.memory import AGREEMENT, Planner, State, report
 from fms_fsdp.model.variants import count_params, get_model_config
 from fms_fsdp.run import facts
 from fms_fsdp.train.rehearsal import rehearse
 
-from conftest import ROOT, launch
+from conftest import launch
 
 MESHES = {
     "fsdp": dict(plan_world_size=8),
@@ -67,35 +65,39 @@ def test_the_real_shards_agree_with_the_analytic_plan(mesh):
         assert states[0] != states[1]
 
 
-def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(tmp_path):
+def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_stray():
+    cfg, run, (state,) = rehearsed(plan_world_size=8, plan_device_memory_gib=80)
+    text = report(cfg, run.shape, run.model_config, 8, [state])
+    fields = dict(item.split("=") for item in text.splitlines()[-1].split()[1:])
+    assert (int(fields["params_bytes"]), int(fields["grads_bytes"]), int(fields["optimizer_bytes"])) == (
+        state.params,
+        state.grads,
+        state.optimizer,
+    )
+    assert "the rehearsal's real shards; the analytic plan within 0.00% of them" in text
+    assert "warning" not in text
+    strayed = State(2 * state.params, state.grads, state.optimizer)
+    text = report(cfg, run.shape, run.model_config, 8, [strayed])
+    assert f"params_bytes={strayed.params} " in text.splitlines()[-1]
+    assert (
+        f"warning: pipeline rank 0's real shards hold {strayed.params}, {state.grads} and {state.optimizer} bytes "
+        f"of parameters, gradients and optimizer state; the analytic plan {state.params}, {state.grads} and "
+        f"{state.optimizer} (50.0% apart): the plan uses the real ones; please report this"
+    ) in text.splitlines()
+
+
+def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(monkeypatch, capsys):
     """--float8 needs torchao: a real start checks for it up front; a dry run, which may be planned on
-    another machine, meets it only when the rehearsal converts the Linear layers, and says the same line."""
-    site_packages = next(p for p in map(str, site.getsitepackages()) if os.path.isdir(p))
-    without = tmp_path / "site"
-    without.mkdir()
-    for entry in os.scandir(site_packages):
-        if not entry.name.startswith("torchao"):
-            (without / entry.name).symlink_to(entry.path)
-    code = (
-        f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(without)!r}]; "
-        "from fms_fsdp.cli import train; train(sys.argv[1:])"
+    another machine, meets it only when the rehearsal converts the Linear layers, and ends in the same
+    line and status. (torchao is made unimportable here; the forked ranks inherit that.)"""
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    flags = ["--dry_run=True", "--model_variant=tiny", "--plan_world_size=8", "--float8=True"]
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--use_torch_compile=False"])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err == "error: --float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)\n"
     )
-    flags = [
-        "--dry_run=True",
-        "--model_variant=tiny",
-        "--plan_world_size=8",
-        "--float8=True",
-        "--use_torch_compile=False",
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-S", "-c", code, *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "error: --float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)"
 
 
 def test_what_torch_raises_while_wrapping_is_one_line_naming_the_rank():
