@@ -93,12 +93,12 @@ def dry_run(cfg: train_config) -> None:
         return
     start = time.perf_counter()
     states = rehearse(run)
-    dims = run.shape.dims()
+    dims, ranks = run.shape.dims(), rehearsed_ranks(run)
+    which = f"ranks {', '.join(map(str, ranks))} (one per pipeline rank)" if len(ranks) > 1 else "rank 0"
     run.log(
         f"rehearsed the start of {run.info.world_size} ranks under a fake process group, mesh "
-        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: ranks "
-        f"{', '.join(map(str, rehearsed_ranks(run)))} (one per pipeline rank) parallelised as at a real start "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
+        f"as at a real start in {time.perf_counter() - start:.1f} s"
     )
     run.log(memory_report(cfg, run.shape, run.model_config, run.info.local_world_size, states))
 

@@ -94,8 +94,9 @@ def _rehearse(run: Run, rank: int) -> State:
 
 
 def _first_step(run: Run, model: nn.Module) -> torch.optim.Optimizer:
-    """The run's optimizer after a step on zero gradients, which makes its state (on the meta device,
-    by the foreach kernels: the fused ones take no meta tensors, and hold the same state)."""
+    """The run's optimizer after a step on zero gradients, which makes its state on the meta device,
+    by the single-tensor kernels (the same state: the fused ones take no meta tensors, and DTensor
+    shards the foreach ones' tensor lists several times slower)."""
     settings = replace(OptimizerSettings.of(run.cfg), impl="foreach", skip_bad_steps=0)
     optimizer = build_optimizer(model, settings, REHEARSED_ON)
     for group in optimizer.param_groups:
