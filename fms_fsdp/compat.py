@@ -90,6 +90,15 @@ def mem_tracker() -> tuple[Any, Any, Any]:
     return FakeTensorMode, MemTracker, _ModState
 
 
+def fake_store() -> Any:
+    """A FakeStore for torch's fake process group (backend "fake": every collective returns at once,
+    moving no data), which --dry_run's rehearsal starts with --plan_world_size ranks; importing its
+    module registers the backend (as torchtitan's COMM_MODE=fake_backend does)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
 def fsspec_storage() -> tuple[Any, Any]:
     """(FsspecReader, FsspecWriter): DCP's reader and writer of fsspec filesystems, for checkpoints in
     object storage (imported when one is used: they need fsspec, an optional extra)."""
@@ -343,6 +352,7 @@ __all__ = [
     "ShardedTensorMetadata",
     "TensorProperties",
     "compute_local_shape_and_global_offset",
+    "fake_store",
     "fsspec_storage",
     "local_shape_and_offset_at",
     "local_tensor",

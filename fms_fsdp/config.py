@@ -518,12 +518,12 @@ class train_config:
     # memory plan
     dry_run: bool = _f(
         False,
-        "Print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits) and exit, without a GPU or a process group.",
+        "Rehearse the start at --plan_world_size and print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits), then exit, without a GPU or a real process group: one rank per pipeline stage joins torch's fake process group of that many ranks and runs the start's own parallelisation (mesh, TP, pipeline split, CP, FSDP2, the optimizer's first step) on the meta device; the plan's parameters, gradients and optimizer state are its real shards', and a setting that fails there fails in one line.",
         shared=False,
     )
     plan_world_size: Optional[int] = _f(
         None,
-        "World size the --dry_run plan is for (default: this launch's; 8 ranks per node for HSDP's default group).",
+        "World size the --dry_run rehearsal and plan are for (default: this launch's; 8 ranks per node for HSDP's default group and tensor parallelism).",
         min=1,
         shared=False,
     )

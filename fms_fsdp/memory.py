@@ -3,9 +3,11 @@ GPU is touched, for any world size (--plan_world_size) and device (--plan_device
 
 Parameters, gradients and optimizer state follow from the parameter shapes (built on the meta device)
 and FSDP2's sharding: fp32 master shards (each parameter's first dimension padded to the shard size),
-fp32 gradient shards, AdamW's two fp32 moments. FSDP2 holds whole, in the compute dtype: the block in
-use and the one prefetched, the last block and the final norm with the head (kept from forward to
-backward), and one block's unsharded gradients before their reduce-scatter. Activations are not
+fp32 gradient shards, AdamW's two fp32 moments. --dry_run rehearses the start (train/rehearsal.py) and
+plans with its real shards' bytes instead, these figures checked against them (within AGREEMENT).
+FSDP2 holds whole, in the compute dtype: the block in use and the one prefetched, the last block and
+the final norm with the head (kept from forward to backward), and one block's unsharded gradients
+before their reduce-scatter. Activations are not
 counted from a formula: they are traced on fake tensors under torch's MemTracker (activation_trace.py),
 per block and outside the blocks, with the loss's working set, for each activation-checkpointing mode.
 Activations grow linearly in the micro-batch, so the plan extends to any batch size and checkpointing
@@ -44,6 +46,7 @@ from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
 from fms_fsdp.settings import lora_of
 
 HEADROOM = 0.9  # of the device's memory a plan may use
+AGREEMENT = 0.01  # how far the analytic state may be from the rehearsal's real shards
 GIB = 2**30
 PLAN_FIELDS = ("params", "grads", "optimizer", "gathered", "activations", "loss", "peak", "device")
 
@@ -70,6 +73,20 @@ class Plan:
         """The one machine-readable line."""
         values = " ".join(f"{name}_bytes={getattr(self, name)}" for name in PLAN_FIELDS)
         return f"PLAN {values} fits={str(self.fits).lower()}"
+
+
+@dataclass(frozen=True)
+class State:
+    """Bytes of the model's state on one rank: parameters, gradients, optimizer state."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    def gap(self, other: "State") -> float:
+        """The largest relative difference of a kind of bytes from `other`'s (0 where both hold none)."""
+        pairs = zip((self.params, self.grads, self.optimizer), (other.params, other.grads, other.optimizer))
+        return max(abs(a - b) / max(a, b) if max(a, b) else 0.0 for a, b in pairs)
 
 
 # under tensor parallelism (parallel/tensor_parallel.py's plan): the weights split by rows (column-wise Linear layers,
@@ -179,6 +196,14 @@ class Planner:
             shape.whole and cfg.mixed_precision,
         )
 
+    @property
+    def state(self) -> State:
+        return State(self.params, self.grads, self.optimizer)
+
+    def adopt(self, state: State) -> None:
+        """Plan with `state` (the rehearsal's real shards) in place of the analytic figures."""
+        self.params, self.grads, self.optimizer = state.params, state.grads, state.optimizer
+
     def plan(self, setting: Setting) -> Plan:
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
         acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
@@ -280,20 +305,51 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
-def report(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local_world_size: int) -> str:
+def report(
+    cfg: train_config,
+    shape: MeshShape,
+    model_config: LLaMAConfig,
+    local_world_size: int,
+    states: Optional[Sequence[State]] = None,
+) -> str:
     """The plan of the run cfg describes (on a mesh of `shape`), as printed by --dry_run: a table,
-    suggestions, the PLAN line."""
+    suggestions, the PLAN line. `states`: each pipeline rank's parameters, gradients and optimizer state
+    as its real shards hold them (the rehearsal), planned with in place of the analytic figures, which
+    they are checked against."""
     device_bytes, device_name = device_memory(cfg, local_world_size)
     setting = setting_of(cfg)
     planners = [Planner(cfg, shape, model_config, device_bytes, r) for r in range(shape.pp)]
+    checks = [] if states is None else _cross_check(planners, states)
     peaks = [p.plan(setting).peak for p in planners]
     planner = planners[peaks.index(max(peaks))]  # the pipeline rank with the highest peak (or the one rank)
     plan = planner.plan(setting)
     lines = _report_header(cfg, planner, setting, peaks)
     lines += _report_table(cfg, planner, plan, device_name)
+    lines += checks
     lines += _report_suggestions(cfg, planner, plan, setting)
     lines.append(plan.line())
     return "\n".join(lines)
+
+
+def _cross_check(planners: list[Planner], states: Sequence[State]) -> list[str]:
+    """Plan every pipeline rank with its real shards' state; the report's line on how far the analytic
+    figures are from them, and a warning for each rank where they are more than AGREEMENT apart."""
+    gaps = [planner.state.gap(state) for planner, state in zip(planners, states)]
+    lines = [
+        f"  (parameters, gradients and optimizer state: the rehearsal's real shards; the analytic plan "
+        f"within {max(gaps):.2%} of them)"
+    ]
+    for planner, state, gap in zip(planners, states, gaps):
+        if gap > AGREEMENT:
+            analytic = planner.state
+            lines.append(
+                f"warning: pipeline rank {planner.pp_rank}'s real shards hold {state.params}, {state.grads} and "
+                f"{state.optimizer} bytes of parameters, gradients and optimizer state; the analytic plan "
+                f"{analytic.params}, {analytic.grads} and {analytic.optimizer} ({gap:.1%} apart): the plan "
+                "uses the real ones; please report this"
+            )
+        planner.adopt(state)
+    return lines
 
 
 def _report_header(cfg: train_config, planner: Planner, setting: Setting, peaks: list[int]) -> list[str]:

@@ -20,6 +20,7 @@ def test_every_private_torch_api_is_where_compat_takes_it_from():
     fake_mode, mem_tracker, mod_state = compat.mem_tracker()
     assert callable(fake_mode) and callable(mem_tracker) and hasattr(mod_state, "POST_FW")
     reader, writer = compat.fsspec_storage()
+    assert isinstance(compat.fake_store(), torch.distributed.Store)
     assert hasattr(reader, "read_metadata") and hasattr(writer, "write_data")
     local, offset = compat.local_shape_and_offset_at((8, 4), (2,), [1], [torch.distributed.tensor.Shard(0)])
     assert (tuple(local), tuple(offset)) == ((4, 4), (4, 0))

@@ -4,7 +4,7 @@ initialised to the same weights at any mesh (models.init_weights); AdamW and the
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,39 +32,57 @@ def build_sharded_model(run: Run) -> CausalLM:
     return model
 
 
+class Stages(NamedTuple):
+    """The run's model (under pipeline parallelism this rank's stages of it) as parallelised."""
+
+    model: CausalLM
+    pipeline: Optional[Pipeline]  # the schedule over the stages, not yet started
+    done: Parallelized
+    n_lora: int  # layers given LoRA adapters
+
+
 def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
     """The run's model, parallelised over its mesh and initialised (every rank calls it); under
     pipeline parallelism this rank's stages of it, and the schedule that runs them."""
     cfg, device = run.cfg, run.device
-    assert run.mesh is not None, "the process group is up (run.started)"
     if device.type == "cuda" and run.info.is_main:
         warning = fits_or_warning(cfg, run.shape, run.model_config, run.info.local_world_size)
         if warning:
             run.log(warning)
-    model = build_model(run.model_config, torch.device("meta") if cfg.low_cpu_fsdp else device)
-    n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
-    model.head.z_loss_weight = cfg.z_loss_weight
-    model.lines = LinePlan.of(cfg, device, context_parallel(run))
-    pipeline = None
-    if run.pipeline is not None:  # this rank's stages only, under their whole-model names
-        group = run.mesh["pp"].get_group()
-        prune(model, run.pipeline, dist.get_rank(group))
-        pipeline = Pipeline(run.pipeline, model, group, device, cfg.z_loss_weight > 0)
-    if not cfg.low_cpu_fsdp:
-        init_weights(model, cfg.seed)
-    done = parallelize(model, run.settings.parallel, run.mesh, None if pipeline is None else list(pipeline.parts))
+    model, pipeline, done, n_lora = parallelised(run, torch.device("meta") if cfg.low_cpu_fsdp else device)
     if cfg.low_cpu_fsdp:
         model.to_empty(device=device)
         init_weights(model, cfg.seed)
     if pipeline is not None:
         pipeline.start()
-    run.log(_describe(run, model, done, n_lora))
+    run.log(describe(run, model, done, n_lora))
     if cfg.float8 and done.float8 == 0:
         run.log(
             f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
             "features in and out"
         )
     return model, pipeline
+
+
+def parallelised(run: Run, device: torch.device) -> Stages:
+    """The run's model built on `device` (initialised there unless it is the meta device), LoRA's
+    adapters added, under pipeline parallelism pruned to this rank's stages, and parallelised over the
+    run's mesh: what every start does, and what --dry_run rehearses on the meta device."""
+    cfg = run.cfg
+    assert run.mesh is not None, "the process group is up (run.started)"
+    model = build_model(run.model_config, device)
+    n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
+    model.head.z_loss_weight = cfg.z_loss_weight
+    model.lines = LinePlan.of(cfg, run.device, context_parallel(run))
+    pipeline = None
+    if run.pipeline is not None:  # this rank's stages only, under their whole-model names
+        group = run.mesh["pp"].get_group()
+        prune(model, run.pipeline, dist.get_rank(group))
+        pipeline = Pipeline(run.pipeline, model, group, run.device, cfg.z_loss_weight > 0)
+    if device.type != "meta":
+        init_weights(model, cfg.seed)
+    done = parallelize(model, run.settings.parallel, run.mesh, None if pipeline is None else list(pipeline.parts))
+    return Stages(model, pipeline, done, n_lora)
 
 
 def context_parallel(run: Run) -> Optional[ContextParallel]:
@@ -76,7 +94,7 @@ def context_parallel(run: Run) -> Optional[ContextParallel]:
     return ContextParallel(cp.get_group(), cp.get_local_rank(), run.shape.cp)
 
 
-def _describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
+def describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
     """The start-up line about the model: sizes, mesh, and what is on."""
     cfg, mesh = run.cfg, run.mesh
     assert mesh is not None

@@ -58,6 +58,7 @@ from fms_fsdp.train.ft_settings import fingerprint
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.lease import RunLease
 from fms_fsdp.train.periodic import Periodic, Report
+from fms_fsdp.train.rehearsal import rehearse, rehearsed_ranks
 from fms_fsdp.train.triggers import StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -89,10 +90,22 @@ def run_training(cfg: train_config) -> list[dict[str, Any]]:
 
 
 def dry_run(cfg: train_config) -> None:
-    """--dry_run: rank 0 prints the memory plan; no process group starts, no GPU memory is touched."""
+    """--dry_run: rank 0 rehearses the start at the planned size under a fake process group
+    (train/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
+    real process group starts, no GPU memory is touched."""
     run = facts(cfg)
-    text = memory_report(cfg, run.shape, run.model_config, run.info.local_world_size)
-    run.log(text)
+    if not run.info.is_main:
+        return
+    start = time.perf_counter()
+    states = rehearse(run)
+    dims, ranks = run.shape.dims(), rehearsed_ranks(run)
+    which = f"ranks {', '.join(map(str, ranks))} (one per pipeline rank)" if len(ranks) > 1 else "rank 0"
+    run.log(
+        f"rehearsed the start of {run.info.world_size} ranks under a fake process group, mesh "
+        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
+        f"as at a real start in {time.perf_counter() - start:.1f} s"
+    )
+    run.log(memory_report(cfg, run.shape, run.model_config, run.info.local_world_size, states))
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""--dry_run's rehearsal of the start at full size (--plan_world_size=N, as torchtitan's
+COMM_MODE=fake_backend): for each kind of rank, this process joins torch's fake process group of N
+ranks as that rank (every collective returns at once and moves nothing) and runs the start's own
+code: the mesh, the model built on the meta device (no memory behind it), pruned to the rank's
+pipeline stages, tensor parallelism, float8, activation checkpointing, compile and FSDP2
+(train/build.py `parallelised`), the pipeline's schedule, and the optimizer's first step, which makes
+its state. The bytes of the parameters, their gradients and the optimizer's state are read from the
+shards it leaves (DTensor local shapes); the memory plan checks its analytic figures against them.
+
+The kinds of rank: the ranks of one pipeline stage hold the same modules, split alike, and FSDP2 cuts
+a parameter's rows as torch.chunk does, so the first rank of a shard group holds the largest shard
+(what every rank of the group allocates: FSDP2 pads the others to it). One rank per pipeline rank is
+rehearsed: the one at coordinate 0 of every other mesh dimension. The mesh is laid out on the CPU's
+device type whatever the run's device: the tensors are on the meta device either way.
+
+A setting the real wrapping refuses ends the rehearsal as it would end the start: in one line (the
+ConfigError's, or what torch raised and the rank it raised on).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+from multiprocessing import get_context
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fms_fsdp.compat import fake_store
+from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.memory import State
+from fms_fsdp.optim import build_optimizer
+from fms_fsdp.parallel.mesh import build_mesh
+from fms_fsdp.run import Run
+from fms_fsdp.train.build import describe, parallelised
+
+REHEARSED_ON = torch.device("cpu")  # the mesh's device type (and the pipeline stages')
+
+
+def rehearsed_ranks(run: Run) -> list[int]:
+    """The ranks rehearsed: the first of each pipeline stage's ranks."""
+    per_stage = run.info.world_size // run.shape.pp
+    return [pp_rank * per_stage for pp_rank in range(run.shape.pp)]
+
+
+def rehearse(run: Run) -> list[State]:
+    """Each pipeline rank's state as its real shards hold it, from a rehearsal of its start; rank 0's
+    start-up line is logged as a real start logs it. ConfigError (one line) where the wrapping fails.
+    Each rank is rehearsed in a process of its own, forked from this one, as many at once as there are
+    cores: DTensor's caches keep the meshes of a finished world, whose groups the next world lacks."""
+    ranks = rehearsed_ranks(run)
+    if run.cfg.use_torch_compile:  # torch's compiler imported here once, not in every rank's process
+        torch.compile(_state)  # (nothing is compiled until called)
+    with get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
+        return list(pool.imap(partial(_rehearse, run), ranks))  # the first rank's error first
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as `rank` of a fake process group of `world_size` ranks, for the block."""
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_store())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rehearse(run: Run, rank: int) -> State:
+    """The state of `rank`'s shards after its start and first optimizer step."""
+    world_size = run.info.world_size
+    with fake_world(rank, world_size):
+        try:
+            mesh = build_mesh(run.shape, REHEARSED_ON, None)
+            as_rank = replace(run, info=replace(run.info, rank=rank, device=REHEARSED_ON), mesh=mesh)
+            model, pipeline, done, n_lora = parallelised(as_rank, torch.device("meta"))
+            if pipeline is not None:
+                pipeline.start()
+            optimizer = _first_step(as_rank, model)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(
+                f"--dry_run: these flags fail at the start of rank {rank} of {world_size}, where the model is "
+                f"parallelised: {type(e).__name__}: {first_line(e)}"
+            ) from None
+        if rank == 0:
+            run.log(describe(replace(as_rank, info=run.info), model, done, n_lora))  # on the run's device
+        return _state(model, optimizer)
+
+
+def _first_step(run: Run, model: nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer after a step on zero gradients, which makes its state on the meta device,
+    by the single-tensor kernels (the same state: the fused ones take no meta tensors, and DTensor
+    shards the foreach ones' tensor lists several times slower)."""
+    settings = replace(run.settings.optimizer, impl="foreach", skip_bad_steps=0)
+    optimizer = build_optimizer(model, settings, REHEARSED_ON)
+    for group in optimizer.param_groups:
+        group["foreach"] = False
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return optimizer
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes of this rank's part of `t`."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> State:
+    """Parameters, gradients (the trainable parameters' shards, as FSDP2 reduce-scatters into) and the
+    optimizer's state on the device (AdamW's step counts stay on the host)."""
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return State(
+        sum(_bytes(p) for p in params),
+        sum(_bytes(p.grad) for p in params if p.grad is not None),
+        sum(_bytes(t) for t in state if t.device.type == "meta"),
+    )
