@@ -113,6 +113,7 @@ def cfg(root: Path, **kw):
         num_workers=0,
         seed=7,
         file_type="auto",
+        ckpt_save_path=str(root.with_name(root.name + ".run")),  # the run's data cache: data_cache/ there
     )
     if (root / "tokenizer.json").is_file():
         base["tokenizer_path"] = str(root / "tokenizer.json")
@@ -378,7 +379,8 @@ def test_counts_file_is_read_when_present_and_cached_when_absent(tmp_path):
     assert loader.datasets[0].tokens == 3 * 12345  # taken from the file, not recomputed
     (tmp_path / "meta" / "combined_counts.csv").unlink()
     loader = data_loader(cfg(tmp_path), 0, 1)
-    cache = next((tmp_path / "meta").glob("*counts*.csv")).read_text().splitlines()
+    assert not list((tmp_path / "meta").iterdir())  # the data folder is left alone: the cache is the run's
+    cache = next(tmp_path.with_name(tmp_path.name + ".run").rglob("*counts*.csv")).read_text().splitlines()
     assert cache[0] == "dataset/filename,documents,tokens" and len(cache) == 4
     assert loader.datasets[0].tokens == sum(len(d) for d in make_docs(10, 30, 1))
 
