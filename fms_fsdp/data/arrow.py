@@ -33,13 +33,17 @@ def _is_token_list(t: pa.DataType) -> bool:
 
 
 def pick_column(schema: pa.Schema, options: Options, path: Path) -> tuple[str, Optional[str]]:
-    """(column to read, the column picked when --col_name's default `tokens` is absent and exactly one
-    list-of-integers column is there, as `datasets`' `input_ids`), else a DataError naming the file."""
+    """(column to read, the column picked when --col_name's default `tokens` is absent): `input_ids`
+    (what `datasets` tokenizers write, beside `attention_mask`), else the only list-of-integers column;
+    a DataError naming the file otherwise."""
     if options.col_name in schema.names:
         return options.col_name, None
     lists = [f.name for f in schema if _is_token_list(f.type)]
-    if options.col_name == "tokens" and len(lists) == 1:
-        return lists[0], lists[0]
+    if options.col_name == "tokens" and lists:
+        if "input_ids" in lists:
+            return "input_ids", "input_ids"
+        if len(lists) == 1:
+            return lists[0], lists[0]
     raise DataError(f"{path}: no column {options.col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
 
 
@@ -89,7 +93,7 @@ def stream_index(path: Path) -> np.ndarray:
                 message = messages.read_next_message()
             except StopIteration:
                 break
-            except pa.ArrowInvalid:  # a message whose body the file does not hold
+            except (pa.ArrowException, OSError):  # a message whose body the file does not hold
                 break
             if message.type == "record batch":
                 rows.append([at, pa.ipc.read_record_batch(message, schema).num_rows])

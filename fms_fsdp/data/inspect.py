@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from fms_fsdp.data.reader import TOKEN_DTYPES, Options
 from fms_fsdp.data.shards import list_datasets, read_counts, reader_of, shard_paths
+from fms_fsdp.data.token_arrays import TokenArray
 from fms_fsdp.errors import ConfigError, DataError, first_line
 
 EXAMPLES = 5
@@ -83,8 +84,9 @@ class Checker:
         self.empty = Flag("empty documents")
         self.oov = Flag(f"documents with out-of-vocabulary ids (>= {vocab_size})")
 
-    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray) -> None:
-        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats."""
+    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray, eos_ends: bool = False) -> None:
+        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats
+        (eos_ends: the layout ends each document at eos, token arrays, so a final eos is no double)."""
         first_doc = stats.documents
         stats.documents += len(lengths)
         stats.tokens += len(values)
@@ -100,7 +102,8 @@ class Checker:
         docs = np.flatnonzero(lengths)
         first, last = values[ends[docs] - lengths[docs]], values[ends[docs] - 1]
         seps = list(self.separators.values())
-        begins, finishes = np.isin(first, seps), np.isin(last, seps)
+        closing = [v for k, v in self.separators.items() if not (eos_ends and k == "eos")]
+        begins, finishes = np.isin(first, seps), np.isin(last, closing)
 
         def edges(k: int) -> str:
             how = [f"begins with {first[k]}"] if begins[k] else []
@@ -121,7 +124,7 @@ def scan_file(path: Path, rel: str, options: Options, checker: Checker) -> FileS
     shard = reader_of(path, options)(path, options)
     try:
         for values, lengths in shard.chunks():
-            checker.documents(stats, values, lengths)
+            checker.documents(stats, values, lengths, isinstance(shard, TokenArray))
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: truncated or corrupt: {first_line(e)}") from None
     finally:

@@ -337,8 +337,8 @@ class _RootScan:
         if shard.picked is not None and (dataset, shard.picked) not in self.said:
             self.said.add((dataset, shard.picked))
             print(
-                f"note: {dataset}: no {options.col_name!r} column; reading {shard.picked!r}, its only "
-                "list-of-integers column (set --col_name to choose)",
+                f"note: {dataset}: no {options.col_name!r} column; reading its list-of-integers column "
+                f"{shard.picked!r} (set --col_name to choose another)",
                 flush=True,
             )
         entry = self.known.get(rel)
