@@ -2,10 +2,10 @@
 
     python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
         [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
-        [--layout=arrow|parquet|jsonl|jsonl.gz]
+        [--layout=arrow|parquet|hf|megatron|olmo|jsonl|jsonl.gz]
 
-Writes a synthetic dataset once (fms-fsdp's Arrow layout, document lengths log-normal around 1,000
-tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
+Writes a synthetic dataset once (fms-fsdp's Arrow layout by default, or --layout: write_data; document
+lengths log-normal around 1,000 tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
 1024 logical shards, tokens/s after a warm-up, the peak of RssAnon (private memory; pages of the
 memory-mapped shards are the kernel's file cache and not counted) of this process and of its loader
 workers, sampled every 50 ms, and the pickled loader state size. Prints one line of key=value figures.
@@ -18,6 +18,7 @@ tokenizer's own single-thread speed on the same documents and the loader's share
 from __future__ import annotations
 
 import pickle
+import struct
 import sys
 import threading
 import time
@@ -116,21 +117,46 @@ def tokenizer_speed(root: Path, seconds: float) -> float:
 
 
 def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: str) -> None:
-    """A dataset `bench` of `files` shards: fms-fsdp's Arrow layout, or Parquet with one row per
-    document in row groups of 500."""
+    """A dataset `bench` of `files` shards in one layout: arrow (fms-fsdp's, one record batch per
+    document), parquet (one row per document, row groups of 500), hf (an Arrow stream with one row per
+    document in record batches of 1,000, as `datasets` writes), megatron (<prefix>.bin/.idx, uint16, laid
+    out as Megatron's IndexedDatasetBuilder writes them) or olmo (a raw uint16 token memmap, documents
+    ending at eos 0)."""
     rng = np.random.default_rng(0)
     schema = pa.schema([("tokens", pa.uint32())])
     for f in range(files):
-        path = root / "bench" / f"shard_{f:05d}.{layout}"
+        path = root / "bench" / f"shard_{f:05d}"
         path.parent.mkdir(parents=True, exist_ok=True)
         lengths = np.clip(rng.lognormal(np.log(800), 0.8, docs_per_file), 1, 20000).astype(int)
         docs = [rng.integers(1, vocab, n, dtype=np.uint32) for n in lengths]
         if layout == "parquet":
-            pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.uint32()))}), path, row_group_size=500)
-            continue
-        with pa.ipc.new_file(str(path), schema) as w:
-            for d in docs:
-                w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
+            table = pa.table({"tokens": pa.array(docs, pa.list_(pa.uint32()))})
+            pq.write_table(table, path.with_suffix(".parquet"), row_group_size=500)
+        elif layout == "hf":
+            table = pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))})
+            with pa.ipc.new_stream(str(path.with_suffix(".arrow")), table.schema) as w:
+                for batch in table.to_batches(max_chunksize=1000):
+                    w.write_batch(batch)
+        elif layout == "megatron":
+            write_megatron(path, docs)
+        elif layout == "olmo":
+            tokens = np.concatenate([np.append(d, 0) for d in docs]).astype(np.uint16)
+            tokens.tofile(path.with_suffix(".npy"))
+        else:
+            with pa.ipc.new_file(str(path.with_suffix(".arrow")), schema) as w:
+                for d in docs:
+                    w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
+
+
+def write_megatron(prefix: Path, docs: list[np.ndarray]) -> None:
+    """<prefix>.bin and .idx as Megatron's IndexedDatasetBuilder lays them out (uint16, dtype code 8; one
+    sequence per document)."""
+    lengths = np.array([len(d) for d in docs], np.int32)
+    np.concatenate(docs).astype(np.uint16).tofile(prefix.with_suffix(".bin"))
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 2)]).astype(np.int64)
+    with prefix.with_suffix(".idx").open("wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(docs), len(docs) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(docs) + 1, dtype=np.int64).tobytes())
 
 
 def main(
@@ -169,6 +195,7 @@ def main(
         num_workers=num_workers,
         logical_shards=logical_shards,
         file_type="auto",
+        data_cache_dir=str(root) + ".cache",  # counts and offsets: built at the first start, then read
         **raw,
     )
     peak, worker_peak, stop = [rss_anon_mb()], [0.0], threading.Event()

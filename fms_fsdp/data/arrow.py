@@ -199,8 +199,8 @@ class ParquetRows(Reader):
                 "(one row per document)"
             )
         rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
-        self.blocks = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
-        self.documents = int(self.blocks[-1])
+        self.groups = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+        self.blocks, self.documents = self.groups, int(self.groups[-1])
 
     def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(values, offsets) of row group b, decoded."""
@@ -212,7 +212,7 @@ class ParquetRows(Reader):
         return values[offsets[r] : offsets[r + 1]]
 
     def chunks(self, group: int = 1024) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for b in range(len(self.blocks) - 1):
+        for b in range(len(self.groups) - 1):
             values, offsets = self.block(b)
             yield values[offsets[0] : offsets[-1]], np.diff(offsets).astype(np.int64)
 

@@ -47,7 +47,7 @@ class IndexStore:
 
     def get(self, rel: str, path: Path, reader: type[Reader], options: Options) -> Index:
         """The file's index: from the cache, or computed now (and cached where the folder is writable)."""
-        stat = "remote" if is_remote(path) else f"{path.stat().st_size}|{mtime_ns(path)}"
+        stat = f"{path.stat().st_size}|{mtime_ns(path)}"
         key = hashlib.sha1(f"{rel}|{stat}|{reader.__name__}|{reader.index_key(options)}".encode()).hexdigest()
         cached = None if self.folder is None else self.folder / f"{key}.npy"
         if cached is not None and cached.is_file():

@@ -51,6 +51,11 @@ class Reader:
     documents: int = 0
     picked: Optional[str] = None  # the column read when --col_name's was not there (said once at start-up)
 
+    def __init__(self, path: Path, options: Options, index: Optional[np.ndarray] = None):
+        """Open the file (its index: what index_of computed, or None to compute it now); DataError
+        naming the file when it cannot be read as this layout."""
+        self.path = path
+
     @classmethod
     def index_of(cls, path: Path, options: Options) -> Optional[np.ndarray]:
         """What reading the whole file once tells (None: the layout needs nothing beyond its own header)."""

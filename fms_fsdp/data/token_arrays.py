@@ -71,7 +71,7 @@ def _metadata_bounds(meta: Path, tokens: int) -> np.ndarray:
     """Document boundaries from Dolma's metadata rows (start,end,... token offsets)."""
     starts, ends = [], []
     try:
-        with gzip.open(meta, "rt", newline="") as f:
+        with meta.open("rb") as raw, gzip.open(raw, "rt", newline="") as f:
             for row in csv.reader(f):
                 if row and row[0].strip().isdigit():
                     starts.append(int(row[0]))
@@ -103,8 +103,9 @@ class TokenArray(Reader):
         except OSError as e:
             raise DataError(f"{path}: cannot read it ({first_line(e)})") from None
         self.dtype, self._offset, self.tokens, self.how = _layout(self._data, path, options)
-        self._bounds = self.index_of(path, options) if index is None else index
-        self.documents = len(self._bounds) - 1
+        bounds = self.index_of(path, options) if index is None else index
+        assert bounds is not None
+        self._bounds, self.documents = bounds, len(bounds) - 1
 
     @classmethod
     def index_key(cls, options: Options) -> str:
@@ -117,7 +118,8 @@ class TokenArray(Reader):
         data = Bytes(path)
         try:
             dtype, offset, tokens, how = _layout(data, path, options)
-            ends, top = [], -1
+            ends: list[np.ndarray] = []
+            top = -1
             for start in range(0, tokens, _SCAN):
                 chunk = data.array(dtype, offset + start * dtype.itemsize, min(_SCAN, tokens - start))
                 ends.append(np.flatnonzero(chunk == options.eos) + start + 1)
