@@ -120,8 +120,9 @@ def mixed(root: Path) -> dict:
 
 
 def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
+    """With a mixture schedule (dolma and hf rest from step 2) and worker processes for the resume."""
     flags = mixed(tmp_path)
-    c = cfg(tmp_path, **flags)
+    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1;2:0,1,0,1,1", num_workers=2)
     full = take(data_loader(c, 0, 2), 9)
     first = data_loader(c, 0, 2)
     it = iter(first)
@@ -130,6 +131,9 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
     again = data_loader(c, 0, 2)
     again.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
     assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[4:], take(again, 5)))
+    late = lines_of(full[2:]).reshape(-1)
+    assert not np.isin(late, np.arange(1000, 1060)).any() and not np.isin(late, np.arange(3000, 3060)).any()
+    c = cfg(tmp_path, **flags)
     seen: Counter = Counter()
     old = []
     for rank in range(2):
@@ -145,6 +149,19 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
     assert {t // 1000 for t in seen} == {0, 1, 2, 3, 4}  # every layout was read
+
+
+def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):
+    from fms_fsdp.data.build import packing_of
+    from fms_fsdp.evaluation.evaluate import eval_lines
+
+    docs = make_docs(10, 30, 9)
+    write_dataset(tmp_path, "fms", docs, files=2)
+    for layout in ("hf_save_to_disk", "olmo", "dolma", "npy"):
+        write_layout(tmp_path, layout, docs, layout)
+    c = cfg(tmp_path)
+    lines = {ds.name: eval_lines(ds, packing_of(c, 4096), None) for ds in data_loader(c, 0, 1).datasets}
+    assert len(lines) == 5 and all(np.array_equal(lines["fms"], other) for other in lines.values())
 
 
 def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every_layout(tmp_path, capsys):
