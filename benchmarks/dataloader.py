@@ -2,7 +2,7 @@
 
     python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
         [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
-        [--layout=arrow|parquet|hf|megatron|olmo|jsonl|jsonl.gz]
+        [--layout=arrow|parquet|hf|megatron|olmo|jsonl|jsonl.gz] [--compare=arrow,hf,megatron,olmo --rounds=10]
 
 Writes a synthetic dataset once (fms-fsdp's Arrow layout by default, or --layout: write_data; document
 lengths log-normal around 1,000 tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
@@ -170,8 +170,16 @@ def main(
     logical_shards: int = 1024,
     layout: str = "arrow",
     upload_to: str = "",
+    compare: str = "",
+    rounds: int = 10,
 ) -> None:
-    """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there."""
+    """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there.
+    --compare=arrow,hf,megatron,olmo: the same documents in each layout under <data_path>_<layout>, read
+    in one process in turns of --seconds each for --rounds rounds (a busy machine slows every layout
+    alike): each layout's median tokens/s and its median ratio to the first's over the rounds."""
+    if compare:
+        compare_layouts(data_path, compare.split(","), files, docs_per_file, seconds, rounds, seq_length, batch_size)
+        return
     root = Path(data_path)
     text = layout.startswith("jsonl")
     if not (root / "bench").is_dir():
@@ -234,6 +242,53 @@ def main(
         f"state_kb={state_kb:.1f}{figures}",
         flush=True,
     )
+
+
+def compare_layouts(
+    data_path: str,
+    layouts: list[str],
+    files: int,
+    docs_per_file: int,
+    seconds: float,
+    rounds: int,
+    seq: int,
+    batch: int,
+) -> None:
+    """See main's --compare."""
+    iters, rates = {}, {name: [] for name in layouts}
+    for name in layouts:
+        root = Path(f"{data_path}_{name}")
+        if not (root / "bench").is_dir():
+            write_data(root, files, docs_per_file, 32000, name)
+        cfg = make_config(
+            data_path=str(root),
+            model_variant="llama2_7b",
+            seq_length=seq,
+            batch_size=batch,
+            num_workers=0,
+            logical_shards=1024,
+            data_cache_dir=str(root) + ".cache",
+        )
+        loader = get_data_loader(cfg, 0, 1, facts(cfg).vocab_size)
+        iters[name] = (loader, iter(loader))
+        warm = time.perf_counter() + 2.0
+        while time.perf_counter() < warm:
+            next(iters[name][1])
+    for _ in range(rounds):
+        for name in layouts:
+            batches, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                next(iters[name][1])
+                batches += 1
+            rates[name].append(batches * batch * seq / (time.perf_counter() - t0))
+    first = np.array(rates[layouts[0]])
+    for name in layouts:
+        state_kb = len(pickle.dumps(iters[name][0].state_dict())) / 1024
+        print(
+            f"COMPARE layout={name} median_tokens_per_s={np.median(rates[name]) / 1e6:.2f}M "
+            f"median_ratio_to_{layouts[0]}={np.median(np.array(rates[name]) / first):.2f} state_kb={state_kb:.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

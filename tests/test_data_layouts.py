@@ -175,6 +175,9 @@ def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every
     mtimes = {p: p.stat().st_mtime_ns for p in index}
     data_loader(cfg(tmp_path, **flags), 0, 1)
     assert {p: p.stat().st_mtime_ns for p in index} == mtimes and not (tmp_path / "meta").exists()
+    only = data_loader(cfg(tmp_path, file_type="numpy", datasets=["olmo", "npy"], **flags), 0, 1)  # as configs say
+    assert [d.documents for d in only.datasets] == [60, 60]
+    assert "hf: no .npy files (--file_type=numpy)" in error(tmp_path, file_type="numpy", datasets=["hf"])
     inspect_data(str(tmp_path), ["hf", "olmo", "dolma", "npy"], 4096, EOS, None, "tokens")
     report = capsys.readouterr().out
     rows = [line.split() for line in report.splitlines()]
