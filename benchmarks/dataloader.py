@@ -2,10 +2,10 @@
 
     python benchmarks/dataloader.py [--data_path=/tmp/bench_data] [--files=1000] [--docs_per_file=50]
         [--seconds=20] [--seq_length=4096] [--batch_size=2] [--num_workers=0]
-        [--layout=arrow|parquet|jsonl|jsonl.gz]
+        [--layout=arrow|parquet|hf|megatron|olmo|jsonl|jsonl.gz] [--compare=arrow,hf,megatron,olmo --rounds=10]
 
-Writes a synthetic dataset once (fms-fsdp's Arrow layout, document lengths log-normal around 1,000
-tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
+Writes a synthetic dataset once (fms-fsdp's Arrow layout by default, or --layout: write_data; document
+lengths log-normal around 1,000 tokens, 50M tokens by default) unless it exists, then in one process: time to the first batch with
 1024 logical shards, tokens/s after a warm-up, the peak of RssAnon (private memory; pages of the
 memory-mapped shards are the kernel's file cache and not counted) of this process and of its loader
 workers, sampled every 50 ms, and the pickled loader state size. Prints one line of key=value figures.
@@ -18,6 +18,7 @@ tokenizer's own single-thread speed on the same documents and the loader's share
 from __future__ import annotations
 
 import pickle
+import struct
 import sys
 import threading
 import time
@@ -116,21 +117,46 @@ def tokenizer_speed(root: Path, seconds: float) -> float:
 
 
 def write_data(root: Path, files: int, docs_per_file: int, vocab: int, layout: str) -> None:
-    """A dataset `bench` of `files` shards: fms-fsdp's Arrow layout, or Parquet with one row per
-    document in row groups of 500."""
+    """A dataset `bench` of `files` shards in one layout: arrow (fms-fsdp's, one record batch per
+    document), parquet (one row per document, row groups of 500), hf (an Arrow stream with one row per
+    document in record batches of 1,000, as `datasets` writes), megatron (<prefix>.bin/.idx, uint16, laid
+    out as Megatron's IndexedDatasetBuilder writes them) or olmo (a raw uint16 token memmap, documents
+    ending at eos 0)."""
     rng = np.random.default_rng(0)
     schema = pa.schema([("tokens", pa.uint32())])
     for f in range(files):
-        path = root / "bench" / f"shard_{f:05d}.{layout}"
+        path = root / "bench" / f"shard_{f:05d}"
         path.parent.mkdir(parents=True, exist_ok=True)
         lengths = np.clip(rng.lognormal(np.log(800), 0.8, docs_per_file), 1, 20000).astype(int)
         docs = [rng.integers(1, vocab, n, dtype=np.uint32) for n in lengths]
         if layout == "parquet":
-            pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.uint32()))}), path, row_group_size=500)
-            continue
-        with pa.ipc.new_file(str(path), schema) as w:
-            for d in docs:
-                w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
+            table = pa.table({"tokens": pa.array(docs, pa.list_(pa.uint32()))})
+            pq.write_table(table, path.with_suffix(".parquet"), row_group_size=500)
+        elif layout == "hf":
+            table = pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))})
+            with pa.ipc.new_stream(str(path.with_suffix(".arrow")), table.schema) as w:
+                for batch in table.to_batches(max_chunksize=1000):
+                    w.write_batch(batch)
+        elif layout == "megatron":
+            write_megatron(path, docs)
+        elif layout == "olmo":
+            tokens = np.concatenate([np.append(d, 0) for d in docs]).astype(np.uint16)
+            tokens.tofile(path.with_suffix(".npy"))
+        else:
+            with pa.ipc.new_file(str(path.with_suffix(".arrow")), schema) as w:
+                for d in docs:
+                    w.write_batch(pa.record_batch([pa.array(d)], schema=schema))
+
+
+def write_megatron(prefix: Path, docs: list[np.ndarray]) -> None:
+    """<prefix>.bin and .idx as Megatron's IndexedDatasetBuilder lays them out (uint16, dtype code 8; one
+    sequence per document)."""
+    lengths = np.array([len(d) for d in docs], np.int32)
+    np.concatenate(docs).astype(np.uint16).tofile(prefix.with_suffix(".bin"))
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 2)]).astype(np.int64)
+    with prefix.with_suffix(".idx").open("wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(docs), len(docs) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(docs) + 1, dtype=np.int64).tobytes())
 
 
 def main(
@@ -144,8 +170,16 @@ def main(
     logical_shards: int = 1024,
     layout: str = "arrow",
     upload_to: str = "",
+    compare: str = "",
+    rounds: int = 10,
 ) -> None:
-    """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there."""
+    """--upload_to=s3://bucket/prefix: copy the dataset there (once) and read it from there.
+    --compare=arrow,hf,megatron,olmo: the same documents in each layout under <data_path>_<layout>, read
+    in one process in turns of --seconds each for --rounds rounds (a busy machine slows every layout
+    alike): each layout's median tokens/s and its median ratio to the first's over the rounds."""
+    if compare:
+        compare_layouts(data_path, compare.split(","), files, docs_per_file, seconds, rounds, seq_length, batch_size)
+        return
     root = Path(data_path)
     text = layout.startswith("jsonl")
     if not (root / "bench").is_dir():
@@ -169,6 +203,7 @@ def main(
         num_workers=num_workers,
         logical_shards=logical_shards,
         file_type="auto",
+        data_cache_dir=str(root) + ".cache",  # counts and offsets: built at the first start, then read
         **raw,
     )
     peak, worker_peak, stop = [rss_anon_mb()], [0.0], threading.Event()
@@ -207,6 +242,53 @@ def main(
         f"state_kb={state_kb:.1f}{figures}",
         flush=True,
     )
+
+
+def compare_layouts(
+    data_path: str,
+    layouts: list[str],
+    files: int,
+    docs_per_file: int,
+    seconds: float,
+    rounds: int,
+    seq: int,
+    batch: int,
+) -> None:
+    """See main's --compare."""
+    iters, rates = {}, {name: [] for name in layouts}
+    for name in layouts:
+        root = Path(f"{data_path}_{name}")
+        if not (root / "bench").is_dir():
+            write_data(root, files, docs_per_file, 32000, name)
+        cfg = make_config(
+            data_path=str(root),
+            model_variant="llama2_7b",
+            seq_length=seq,
+            batch_size=batch,
+            num_workers=0,
+            logical_shards=1024,
+            data_cache_dir=str(root) + ".cache",
+        )
+        loader = get_data_loader(cfg, 0, 1, facts(cfg).vocab_size)
+        iters[name] = (loader, iter(loader))
+        warm = time.perf_counter() + 2.0
+        while time.perf_counter() < warm:
+            next(iters[name][1])
+    for _ in range(rounds):
+        for name in layouts:
+            batches, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                next(iters[name][1])
+                batches += 1
+            rates[name].append(batches * batch * seq / (time.perf_counter() - t0))
+    first = np.array(rates[layouts[0]])
+    for name in layouts:
+        state_kb = len(pickle.dumps(iters[name][0].state_dict())) / 1024
+        print(
+            f"COMPARE layout={name} median_tokens_per_s={np.median(rates[name]) / 1e6:.2f}M "
+            f"median_ratio_to_{layouts[0]}={np.median(np.array(rates[name]) / first):.2f} state_kb={state_kb:.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -225,6 +225,7 @@ def _inspect_data(
     eos_token: Optional[int] = 0,
     bos_token: Optional[int] = None,
     col_name: str = "tokens",
+    token_dtype: str = "auto",
 ) -> None:
     """fms-inspect-data --data_path=<folder> [--datasets=a,b] [--vocab_size=N]
 
@@ -233,11 +234,12 @@ def _inspect_data(
     --vocab_size  flag ids >= this (not checked when not given)
     --eos_token   the separator the loader adds after each document (None: none)
     --bos_token   the token the loader puts before each document (None: none)
-    --col_name    the column holding the token ids
+    --col_name    the column holding the token ids (Arrow, Parquet)
+    --token_dtype the dtype of headerless .npy token arrays (auto: uint16 when --vocab_size <= 65536, else uint32)
     """
     from fms_fsdp.data.inspect import inspect_data
 
-    inspect_data(data_path, datasets, vocab_size, eos_token, bos_token, col_name)
+    inspect_data(data_path, datasets, vocab_size, eos_token, bos_token, col_name, token_dtype)
 
 
 def _plot_metrics(*paths: str, o: str = "curves.png", x: str = "step") -> None:

@@ -73,11 +73,31 @@ class train_config:
     )
     data_path: str = _f(
         "/fsx/data",
-        "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder of Arrow/Parquet shards (or raw text) per dataset.",
+        "Folder (or object-storage URL, e.g. s3://bucket/prefix) holding one sub-folder per dataset: Arrow or Parquet shards (Hugging Face datasets' save_to_disk folders and cache files too), Megatron .bin/.idx pairs, OLMo/Dolma .npy token arrays, or raw text; a folder may mix them.",
         shared=False,
     )
-    file_type: str = _f("arrow", "Shard format.", choices=("arrow", "hf_parquet", "auto"), shared=True)
-    col_name: str = _f("tokens", "Column holding the token ids.", shared=True)
+    file_type: str = _f(
+        "auto",
+        "Which files of the dataset folders are read: auto (every layout, each file recognised by its name and first bytes), or only arrow (.arrow), hf_parquet (.parquet), megatron (.bin/.idx) or numpy (.npy token arrays).",
+        choices=("auto", "arrow", "hf_parquet", "megatron", "numpy"),
+        shared=True,
+    )
+    col_name: str = _f(
+        "tokens",
+        "Column holding the token ids (Arrow, Parquet). A file without a 'tokens' column but with exactly one list-of-integers column (datasets' input_ids) is read from that one, said once at start-up.",
+        shared=True,
+    )
+    token_dtype: str = _f(
+        "auto",
+        "Dtype of headerless .npy token arrays (OLMo, Dolma): auto follows OLMo's rule, uint16 when the vocabulary fits (vocab_size <= 65536), else uint32. A .npy with numpy's header carries its own.",
+        choices=("auto", "uint8", "uint16", "uint32", "uint64"),
+        shared=True,
+    )
+    data_cache_dir: Optional[str] = _f(
+        None,
+        "Folder where the loader caches what it learns of the data files at start-up (counts, Arrow stream batch offsets, token arrays' documents, raw-text indexes), one sub-folder per data folder; default <ckpt_save_path>/data_cache. A folder shared by runs builds them once for all; 'meta' keeps them in each data folder's own meta/ (skipped where read-only).",
+        shared=False,
+    )
     text_field: str = _f(
         "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).", shared=True
     )

@@ -11,6 +11,7 @@ import pytest
 
 from fms_fsdp.cli import evaluate as evaluate_main
 from fms_fsdp.data.build import packing_of
+from fms_fsdp.data.reader import Options
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError
@@ -81,7 +82,7 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
 
 def test_eval_lines_and_flags(data):
     cfg = parse_args([*TINY, "--vocab_size=1024", "--seq_length=16"])
-    layout = Layout("auto", cfg.col_name)
+    layout = Layout("auto", Options(cfg.col_name))
     entries = scan([Source("web", str(data))], layout)
     web = Dataset("web", data, entries["web"], layout)
     lines = eval_lines(web, packing_of(cfg, 1024), None)

@@ -104,6 +104,22 @@ def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
+def test_every_layout_is_read_from_a_bucket_as_from_the_disk(s3, tmp_path):
+    """datasets' streams, OLMo's and Dolma's token arrays, np.save, fms-fsdp's Arrow: by byte ranges."""
+    import s3fs
+    from test_data_layouts import mixed
+
+    local = tmp_path / "layouts"
+    local.mkdir()
+    flags = mixed(local)
+    s3fs.S3FileSystem().put(f"{local}/", "data/layouts/", recursive=True)
+    remote = data_loader(cfg(local, data_path="s3://data/layouts", **flags), 0, 2)
+    on_disk = data_loader(cfg(local, **flags), 0, 2)
+    assert [d.tokens for d in remote.datasets] == [d.tokens for d in on_disk.datasets]
+    for (x1, _), (x2, _) in zip(take(remote, 8), take(on_disk, 8)):
+        assert torch.equal(x1, x2)
+
+
 def test_training_and_evaluation_from_a_bucket_keep_no_credentials(s3, tmp_path):
     env, local = s3
     common = [

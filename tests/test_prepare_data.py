@@ -220,15 +220,15 @@ def test_inspect_flags_problems_in_the_predecessor_layout(tmp_path):
         "dataset/filename,documents,tokens\n/ds/a.arrow,4,9\n/ds/sub/b.arrow,1,2\n"
     )
     lines = run("inspect_data.py", f"--data_path={tmp_path}", "--vocab_size=100").stdout.splitlines()
-    assert lines[1].split() == ["ds", "/ds/a.arrow", "4", "7", "500"]
-    assert lines[2].split() == ["ds", "/ds/sub/b.arrow", "1", "2", "2"]
+    assert lines[1].split() == ["ds", "ds/a.arrow", "4", "7", "500"]
+    assert lines[2].split() == ["ds", "ds/sub/b.arrow", "1", "2", "2"]
     for flag, example in [
-        ("doubled separators", "/ds/a.arrow document 1: begins with 0"),
-        ("empty documents", "/ds/a.arrow document 2"),
-        ("documents with out-of-vocabulary ids (>= 100)", "/ds/a.arrow document 3: id 500"),
+        ("doubled separators", "ds/a.arrow document 1: begins with 0"),
+        ("empty documents", "ds/a.arrow document 2"),
+        ("documents with out-of-vocabulary ids (>= 100)", "ds/a.arrow document 3: id 500"),
         (
             "counts CSV mismatches",
-            "/ds/a.arrow: meta/*counts*.csv says 4 documents, 9 tokens; the file has 4 documents, 7 tokens",
+            "ds/a.arrow: meta/*counts*.csv says 4 documents, 9 tokens; the file has 4 documents, 7 tokens",
         ),
     ]:
         i = next(i for i, line in enumerate(lines) if line.startswith(flag))
@@ -247,12 +247,12 @@ def test_inspect_flags_problems_in_rows_layout_parquet(tmp_path):
         "--bos_token=1",
         "--vocab_size=256",
     ).stdout
-    assert out.splitlines()[1].split() == ["rows", "/rows/a.parquet", "5", "8", "300"]
+    assert out.splitlines()[1].split() == ["rows", "rows/a.parquet", "5", "8", "300"]
     assert (
         "doubled separators (documents beginning or ending with eos 0 or bos 1; the loader adds one, so they "
-        "get two): 2\n  /rows/a.parquet document 0: begins with 1\n  /rows/a.parquet document 2: ends with 0\n"
-        "empty documents: 1\n  /rows/a.parquet document 1\n"
-        "documents with out-of-vocabulary ids (>= 256): 1\n  /rows/a.parquet document 3: id 300\n"
+        "get two): 2\n  rows/a.parquet document 0: begins with 1\n  rows/a.parquet document 2: ends with 0\n"
+        "empty documents: 1\n  rows/a.parquet document 1\n"
+        "documents with out-of-vocabulary ids (>= 256): 1\n  rows/a.parquet document 3: id 300\n"
     ) in out
     assert "counts CSV: none for these datasets" in out
 
@@ -296,4 +296,4 @@ def test_installed_command_runs_the_same_tool(tmp_path):
     write_arrow_docs(tmp_path / "ds" / "a.arrow", [[5, 6, 7], [8, 9]])
     proc = subprocess.run([str(command), f"--data_path={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[1].split() == ["ds", "/ds/a.arrow", "2", "5", "9"]
+    assert proc.stdout.splitlines()[1].split() == ["ds", "ds/a.arrow", "2", "5", "9"]

@@ -94,7 +94,7 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
     with open(data / "web" / "a.jsonl", "a") as f:
         f.write("\n")  # a blank line is no record: the file still has none with text
     assert (
-        "no .arrow or .parquet files (--file_type=auto); raw text (.jsonl, .jsonl.gz, .json.gz) needs "
+        "no .arrow or .parquet or .bin or .idx or .npy files (--file_type=auto); raw text (.jsonl, .jsonl.gz, .json.gz) needs "
         "--tokenizer_path" in error(DataError)
     )
     tok = write_tokenizer(tmp_path / "tok" / "tokenizer.json")
@@ -114,17 +114,30 @@ def test_raw_text_errors_are_one_line_at_start_up(tmp_path):
 
 
 def test_text_index_is_cached_until_a_file_changes(tmp_path):
+    """In the run's folder (the data folder may be read-only); in the data folder's meta/ only when
+    --data_cache_dir=meta asks for it."""
     write_dataset(tmp_path, "web", make_docs(10, 30, 5), "jsonl", files=2)
-    loader = data_loader(cfg(tmp_path), 0, 1)
+    tmp_path.chmod(0o555)  # read-only data
+    try:
+        data_loader(cfg(tmp_path), 0, 1)
+    finally:
+        tmp_path.chmod(0o755)
+    assert not (tmp_path / "meta").exists()
+    run_cache = list(tmp_path.with_name(tmp_path.name + ".run").glob("data_cache/*/text_index_fms_fsdp_cache.json"))
+    assert len(run_cache) == 1 and sorted(json.loads(run_cache[0].read_text())["files"]) == [
+        "/web/part0.jsonl",
+        "/web/part1.jsonl",
+    ]
+    loader = data_loader(cfg(tmp_path, data_cache_dir="meta"), 0, 1)
     cache = tmp_path / "meta" / "text_index_fms_fsdp_cache.json"
     files = json.loads(cache.read_text())["files"]
     assert sorted(files) == ["/web/part0.jsonl", "/web/part1.jsonl"] and loader.datasets[0].documents == 30
     assert loader.datasets[0].tokens == pytest.approx(sum(len(d) for d in make_docs(10, 30, 5)), rel=0.01)
     before = os.stat(cache).st_mtime_ns
-    data_loader(cfg(tmp_path), 0, 1)
+    data_loader(cfg(tmp_path, data_cache_dir="meta"), 0, 1)
     assert os.stat(cache).st_mtime_ns == before  # nothing indexed again
     write_text(tmp_path / "web" / "part1.jsonl", make_docs(100, 40, 6))
-    assert data_loader(cfg(tmp_path), 0, 1).datasets[0].documents == 15 + 40
+    assert data_loader(cfg(tmp_path, data_cache_dir="meta"), 0, 1).datasets[0].documents == 15 + 40
 
 
 def test_training_and_evaluation_on_raw_text(tmp_path):

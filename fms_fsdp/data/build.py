@@ -1,16 +1,19 @@
 """get_data_loader(cfg, rank, world_size, vocab_size): the synthetic loader, or the stateful loader over
-the Arrow/Parquet shards (or raw text) under data_path; and the settings of the data flags: how
+the shards (every layout: data/shards.py) or raw text under data_path; and the settings of the data flags: how
 documents become lines (`packing_of`), which files are read how (`layout_of`), the tokenizer's check."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
-from typing import Union
+from typing import Optional, Union
 
 from fms_fsdp.config import train_config
+from fms_fsdp.data.cache import IN_DATA
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.mixture import MixtureSchedule
+from fms_fsdp.data.reader import Options
 from fms_fsdp.data.shards import Dataset, Layout, dataset_sources, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
@@ -39,7 +42,7 @@ def get_data_loader(
             every_rank=True,
         )
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
-    layout = layout_of(cfg)
+    layout = layout_of(cfg, vocab_size)
     entries = on_rank0(
         lambda: scan(sources, layout),
         DataError,
@@ -71,10 +74,15 @@ def packing_of(cfg: train_config, vocab_size: int) -> Packing:
     )
 
 
-def layout_of(cfg: train_config) -> Layout:
-    """Which files the datasets hold and how they are read, from cfg."""
+def layout_of(cfg: train_config, vocab_size: Optional[int]) -> Layout:
+    """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
+    cache folder is --data_cache_dir, else <ckpt_save_path>/data_cache (data/cache.py)."""
     text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
-    return Layout(cfg.file_type, cfg.col_name, text)
+    options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
+    cache = cfg.data_cache_dir or str(location(cfg.ckpt_save_path, "ckpt_save_path") / "data_cache")
+    if cache != IN_DATA and "://" not in cache:
+        cache = os.path.abspath(cache)
+    return Layout(cfg.file_type, options, text, cache)
 
 
 def check_tokenizer(cfg: train_config, vocab: int) -> list[str]:

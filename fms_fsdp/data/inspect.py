@@ -3,12 +3,11 @@ Run as scripts/inspect_data.py or, installed, `fms-inspect-data`:
 
     python scripts/inspect_data.py --data_path=/data
     python scripts/inspect_data.py --data_path=/data --datasets=web,code --vocab_size=128256 --eos_token=128001 \
-        [--bos_token=128000] [--col_name=tokens]
+        [--bos_token=128000] [--col_name=tokens] [--token_dtype=auto]
 
-Reads every .arrow and .parquet file of each dataset folder (default: all sub-folders but meta) through
-the loader's own reader (shards.ShardFile), so both layouts it accepts are read as it reads them: one
-record batch per document with an integer column (IBM fms-fsdp's, Arrow only), or one row per document
-with a list-of-integers column (Arrow or Parquet).
+Reads every token file of each dataset folder (default: all sub-folders but meta) through the loader's
+own readers (data/shards.py: Arrow files and streams, Parquet, Megatron .bin/.idx, OLMo/Dolma .npy
+token arrays), each recognised as the loader recognises it, so it sees what training will see.
 
 Prints documents, tokens and the largest id per file and per dataset, then flags, with the first few
 examples (file and document index):
@@ -31,7 +30,9 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from fms_fsdp.data.shards import ShardFile, list_datasets, read_counts, shard_paths
+from fms_fsdp.data.reader import TOKEN_DTYPES, Options
+from fms_fsdp.data.shards import list_datasets, read_counts, reader_of, shard_paths
+from fms_fsdp.data.token_arrays import TokenArray
 from fms_fsdp.errors import ConfigError, DataError, first_line
 
 EXAMPLES = 5
@@ -65,7 +66,7 @@ class Flag:
 
 @dataclass
 class FileStats:
-    path: str  # relative to data_path, with a leading slash, as in the counts CSV
+    path: str  # relative to data_path, as printed: dataset/sub/f.arrow
     documents: int = 0
     tokens: int = 0
     max_id: int = -1
@@ -83,8 +84,9 @@ class Checker:
         self.empty = Flag("empty documents")
         self.oov = Flag(f"documents with out-of-vocabulary ids (>= {vocab_size})")
 
-    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray) -> None:
-        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats."""
+    def documents(self, stats: FileStats, values: np.ndarray, lengths: np.ndarray, eos_ends: bool = False) -> None:
+        """Check len(lengths) consecutive documents whose tokens are `values`, and count them into stats
+        (eos_ends: the layout ends each document at eos, token arrays, so a final eos is no double)."""
         first_doc = stats.documents
         stats.documents += len(lengths)
         stats.tokens += len(values)
@@ -100,7 +102,8 @@ class Checker:
         docs = np.flatnonzero(lengths)
         first, last = values[ends[docs] - lengths[docs]], values[ends[docs] - 1]
         seps = list(self.separators.values())
-        begins, finishes = np.isin(first, seps), np.isin(last, seps)
+        closing = [v for k, v in self.separators.items() if not (eos_ends and k == "eos")]
+        begins, finishes = np.isin(first, seps), np.isin(last, closing)
 
         def edges(k: int) -> str:
             how = [f"begins with {first[k]}"] if begins[k] else []
@@ -115,21 +118,23 @@ class Checker:
             self.oov.add(len(oov_docs), (f"{where(d)}: id {values[bad[i]]}" for d, i in zip(oov_docs, first_bad)))
 
 
-def scan_file(path: Path, rel: str, col_name: str, checker: Checker) -> FileStats:
+def scan_file(path: Path, rel: str, options: Options, checker: Checker) -> FileStats:
     """Counts of one shard file, its documents checked."""
     stats = FileStats(rel)
-    shard = ShardFile(path, col_name)
+    shard = reader_of(path, options)(path, options)
     try:
         for values, lengths in shard.chunks():
-            checker.documents(stats, values, lengths)
+            checker.documents(stats, values, lengths, isinstance(shard, TokenArray))
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: truncated or corrupt: {first_line(e)}") from None
+    finally:
+        shard.close()
     return stats
 
 
 def compare_counts(root: Path, names: list[str], files: list[FileStats]) -> None:
     """Print how the counts CSVs agree with the files."""
-    listed = {p: e for p, e in read_counts(str(root)).items() if p.split("/")[1] in names}
+    listed = {p.lstrip("/"): e for p, e in read_counts(str(root)).items() if p.split("/")[1] in names}
     if not listed:
         print("counts CSV: none for these datasets (the loader counts the files itself and caches the counts)")
         return
@@ -168,12 +173,12 @@ def report_row(name: str, label: str, files: list[FileStats]) -> list[str]:
     ]
 
 
-def inspect(root: Path, names: list[str], col_name: str, checker: Checker) -> None:
+def inspect(root: Path, names: list[str], options: Options, checker: Checker) -> None:
     """Scan every shard of the datasets and print the table, the flags and the counts comparison."""
     paths = {name: shard_paths(root / name, "auto") for name in names}
     every = [p for ps in paths.values() for p in ps]
     stats = {
-        p: scan_file(p, "/" + p.relative_to(root).as_posix(), col_name, checker)
+        p: scan_file(p, p.relative_to(root).as_posix(), options, checker)
         for p in tqdm(every, desc="reading", unit="file", disable=None, file=sys.stderr)
     }
     rows = [["dataset", "file", "documents", "tokens", "max id"]]
@@ -203,6 +208,7 @@ def inspect_data(
     eos_token: Optional[int],
     bos_token: Optional[int],
     col_name: str,
+    token_dtype: str = "auto",
 ) -> None:
     """Report documents and tokens per dataset and file of --data_path, and flag problems (the flags:
     fms_fsdp/cli.py)."""
@@ -217,4 +223,7 @@ def inspect_data(
         if v is not None
     }
     checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
-    inspect(root, list_datasets(str(root), datasets), col_name, checker)
+    if token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"--token_dtype={token_dtype}: expected one of {', '.join(TOKEN_DTYPES)}")
+    options = Options(col_name, token_dtype, eos_token if eos_token is not None else -1, vocab_size)
+    inspect(root, list_datasets(str(root), datasets), options, checker)

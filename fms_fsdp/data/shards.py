@@ -1,11 +1,15 @@
-"""Shard files on disk: discovery, validation, document counts (meta/*counts*.csv, computed and cached
-once when absent) and zero-copy random access to documents.
+"""The files of a dataset folder: discovery, recognition of each file's layout, validation, document
+counts (meta/*counts*.csv, computed and cached once when absent) and random access to documents.
 
-Two layouts are read, in Arrow IPC files and Parquet:
-- fms-fsdp's: one record batch per document, one token per row in an integer column (Arrow only);
-- one row per document, a list-of-integers column (what Hugging Face datasets and pyarrow write).
-Arrow files are memory-mapped: a document is a view of the file's pages, never a copy. With
---tokenizer_path, raw text files (JSON lines, Parquet text columns) are read too: data/text.py.
+Each layout is one small reader class with one interface (data/reader.py), recognised by the files'
+names and first bytes, so a folder needs no flag and one run may mix layouts:
+- Arrow (data/arrow.py): fms-fsdp's one record batch per document; one row per document with a
+  list-of-integers column, in IPC files or in the stream files Hugging Face `datasets` writes
+  (`save_to_disk` folders, cache files); Parquet, one row per document;
+- Megatron's indexed datasets, `.bin` + `.idx` (data/megatron.py);
+- OLMo's and Dolma's token arrays, `.npy` (data/token_arrays.py);
+- with --tokenizer_path, raw text (data/text.py).
+What a first start learns of each file is cached (data/cache.py).
 """
 
 from __future__ import annotations
@@ -15,35 +19,56 @@ import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.data.arrow import ArrowDocs, ArrowRows, ParquetRows, arrow_reader
+from fms_fsdp.data.cache import Index, IndexStore, cache_folder, load_index
+from fms_fsdp.data.megatron import MegatronFile, idx_path
+from fms_fsdp.data.reader import Options, Reader
 from fms_fsdp.data.sources import Source, absolute, common_folder, matched_files
 from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
+from fms_fsdp.data.token_arrays import TokenArray
 from fms_fsdp.errors import DataError, first_line
 from fms_fsdp.storage import is_remote, location, open_random
 
-EXTENSIONS = {"arrow": (".arrow",), "hf_parquet": (".parquet",), "auto": (".arrow", ".parquet")}
+EXTENSIONS = {
+    "arrow": (".arrow",),
+    "hf_parquet": (".parquet",),
+    "megatron": (".bin", ".idx"),
+    "numpy": (".npy",),
+}
+EXTENSIONS["auto"] = tuple(e for k in ("arrow", "hf_parquet", "megatron", "numpy") for e in EXTENSIONS[k])
+READERS: dict[str, type[Reader]] = {
+    r.__name__: r for r in (ArrowDocs, ArrowRows, ParquetRows, MegatronFile, TokenArray, TextFile)
+}
 COUNTS_HEADER = ["dataset/filename", "documents", "tokens"]
 CACHED_COUNTS = "counts_fms_fsdp_cache.csv"
 TEXT_INDEX = "text_index_fms_fsdp_cache.json"
 _OPEN_FILES = 128
-# record batches / row groups kept at once: a reader reads one block per active shard at a time
+# decoded blocks (Parquet row groups, text) kept at once: a reader reads one block per active shard at a time
 DECODED_BLOCKS = 12
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Which files a dataset folder holds and how they are read: --file_type, --col_name and, for raw
-    text, --tokenizer_path with --text_field (JSON-lines files, and Parquet files without --col_name)."""
+    """How a run reads its dataset folders: --file_type (which files), the token files' options
+    (--col_name, --token_dtype, --eos_token, the vocabulary), for raw text --tokenizer_path with
+    --text_field (JSON-lines files, and Parquet files without the token column), and the cache folder
+    (data/cache.py; None: no cache)."""
 
     file_type: str
-    col_name: str
+    options: Options = Options()
     text: Optional[TextSpec] = None
+    cache_dir: Optional[str] = None
+
+    @property
+    def col_name(self) -> str:
+        return self.options.col_name
 
     @property
     def extensions(self) -> tuple[str, ...]:
@@ -52,96 +77,12 @@ class Layout:
 
 @dataclass
 class FileEntry:
-    path: str  # relative to data_path, with a leading slash: /dataset/sub/f.arrow
+    path: str  # relative to data_path, with a leading slash as in counts CSVs: /dataset/sub/f.arrow
     documents: int
     tokens: int  # estimated for raw text
     text: Optional[TextIndex] = None  # raw text files: how they are read
-
-
-class ShardFile:
-    """Random access to the documents of one shard file."""
-
-    sequential = False  # blocks can be read in any order
-
-    def __init__(self, path: Path, col_name: str):
-        self.path, self.col = path, col_name
-        try:
-            if path.suffix == ".parquet":
-                self._pq = pq.ParquetFile(open_random(path))
-                schema = self._pq.schema_arrow
-                rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
-            else:
-                self._pq = None
-                self._ipc = pa.ipc.open_file(open_random(path))
-                schema = self._ipc.schema
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: not a readable {path.suffix[1:]} shard ({first_line(e)})") from None
-        if col_name not in schema.names:
-            raise DataError(f"{path}: no column {col_name!r} (columns: {', '.join(schema.names)}); set --col_name")
-        self._col_index = schema.get_field_index(col_name)
-        ctype = schema.field(col_name).type
-        if pa.types.is_integer(ctype) and self._pq is None:
-            self.rows_layout = False
-            self.documents = self._ipc.num_record_batches
-        elif (pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_integer(ctype.value_type):
-            self.rows_layout = True
-            if self._pq is None:
-                rows = [self._ipc.get_batch(i).num_rows for i in range(self._ipc.num_record_batches)]
-            self._starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
-            self.documents = int(self._starts[-1])
-        else:
-            raise DataError(
-                f"{path}: column {col_name!r} has type {ctype}; expected integers (one record batch "
-                "per document, Arrow) or a list of integers (one row per document)"
-            )
-
-    @property
-    def row_groups(self) -> Optional[np.ndarray]:
-        """First document of each Parquet row group (and the end), or None for Arrow files, whose
-        documents are read one by one."""
-        return self._starts if self._pq is not None else None
-
-    def count_tokens(self) -> int:
-        """Tokens in the file (reads every batch's or row group's offsets once)."""
-        if not self.rows_layout:
-            return sum(self._ipc.get_batch(i).num_rows for i in range(self.documents))
-        return sum(int(offsets[-1] - offsets[0]) for _, offsets in map(self.block, range(len(self._starts) - 1)))
-
-    def block_of(self, j: int) -> tuple[int, int]:
-        """(record batch or row group, row in it) of document j (rows layout)."""
-        block = int(np.searchsorted(self._starts, j, side="right") - 1)
-        return block, j - int(self._starts[block])
-
-    def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(values, offsets) of record batch or row group b (rows layout): views for Arrow, decoded
-        for Parquet."""
-        if self._pq is not None:
-            column = self._pq.read_row_group(b, columns=[self.col]).column(0).combine_chunks()
-        else:
-            column = self._ipc.get_batch(b).column(self._col_index)
-        return column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
-
-    @staticmethod
-    def row(block: tuple[np.ndarray, np.ndarray], r: int) -> np.ndarray:
-        """Tokens of row r of a block (rows layout)."""
-        values, offsets = block
-        return values[offsets[r] : offsets[r + 1]]
-
-    def document(self, j: int) -> np.ndarray:
-        """Tokens of document j, fms-fsdp's layout (a read-only view of the mapped file)."""
-        return self._ipc.get_batch(j).column(self._col_index).to_numpy(zero_copy_only=False)
-
-    def chunks(self, group: int = 1024) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(token values, document lengths) of consecutive documents, the whole file in order: a record
-        batch or row group at a time (fms-fsdp's layout: `group` documents at a time)."""
-        if self.rows_layout:
-            for b in range(len(self._starts) - 1):
-                values, offsets = self.block(b)
-                yield values[offsets[0] : offsets[-1]], np.diff(offsets).astype(np.int64)
-            return
-        for start in range(0, self.documents, group):
-            docs = [self.document(j) for j in range(start, min(self.documents, start + group))]
-            yield np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
+    reader: str = ""  # the name of its reader class (READERS); empty: told from the file when opened
+    index: Index = None  # its reader's index (data/cache.py)
 
 
 def is_text(path: Path, layout: Layout) -> bool:
@@ -156,12 +97,27 @@ def is_text(path: Path, layout: Layout) -> bool:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
 
 
-def open_shard(path: Path, entry: FileEntry, layout: Layout) -> Union[ShardFile, TextFile]:
+def reader_of(path: Path, options: Options) -> type[Reader]:
+    """The reader class of a token file, by its name and, for Arrow, its first bytes and column."""
+    suffix = path.suffix.lower()
+    if suffix == ".arrow":
+        return arrow_reader(path, options)
+    if suffix == ".parquet":
+        return ParquetRows
+    if suffix in (".bin", ".idx"):
+        return MegatronFile
+    if suffix == ".npy":
+        return TokenArray
+    raise DataError(f"{path}: not a file this loader reads ({', '.join(EXTENSIONS['auto'])} or raw text)")
+
+
+def open_shard(path: Path, entry: FileEntry, layout: Layout) -> Reader:
     """A file of a dataset, opened for reading its documents."""
     if entry.text is not None:
         assert layout.text is not None
         return TextFile(path, entry.text, layout.text)
-    return ShardFile(path, layout.col_name)
+    reader = READERS[entry.reader] if entry.reader else reader_of(path, layout.options)
+    return reader(path, layout.options, load_index(entry.index))
 
 
 class Dataset:
@@ -172,32 +128,30 @@ class Dataset:
         self.starts = np.concatenate([[0], np.cumsum([e.documents for e in entries], dtype=np.int64)])
         self.documents = int(self.starts[-1])
         self.tokens = sum(e.tokens for e in entries)
-        self._open: OrderedDict[int, Union[ShardFile, TextFile]] = OrderedDict()
+        self._open: OrderedDict[int, Reader] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], Any] = OrderedDict()
 
     def path(self, i: int) -> Path:
         """Where shard file number i is on disk."""
         return self.root / self.entries[i].path.lstrip("/")
 
-    def file(self, i: int) -> Union[ShardFile, TextFile]:
+    def file(self, i: int) -> Reader:
         """Shard file number i, opened on first use (the most recently used stay open)."""
         f = self._open.get(i)
         if f is None:
             f = open_shard(self.path(i), self.entries[i], self.layout)
             if len(self._open) >= _OPEN_FILES:
-                _, oldest = self._open.popitem(last=False)
-                if isinstance(oldest, TextFile):
-                    oldest.close()
+                self._open.popitem(last=False)[1].close()
             self._open[i] = f
         else:
             self._open.move_to_end(i)
         return f
 
     def read(self, file: int, j: int) -> np.ndarray:
-        """Tokens of document j of file number `file` (a read-only view for Arrow files; tokenized now
-        for raw text)."""
+        """Tokens of document j of file number `file` (a read-only view where the layout allows; decoded
+        by block for Parquet, tokenized now for raw text)."""
         f = self.file(file)
-        if not f.rows_layout:
+        if f.blocks is None:
             return f.document(j)
         b, row = f.block_of(j)
         key = (file, b)
@@ -265,12 +219,14 @@ def dataset_sources(
     return [result[name] for name in order]
 
 
-def read_counts(data_path: str, flag: str = "data_path") -> dict[str, FileEntry]:
+def read_counts(data_path: str, flag: str = "data_path", cache: Optional[Path] = None) -> dict[str, FileEntry]:
     """Entries of every meta/*counts*.csv under data_path (given as --`flag`), by relative path; the
-    users' files win over this loader's own cache."""
+    users' files win over this loader's own caches (there and in the `cache` folder)."""
     entries: dict[str, FileEntry] = {}
     meta = location(data_path, flag) / "meta"
     found = sorted(meta.glob("*counts*.csv") if meta.is_dir() else [], key=lambda p: (p.name == CACHED_COUNTS, p.name))
+    if cache is not None and (cache / CACHED_COUNTS).is_file():
+        found.append(cache / CACHED_COUNTS)
     for csv_path in found:
         rows = list(csv.reader(io.StringIO(csv_path.read_text())))
         if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
@@ -299,9 +255,22 @@ def write_counts(path: Path, entries: list[FileEntry]) -> None:
     write_text_atomic(path, text.getvalue())
 
 
+def pair_megatron(files: list[Path]) -> list[Path]:
+    """A dataset's files with each Megatron .bin/.idx pair as its .bin; a lone .idx or .bin is a
+    DataError naming it."""
+    names = set(files)
+    for f in files:
+        other = idx_path(f) if f.suffix == ".bin" else f.with_suffix(".bin") if f.suffix == ".idx" else None
+        if other is not None and other not in names:
+            raise DataError(
+                f"{f}: no {other.name} beside it (a Megatron dataset is a .bin and .idx pair)", every_rank=True
+            )
+    return [f for f in files if f.suffix != ".idx"]
+
+
 def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ...]] = None) -> list[Path]:
-    """The shard files under a dataset folder, sorted; hidden files and folders (temporary files of a
-    preparation in progress) are not shards."""
+    """The shard files under a dataset folder, sorted (a Megatron pair as its .bin); hidden files and
+    folders (temporary files of a preparation in progress) are not shards."""
     extensions = extensions or EXTENSIONS[file_type]
     files = sorted(
         {
@@ -316,7 +285,7 @@ def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ..
         raise DataError(
             f"{folder}: no {' or '.join(extensions)} files (--file_type={file_type}){hint}", every_rank=True
         )
-    return files
+    return pair_megatron(files)
 
 
 def scan(
@@ -324,8 +293,8 @@ def scan(
 ) -> dict[str, list[FileEntry]]:
     """Every shard of every dataset (a folder under --`flag`, or the files of its patterns) with its
     counts: validated by opening each file; counts from <root>/meta/*counts*.csv where listed and right,
-    computed otherwise and cached in meta/. Raw text files are indexed (cached in meta/ too); their bad
-    records are reported, by file."""
+    computed otherwise and cached (data/cache.py), as are the readers' indexes. Raw text files are
+    indexed (cached too); their bad records are reported, by file."""
     result: dict[str, list[FileEntry]] = {}
     roots = {s.root for s in sources}
     for data_path in sorted(roots):
@@ -333,49 +302,80 @@ def scan(
     return result
 
 
+class _RootScan:
+    """scan() of the datasets whose files are under one root: its counts, indexes and notes."""
+
+    def __init__(self, data_path: str, layout: Layout, flag: str):
+        self.root, self.layout = location(data_path, flag), layout
+        self.cache = cache_folder(data_path, layout.cache_dir)
+        self.known = read_counts(data_path, flag, self.cache)
+        self.indexes = IndexStore(self.cache)
+        self.texts = None
+        if layout.text is not None:
+            self.texts = IndexCache(None if self.cache is None else self.cache / TEXT_INDEX, layout.text)
+        self.computed = False
+        self.said: set[tuple[str, str]] = set()
+
+    def text_entry(self, path: Path, rel: str) -> FileEntry:
+        if self.texts is None:
+            raise DataError(f"{path}: raw text needs --tokenizer_path (a Hugging Face tokenizer)")
+        index = self.texts.get(rel, path)
+        if index.bad:
+            reasons = ", ".join(
+                f"{why} {n}" + (f", first at {index.first_bad[why]}" if why in index.first_bad else "")
+                for why, n in sorted(index.bad.items())
+            )
+            print(f"note: {path}: {sum(index.bad.values())} bad records skipped ({reasons})", flush=True)
+        return FileEntry(rel, index.documents, index.tokens, index, TextFile.__name__)
+
+    def entry(self, path: Path, rel: str, dataset: str) -> FileEntry:
+        """A token file's entry: its reader, its index (cached), its counts (listed or computed)."""
+        options = self.layout.options
+        kind = reader_of(path, options)
+        index = self.indexes.get(rel, path, kind, options)
+        shard = kind(path, options, load_index(index))
+        if shard.picked is not None and (dataset, shard.picked) not in self.said:
+            self.said.add((dataset, shard.picked))
+            print(
+                f"note: {dataset}: no {options.col_name!r} column; reading its list-of-integers column "
+                f"{shard.picked!r} (set --col_name to choose another)",
+                flush=True,
+            )
+        entry = self.known.get(rel)
+        if entry is None or entry.documents != shard.documents:
+            entry, self.computed = FileEntry(rel, shard.documents, shard.count_tokens()), True
+        shard.close()
+        return FileEntry(rel, entry.documents, entry.tokens, None, kind.__name__, index)
+
+    def save(self, result: dict[str, list[FileEntry]]) -> None:
+        if self.texts is not None:
+            self.texts.save()
+        if self.computed and self.cache is not None:
+            try:
+                entries = [e for es in result.values() for e in es if e.text is None]
+                write_counts(self.cache / CACHED_COUNTS, entries)
+            except OSError:
+                pass  # a read-only folder: counts are recomputed next time
+
+
 def _scan_root(
     data_path: str, sources: list[Source], layout: Layout, flag: str, datasets_flag: str
 ) -> dict[str, list[FileEntry]]:
-    """scan() of the datasets whose files are under one root (its counts and text indexes are there)."""
-    root = location(data_path, flag)
-    known = read_counts(data_path, flag)
-    texts = None if layout.text is None else IndexCache(root / "meta" / TEXT_INDEX, layout.text)
+    """scan() of the datasets whose files are under one root."""
+    run = _RootScan(data_path, layout, flag)
     result: dict[str, list[FileEntry]] = {}
-    computed = False
     for source in sources:
         name = source.name
         if source.patterns:
-            files = matched_files(source, layout.extensions, datasets_flag)
+            files = pair_megatron(matched_files(source, layout.extensions, datasets_flag))
         else:
-            files = shard_paths(root / name, layout.file_type, layout.extensions)
+            files = shard_paths(run.root / name, layout.file_type, layout.extensions)
         entries = []
         for path in files:
-            rel = "/" + path.relative_to(root).as_posix()
-            if is_text(path, layout):
-                if texts is None:
-                    raise DataError(f"{path}: raw text needs --tokenizer_path (a Hugging Face tokenizer)")
-                index = texts.get(rel, path)
-                entries.append(FileEntry(rel, index.documents, index.tokens, index))
-                if index.bad:
-                    reasons = ", ".join(
-                        f"{why} {n}" + (f", first at {index.first_bad[why]}" if why in index.first_bad else "")
-                        for why, n in sorted(index.bad.items())
-                    )
-                    print(f"note: {path}: {sum(index.bad.values())} bad records skipped ({reasons})", flush=True)
-                continue
-            shard = ShardFile(path, layout.col_name)
-            entry = known.get(rel)
-            if entry is None or entry.documents != shard.documents:
-                entry, computed = FileEntry(rel, shard.documents, shard.count_tokens()), True
-            entries.append(entry)
+            rel = "/" + path.relative_to(run.root).as_posix()
+            entries.append(run.text_entry(path, rel) if is_text(path, layout) else run.entry(path, rel, name))
         if sum(e.documents for e in entries) == 0:
-            raise DataError(f"{root / name if not source.patterns else name}: the dataset has no documents")
+            raise DataError(f"{run.root / name if not source.patterns else name}: the dataset has no documents")
         result[name] = entries
-    if texts is not None:
-        texts.save()
-    if computed:
-        try:
-            write_counts(root / "meta" / CACHED_COUNTS, [e for es in result.values() for e in es if e.text is None])
-        except OSError:
-            pass  # a read-only data folder: counts are recomputed next time
+    run.save(result)
     return result

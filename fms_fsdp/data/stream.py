@@ -3,8 +3,9 @@ documents stripped, framed with bos/eos and packed into lines of seq_length + 1 
 
 A reader (consumer c of C: one data-loader worker of one rank) owns logical shards c, c + C, c + 2C,
 ... of every dataset. A logical shard is a contiguous range of a dataset's documents in file order
-(so it touches one or two files), cut into blocks: one document each in Arrow files (read at
-random, zero-copy), one row group in Parquet (decoded once, then read whole). Each epoch a shard's
+(so it touches one or two files), cut into blocks: one document each where any document can be read
+at random (Arrow, Megatron, token arrays: zero-copy), one row group in Parquet or 256 lines of text
+(decoded once, then read whole). Each epoch a shard's
 blocks, and the documents inside each block, are read in a new seeded order. The reader
 interleaves, document by document, a window of ACTIVE_SHARDS shards, taken in a seeded priority
 order among those of its shards furthest behind: few files are hot at a time, while documents
@@ -77,7 +78,7 @@ class ShardPlan:
         for f in range(first, last + 1):
             a, b = max(lo, int(ds.starts[f])) - int(ds.starts[f]), min(hi, int(ds.starts[f + 1])) - int(ds.starts[f])
             shard_file = ds.file(f)
-            groups = shard_file.row_groups
+            groups = shard_file.blocks
             self.sequential = self.sequential or shard_file.sequential
             if groups is None:
                 cuts = np.arange(a, b + 1)

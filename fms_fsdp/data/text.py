@@ -2,7 +2,7 @@
 tokenized document by document in the loader workers with a Hugging Face tokenizer (`tokenizers`,
 loaded offline, special tokens never added: the loader frames documents with --bos_token/--eos_token).
 
-Rank 0 indexes each text file once at start-up (cached in <data_path>/meta/, keyed by the file's size
+Rank 0 indexes each text file once at start-up (cached in the run's data cache: data/cache.py, keyed by the file's size
 and mtime, --text_field and the tokenizer): its documents (one per line or row), the byte offset of
 every BLOCK_DOCS-th line of a plain .jsonl file, its bad records by reason, and its tokens, estimated
 from its first documents. A block of a plain .jsonl file is read by seeking to its offset; a gzipped
@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.data.reader import Reader
 from fms_fsdp.errors import ConfigError, DataError, first_line
 from fms_fsdp.storage import is_remote, mtime_ns, open_random
 
@@ -250,14 +251,14 @@ def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
 
 
 class IndexCache:
-    """<data_path>/meta/text_index_fms_fsdp_cache.json: text indexes of earlier start-ups, valid while the
-    file's size and mtime, --text_field and the tokenizer are the same."""
+    """text_index_fms_fsdp_cache.json in the run's data cache (data/cache.py; None: none): text indexes of
+    earlier start-ups, valid while the file's size and mtime, --text_field and the tokenizer are the same."""
 
-    def __init__(self, path: Path, spec: TextSpec):
+    def __init__(self, path: Optional[Path], spec: TextSpec):
         self.path, self.spec = path, spec
         self.key = {"text_field": spec.text_field, "tokenizer": tokenizer_fingerprint(spec.tokenizer_path)}
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text()) if path is not None else {}
             self.files: dict[str, dict] = data["files"] if data.get("version") == INDEX_VERSION else {}
         except (OSError, ValueError, KeyError, TypeError):
             self.files = {}
@@ -272,7 +273,8 @@ class IndexCache:
                 known["documents"], known["tokens"], known["offsets"], known["bad"], known.get("first_bad", {})
             )
         if not self.changed:
-            print(f"note: indexing raw text files (once: cached in {self.path})", flush=True)
+            where = f"once: cached in {self.path}" if self.path is not None else "not cached"
+            print(f"note: indexing raw text files ({where})", flush=True)
         index = index_file(path, self.spec)
         self.files[rel] = {
             **key,
@@ -287,7 +289,7 @@ class IndexCache:
 
     def save(self) -> None:
         """Write the cache atomically; a read-only data folder is left alone (indexed again next time)."""
-        if not self.changed or is_remote(self.path):  # caches are local only
+        if not self.changed or self.path is None or is_remote(self.path):  # caches are local only
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,10 +301,10 @@ class IndexCache:
 # ---------------------------------------------------------------- reading
 
 
-class TextFile:
+class TextFile(Reader):
     """Random access, by blocks, to the documents of one text file, as token ids."""
 
-    rows_layout = True
+    kind = "raw text"
 
     def __init__(self, path: Path, index: TextIndex, spec: TextSpec):
         self.path, self.spec, self.documents = path, spec, index.documents
@@ -310,24 +312,19 @@ class TextFile:
         self.jsonl = is_jsonl(path)
         self.sequential = is_gzip(path)
         if self.jsonl:
-            self.row_groups = np.append(np.arange(0, index.documents, BLOCK_DOCS), index.documents).astype(np.int64)
+            self.blocks = np.append(np.arange(0, index.documents, BLOCK_DOCS), index.documents).astype(np.int64)
         else:
             self._pq = pq.ParquetFile(open_random(path))
             rows = [self._pq.metadata.row_group(i).num_rows for i in range(self._pq.num_row_groups)]
-            self.row_groups = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+            self.blocks = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
         self._streams: list[tuple[int, Any]] = []  # (next line, gzip stream), most recently used last
         self._tokenizer = load_tokenizer(spec.tokenizer_path)
-
-    def block_of(self, j: int) -> tuple[int, int]:
-        """(block, row in it) of document j."""
-        block = int(np.searchsorted(self.row_groups, j, side="right") - 1)
-        return block, j - int(self.row_groups[block])
 
     def block(self, b: int) -> Union[list[bytes], pa.Array]:
         """The raw records of block b: lines of a JSON-lines file, or a Parquet row group's text column."""
         if not self.jsonl:
             return self._pq.read_row_group(b, columns=[self.spec.text_field]).column(0).combine_chunks()
-        first, n = int(self.row_groups[b]), int(self.row_groups[b + 1] - self.row_groups[b])
+        first, n = int(self.blocks[b]), int(self.blocks[b + 1] - self.blocks[b])
         try:
             if self.sequential:
                 return self._read_forward(first, n)

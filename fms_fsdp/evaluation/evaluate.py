@@ -101,7 +101,7 @@ class Evaluator:
         path = cfg.eval_data_path
         assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
         sources = dataset_sources(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
-        layout = layout_of(cfg)
+        layout = layout_of(cfg, run.vocab_size)
         entries = on_rank0(
             lambda: scan(sources, layout, "eval_data_path", "eval_datasets"),
             DataError,

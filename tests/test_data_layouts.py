@@ -1,0 +1,294 @@
+"""Data as other projects write it, written by their own code: Hugging Face `datasets` (save_to_disk
+folders of several shards, cache files: Arrow streams), OLMo's raw token memmaps and np.save arrays,
+Dolma's metadata, and Megatron-Core's IndexedDatasetBuilder (.bin/.idx; the slow tier: importing
+megatron-core alone takes about 20 s here). Every document read with its exact tokens, no document
+twice within an epoch on 2 ranks, exact resume and 2 -> 3 rescaling with every layout in one run, the
+caches, and each bad file as one line at start-up."""
+
+import gzip
+import pickle
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fms_fsdp.data import DataError
+from fms_fsdp.data.inspect import inspect_data
+
+from conftest import data_loader
+from test_data import EOS, cfg, consumed_from_states, doc_starts, lines_of, make_docs, take, write_dataset
+
+LAYOUTS = ("hf_save_to_disk", "hf_cache", "olmo", "olmo_uint32", "olmo_flag", "dolma", "npy")
+
+
+def write_hf(folder: Path, docs: list[list[int]], shards: int = 3) -> None:
+    """datasets' save_to_disk: data-0000i-of-0000n.arrow streams, an input_ids column beside others."""
+    from datasets import Dataset
+
+    masks = [[1] * len(d) for d in docs]
+    Dataset.from_dict({"input_ids": docs, "attention_mask": masks, "id": list(range(len(docs)))}).save_to_disk(
+        str(folder), num_shards=shards
+    )
+
+
+def write_hf_cache(folder: Path, docs: list[list[int]]) -> None:
+    """A datasets cache file, as .map() writes one (its only list-of-integers column is `ids`)."""
+    from datasets import Dataset
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Dataset.from_dict({"x": docs}).map(
+        lambda b: {"ids": b["x"]}, batched=True, remove_columns=["x"], cache_file_name=str(folder / "cache-1a2b.arrow")
+    )
+
+
+def write_olmo(folder: Path, docs: list[list[int]], dtype=np.uint16, files: int = 2, metadata: bool = False) -> None:
+    """OLMo's token files: raw memmaps (np.memmap mode w+) of documents each ending with eos; with
+    `metadata`, no eos but Dolma's <name>.csv.gz of start,end,id,src,loc rows beside each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f, part in enumerate(np.array_split(np.arange(len(docs)), files)):
+        chunk = [docs[i] + ([] if metadata else [EOS]) for i in part]
+        tokens = np.concatenate([np.array(d) for d in chunk])
+        out = np.memmap(folder / f"part-{f}-00000.npy", mode="w+", dtype=dtype, shape=(len(tokens),))
+        out[:] = tokens
+        out.flush()
+        del out
+        if metadata:
+            ends = np.cumsum([len(d) for d in chunk])
+            rows = [f"{e - len(d)},{e},doc{k},s3://src/{f}.json.gz,{k}" for k, (d, e) in enumerate(zip(chunk, ends))]
+            (folder / f"part-{f}-00000.csv.gz").write_bytes(gzip.compress("\n".join(rows).encode() + b"\n"))
+
+
+def write_npy(folder: Path, docs: list[list[int]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "tokens.npy", np.concatenate([np.array(d + [EOS], np.uint32) for d in docs]))
+
+
+def write_layout(root: Path, name: str, docs: list[list[int]], layout: str) -> dict:
+    """Write docs as `layout`; returns the flags it needs."""
+    folder = root / name
+    if layout == "hf_save_to_disk":
+        write_hf(folder, docs)
+    elif layout == "hf_cache":
+        write_hf_cache(folder, docs)
+    elif layout == "npy":
+        write_npy(folder, docs)
+    elif layout == "olmo_uint32":  # a vocabulary beyond uint16: OLMo's rule reads uint32
+        write_olmo(folder, docs, np.uint32)
+        return {"vocab_size": 70000}
+    elif layout == "olmo_flag":
+        write_olmo(folder, docs, np.uint32)
+        return {"token_dtype": "uint32"}
+    else:
+        write_olmo(folder, docs, metadata=layout == "dolma")
+    return {}
+
+
+def read_all(loader) -> list[list[int]]:
+    """Every document of the loader's first dataset, in file order, through its readers."""
+    ds = loader.datasets[0]
+    return [ds.read(f, j).tolist() for f, e in enumerate(ds.entries) for j in range(e.documents)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_document_exactly_and_none_twice_within_an_epoch_on_two_ranks(tmp_path, layout):
+    docs = make_docs(10, 48, seed=3)
+    flags = write_layout(tmp_path, "web", docs, layout)
+    c = cfg(tmp_path, seq_length=31, **flags)
+    loaders = [data_loader(c, rank, 2) for rank in (0, 1)]
+    ends_with_eos = layout.startswith("olmo") or layout == "npy"
+    assert read_all(loaders[0]) == [d + [EOS] if ends_with_eos else d for d in docs]
+    total = sum(len(d) + 1 for d in docs)
+    starts = Counter()
+    for loader in loaders:  # most of each rank's half of the epoch
+        starts.update(doc_starts(lines_of(take(loader, int(0.35 * total / 64))).reshape(-1)))
+    assert max(starts.values()) == 1 and len(starts) > 0.5 * len(docs)
+    assert set(starts) <= {d[0] for d in docs}
+
+
+def mixed(root: Path) -> dict:
+    """One run's datasets, one per layout."""
+    write_dataset(root, "fms", make_docs(10, 60, 1))
+    write_hf(root / "hf", make_docs(1000, 60, 2))
+    write_olmo(root / "olmo", make_docs(2000, 60, 3))
+    write_olmo(root / "dolma", make_docs(3000, 60, 4), metadata=True)
+    write_npy(root / "npy", make_docs(4000, 60, 5))
+    return dict(logical_shards=6, batch_size=4, seq_length=32)
+
+
+def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
+    """With a mixture schedule (dolma and hf rest from step 2) and worker processes for the resume."""
+    flags = mixed(tmp_path)
+    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1;2:0,1,0,1,1", num_workers=2)
+    full = take(data_loader(c, 0, 2), 9)
+    first = data_loader(c, 0, 2)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    again = data_loader(c, 0, 2)
+    again.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[4:], take(again, 5)))
+    late = lines_of(full[2:]).reshape(-1)
+    assert not np.isin(late, np.arange(1000, 1060)).any() and not np.isin(late, np.arange(3000, 3060)).any()
+    c = cfg(tmp_path, **flags)
+    seen: Counter = Counter()
+    old = []
+    for rank in range(2):
+        loader = data_loader(c, rank, 2)
+        seen.update(lines_of(take(loader, 5)).reshape(-1).tolist())
+        old.append(loader.state_dict())
+    new = []
+    for rank in range(3):
+        loader = data_loader(c, rank, 3)
+        loader.load_state_dict(pickle.loads(pickle.dumps(old)))
+        seen.update(lines_of(take(loader, 4)).reshape(-1).tolist())
+        new.append(loader.state_dict())
+    del seen[EOS]
+    assert seen == consumed_from_states(loader, new)
+    assert {t // 1000 for t in seen} == {0, 1, 2, 3, 4}  # every layout was read
+
+
+def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):
+    from fms_fsdp.data.build import packing_of
+    from fms_fsdp.evaluation.evaluate import eval_lines
+
+    docs = make_docs(10, 30, 9)
+    write_dataset(tmp_path, "fms", docs, files=2)
+    for layout in ("hf_save_to_disk", "olmo", "dolma", "npy"):
+        write_layout(tmp_path, layout, docs, layout)
+    c = cfg(tmp_path)
+    lines = {ds.name: eval_lines(ds, packing_of(c, 4096), None) for ds in data_loader(c, 0, 1).datasets}
+    assert len(lines) == 5 and all(np.array_equal(lines["fms"], other) for other in lines.values())
+
+
+def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every_layout(tmp_path, capsys):
+    flags = mixed(tmp_path)
+    write_hf(tmp_path / "hf2", make_docs(5000, 30, 6), shards=2)
+    data_loader(cfg(tmp_path, **flags), 0, 1)
+    out = capsys.readouterr().out
+    assert out.count("no 'tokens' column; reading its list-of-integers column 'input_ids'") == 2  # once a dataset
+    index = list(tmp_path.with_name(tmp_path.name + ".run").glob("data_cache/*/index/*.npy"))
+    assert len(index) == 3 + 2 + 2 + 2 + 1  # the streams' batch offsets, the token arrays' documents
+    mtimes = {p: p.stat().st_mtime_ns for p in index}
+    data_loader(cfg(tmp_path, **flags), 0, 1)
+    assert {p: p.stat().st_mtime_ns for p in index} == mtimes and not (tmp_path / "meta").exists()
+    only = data_loader(cfg(tmp_path, file_type="numpy", datasets=["olmo", "npy"], **flags), 0, 1)  # as configs say
+    assert [d.documents for d in only.datasets] == [60, 60]
+    assert "hf: no .npy files (--file_type=numpy)" in error(tmp_path, file_type="numpy", datasets=["hf"])
+    inspect_data(str(tmp_path), ["hf", "olmo", "dolma", "npy"], 4096, EOS, None, "tokens")
+    report = capsys.readouterr().out
+    rows = [line.split() for line in report.splitlines()]
+    assert ["hf", "hf/data-00000-of-00003.arrow", "20", "383", "1019"] in rows  # relative: no leading slash
+    assert ["npy", "npy/tokens.npy", "60", "1212", "4059"] in rows
+    assert ["all", "total", "(4", "datasets)", "240", "5032", "4059"] in rows
+    assert "doubled separators (documents beginning or ending with eos 0; the loader adds one, so they get two): 0" in (
+        report
+    )  # a token array's documents end at eos by design
+
+
+def error(root: Path, **kw) -> str:
+    with pytest.raises(DataError) as e:
+        data_loader(cfg(root, **kw), 0, 1)  # at start-up: before any batch
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_bad_files_are_one_line_at_start_up(tmp_path):
+    write_hf(tmp_path / "cut", make_docs(10, 300, 1), shards=1)
+    shard = tmp_path / "cut" / "data-00000-of-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert "cut/data-00000-of-00001.arrow: the Arrow stream is cut off midway" in error(tmp_path, datasets=["cut"])
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "part-0.npy").write_bytes(b"\x01\x00\x02")
+    message = error(tmp_path, datasets=["odd"])
+    assert "odd/part-0.npy: 3 bytes is not a whole number of uint16 tokens" in message and "--token_dtype" in message
+    write_olmo(tmp_path / "wide", make_docs(10, 20, 2), np.uint16)  # read as uint32 by OLMo's rule for 70000
+    message = error(tmp_path, datasets=["wide"], vocab_size=70000)
+    assert "wide/part-0-00000.npy: token id" in message and ">= vocab_size 70000 (read as uint32" in message
+    for lone in ("x.bin", "y.idx"):
+        folder = tmp_path / f"lone_{lone[0]}"
+        folder.mkdir()
+        (folder / lone).write_bytes(b"\0" * 64)
+        other = "x.idx" if lone == "x.bin" else "y.bin"
+        assert f"{lone}: no {other} beside it (a Megatron dataset is a .bin and .idx pair)" in error(
+            tmp_path, datasets=[folder.name]
+        )
+
+
+MEGATRON_WRITER = """
+import sys, numpy as np, torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+root, docs = sys.argv[1], eval(open(sys.argv[2]).read())
+names = ["uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"]
+for name in names:
+    builder = IndexedDatasetBuilder(f"{root}/{name}/part.bin", dtype=getattr(np, name))
+    for d in docs:
+        builder.add_document(torch.tensor(d), [len(d)])
+    builder.finalize(f"{root}/{name}/part.idx")
+for f in range(2):  # documents of several sequences (preprocess_data.py --split-sentences)
+    builder = IndexedDatasetBuilder(f"{root}/sentences/part{f}.bin", dtype=np.int32)
+    for d in docs[f::2]:
+        for k in range(0, len(d), 5):
+            builder.add_item(torch.tensor(d[k : k + 5]))
+        builder.end_document()
+    builder.finalize(f"{root}/sentences/part{f}.idx")
+"""
+
+
+@pytest.mark.slow
+def test_megatron_indexed_datasets_as_megatron_core_writes_them(tmp_path):
+    """Every dtype code, documents of one and of several sequences: exact tokens, none twice within an
+    epoch on 2 ranks, exact resume, 2 -> 3 rescaling, and the bad files."""
+    docs = make_docs(10, 40, seed=8)  # ids 10..49: every dtype holds them
+    (tmp_path / "docs.txt").write_text(repr(docs))
+    for name in ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16", "sentences"):
+        (tmp_path / name).mkdir()
+    subprocess.run(
+        [sys.executable, "-c", MEGATRON_WRITER, str(tmp_path), str(tmp_path / "docs.txt")], check=True, timeout=300
+    )
+    (tmp_path / "docs.txt").unlink()
+    for name in ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"):
+        assert read_all(data_loader(cfg(tmp_path, datasets=[name]), 0, 1)) == docs, name
+    sentences = data_loader(cfg(tmp_path, datasets=["sentences"]), 0, 1)
+    assert sorted(map(tuple, read_all(sentences))) == sorted(map(tuple, docs))
+    c = cfg(tmp_path, datasets=["sentences"], seq_length=31, logical_shards=6)
+    starts = Counter()
+    for rank in (0, 1):
+        starts.update(doc_starts(lines_of(take(data_loader(c, rank, 2), 4)).reshape(-1)))
+    assert max(starts.values()) == 1 and len(starts) > 15
+    full = take(data_loader(c, 1, 2), 8)
+    first = data_loader(c, 1, 2)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    again = data_loader(c, 1, 2)
+    again.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[3:], take(again, 5)))
+    seen: Counter = Counter()
+    old = []
+    for rank in range(2):
+        loader = data_loader(c, rank, 2)
+        seen.update(lines_of(take(loader, 2)).reshape(-1).tolist())
+        old.append(loader.state_dict())
+    new = []
+    for rank in range(3):
+        loader = data_loader(c, rank, 3)
+        loader.load_state_dict(pickle.loads(pickle.dumps(old)))
+        seen.update(lines_of(take(loader, 2)).reshape(-1).tolist())
+        new.append(loader.state_dict())
+    del seen[EOS]
+    assert seen == consumed_from_states(loader, new)
+    idx = tmp_path / "int32" / "part.idx"
+    good = idx.read_bytes()
+    idx.write_bytes(good[:9] + (2).to_bytes(8, "little") + good[17:])
+    assert "part.idx: Megatron index version 2, this reader knows version 1" in error(tmp_path, datasets=["int32"])
+    idx.write_bytes(good[:17] + bytes([9]) + good[18:])
+    assert "part.idx: unknown Megatron dtype code 9 (known: 1 (uint8)" in error(tmp_path, datasets=["int32"])
+    idx.write_bytes(good)
+    data = tmp_path / "int32" / "part.bin"
+    data.write_bytes(data.read_bytes()[:-10])
+    message = error(tmp_path, datasets=["int32"])
+    assert "int32/part.bin:" in message and "shorter than its .idx says" in message
