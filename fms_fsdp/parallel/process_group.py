@@ -146,6 +146,17 @@ def collective_timeout(minutes: Optional[float]) -> Optional[timedelta]:
     return None if minutes is None else timedelta(minutes=minutes)
 
 
+FR_ENTRIES = 2000  # collectives torch's Flight Recorder keeps per process (torchtitan keeps 20000)
+
+
+def record_collectives() -> None:
+    """Have torch's Flight Recorder keep the last FR_ENTRIES collectives of this process, gloo's and
+    NCCL's (read by train/hangs.py when a collective times out); set before the groups are made, and a
+    size the user set (0: off) is kept."""
+    if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FR_ENTRIES)
+
+
 def start_process_group(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
     """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
     `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
@@ -160,6 +171,7 @@ def start_process_group(device: torch.device, timeout_minutes: Optional[float] =
             MASTER_PORT=str(free_port()),
         )
     timeout = collective_timeout(timeout_minutes)
+    record_collectives()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
@@ -207,6 +219,16 @@ def failures(
     if group is None:
         return [mine]
     every: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    return every
+
+
+def gather_objects(mine: T) -> list[T]:
+    """Every rank's `mine` (a small picklable object), on every rank (every rank calls it)."""
+    group = agreement_group()
+    if group is None:
+        return [mine]
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine, group=group)
     return every
 
