@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -74,22 +75,28 @@ class HangDiagnostics:
                 f"{first_line(e)}); run the same command again to resume from the last checkpoint",
                 every_rank=False,
             )
-        dumps = self._wait_for_dumps()
-        dumps[self.rank] = summary
-        line = f"{what_timed_out(self.timeout_minutes)}: {analyse(dumps, self.hosts)}; " + (
+        first = min(self._wait_for_dumps() | {self.rank})
+        where = (
             f"each rank's stacks and last collectives: {self.folder}/rank<N>.txt (docs/troubleshooting.md); "
             "run the same command again to resume from the last checkpoint"
         )
-        return TrainingError(line, every_rank=self.rank != min(dumps))
+        if self.rank != first:  # its line is rank `first`'s to say
+            return TrainingError(f"{what_timed_out(self.timeout_minutes)}: rank {first}'s line names who; {where}")
+        dumps = read_summaries(self.folder)
+        dumps[self.rank] = summary
+        return TrainingError(
+            f"{what_timed_out(self.timeout_minutes)}: {analyse(dumps, self.hosts)}; {where}", every_rank=False
+        )
 
-    def _wait_for_dumps(self) -> dict[int, dict[str, Any]]:
-        """The other ranks' summaries, once every rank wrote one or the grace period is over."""
+    def _wait_for_dumps(self) -> set[int]:
+        """The ranks that wrote a dump, once every rank did or the grace period is over (names only:
+        a thousand ranks poll the folder)."""
         grace = min(max(60 * (self.timeout_minutes or 1.0), GRACE_S[0]), GRACE_S[1])
         deadline = time.monotonic() + grace
         while True:
-            dumps = read_summaries(self.folder)
-            if len(dumps) >= len(self.hosts) or time.monotonic() > deadline:
-                return dumps
+            dumped = {int(m.group(1)) for p in self.folder.iterdir() if (m := re.fullmatch(r"rank(\d+)\.txt", p.name))}
+            if len(dumped) >= len(self.hosts) or time.monotonic() > deadline:
+                return dumped
             time.sleep(0.5)
 
 

@@ -9,13 +9,16 @@ from the device and takes no collective beyond FSDP's (and the norm's all-reduce
 every few seconds the ranks agree on stop requests and time-based saves (train/triggers.py). Bad steps are
 judged on the device (train/guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py), commits the checkpoint, then runs the periodic work that is due
+(metrics.py, trackers.py; train/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
 (train/periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
 take). Under --fault_tolerance (train/ft.py) each step begins with the replica groups' quorum (a group
 behind the others heals there and goes on from the step it got) and commits only when torchft says
 so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
 staging buffers.
+
+A training collective that times out leaves every live rank's stacks and last collectives, and one
+line naming the ranks that did not reach it (train/hangs.py).
 
 `_build` makes the loop's collaborators (a `Loop`), `_steps` runs the steps, `_after_step` is the
 order of what follows each (the loop's contract), `_end` says how the run ended.

@@ -6,7 +6,10 @@ gathered the block's weights, so the wait for that all-gather is outside) and it
 At every report the ranks' figures are gathered (one small all-gather) and the record gets the
 slowest rank, its host, its own work over the median rank's, and the slowest data wait; a rank over
 --straggler_threshold for --straggler_reports reports in a row is named in one warning line.
-Megatron-LM's StragglerDetector does the same with CUDA events around a training section.
+Megatron-LM's StragglerDetector does the same with CUDA events around a training section. The median
+is the lower middle one (of two ranks, the faster). Under tensor or context parallelism a block's
+forward holds that group's collectives, so a straggler's group (on its node) measures its slowness
+too; under pipeline parallelism the stages hold different blocks, so the ratio compares stages as well.
 """
 
 from __future__ import annotations
