@@ -31,6 +31,7 @@ from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.compat import flight_recorder_dump, group_members
 from fms_fsdp.errors import TrainingError, first_line
 from fms_fsdp.parallel.process_group import gather_objects, lost_peer
+from fms_fsdp.run import Run
 from fms_fsdp.storage import make_folder, storage_error
 
 LISTED = 64  # of them, the newest listed in a dump
@@ -54,11 +55,17 @@ class HangDiagnostics:
     timeout_minutes: Optional[float]
 
     @staticmethod
-    def start(root: Path, rank: int, timeout_minutes: Optional[float]) -> "HangDiagnostics":
-        """Every rank's host and rank 0's start time, gathered (every rank calls it, at start-up)."""
+    def start(run: Run) -> "HangDiagnostics":
+        """Every rank's host and rank 0's start time, gathered (every rank calls it, at start-up, once
+        the run holds its folder); on GPUs, the folder of NCCL's own dumps made."""
         mine = (socket.gethostname(), time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         every = gather_objects(mine)
-        return HangDiagnostics(root / "diagnostics" / every[0][1], rank, [host for host, _ in every], timeout_minutes)
+        if run.device.type == "cuda" and run.paths.nccl_traces is not None:
+            make_folder(Path(run.paths.nccl_traces).parent)
+        hosts = [host for host, _ in every]
+        return HangDiagnostics(
+            run.paths.diagnostics / every[0][1], run.info.rank, hosts, run.cfg.collective_timeout_minutes
+        )
 
     def diagnose(self, error: BaseException) -> TrainingError:
         """Write this rank's dump, wait for the others', and make the run's error line (said by the

@@ -220,7 +220,7 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
             run.log(line)
         if run.device.type == "cpu" and cfg.mixed_precision:
             run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
-        hangs = HangDiagnostics.start(run.paths.root, run.info.rank, cfg.collective_timeout_minutes)
+        hangs = HangDiagnostics.start(run)
         trackers = start_trackers(cfg, run.paths.root)
         failed = True
         try:
