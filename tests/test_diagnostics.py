@@ -136,3 +136,35 @@ def test_a_rank_stopped_for_good_is_named_with_every_other_ranks_dump_and_nothin
     table = dump.split("== last collectives")[1].splitlines()
     assert any(row.endswith("<- the newest: waited in") and f"\t{waited['seq']}\t" in row for row in table), table
     assert json.loads(dump.split("summary: ")[1].splitlines()[0])["rank"] == 0
+
+
+def test_the_trackers_get_the_slowest_ranks_host_as_text_and_its_figures_as_numbers(tmp_path, monkeypatch, capsys):
+    """A record's text (the host) goes to TensorBoard and Aim as text; no tracker is switched off by it
+    (W&B takes text as it takes numbers: not started here, its offline service costs ~10 s)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fms_fsdp.flags import parse_args
+    from fms_fsdp.trackers import start_trackers
+
+    cfg = parse_args([*TINY, f"--ckpt_save_path={tmp_path}", "--tracker=tensorboard,aim"])
+    trackers = start_trackers(cfg, tmp_path)
+    record = {"step": 4, "loss": 1.5, "slowest_rank": 3, "slowest_rank_host": "node7", "slowest_rank_ratio": 2.5}
+    trackers.log(record)
+    assert set(trackers.trackers) == {"tensorboard", "aim"}, capsys.readouterr().out
+    trackers.close()
+    assert "warning" not in capsys.readouterr().out
+    ids = json.loads((tmp_path / "tracker_runs.json").read_text())
+    events = EventAccumulator(str(tmp_path / "tracker" / "tensorboard" / ids["tensorboard"]))
+    events.Reload()
+    assert {"slowest_rank", "slowest_rank_ratio"} <= set(events.Tags()["scalars"])
+    assert any(tag.startswith("slowest_rank_host") for tag in events.Tags()["tensors"])
+    import aim
+    from aim.storage.context import Context
+
+    run = aim.Run(run_hash=ids["aim"], repo=str(tmp_path / "tracker"), system_tracking_interval=None)
+    try:
+        names = {sequence.name for sequence in run.metrics()}
+        steps, (texts, *_) = run.get_text_sequence("slowest_rank_host", Context({})).data.items_list()
+    finally:
+        run.close()
+    assert {"slowest_rank", "slowest_rank_ratio"} <= names and [t.data for t in texts] == ["node7"] and steps == [4]
