@@ -122,14 +122,12 @@ def flight_recorder_dump() -> Optional[dict[str, Any]]:
 
 def group_members() -> dict[str, list[int]]:
     """The global ranks of every process group this process belongs to, by group name (the name a
-    Flight Recorder entry gives): torch's process-group registry."""
+    Flight Recorder entry gives): torch's process-group registry (empty if a release moves it: the
+    hang analysis then takes every rank as a member)."""
     import torch.distributed.distributed_c10d as c10d
 
-    return {
-        c10d._world.pg_names[group]: sorted(ranks)
-        for group, ranks in c10d._world.pg_group_ranks.items()
-        if group in c10d._world.pg_names
-    }
+    names, ranks = getattr(c10d._world, "pg_names", {}), getattr(c10d._world, "pg_group_ranks", {})
+    return {names[group]: sorted(members) for group, members in ranks.items() if group in names}
 
 
 def muon_orthogonalize(matrix: torch.Tensor) -> torch.Tensor:

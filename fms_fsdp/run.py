@@ -239,7 +239,8 @@ def started(run: Run) -> Iterator[Run]:
     --fault_tolerance, once the lighthouse answers (ConfigError after --ft_timeout_seconds)."""
     if run.ft is not None:
         wait_for_lighthouse(run.ft)
-    start_process_group(run.device, run.cfg.collective_timeout_minutes, run.paths.nccl_traces)
+    local = not is_remote(run.cfg.ckpt_save_path)  # an evaluation in object storage needs no fsspec package here
+    start_process_group(run.device, run.cfg.collective_timeout_minutes, run.paths.nccl_traces if local else None)
     try:
         yield with_mesh(run)
     finally:
