@@ -1,13 +1,15 @@
 """Hangs: what every rank was doing when a collective did not complete within --collective_timeout_minutes.
 
-torch's Flight Recorder keeps each process's last collectives (every process group's, gloo's and NCCL's:
-group, sequence number, operation, sizes, state); process_group.start_process_group turns it on. When a training collective times out, every rank still alive writes
+torch's Flight Recorder keeps each process's last collectives (every process group's, gloo's and
+NCCL's: group, sequence number, operation, sizes, state); process_group.start_process_group turns it
+on. When a training collective times out, every rank still alive writes
 <ckpt_save_path>/diagnostics/<time>/rank<N>.txt (<time>: when this launch started, agreed at start-up):
 its Python stacks (all threads) and its last collectives, led by a `summary:` line of JSON. It waits a
 little for the others' files, then the lowest rank that wrote one names, in the run's one error line,
 the ranks (with their hosts) that did not reach the collective the others wait in: those whose record
 stops before it, and those that wrote nothing (stopped, stuck outside Python, or gone). Then the run
-ends as on any lost peer. docs/troubleshooting.md shows how to read the files.
+ends as on any lost peer. docs/troubleshooting.md shows how to read the files. On NCCL, torch's
+watchdog ends the process at a timeout itself, after dumping the same record (run.Paths.nccl_traces).
 
 A rank whose peer died outright (a closed connection, not a timeout) ends at once, without dumps.
 """
@@ -116,10 +118,11 @@ def describe(rank: int, host: str, error: BaseException) -> tuple[dict[str, Any]
     """(summary, text) of this rank's dump: its Python stacks and its last collectives."""
     record = flight_recorder_dump()
     entries = (record or {}).get("entries", [])
+    collectives = [e for e in entries if not e.get("is_p2p")]  # a pipeline's sends are listed, not analysed
     last = {}
-    for entry in entries:
+    for entry in collectives:
         last[entry["process_group"][0]] = max(last.get(entry["process_group"][0], 0), entry["collective_seq_id"])
-    waited = max(entries, key=lambda e: e["time_created_ns"]) if entries else None
+    waited = max(collectives, key=lambda e: e["time_created_ns"]) if collectives else None
     members = group_members()
     summary = {
         "rank": rank,
