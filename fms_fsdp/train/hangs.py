@@ -119,7 +119,7 @@ def describe(rank: int, host: str, error: BaseException) -> tuple[dict[str, Any]
     record = flight_recorder_dump()
     entries = (record or {}).get("entries", [])
     collectives = [e for e in entries if not e.get("is_p2p")]  # a pipeline's sends are listed, not analysed
-    last = {}
+    last: dict[str, int] = {}
     for entry in collectives:
         last[entry["process_group"][0]] = max(last.get(entry["process_group"][0], 0), entry["collective_seq_id"])
     waited = max(collectives, key=lambda e: e["time_created_ns"]) if collectives else None
@@ -199,7 +199,7 @@ def analyse(dumps: dict[int, dict[str, Any]], hosts: list[str]) -> str:
     """Which ranks did not reach the collectives the dumped ranks wait in: a member of the group whose
     record stops before it, or a rank that wrote no dump."""
     silent = [r for r in range(len(hosts)) if r not in dumps]
-    behind, waiting, waits = set(silent), [], Counter()
+    behind, waiting, waits = set(silent), [], Counter[str]()
     for rank, dump in sorted(dumps.items()):
         waited = dump["waited"]
         if waited is None:

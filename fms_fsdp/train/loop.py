@@ -324,9 +324,8 @@ def _build(
     stack.callback(profiler.close)
     model.train()
     periodic: list[Periodic] = [exporter, evaluator, harness, profiler]
-    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers, stragglers)
-    parts += (periodic,)
-    return Loop(run, *parts), start
+    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers)
+    return Loop(run, *parts, stragglers, periodic), start
 
 
 def _fault_tolerance(
