@@ -129,10 +129,9 @@ class Stragglers:
         self.clock: Any = CudaClock() if device.type == "cuda" else CpuClock()
         self.device, self.hosts, self.threshold, self.reports, self.log = device, hosts, threshold, reports, log
         self.over = [0] * len(hosts)  # reports in a row each rank was over the threshold
-        self.handles = []
-        for block in (
-            blocks_of(model) if len(hosts) > 1 else []
-        ):  # after fully_shard's hooks: its all-gather wait is outside
+        self.handles: list[Any] = []
+        # registered after fully_shard's hooks: a block's all-gather wait comes before its bracket opens
+        for block in blocks_of(model) if len(hosts) > 1 else []:
             self.handles.append(block.register_forward_pre_hook(self._start))
             self.handles.append(block.register_forward_hook(self._stop))
 
