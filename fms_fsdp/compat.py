@@ -110,6 +110,35 @@ def fsspec_storage() -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------------- differences
 
 
+def flight_recorder_dump() -> Optional[dict[str, Any]]:
+    """This process's Flight Recorder record of its last collectives, every process group's (torch's
+    `_dump_fr_trace`: gloo and NCCL record into one buffer when TORCH_FR_BUFFER_SIZE (or
+    TORCH_NCCL_TRACE_BUFFER_SIZE) is set before the groups are made; measured on 2.13, where gloo
+    records each collective's group, sequence number, sizes and whether it retired); None when the
+    release has no such dump or it fails."""
+    import pickle
+
+    import torch._C._distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    try:
+        return pickle.loads(dump(True, True, False))
+    except Exception:  # a recorder never enabled, a release whose dump differs: no record, not an error
+        return None
+
+
+def group_members() -> dict[str, list[int]]:
+    """The global ranks of every process group this process belongs to, by group name (the name a
+    Flight Recorder entry gives): torch's process-group registry (empty if a release moves it: the
+    hang analysis then takes every rank as a member)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    names, ranks = getattr(c10d._world, "pg_names", {}), getattr(c10d._world, "pg_group_ranks", {})
+    return {names[group]: sorted(members) for group, members in ranks.items() if group in names}
+
+
 def muon_orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of one matrix, with its default coefficients and steps."""
     return _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
@@ -353,7 +382,9 @@ __all__ = [
     "TensorProperties",
     "compute_local_shape_and_global_offset",
     "fake_store",
+    "flight_recorder_dump",
     "fsspec_storage",
+    "group_members",
     "local_shape_and_offset_at",
     "local_tensor",
     "matmul_and_attention_ops",

@@ -558,6 +558,15 @@ class train_config:
     report_interval: int = _f(
         100, "Steps between metric reports (printed and appended to metrics.jsonl).", min=1, shared=False
     )
+    straggler_threshold: float = _f(
+        1.3,
+        "A rank whose own work per step (its blocks' forward compute and its data wait, apart from waiting for the others) is this many times the median rank's at --straggler_reports reports in a row is named in a warning with its host; every record has slowest_rank, slowest_rank_host and slowest_rank_ratio.",
+        min=1.0,
+        shared=False,
+    )
+    straggler_reports: int = _f(
+        3, "Reports in a row a rank must be over --straggler_threshold to be named.", min=1, shared=False
+    )
     peak_tflops: Optional[float] = _f(
         None, "Peak bf16 TFLOP/s of one device for MFU (default: looked up by GPU name).", min=0.0, shared=False
     )

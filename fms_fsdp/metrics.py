@@ -316,6 +316,8 @@ def format_record(r: dict[str, Any]) -> str:
     else:
         parts.append(f"rss {r['max_rss_gb']:.2f} GiB")
     parts.append(f"data_wait {100 * r['data_wait']:.1f}%")
+    if "slowest_rank" in r:
+        parts.append(f"slowest rank {r['slowest_rank']} ({r['slowest_rank_ratio']:.2f}x)")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
     if "checkpoint_stall_s" in r:

@@ -49,7 +49,7 @@ from fms_fsdp.parallel.process_group import (
 )
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.settings import Settings, settings_of
-from fms_fsdp.storage import location
+from fms_fsdp.storage import is_remote, location
 from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
@@ -84,6 +84,17 @@ class Paths:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def diagnostics(self) -> Path:
+        """What a hang leaves (train/hangs.py)."""
+        return self.root / "diagnostics"
+
+    @property
+    def nccl_traces(self) -> Optional[str]:
+        """The file-name prefix of NCCL's own Flight Recorder dumps at a timeout, rank appended (None
+        in object storage, where torch cannot write)."""
+        return None if is_remote(self.root) else f"{self.diagnostics / 'nccl'}/rank_"
 
     def model_file(self, step: int) -> Path:
         """--export_model_at_end's file."""
@@ -227,7 +238,8 @@ def started(run: Run) -> Iterator[Run]:
     --fault_tolerance, once the lighthouse answers (ConfigError after --ft_timeout_seconds)."""
     if run.ft is not None:
         wait_for_lighthouse(run.ft)
-    start_process_group(run.device, run.cfg.collective_timeout_minutes)
+    local = not is_remote(run.cfg.ckpt_save_path)  # an evaluation in object storage needs no fsspec package here
+    start_process_group(run.device, run.cfg.collective_timeout_minutes, run.paths.nccl_traces if local else None)
     try:
         yield with_mesh(run)
     finally:

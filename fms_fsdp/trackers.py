@@ -27,6 +27,9 @@ RUN_IDS_FILE = "tracker_runs.json"
 
 
 class Tracker(Protocol):
+    """A tracker's run. One that also has `log_text(texts: dict[str, str], step)` gets a record's text
+    values (the slowest rank's host); the others get its numbers only."""
+
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self, failed: bool) -> None: ...
@@ -56,6 +59,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def log_text(self, texts: dict[str, str], step: int) -> None:
+        for name, value in texts.items():
+            self.writer.add_text(name, value, step)
+        self.writer.flush()
+
     def close(self, failed: bool) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -81,6 +89,9 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_text(self, texts: dict[str, str], step: int) -> None:
+        self.run.log(texts, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -115,6 +126,12 @@ class AimTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
             self.run.track(value, name=name, step=step)
+
+    def log_text(self, texts: dict[str, str], step: int) -> None:
+        import aim
+
+        for name, value in texts.items():
+            self.run.track(aim.Text(value), name=name, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.close()
@@ -203,7 +220,11 @@ class Trackers:
     def log(self, record: dict[str, Any]) -> None:
         for name, tracker in list(self.trackers.items()):
             try:
-                tracker.log({k: float(v) for k, v in record.items() if k != "step"}, record["step"])
+                numbers = {k: float(v) for k, v in record.items() if k != "step" and not isinstance(v, str)}
+                tracker.log(numbers, record["step"])
+                texts = {k: v for k, v in record.items() if isinstance(v, str)}
+                if texts and hasattr(tracker, "log_text"):
+                    tracker.log_text(texts, record["step"])
             except Exception as e:
                 _warn(f"--tracker={name} failed and is switched off: {first_line(e)}")
                 del self.trackers[name]

@@ -67,35 +67,14 @@ def launch(
     gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, ...), which skips torchrun's 2 s agent
     start-up (torchrun's own behaviour is tested with it: logs, kills, SIGTERM, Slurm). Rank outputs are
     joined, rank 0's first; the status is the first failing rank's."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        **(extra_env or {}),
-    }
+    env = rank_env(extra_env)
     if nproc is None or torchrun_args:
         cmd = [sys.executable]
         if nproc is not None:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
         cmd += [str(ROOT / script), *args]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    world = {
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / script), *args],
-            cwd=ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(nproc)
-    ]
+    procs = start_ranks(script, args, nproc, env)
     with ThreadPoolExecutor(nproc) as pool:  # drain every rank's pipes while they run
         futures = {pool.submit(p.communicate): p for p in procs}
         deadline, pending = time.monotonic() + timeout, set(futures)
@@ -116,6 +95,37 @@ def launch(
     return subprocess.CompletedProcess(
         procs[0].args, status, "".join(o[0] or "" for o in outputs), "".join(o[1] or "" for o in outputs)
     )
+
+
+def rank_env(extra_env: Optional[dict] = None) -> dict:
+    """The environment of a launched process: one thread, this checkout first on the path."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(extra_env or {}),
+    }
+
+
+def start_ranks(script: str, args: list[str], nproc: int, env: dict) -> list[subprocess.Popen]:
+    """nproc processes of `script`, each with the environment torchrun gives a rank (and `env`)."""
+    world = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / script), *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(nproc)
+    ]
 
 
 def records(out: Path) -> list[dict]:

@@ -72,6 +72,8 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
     for a, b in zip(losses(two), losses(one_rank)):
         assert a == pytest.approx(b, rel=1e-4)
     assert all(FIELDS <= set(r) for r in two)
+    # every report names the slowest rank (tests/test_diagnostics.py: a stopped rank is named)
+    assert all(r["slowest_rank"] in (0, 1) and r["slowest_rank_ratio"] >= 1 and "slowest_data_wait" in r for r in two)
     assert two[-1]["tokens_seen"] == STEPS * 4 * 64
     saved = (tmp / "run" / "config.yaml").read_text()
     assert yaml.safe_load(saved)["batch_size"] == 2 and parse_args([f"--config={tmp / 'run' / 'config.yaml'}"])

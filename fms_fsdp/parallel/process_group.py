@@ -146,10 +146,29 @@ def collective_timeout(minutes: Optional[float]) -> Optional[timedelta]:
     return None if minutes is None else timedelta(minutes=minutes)
 
 
-def start_process_group(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
+FR_ENTRIES = 2000  # collectives torch's Flight Recorder keeps per process (torchtitan keeps 20000)
+
+
+def record_collectives(nccl_traces: Optional[str]) -> None:
+    """Have torch's Flight Recorder keep the last FR_ENTRIES collectives of this process, gloo's and
+    NCCL's (read by train/hangs.py when a collective times out), and NCCL's watchdog dump them on a
+    timeout to `nccl_traces`<rank> (torchtitan's setting); set before the groups are made. What the user
+    set is kept (a buffer size of 0: off)."""
+    if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FR_ENTRIES)
+    if nccl_traces is not None:
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
+            os.environ["TORCH_FR_DUMP_TEMP_FILE"] = nccl_traces
+
+
+def start_process_group(
+    device: torch.device, timeout_minutes: Optional[float] = None, nccl_traces: Optional[str] = None
+) -> None:
     """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
-    `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo). Without torchrun's
-    environment, the environment of a single process on localhost is set up first."""
+    `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo), recording them
+    (`record_collectives`; NCCL's watchdog dumps them to `nccl_traces`<rank> at a timeout). Without
+    torchrun's environment, the environment of a single process on localhost is set up first."""
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",
@@ -160,6 +179,7 @@ def start_process_group(device: torch.device, timeout_minutes: Optional[float] =
             MASTER_PORT=str(free_port()),
         )
     timeout = collective_timeout(timeout_minutes)
+    record_collectives(nccl_traces if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
@@ -207,6 +227,16 @@ def failures(
     if group is None:
         return [mine]
     every: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    return every
+
+
+def gather_objects(mine: T) -> list[T]:
+    """Every rank's `mine` (a small picklable object), on every rank (every rank calls it)."""
+    group = agreement_group()
+    if group is None:
+        return [mine]
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine, group=group)
     return every
 

@@ -9,13 +9,16 @@ from the device and takes no collective beyond FSDP's (and the norm's all-reduce
 every few seconds the ranks agree on stop requests and time-based saves (train/triggers.py). Bad steps are
 judged on the device (train/guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py), commits the checkpoint, then runs the periodic work that is due
+(metrics.py, trackers.py; train/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
 (train/periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
 take). Under --fault_tolerance (train/ft.py) each step begins with the replica groups' quorum (a group
 behind the others heals there and goes on from the step it got) and commits only when torchft says
 so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
 staging buffers.
+
+A training collective that times out leaves every live rank's stacks and last collectives, and one
+line naming the ranks that did not reach it (train/hangs.py).
 
 `_build` makes the loop's collaborators (a `Loop`), `_steps` runs the steps, `_after_step` is the
 order of what follows each (the loop's contract), `_end` says how the run ended.
@@ -56,9 +59,11 @@ from fms_fsdp.train.build import build_optimizer_and_schedule, build_stages
 from fms_fsdp.train.ft import FaultTolerance, Replay
 from fms_fsdp.train.ft_settings import fingerprint
 from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.hangs import HangDiagnostics, timed_out
 from fms_fsdp.train.lease import RunLease
 from fms_fsdp.train.periodic import Periodic, Report
 from fms_fsdp.train.rehearsal import rehearse, rehearsed_ranks
+from fms_fsdp.train.stragglers import Stragglers
 from fms_fsdp.train.triggers import StepTriggers, StopRequest
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -232,12 +237,17 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
             run.log(line)
         if run.device.type == "cpu" and cfg.mixed_precision:
             run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
+        hangs = HangDiagnostics.start(run)
         trackers = start_trackers(cfg, run.paths.root)
         failed = True
         try:
-            records = _train(run, stop, trackers, lease)
+            records = _train(run, stop, trackers, lease, hangs.hosts)
             failed = False
             return records
+        except Exception as e:
+            if timed_out(e):  # every rank still alive dumps what it was doing; one line names who hung
+                raise hangs.diagnose(e) from None
+            raise
         finally:
             trackers.close(failed)
     finally:
@@ -273,14 +283,15 @@ class Loop:
     checkpointer: Checkpointer
     reporter: MetricsReporter
     triggers: StepTriggers
+    stragglers: Stragglers
     periodic: list[Periodic]  # run in this order at a step: export, evaluation, lm-eval tasks, profiler
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> list[dict[str, Any]]:
+def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, hosts: list[str]) -> list[dict[str, Any]]:
     """Build the loop, run its steps, finish what is in flight, say how it ended; its records."""
     with ExitStack() as stack:  # closed on the way out, an exception too
-        loop, start = _build(run, stop, trackers, lease, stack)
+        loop, start = _build(run, stop, trackers, lease, hosts, stack)
         # the loader's workers stop with the loop, before the last commit
         with closing(_batches(loop)) as batches:
             step, stopped = _steps(loop, batches, start)
@@ -295,8 +306,11 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease) -> 
     return loop.records
 
 
-def _build(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, stack: ExitStack) -> tuple[Loop, int]:
-    """The loop's collaborators, each closed by `stack`, and the step it starts from (a resume's)."""
+def _build(
+    run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, hosts: list[str], stack: ExitStack
+) -> tuple[Loop, int]:
+    """The loop's collaborators, each closed by `stack`, and the step it starts from (a resume's);
+    `hosts`: every rank's host."""
     cfg, info = run.cfg, run.info
     loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
     evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
@@ -322,12 +336,14 @@ def _build(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, sta
     reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers, lines)
     stack.callback(reporter.close)
     triggers = StepTriggers(run.settings.triggers, info, stop, start)
+    stragglers = Stragglers(model, info.device, hosts, cfg.straggler_threshold, cfg.straggler_reports, run.log)
+    stack.callback(stragglers.close)
     profiler = StepProfiler(run.settings.profiler, info, run.paths.root)
     stack.callback(profiler.close)
     model.train()
     periodic: list[Periodic] = [exporter, evaluator, harness, profiler]
-    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers, periodic)
-    return Loop(run, *parts), start
+    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers)
+    return Loop(run, *parts, stragglers, periodic), start
 
 
 def _fault_tolerance(
@@ -441,11 +457,12 @@ def _after_step(loop: Loop, step: int, done: StepResult, report_step: bool, batc
 def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_step: bool) -> dict[str, Any]:
     """The interval's record (every rank calls it): the gradient norm where it is global (the step's
     clipping or guard made it so, or a report step asked for it), the steps left out by
-    --skip_bad_steps, and --fault_tolerance's figures."""
-    cfg, guard = loop.run.cfg, loop.guard
+    --skip_bad_steps, the slowest rank's figures and --fault_tolerance's."""
+    cfg, guard, reporter = loop.run.cfg, loop.guard, loop.reporter
     global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
     skipped = guard.skipped_since_report() if guard.skipping else None
-    extra = loop.ft.report() if loop.ft is not None else None
+    extra = loop.stragglers.report(reporter.data_wait, time.perf_counter() - reporter.interval_start)
+    extra.update(loop.ft.report() if loop.ft is not None else {})
     return loop.reporter.report(step, lr, grad_norm if global_norm else None, skipped, extra)
 
 
