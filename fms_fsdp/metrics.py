@@ -289,9 +289,12 @@ def check_metrics_file(path: Path) -> None:
     """ConfigError when <ckpt_save_path>/metrics.jsonl cannot be appended to (a start-up check)."""
     if is_remote(path):
         return
+    existed = path.exists()
     try:
         with open(path, "a"):
             pass
+        if not existed:  # a start that fails leaves no empty file behind
+            path.unlink()
     except OSError as e:
         raise ConfigError(f"--ckpt_save_path: cannot append to {path} ({type(e).__name__}: {first_line(e)})") from None
 
