@@ -136,6 +136,13 @@ def training_config(argv: Optional[Sequence[str]] = None) -> Any:
         fail(e)
 
 
+def check_flags(argv: Optional[Sequence[str]] = None) -> None:
+    """The launch scripts' check before torchrun starts any rank: the training flags, read as fms-train
+    reads them (no torch import). A bad one ends in its one line and status 2, with nothing after it
+    (under torchrun every rank would print it, then torchrun its failure summary and status 1)."""
+    training_config(argv)
+
+
 # ------------------------------------------------------------------------------------ training
 
 

@@ -89,7 +89,7 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
         and head[-1] == f"config: {tmp / 'run' / 'config.yaml'} (every flag; --config=<it> runs it again)"
     )
     assert "data: synthetic token lines (--use_dummy_dataset)" in head and len(head) <= 6, head
-    assert f"step {STEPS} | loss" in out0
+    assert f"step {STEPS} | loss" in out0 and " | tok/s/rank " in out0 and "gpu" not in out0.lower()
     assert out1 == ""
 
 
