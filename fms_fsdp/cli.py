@@ -100,7 +100,12 @@ def guarded(work: Callable[[], Any]) -> None:
 
 def quiet_library_noise() -> None:
     """What torch says at every step of a run that is not the user's business (the commands that train
-    or evaluate call this; library code leaves warnings and loggers alone)."""
+    or evaluate call this, before they import the libraries; library code leaves warnings and loggers
+    alone). Rank 0 speaks: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
+    if os.environ.get("RANK", "0") != "0":
+        warnings.simplefilter("ignore")
+        for bars in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ[bars] = "1"  # tqdm's own (lm-eval's), Hugging Face datasets' and hub's
     # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
     warnings.filterwarnings(
         "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
@@ -152,12 +157,12 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(argv)
 
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
+        quiet_library_noise()
         from fms_fsdp.parallel.process_group import LAUNCHER_DIED, exit_with_parent
         from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)
-        quiet_library_noise()
         if cfg.dry_run:
             dry_run(cfg)
         else:
@@ -175,9 +180,9 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(args)
 
     def work() -> None:
+        quiet_library_noise()
         from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
 
-        quiet_library_noise()
         evaluate_checkpoint(cfg)
 
     guarded(work)

@@ -109,3 +109,19 @@ def test_the_launch_script_ends_a_bad_flag_in_its_one_line_before_torchrun(tmp_p
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
         assert proc.stderr == "error: unknown flag --lerning_rate; did you mean --learning_rate?\n"
     assert "scripts/train.sh --config=scripts/quickstart.yaml" in (ROOT / "scripts" / "quickstart.sh").read_text()
+
+
+def test_only_rank_0_shows_library_warnings_and_progress_bars():
+    """A training rank other than 0 ignores warnings and draws no progress bar (tqdm reads TQDM_DISABLE
+    once, at its import: the command sets it before importing anything that imports tqdm)."""
+    code = (
+        "import warnings, sys; from fms_fsdp.cli import quiet_library_noise; quiet_library_noise(); "
+        "from tqdm import tqdm; warnings.warn('a library warning'); "
+        "bar = tqdm(range(3)); print(bar.disable); list(bar)"
+    )
+    for rank, quiet in (("0", False), ("1", True)):
+        env = {**os.environ, "RANK": rank, "PYTHONPATH": str(ROOT)}
+        env.pop("TQDM_DISABLE", None)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.stdout == f"{quiet}\n", proc.stderr
+        assert ("a library warning" in proc.stderr) != quiet and ("3/3" in proc.stderr) != quiet, proc.stderr
