@@ -18,6 +18,7 @@ docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -124,6 +125,42 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+class Labelled(io.TextIOBase):
+    """A text stream whose every line begins with `label`: each replica group's output under
+    --fault_tolerance, whose groups share a console."""
+
+    def __init__(self, stream: Any, label: str):
+        self.stream, self.label, self.fresh = stream, label, True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for piece in text.splitlines(keepends=True):
+            pieces.append(self.label + piece if self.fresh else piece)
+            self.fresh = piece.endswith("\n")
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def label_groups(cfg: Any) -> None:
+    """Under --fault_tolerance, every line this process prints begins with its replica group."""
+    if cfg.fault_tolerance:
+        from fms_fsdp.train.ft_settings import FTSettings
+
+        settings = FTSettings.of(cfg)
+        assert settings is not None
+        sys.stdout = Labelled(sys.stdout, f"[group {settings.index}] ")
+        sys.stderr = Labelled(sys.stderr, f"[group {settings.index}] ")
+
+
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
     return list(sys.argv[1:] if argv is None else argv)
 
@@ -163,6 +200,7 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)
+        label_groups(cfg)
         if cfg.dry_run:
             dry_run(cfg)
         else:
