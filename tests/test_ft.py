@@ -267,3 +267,35 @@ def test_a_failed_collective_is_said_in_a_few_words_and_each_group_labels_its_li
     stream.write("step 1 | loss 2\nstep 2")
     stream.write(" | loss 1\n\nerror: x\n")
     assert out.getvalue() == "[group 1] step 1 | loss 2\n[group 1] step 2 | loss 1\n[group 1] \n[group 1] error: x\n"
+
+
+@pytest.mark.slow
+def test_the_local_launcher_keeps_the_lighthouse_off_the_console_and_labels_each_group(tmp_path):
+    """scripts/train_ft.sh local, as docs/launching.md runs it: the console holds our lines, each group's
+    labelled; the lighthouse's quorum lines are in its log file."""
+    lighthouse_log = tmp_path / "lighthouse.log"
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+        "FT_LIGHTHOUSE": f"localhost:{free_port()}",
+        "FT_LIGHTHOUSE_LOG": str(lighthouse_log),
+        "FT_GROUPS": "2",
+        "NPROC_PER_NODE": "2",
+    }
+    flags = ["--config=scripts/quickstart.yaml", "--num_steps=4", "--report_interval=2", "--seq_length=64"]
+    proc = subprocess.run(
+        ["bash", "scripts/train_ft.sh", "local", *flags, "--batch_size=2", f"--ckpt_save_path={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert "torchft::lighthouse" not in console and "Quorum status" in lighthouse_log.read_text()
+    steps = [line for line in console.splitlines() if "| loss " in line]
+    assert sorted(line.split(" | ")[0] for line in steps) == [
+        f"[group {g}] step {s}" for g in (0, 1) for s in (2, 4)
+    ], console[-3000:]
