@@ -14,21 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
-from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
+from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config, hidden_dim  # noqa: E402
 from fms_fsdp.schedule import ScheduleSettings, lr_multiplier  # noqa: E402
 
 
 def variants_table() -> str:
-    """Every model variant with its dimensions and parameter count."""
+    """Every model variant with its dimensions (the FFN width is Hugging Face's intermediate_size) and
+    parameter count."""
     rows = [
-        "| variant | params | emb_dim | heads | kv heads | layers | vocab | max seq | rope_theta |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | params | emb_dim | FFN width | heads | kv heads | layers | vocab | max seq | rope_theta |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in VARIANTS:
         c = get_model_config(name)
         rows.append(
-            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {c.nheads} | {c.kvheads or c.nheads} "
-            f"| {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} | {c.rope_theta:g} |"
+            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {hidden_dim(c)} | {c.nheads} "
+            f"| {c.kvheads or c.nheads} | {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} "
+            f"| {c.rope_theta:g} |"
         )
     rows.append("")
     rows.append("Aliases: " + ", ".join(f"`{a}` = `{v}`" for a, v in ALIASES.items()) + ".")
