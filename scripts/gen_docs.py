@@ -1,7 +1,7 @@
 """Regenerate the docs' tables from the code: in docs/configuration.md the flags (the train_config
 dataclass) and the model variants; in docs/troubleshooting.md the fault matrix (tests/test_faults.py:
-what each fault looks like and its exit status, as the suite drives it); with matplotlib installed,
-docs/lr_schedules.png from fms_fsdp/schedule.py.
+what each fault looks like and its exit status, as the suite drives it) and every message
+(tests/error_cases.py); with matplotlib installed, docs/lr_schedules.png from fms_fsdp/schedule.py.
 
     python scripts/gen_docs.py      (tests/test_docs.py fails when a table is out of date)
 """
@@ -43,10 +43,16 @@ def faults_table() -> str:
     return troubleshooting_table()
 
 
+def errors_tables() -> str:
+    from error_cases import troubleshooting_tables
+
+    return troubleshooting_tables()
+
+
 # each generated document, and its sections
 DOCS: dict[str, dict[str, Callable[[], str]]] = {
     "configuration.md": {"flags": markdown_reference, "variants": variants_table},
-    "troubleshooting.md": {"faults": faults_table},
+    "troubleshooting.md": {"faults": faults_table, "errors": errors_tables},
 }
 
 
