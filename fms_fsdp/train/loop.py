@@ -205,7 +205,7 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     lease = RunLease(run.paths.root)
-    run.hold_log()  # a start that fails says its error alone; a started run its summary first
+    run.hold_log()  # a start that fails says its error alone; a started run its lines, then a summary
     note = on_rank0(lease.acquire, ConfigError, ConfigError)  # before any write there
     try:
         on_rank0(lambda: check_metrics_file(run.paths.metrics), ConfigError, ConfigError)
