@@ -26,7 +26,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, cast
 
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
 from fms_fsdp.flags import format_help, parse_args, parse_call
@@ -157,8 +157,8 @@ def label_groups(cfg: Any) -> None:
 
         settings = FTSettings.of(cfg)
         assert settings is not None
-        sys.stdout = Labelled(sys.stdout, f"[group {settings.index}] ")
-        sys.stderr = Labelled(sys.stderr, f"[group {settings.index}] ")
+        sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {settings.index}] "))
+        sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {settings.index}] "))
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
