@@ -18,6 +18,7 @@ docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import re
 import sys
 import time
 import warnings
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, cast
 
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
 from fms_fsdp.flags import format_help, parse_args, parse_call
@@ -100,7 +101,12 @@ def guarded(work: Callable[[], Any]) -> None:
 
 def quiet_library_noise() -> None:
     """What torch says at every step of a run that is not the user's business (the commands that train
-    or evaluate call this; library code leaves warnings and loggers alone)."""
+    or evaluate call this, before they import the libraries; library code leaves warnings and loggers
+    alone). Rank 0 speaks: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
+    if os.environ.get("RANK", "0") != "0":
+        warnings.simplefilter("ignore")
+        for bars in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ[bars] = "1"  # tqdm's own (lm-eval's), Hugging Face datasets' and hub's
     # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
     warnings.filterwarnings(
         "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
@@ -117,6 +123,42 @@ def quiet_library_noise() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class Labelled(io.TextIOBase):
+    """A text stream whose every line begins with `label`: each replica group's output under
+    --fault_tolerance, whose groups share a console."""
+
+    def __init__(self, stream: Any, label: str):
+        self.stream, self.label, self.fresh = stream, label, True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for piece in text.splitlines(keepends=True):
+            pieces.append(self.label + piece if self.fresh else piece)
+            self.fresh = piece.endswith("\n")
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def label_groups(cfg: Any) -> None:
+    """Under --fault_tolerance, every line this process prints begins with its replica group."""
+    if cfg.fault_tolerance:
+        from fms_fsdp.train.ft_settings import FTSettings
+
+        settings = FTSettings.of(cfg)
+        assert settings is not None
+        sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {settings.index}] "))
+        sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {settings.index}] "))
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
@@ -136,6 +178,13 @@ def training_config(argv: Optional[Sequence[str]] = None) -> Any:
         fail(e)
 
 
+def check_flags(argv: Optional[Sequence[str]] = None) -> None:
+    """The launch scripts' check before torchrun starts any rank: the training flags, read as fms-train
+    reads them (no torch import). A bad one ends in its one line and status 2, with nothing after it
+    (under torchrun every rank would print it, then torchrun its failure summary and status 1)."""
+    training_config(argv)
+
+
 # ------------------------------------------------------------------------------------ training
 
 
@@ -145,12 +194,13 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(argv)
 
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
+        quiet_library_noise()
         from fms_fsdp.parallel.process_group import LAUNCHER_DIED, exit_with_parent
         from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)
-        quiet_library_noise()
+        label_groups(cfg)
         if cfg.dry_run:
             dry_run(cfg)
         else:
@@ -168,9 +218,9 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     cfg = training_config(args)
 
     def work() -> None:
+        quiet_library_noise()
         from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
 
-        quiet_library_noise()
         evaluate_checkpoint(cfg)
 
     guarded(work)

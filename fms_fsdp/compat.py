@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from fms_fsdp.errors import ConfigError
 
@@ -40,13 +41,9 @@ check_torch()
 # the CUDA allocator's history, for --profiler_memory_snapshot
 from torch.cuda.memory import _record_memory_history as record_cuda_memory_history  # noqa: E402
 from torch.cuda.memory import _snapshot as cuda_memory_snapshot  # noqa: E402
-from torch.distributed._functional_collectives import (  # noqa: E402
-    all_gather_tensor,
-    all_gather_tensor_autograd,
-    reduce_scatter_tensor,
-    wait_tensor,
-)
+from torch.distributed import _functional_collectives as functional  # noqa: E402
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: E402
+from torch.distributed._functional_collectives import wait_tensor  # noqa: E402
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # noqa: E402
@@ -171,22 +168,28 @@ def reduce_scatter_op() -> Any:
     return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
+def _functional(name: str, before_2_13: str) -> Any:
+    """A functional collective by its name from torch 2.13 on (`*_single*`), or by its older name, which
+    2.13 and later deprecate with a FutureWarning at every call (torch 2.11 has only the older one)."""
+    return getattr(functional, name, None) or getattr(functional, before_2_13)
+
+
 def all_gather_autograd(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """Every rank's `t` of `group`, concatenated along `dim`, differentiable (the backward
-    reduce-scatters): functional collectives' all_gather_tensor_autograd (context parallelism's K/V)."""
-    return all_gather_tensor_autograd(t, dim, group)
+    reduce-scatters): functional collectives' all_gather_single_autograd (context parallelism's K/V)."""
+    return _functional("all_gather_single_autograd", "all_gather_tensor_autograd")(t, dim, group)
 
 
 def all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's `t` of `group`, concatenated along dim 0 (functional all_gather; no autograd),
     waited for: a result dropped unwaited would leave the collective writing into freed memory."""
-    return wait_tensor(all_gather_tensor(t, 0, group))
+    return wait_tensor(_functional("all_gather_single", "all_gather_tensor")(t, 0, group))
 
 
 def reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's 1/size of `t` along dim 0, summed over `group` (functional reduce_scatter; no
     autograd), waited for."""
-    return wait_tensor(reduce_scatter_tensor(t, "sum", 0, group))
+    return wait_tensor(_functional("reduce_scatter_single", "reduce_scatter_tensor")(t, "sum", 0, group))
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -339,8 +342,15 @@ def _cuda_flash_backward(
 
 def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     """Mesh dimensions `dims` flattened into one named `name` on `mesh` (DeviceMesh._flatten, as
-    torchtitan flattens shard x cp for FSDP)."""
+    torchtitan flattens shard x cp for FSDP): the same 1-D mesh at every call. Kept, not sliced from
+    the root mesh by its name (`mesh[name]`), which torch deprecates with a warning."""
     return mesh[dims]._flatten(name)
+
+
+def joined_meshes(*meshes: Any) -> Any:
+    """Sub-meshes of one root mesh side by side, as one mesh (DeviceMesh._concatenate): a flattened
+    dimension beside another without slicing it from the root by its name (deprecated)."""
+    return DeviceMesh._concatenate(list(meshes))
 
 
 def context_parallel_compiles() -> bool:
@@ -373,6 +383,7 @@ __all__ = [
     "cpu_flash_attention_backward",
     "flatten_mesh",
     "group_named",
+    "joined_meshes",
     "TORCH",
     "check_torch",
     "Shard",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import typing
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -664,8 +665,29 @@ def _check_schedule(cfg: train_config) -> None:
             raise ConfigError(f"--{flag}={value:g}: give a number of steps (an integer) or a fraction below 1")
 
 
+def _check_brace_lists(flag: str, entries: Optional[list[str]]) -> None:
+    """ConfigError when a comma list's entries hold a brace list {a,b} cut at its commas."""
+    entries = entries or []
+    cut = next((k for k, e in enumerate(entries) if e.count("{") > e.count("}")), None)
+    if cut is None:
+        return
+    end = next((j for j in range(cut + 1, len(entries)) if "}" in entries[j]), len(entries) - 1)
+    whole = ",".join(entries[cut : end + 1])
+    name, pattern = whole.split("=", 1) if "=" in whole.split("{", 1)[0] else ("", whole)
+    found = re.search(r"\{([^{}]*)\}", pattern)
+    piped = found and "|".join(pattern[: found.start()] + alt + pattern[found.end() :] for alt in found[1].split(","))
+    raise ConfigError(
+        f"--{flag}: {whole} holds a brace list cut at its commas (commas separate datasets on the command line): "
+        f"join its patterns with '|'{f' ({name}={piped})' if piped and name else f' ({piped})' if piped else ''}, "
+        f"or give --{flag} as a list in a --config file"
+    )
+
+
 def _check_weights(cfg: train_config) -> None:
-    """--weights: positive, one per dataset, and not given twice (--weights_schedule)."""
+    """--weights: positive, one per dataset, and not given twice (--weights_schedule); --datasets and
+    --eval_datasets without a brace list cut at its comma (the likely cause of a count that differs)."""
+    _check_brace_lists("datasets", cfg.datasets)
+    _check_brace_lists("eval_datasets", cfg.eval_datasets)
     if cfg.weights is not None and any(w <= 0 for w in cfg.weights):
         raise ConfigError(f"--weights: every weight must be > 0, got {cfg.weights}")
     if cfg.weights is not None and cfg.datasets is not None and len(cfg.weights) != len(cfg.datasets):

@@ -289,9 +289,12 @@ def check_metrics_file(path: Path) -> None:
     """ConfigError when <ckpt_save_path>/metrics.jsonl cannot be appended to (a start-up check)."""
     if is_remote(path):
         return
+    existed = path.exists()
     try:
         with open(path, "a"):
             pass
+        if not existed:  # a start that fails leaves no empty file behind
+            path.unlink()
     except OSError as e:
         raise ConfigError(f"--ckpt_save_path: cannot append to {path} ({type(e).__name__}: {first_line(e)})") from None
 
@@ -306,7 +309,7 @@ def format_record(r: dict[str, Any]) -> str:
         *([f"grad_norm {r['grad_norm']:.3f}"] if "grad_norm" in r else []),
         f"tokens {r['tokens_seen']:,}",
         f"step_time {r['step_time']:.3f}s",
-        f"tok/s/gpu {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",
+        f"tok/s/rank {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",
         f"tok/day {r['tokens_per_day']:.3e}",
     ]
     if "mfu" in r:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -101,6 +101,14 @@ class Paths:
         return self.root / f"model_step_{step}.safetensors"
 
 
+class StartLog:
+    """Rank 0's lines while a training run starts: held (`lines` is a list) until it has started, then
+    printed before its summary, so that a start that fails says its error and nothing before it."""
+
+    def __init__(self) -> None:
+        self.lines: Optional[list[str]] = None
+
+
 @dataclass(frozen=True)
 class Run:
     """The facts of one run, the same for every module."""
@@ -114,6 +122,7 @@ class Run:
     mesh: Optional[DeviceMesh] = None  # once the process group is up (`started`)
     pipeline: Optional[PipelinePlan] = None  # --pipeline_parallel_size > 1
     ft: Optional[FTSettings] = None  # --fault_tolerance
+    start_log: StartLog = field(default_factory=StartLog, compare=False)  # shared by the run's copies
 
     @cached_property
     def paths(self) -> Paths:
@@ -130,9 +139,23 @@ class Run:
         return self.info.device
 
     def log(self, message: str) -> None:
-        """Rank 0 speaks."""
-        if self.info.is_main:
+        """Rank 0 speaks (while the run starts, into its held lines: `hold_log`)."""
+        if not self.info.is_main:
+            return
+        if self.start_log.lines is not None:
+            self.start_log.lines.append(message)
+        else:
             print(message, flush=True)
+
+    def hold_log(self) -> None:
+        """Hold rank 0's lines until `release_log` (a training run's start)."""
+        self.start_log.lines = []
+
+    def release_log(self, tail: list[str]) -> None:
+        """The run has started: print the held lines, then `tail`; later lines print at once."""
+        held, self.start_log.lines = self.start_log.lines or [], None
+        for line in [*held, *tail]:
+            self.log(line)
 
 
 def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
@@ -230,6 +253,29 @@ def record(run: Run) -> str:
         *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
     ]
     return "".join(f"# {line}\n" for line in lines)
+
+
+def summary(run: Run, start: int) -> list[str]:
+    """The end of a training run's start-up lines, after the model's (model, mesh; train/build.py): the
+    data, the steps, and where the config went."""
+    cfg = run.cfg
+    if cfg.use_dummy_dataset:
+        data = "synthetic token lines (--use_dummy_dataset)"
+    else:
+        data = f"{cfg.data_path}: " + (", ".join(cfg.datasets) if cfg.datasets else "every dataset folder there")
+        data += f", weights {','.join(f'{w:g}' for w in cfg.weights)}" if cfg.weights else ""
+        data += f", raw text tokenized by {cfg.tokenizer_path}" if cfg.tokenizer_path else ""
+    steps = f"steps {start + 1} to {cfg.num_steps}" if start < cfg.num_steps else "no steps left"
+    per_rank = f"{cfg.batch_size} x {cfg.seq_length}" + (
+        f" x {cfg.grad_accum_steps}" if cfg.grad_accum_steps > 1 else ""
+    )
+    total = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps * run.shape.dp
+    return [
+        f"data: {data}",
+        f"training: {steps}{f' (resumed at step {start})' if start else ''}, {per_rank} tokens per "
+        f"data-parallel rank and step ({total:,} in all), a report every {cfg.report_interval}",
+        f"config: {run.paths.config} (every flag; --config=<it> runs it again)",
+    ]
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Regenerate the docs' tables from the code: in docs/configuration.md the flags (the train_config
 dataclass) and the model variants; in docs/troubleshooting.md the fault matrix (tests/test_faults.py:
-what each fault looks like and its exit status, as the suite drives it); with matplotlib installed,
-docs/lr_schedules.png from fms_fsdp/schedule.py.
+what each fault looks like and its exit status, as the suite drives it) and every message
+(tests/error_cases.py); with matplotlib installed, docs/lr_schedules.png from fms_fsdp/schedule.py.
 
     python scripts/gen_docs.py      (tests/test_docs.py fails when a table is out of date)
 """
@@ -14,22 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
-from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
+from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config, hidden_dim  # noqa: E402
 from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.settings import schedule_of  # noqa: E402
 
 
 def variants_table() -> str:
-    """Every model variant with its dimensions and parameter count."""
+    """Every model variant with its dimensions (the FFN width is Hugging Face's intermediate_size) and
+    parameter count."""
     rows = [
-        "| variant | params | emb_dim | heads | kv heads | layers | vocab | max seq | rope_theta |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | params | emb_dim | FFN width | heads | kv heads | layers | vocab | max seq | rope_theta |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in VARIANTS:
         c = get_model_config(name)
         rows.append(
-            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {c.nheads} | {c.kvheads or c.nheads} "
-            f"| {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} | {c.rope_theta:g} |"
+            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {hidden_dim(c)} | {c.nheads} "
+            f"| {c.kvheads or c.nheads} | {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} "
+            f"| {c.rope_theta:g} |"
         )
     rows.append("")
     rows.append("Aliases: " + ", ".join(f"`{a}` = `{v}`" for a, v in ALIASES.items()) + ".")
@@ -42,10 +44,16 @@ def faults_table() -> str:
     return troubleshooting_table()
 
 
+def errors_tables() -> str:
+    from error_cases import troubleshooting_tables
+
+    return troubleshooting_tables()
+
+
 # each generated document, and its sections
 DOCS: dict[str, dict[str, Callable[[], str]]] = {
     "configuration.md": {"flags": markdown_reference, "variants": variants_table},
-    "troubleshooting.md": {"faults": faults_table},
+    "troubleshooting.md": {"faults": faults_table, "errors": errors_tables},
 }
 
 

@@ -7,5 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ -n "${VIRTUAL_ENV:-}" ] || . .venv/bin/activate
-exec torchrun --nproc_per_node=2 main_training.py --config=scripts/quickstart.yaml \
+# scripts/train.sh checks the flags before torchrun starts (a typo: one line, status 2)
+NPROC_PER_NODE=2 exec bash scripts/train.sh --config=scripts/quickstart.yaml \
     --ckpt_save_path="output/quickstart/$(date +%Y%m%d-%H%M%S)" "$@"

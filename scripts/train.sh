@@ -31,8 +31,15 @@ TRAIN_ARGS=(
     --async_checkpoint=True
 )
 for arg in "$@"; do
-    case "$arg" in --config|--config=*) TRAIN_ARGS=() ;; esac
+    case "$arg" in
+        --config|--config=*) TRAIN_ARGS=() ;;
+        -h|--help) exec python "${REPO}/main_training.py" --help ;;
+    esac
 done
+# The flags are read once here, before torchrun starts a rank: a bad one ends in its one line and
+# status 2 (under torchrun every rank would print it, then torchrun its failure summary, status 1).
+PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}" python -c 'from fms_fsdp.cli import check_flags; check_flags()' \
+    ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"
 
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 

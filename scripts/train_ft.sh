@@ -19,7 +19,10 @@
 #   FT_JOIN_TIMEOUT_MS       how long a quorum waits for a group that heartbeats but is late (10000)
 #   FT_MAX_RESTARTS          restarts of a failed group before its launcher gives up (100); it also gives up
 #                            after 3 failures in a row within FT_MIN_UPTIME_S (60) of a start (a bad flag)
-# Flags after the group index go to every group (scripts/train.sh's TRAIN_ARGS, then these).
+#   FT_LIGHTHOUSE_LOG        the lighthouse's own log (its quorum lines), kept off the console
+#                            (output/lighthouse.log)
+# Flags after the group index go to every group (scripts/train.sh's TRAIN_ARGS, then these). Each group's
+# lines begin with [group I]; torchft's own log lines stay off the console.
 set -uo pipefail
 REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 FT_GROUPS=${FT_GROUPS:-2}
@@ -29,16 +32,20 @@ FT_HEARTBEAT_TIMEOUT_MS=${FT_HEARTBEAT_TIMEOUT_MS:-5000}
 FT_JOIN_TIMEOUT_MS=${FT_JOIN_TIMEOUT_MS:-10000}
 FT_MAX_RESTARTS=${FT_MAX_RESTARTS:-100}
 FT_MIN_UPTIME_S=${FT_MIN_UPTIME_S:-60}
+FT_LIGHTHOUSE_LOG=${FT_LIGHTHOUSE_LOG:-output/lighthouse.log}
 
 lighthouse() {
     # the console script: `python -c ...lighthouse_main()` would hand Python's own arguments to its parser
     command -v torchft_lighthouse >/dev/null || { echo "error: torchft_lighthouse not found: pip install torchft==0.2.0" >&2; exit 2; }
     local child=
     trap 'kill "$child" 2>/dev/null; exit 0' TERM INT
+    mkdir -p "$(dirname "$FT_LIGHTHOUSE_LOG")"
+    echo "lighthouse on port ${FT_LIGHTHOUSE##*:}: its log is $FT_LIGHTHOUSE_LOG" >&2
     while true; do  # a single point of failure: restarted at once; the groups ride out its restart
         # a quorum of any live groups: the groups' --ft_min_replicas decides whether a step commits
         torchft_lighthouse --min_replicas 1 --bind "[::]:${FT_LIGHTHOUSE##*:}" \
-            --heartbeat_timeout_ms "$FT_HEARTBEAT_TIMEOUT_MS" --join_timeout_ms "$FT_JOIN_TIMEOUT_MS" &
+            --heartbeat_timeout_ms "$FT_HEARTBEAT_TIMEOUT_MS" --join_timeout_ms "$FT_JOIN_TIMEOUT_MS" \
+            >>"$FT_LIGHTHOUSE_LOG" 2>&1 &
         child=$!
         wait "$child"
         echo "$(date '+%F %T') lighthouse exited ($?): restarting it" >&2
@@ -89,5 +96,5 @@ case "${1:-}" in
         kill "$lh" 2>/dev/null
         exit "$status"
         ;;
-    *) sed -n '2,20p' "$0"; exit 2 ;;
+    *) sed -n '2,24p' "$0"; exit 2 ;;
 esac

@@ -91,3 +91,37 @@ def test_every_command_ends_bad_input_in_one_line_and_its_status(data, uninterru
         assert (proc.returncode, len(errors)) == (status, 1), (case, proc.returncode, proc.stderr[-3000:])
         assert errors[0].startswith("error: ") and line in errors[0], (case, errors[0])
     assert {case[0] for case in cases} == set(COMMANDS)
+
+
+def test_the_launch_script_ends_a_bad_flag_in_its_one_line_before_torchrun(tmp_path):
+    """scripts/train.sh (and scripts/quickstart.sh, which runs it) reads the flags before torchrun starts:
+    a typo is its one line and status 2, with no rank started and no torchrun summary after it."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "NPROC_PER_NODE": "2"}
+    for flags in (["--config=scripts/quickstart.yaml"], []):  # a config file, or train.sh's own flags
+        proc = subprocess.run(
+            ["bash", "scripts/train.sh", *flags, "--lerning_rate=1e-3", f"--ckpt_save_path={tmp_path / 'run'}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert proc.stderr == "error: unknown flag --lerning_rate; did you mean --learning_rate?\n"
+    assert "scripts/train.sh --config=scripts/quickstart.yaml" in (ROOT / "scripts" / "quickstart.sh").read_text()
+
+
+def test_only_rank_0_shows_library_warnings_and_progress_bars():
+    """A training rank other than 0 ignores warnings and draws no progress bar (tqdm reads TQDM_DISABLE
+    once, at its import: the command sets it before importing anything that imports tqdm)."""
+    code = (
+        "import warnings, sys; from fms_fsdp.cli import quiet_library_noise; quiet_library_noise(); "
+        "from tqdm import tqdm; warnings.warn('a library warning'); "
+        "bar = tqdm(range(3)); print(bar.disable); list(bar)"
+    )
+    for rank, quiet in (("0", False), ("1", True)):
+        env = {**os.environ, "RANK": rank, "PYTHONPATH": str(ROOT)}
+        env.pop("TQDM_DISABLE", None)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.stdout == f"{quiet}\n", proc.stderr
+        assert ("a library warning" in proc.stderr) != quiet and ("3/3" in proc.stderr) != quiet, proc.stderr

@@ -58,3 +58,28 @@ def test_the_torch_version_is_read_and_supported(monkeypatch):
     floor = ".".join(map(str, compat.OLDEST_TORCH))
     assert f"torch>={floor}" in (ROOT / "requirements.txt").read_text()
     assert f'"torch>={floor}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_collectives_and_meshes_used_raise_no_deprecation_warning(one_process_group):
+    """compat.py takes the functional collectives by their names of torch 2.13 on (the older names warn
+    at every call there), and the FSDP mesh under context parallelism joins the flattened shard x cp
+    dimension to 'replicate' without slicing it from the root by name (which warns on every rank)."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fms_fsdp.parallel.mesh import dp_mesh
+
+    group = torch.distributed.group.WORLD
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = torch.arange(6.0, requires_grad=True)
+        gathered = compat.all_gather_autograd(t, 0, group)
+        (gathered * 2).backward(torch.ones(6))  # a contiguous gradient, as attention's
+        assert torch.equal(gathered, t) and torch.equal(t.grad, torch.full((6,), 2.0))
+        assert torch.equal(compat.all_gather_rows(t.detach(), group), t.detach())
+        assert torch.equal(compat.reduce_scatter_rows(t.detach(), group), t.detach())
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("replicate", "shard", "cp"))
+        dp = dp_mesh(mesh)
+        assert dp.mesh_dim_names == ("replicate", "shard_cp") and dp.shape == (1, 1)
+        assert dp.get_group(1) is compat.flatten_mesh(mesh, ("shard", "cp"), "shard_cp").get_group()

@@ -133,6 +133,21 @@ def test_weights_and_datasets_lengths_must_agree():
         parse("--datasets=a,b", "--weights=1")
 
 
+def test_a_brace_list_cut_at_its_comma_is_named_with_what_to_write_instead(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse("--datasets=web=/d/web/*.jsonl,code=/d/{code,heldout}/*.jsonl", "--weights=1,1")
+    assert str(e.value) == (
+        "--datasets: code=/d/{code,heldout}/*.jsonl holds a brace list cut at its commas (commas separate datasets "
+        "on the command line): join its patterns with '|' (code=/d/code/*.jsonl|/d/heldout/*.jsonl), or give "
+        "--datasets as a list in a --config file"
+    )
+    # what it says to write works; so does the list in a config file, and a brace range has no comma
+    assert parse("--datasets=web=/d/web/*.jsonl,code=/d/code/*.jsonl|/d/heldout/*.jsonl", "--weights=1,1")
+    (tmp_path / "run.yaml").write_text("datasets: ['web=/d/web/*.jsonl', 'code=/d/{code,heldout}/*.jsonl']\n")
+    assert parse(f"--config={tmp_path / 'run.yaml'}", "--weights=1,1").datasets[1] == "code=/d/{code,heldout}/*.jsonl"
+    assert parse("--eval_datasets=a=/e/{000..003}.jsonl", "--eval_data_path=/e", "--eval_interval=5")
+
+
 def test_keeping_the_best_checkpoints_needs_an_evaluation_at_their_steps():
     for flags in (
         ["--checkpoint_keep_best=2"],

@@ -4,6 +4,7 @@ the other trains on alone, and the restarted group heals from it live."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -16,8 +17,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from fms_fsdp.cli import Labelled
 from fms_fsdp.parallel.process_group import free_port
-from fms_fsdp.train.ft import Watchdog
+from fms_fsdp.train.ft import Watchdog, short_cause
 from fms_fsdp.train.ft_settings import SHARED_FLAGS, fingerprint
 
 from conftest import ROOT, TINY, records, run_here
@@ -146,9 +148,19 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     checkpoint files). Before the kill, the two groups train as one rank with the same global batch
     (HSDP's math)."""
     out, log, healed_at, common, both = (healed[k] for k in ("out", "log", "healed_at", "common", "both"))
-    dropped = int(re.search(r"ft: step (\d+): group 1 dropped: 1 of 2 groups", log).group(1))
+    # one line of ours says it, with the cause in a few words (not gloo's text); every line of ours is
+    # labelled with its group, and torchft's HTTP access log of the live transfer is not on the console
+    drop = re.search(
+        r"^\[group 0\] ft: step (\d+): group 1 dropped( \(([a-z' ]+)\))?: 1 of 2 groups train on$", log, re.M
+    )
+    assert drop and "GLHF" not in log and ".cpp" not in log and "HTTP/1.1" not in log, log[-3000:]
+    dropped = int(drop.group(1))
+    ours = [line for line in log.splitlines() if re.search(r"\| loss |ft: |checkpoint: |^model ", line)]
+    assert ours and all(line.startswith("[group 0] ") for line in ours), ours
     out_for = healed_at + 1 - dropped
-    assert f"ft: step {healed_at + 1}: group 1 joined (out for {out_for} steps): 2 of 2 groups train on" in log
+    assert (
+        f"[group 0] ft: step {healed_at + 1}: group 1 joined (out for {out_for} steps): 2 of 2 groups train on" in log
+    )
     history = records(out / "group_0")
     assert [r["step"] for r in history] == list(range(1, len(history) + 1))  # one run: it never stopped
     alone = [r for r in history if dropped <= r["step"] <= healed_at]
@@ -156,7 +168,8 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     assert sum(r["ft_dropped"] for r in history) == 1 and sum(r["ft_joined"] for r in history) == 1
     stall = max(r["step_time"] for r in history[dropped - 2 : dropped + 1])
     print(
-        f"group 1 killed after step {healed['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), healed at {healed_at}"
+        f"group 1 killed after step {healed['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), healed at "
+        f"{healed_at}: {drop.group(0)}"
     )
     assert dropped <= healed["killed_at"] + 2 and healed_at > healed["killed_at"]
 
@@ -239,3 +252,50 @@ def test_the_watchdog_ends_a_hung_step_in_one_line():
         "error: --fault_tolerance: step 7 made no progress in 0.4 s (--ft_step_timeout_seconds); this group "
         "exits so that the others drop it"
     ]
+
+
+def test_a_failed_collective_is_said_in_a_few_words_and_each_group_labels_its_lines():
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:4321 "
+        "GLHF! \U0001f3d6\ufe0f"
+    )
+    assert short_cause(RuntimeError(gloo)) == "a group's connection broke"
+    assert short_cause(RuntimeError("Timed out waiting 10000ms for recv")) == "a collective timed out"
+    assert short_cause(RuntimeError("something new")) == "a collective failed"
+    out = io.StringIO()
+    stream = Labelled(out, "[group 1] ")
+    stream.write("step 1 | loss 2\nstep 2")
+    stream.write(" | loss 1\n\nerror: x\n")
+    assert out.getvalue() == "[group 1] step 1 | loss 2\n[group 1] step 2 | loss 1\n[group 1] \n[group 1] error: x\n"
+
+
+@pytest.mark.slow
+def test_the_local_launcher_keeps_the_lighthouse_off_the_console_and_labels_each_group(tmp_path):
+    """scripts/train_ft.sh local, as docs/launching.md runs it: the console holds our lines, each group's
+    labelled; the lighthouse's quorum lines are in its log file."""
+    lighthouse_log = tmp_path / "lighthouse.log"
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+        "FT_LIGHTHOUSE": f"localhost:{free_port()}",
+        "FT_LIGHTHOUSE_LOG": str(lighthouse_log),
+        "FT_GROUPS": "2",
+        "NPROC_PER_NODE": "2",
+    }
+    flags = ["--config=scripts/quickstart.yaml", "--num_steps=4", "--report_interval=2", "--seq_length=64"]
+    proc = subprocess.run(
+        ["bash", "scripts/train_ft.sh", "local", *flags, "--batch_size=2", f"--ckpt_save_path={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert "torchft::lighthouse" not in console and "Quorum status" in lighthouse_log.read_text()
+    steps = [line for line in console.splitlines() if "| loss " in line]
+    assert sorted(line.split(" | ")[0] for line in steps) == [
+        f"[group {g}] step {s}" for g in (0, 1) for s in (2, 4)
+    ], console[-3000:]

@@ -174,7 +174,8 @@ def test_harness_errors_are_one_line_at_start_up(extra, message, trained, tmp_pa
 def test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same(trained, tmp_path):
     """The same training on 2 ranks that split every line (--context_parallel_size=2: the same global
     batch on one data-parallel rank) scores the tasks as the FSDP run does: the logits are gathered
-    whole from the ranks' parts."""
+    whole from the ranks' parts. Rank 0 alone draws lm-eval's progress bars, and no rank warns of a
+    deprecated torch API."""
     out, tasks, tok, _ = trained
     harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
     split = tmp_path / "run"
@@ -185,6 +186,9 @@ def test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same(tra
         extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # rank 0 speaks: lm-eval's progress bar of the one evaluation once, and no rank's deprecation warnings
+    assert proc.stderr.count("Tokenizing inputs: 100%") == 1, proc.stderr
+    assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr
     ours, theirs = harness_records(split)[4], harness_records(out)[4]
     scores = [k for k in theirs if k.startswith("harness/")]
     assert scores and all(math.isclose(ours[k], theirs[k], rel_tol=1e-4) for k in scores), (ours, theirs)

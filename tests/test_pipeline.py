@@ -53,7 +53,17 @@ def test_the_split_balances_the_embedding_and_head_against_the_blocks():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--pipeline_parallel_size=4"], "4 x 2 stage(s) per rank = 8 stages, more than tiny's 4 blocks"),
+        (
+            ["--pipeline_parallel_size=4"],
+            "--pipeline_parallel_size=4 x 2 stage(s) per rank (the default of --pipeline_schedule=Interleaved1F1B)"
+            " = 8 stages, more than tiny's 4 blocks: every stage needs a block; set --pipeline_stages_per_rank=1, "
+            "use a one-stage schedule (--pipeline_schedule=1F1B or GPipe), or lower --pipeline_parallel_size",
+        ),
+        (
+            ["--pipeline_parallel_size=4", "--pipeline_stages_per_rank=3"],
+            "4 x 3 stage(s) per rank = 12 stages, more than tiny's 4 blocks: every stage needs a block; lower "
+            "--pipeline_stages_per_rank or --pipeline_parallel_size",
+        ),
         (
             ["--pipeline_parallel_size=2", "--pipeline_microbatches=3"],
             "--pipeline_microbatches=3 must divide --batch_size=2",

@@ -1,5 +1,7 @@
 """Real training runs: torchrun with gloo on CPU, several processes, the tiny model."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -84,8 +86,30 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
     assert "# NCCL_DEBUG=WARN" in head
     # rank 0 speaks, rank 1 stays silent
     out0, out1 = (next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in (0, 1))
-    assert f"step {STEPS} | loss" in out0 and "resolved config" in out0
+    # a short summary of what runs (the model's line, the data, the steps, where the config went) before step 1
+    head = out0.split("step 1 |")[0].splitlines()
+    assert (
+        head[0].startswith("model tiny: ")
+        and head[-1] == f"config: {tmp / 'run' / 'config.yaml'} (every flag; --config=<it> runs it again)"
+    )
+    assert "data: synthetic token lines (--use_dummy_dataset)" in head and len(head) <= 6, head
+    assert f"step {STEPS} | loss" in out0 and " | tok/s/rank " in out0 and "gpu" not in out0.lower()
     assert out1 == ""
+
+
+def test_a_failed_start_says_its_error_first_and_leaves_no_folder(tmp):
+    """A start that fails after the lease was taken (here, a dataset without files: found as the loader is
+    built) prints its one error line and nothing before it, and leaves no folder or empty metrics.jsonl."""
+    from fms_fsdp.cli import train as fms_train
+
+    (tmp / "data" / "web").mkdir(parents=True)
+    out = tmp / "new" / "run"
+    err = io.StringIO()
+    with here() as printed, contextlib.redirect_stderr(err), pytest.raises(SystemExit) as end:
+        fms_train([*TINY, "--use_dummy_dataset=False", f"--data_path={tmp / 'data'}", f"--ckpt_save_path={out}"])
+    assert end.value.code == 2
+    assert printed.getvalue() == "" and err.getvalue().startswith(f"error: {tmp / 'data' / 'web'}: no .arrow files")
+    assert sorted(p.name for p in tmp.iterdir()) == ["data"]
 
 
 def test_gradient_accumulation_equals_the_bigger_batch(tmp, one_rank):

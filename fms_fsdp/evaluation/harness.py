@@ -19,7 +19,6 @@ import contextlib
 import difflib
 import functools
 import math
-import os
 import random
 import time
 from typing import Any, Iterator, Optional
@@ -156,6 +155,10 @@ class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
         scores /= self.info.same_data  # every rank of a tensor- (context-) parallel group scored the same requests
         return [(float(s), bool(g > 0.5)) for s, g in scores.tolist()]
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's, its progress bar drawn by rank 0 alone."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.info.is_main)
+
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of each whole text, in lm-eval's disjoint windows of seq_length."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -218,7 +221,7 @@ class HarnessEvaluator:
         assert self.tasks is not None
         start = time.perf_counter()
         model.eval()
-        with _no_bars(), _own_random_state():
+        with _own_random_state():
             results = evaluate(
                 HarnessModel(model, self.cfg, self.info, self.tokenizer),
                 self.tasks,
@@ -252,17 +255,3 @@ def _own_random_state() -> Iterator[None]:
     finally:
         random.setstate(python)
         np.random.set_state(numpy)
-
-
-@contextlib.contextmanager
-def _no_bars() -> Iterator[None]:
-    """lm-eval's progress bars off (every rank would draw them)."""
-    bars = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if bars is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = bars

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fms_fsdp.compat import (
     context_parallel_compiles,
     flatten_mesh,
+    joined_meshes,
     set_group_timeout,
 )
 from fms_fsdp.config import train_config
@@ -161,14 +162,14 @@ def build_mesh(shape: MeshShape, device: torch.device, timeout_minutes: Optional
     dims = shape.dims()
     names = tuple(name for name, _ in dims)
     mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=names)
-    if shape.cp > 1:
-        flatten_mesh(mesh, ("shard", "cp"), "shard_cp")
+    # the group FSDP gathers and reduces over, made now on every rank (dp_mesh finds it again)
+    shard_cp = flatten_mesh(mesh, ("shard", "cp"), "shard_cp") if shape.cp > 1 else None
     timeout = collective_timeout(timeout_minutes)
     if timeout is not None:
         for dim in range(mesh.ndim):
             set_group_timeout(timeout, mesh.get_group(dim))
-        if shape.cp > 1:  # the group FSDP gathers and reduces over
-            set_group_timeout(timeout, mesh["shard_cp"].get_group())
+        if shard_cp is not None:
+            set_group_timeout(timeout, shard_cp.get_group())
     return mesh
 
 
@@ -177,7 +178,7 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     shard_cp) under context parallelism."""
     names = mesh.mesh_dim_names or ()
     if "cp" in names:
-        return mesh["replicate", "shard_cp"]
+        return joined_meshes(mesh["replicate"], flatten_mesh(mesh, ("shard", "cp"), "shard_cp"))
     return mesh["replicate", "shard"] if "tp" in names or "pp" in names else mesh
 
 

@@ -57,10 +57,7 @@ class PipelinePlan:
         per_rank = _stages_per_rank(cfg, multi)
         stages, n_blocks = size * per_rank, model_config.nlayers
         if stages > n_blocks:
-            raise ConfigError(
-                f"--pipeline_parallel_size={size} x {per_rank} stage(s) per rank = {stages} stages, more than "
-                f"{cfg.model_variant}'s {n_blocks} blocks: every stage needs a block; lower one of them"
-            )
+            raise ConfigError(_too_many_stages(cfg, per_rank, n_blocks))
         blocks = _explicit_split(cfg.pipeline_split, stages, n_blocks) if cfg.pipeline_split else None
         if blocks is None:
             blocks = balanced_split(model_config, stages)
@@ -121,6 +118,24 @@ def _stages_per_rank(cfg: train_config, multi: bool) -> int:
             "use InterleavedZeroBubble or Interleaved1F1B, or upgrade torch"
         )
     return asked or 2
+
+
+def _too_many_stages(cfg: train_config, per_rank: int, n_blocks: int) -> str:
+    """The message for more stages than blocks: where the stages per rank came from, and what to change."""
+    size, name = cfg.pipeline_parallel_size, cfg.pipeline_schedule
+    one_stage = "a one-stage schedule (--pipeline_schedule=1F1B or GPipe)"
+    if name in V_SHAPED:
+        why, change = f"(--pipeline_schedule={name} runs 2)", f"use {one_stage} or lower --pipeline_parallel_size"
+    elif cfg.pipeline_stages_per_rank == 0 and per_rank > 1:
+        why = f"(the default of --pipeline_schedule={name})"
+        change = f"set --pipeline_stages_per_rank=1, use {one_stage}, or lower --pipeline_parallel_size"
+    else:
+        why, change = "", "lower --pipeline_stages_per_rank or --pipeline_parallel_size"
+    return (
+        f"--pipeline_parallel_size={size} x {per_rank} stage(s) per rank{' ' + why if why else ''} = "
+        f"{size * per_rank} stages, more than {cfg.model_variant}'s {n_blocks} blocks: every stage needs a "
+        f"block; {change}"
+    )
 
 
 def _explicit_split(text: str, stages: int, n_blocks: int) -> tuple[tuple[int, int], ...]:

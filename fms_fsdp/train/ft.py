@@ -26,6 +26,7 @@ The settings, their start-up checks and the fingerprint are in train/ft_settings
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import pickle
@@ -121,6 +122,41 @@ class Watchdog:
                 return
 
 
+# a failed collective's cause, as gloo's and NCCL's own text says it (with source paths and more), in a
+# few words: the first pattern found in the text
+CAUSES = (
+    (("timed out", "timeout"), "a collective timed out"),
+    (
+        ("connection closed", "connection reset", "broken pipe", "connection refused", "peer"),
+        "a group's connection broke",
+    ),
+    (("abort",), "a collective was aborted"),
+)
+
+
+def short_cause(error: BaseException) -> str:
+    """Why a collective failed, in a few words (for the line that says a group was dropped)."""
+    text = str(error).lower()
+    return next((cause for words, cause in CAUSES if any(w in text for w in words)), "a collective failed")
+
+
+def _quiet_http_transport(timeout: Any) -> Any:
+    """torchft's default checkpoint transport (HTTP, whole state dicts), whose server would write an
+    access-log line to stderr at each transfer: the lines go to torchft's logger instead (kept off the
+    console by the command, as torchft's own lines are)."""
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    handler = transport._server.RequestHandlerClass  # torchft 0.2's server; its class is made in __init__
+    logger = logging.getLogger("torchft.checkpointing.http_transport")
+
+    def log_message(self: Any, format: str, *args: Any) -> None:
+        logger.info(format, *args)
+
+    transport._server.RequestHandlerClass = type("QuietRequestHandler", (handler,), {"log_message": log_message})
+    return transport
+
+
 @dataclass
 class Healed:
     """A live state loaded from a healthy group: the step and tokens to go on from, and whether it held
@@ -176,6 +212,7 @@ class FaultTolerance:
         self.retries, self.retry_s = 0, 0.0
         self.failing, self.failing_since = 0, 0.0  # steps that did not commit in a row, since (monotonic)
         self.drops, self.joins = 0, 0
+        self.cause: Optional[str] = None  # why the last step did not commit, in a few words
         self.out_since: dict[int, int] = {}  # a dropped group -> the step it was dropped at
         self.healed: Optional[Healed] = None
         self.step = self.first_step = 0
@@ -184,6 +221,7 @@ class FaultTolerance:
         pg = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=settings.timeout)
         self.manager = Manager(
             pg=pg,
+            checkpoint_transport=_quiet_http_transport(settings.timeout),
             load_state_dict=self._load_live,
             state_dict=lambda: self._live,  # built on the training thread (see publish)
             min_replica_size=settings.min_replicas,
@@ -325,7 +363,8 @@ class FaultTolerance:
             came = sorted(set(present) - set(self.present))
             self.drops, self.joins = self.drops + len(gone), self.joins + len(came)
             self.out_since.update({g: step for g in gone})
-            changes = [f"group {g} dropped" for g in gone] + [
+            why = f" ({self.cause})" if self.cause else ""
+            changes = [f"group {g} dropped{why}" for g in gone] + [
                 f"group {g} joined"
                 + (f" (out for {step - self.out_since.pop(g)} steps)" if g in self.out_since else "")
                 for g in came
@@ -352,7 +391,7 @@ class FaultTolerance:
         positions = self._exchange(pickle.dumps(self.loader.state_dict()))
         ok = self.manager.should_commit()
         if ok:
-            self.failing = 0
+            self.failing, self.cause = 0, None
             self.table.update(positions or {})
         self.watchdog.disarm()
         return ok
@@ -392,11 +431,12 @@ class FaultTolerance:
                 f"({len(self.present)}) for {failing_s:.0f} s (--ft_step_timeout_seconds): no step committed; "
                 "start the other groups (scripts/train_ft.sh) or lower --ft_min_replicas"
             )
-        if math.log10(self.failing) % 1 == 0:  # the 1st, 10th, 100th ... in a row
+        self.cause = short_cause(error) if error else f"fewer than --ft_min_replicas={self.settings.min_replicas}"
+        # the 1st, 10th, 100th ... in a row; a first that lost a group is said by the quorum that drops it
+        if math.log10(self.failing) % 1 == 0 and (self.failing > 1 or not error):
             self.say(
-                f"ft: step {self.step + 1} did not commit ({len(self.present)} groups took part, "
-                f"{first_line(error) if error else 'fewer than --ft_min_replicas'}); run again with the live groups"
-                + (f" ({self.failing} times in a row)" if self.failing > 1 else "")
+                f"ft: step {self.step + 1} did not commit ({len(self.present)} group(s) took part, {self.cause}); "
+                "it runs again with the live groups" + (f" ({self.failing} times in a row)" if self.failing > 1 else "")
             )
 
     def report(self) -> dict[str, Any]:

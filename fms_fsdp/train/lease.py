@@ -2,7 +2,8 @@
 
 Before a run writes anything under --ckpt_save_path, rank 0 takes <ckpt_save_path>/owner.json for it
 (host, pid, Slurm job, start time and a heartbeat, renewed every HEARTBEAT_SECONDS by a thread) and
-deletes it when the run ends. A second run into the same folder stops in one line naming the live
+deletes it when the run ends (with the folders it created, when a start that failed wrote nothing
+else there). A second run into the same folder stops in one line naming the live
 owner, before any write. A lease whose owner is gone is taken over with a note: at once when the same
 Slurm job starts again (a requeue) or when its pid is gone on this host, otherwise once its heartbeat
 is older than STALE_SECONDS (a run on another host that died). A run confirms that the lease is still
@@ -84,6 +85,15 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _missing(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 class RunLease:
     """The lease of one run on its folder `root` (rank 0 holds it)."""
 
@@ -92,6 +102,7 @@ class RunLease:
         self.me = Owner.me()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._made: list[Path] = []  # the folders acquire created, innermost first
 
     def acquire(self) -> Optional[str]:
         """Take the folder for this run; returns a note when a dead run's lease was taken over. ConfigError
@@ -99,6 +110,7 @@ class RunLease:
         try:
             if not is_remote(self.root) and self.root.exists() and not self.root.is_dir():
                 raise ConfigError(f"--ckpt_save_path: {self.root} is a file, not a folder")
+            self._made = [] if is_remote(self.root) else _missing(self.root)
             make_folder(self.root)
             note = self._take()
         except ConfigError:
@@ -137,7 +149,8 @@ class RunLease:
             )
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease, if it is still this run's."""
+        """Stop the heartbeat and delete the lease, if it is still this run's, and the folders acquire
+        created if nothing else was written there (a start that failed)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -147,6 +160,11 @@ class RunLease:
                 self.path.unlink()
         except Exception:  # a folder gone read-only: the next run takes the lease over (pid gone)
             pass
+        for folder in self._made:  # a start that failed leaves no folder behind
+            try:
+                folder.rmdir()
+            except OSError:  # the run wrote there
+                break
 
     def read(self) -> Optional[Owner]:
         """The owner record there (None when absent or unreadable)."""

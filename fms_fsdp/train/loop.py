@@ -52,7 +52,7 @@ from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.profiling import StepProfiler
-from fms_fsdp.run import Run, facts, record, started
+from fms_fsdp.run import Run, facts, record, started, summary
 from fms_fsdp.storage import make_folder
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_stages
@@ -227,12 +227,12 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     lease = RunLease(run.paths.root)
+    run.hold_log()  # a start that fails says its error alone; a started run its lines, then a summary
     note = on_rank0(lease.acquire, ConfigError, ConfigError)  # before any write there
     try:
         on_rank0(lambda: check_metrics_file(run.paths.metrics), ConfigError, ConfigError)
         if note:
             run.log(note)
-        run.log("resolved config:\n" + to_yaml(cfg).rstrip())
         for line in run.notes:
             run.log(line)
         if run.device.type == "cpu" and cfg.mixed_precision:
@@ -327,6 +327,7 @@ def _build(
     if ft is not None:
         ft.resumed(start, tokens_seen)
     on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
+    run.release_log(summary(run, start))
     if start >= cfg.num_steps:
         run.log(
             f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
