@@ -4,7 +4,7 @@
 folder; `read_hf_model` reads one for --ckpt_load_path (weights.py); `write_peft_adapter` writes a
 LoRA run's adapters for PEFT (exports).
 
-HF -> fms uses ibm-fms's own registered adapter (serialization.get_adapted("llama", "hf")).
+HF -> fms is hf_read.py's: slice by slice, as ibm-fms's own hf adapter maps names and rotary rows.
 fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
 wrong inverse rotary permutation for head_dim != 4 and misspells max_position_embeddings (checked:
 its logits differ by 3e-2), so this module inverts fms's own hf->fms steps instead, and a test checks
@@ -24,10 +24,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
-from fms.utils import serialization
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, read_whole
 from fms_fsdp.checkpoint.reader import TensorReader, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
@@ -72,31 +71,10 @@ def hf_config(
     }
 
 
-# Hugging Face's projection modules, under model.layers.<i>.
-HF_PROJECTIONS = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-
-
 def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Inverse of fms's _hf_to_fms_rope: fms rotates interleaved pairs, HF the two halves."""
     heads = t.size(0) // head_dim
     return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-
-# fms's projections in a block -> Hugging Face's, in the order of their rows in the fms tensor
-FMS_PROJECTIONS = {
-    "attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"),
-    "attn.dense": ("o_proj",),
-    "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"),
-    "ff_sub_layer.w2": ("down_proj",),
-}
 
 
 def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -282,19 +260,10 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
 
 
 def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter (its rotary
+    """The fms state dict of a Hugging Face Llama folder, read tensor by tensor (hf_read.py; its rotary
     settings those of `model_config` or of `variant`: check_hf_config)."""
     check_hf_config(read_hf_config(folder), model_config, folder, variant)
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise HFError(f"{folder}: no .safetensors weights")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            sd.update({k: handle.get_tensor(k) for k in handle.keys()})
-    if model_config.tie_heads and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": model_config}))
+    return read_whole(Path(folder), model_config)
 
 
 def _variant(
