@@ -79,6 +79,12 @@ _TOP = {
 }
 
 
+def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of fms's _hf_to_fms_rope: fms rotates interleaved pairs, HF the two halves."""
+    heads = t.size(0) // head_dim
+    return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
 @dataclass(frozen=True)
 class Entry:
     """Where one tensor is: its file (in the folder), dtype, shape and bytes [start, end) in the file."""

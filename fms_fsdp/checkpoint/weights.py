@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fms.models.llama import LLaMAConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from fms_fsdp.checkpoint.fused import fuse, plain_tensor
@@ -31,12 +32,15 @@ _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 MODEL_FILES = (".safetensors", ".pth", ".pt")
 
 
-def check_load_path(path: str) -> None:
+def check_load_path(path: str, model_config: Optional[LLaMAConfig] = None, variant: Optional[str] = None) -> None:
     """--ckpt_load_path names something to load: a checkpoint folder (.metadata), a Hugging Face folder
-    (config.json) or a model file; ConfigError otherwise. A start-up check: a few file-system calls."""
+    (config.json) whose model is `model_config`'s (check_hf_config, when given) or a model file;
+    ConfigError otherwise. A start-up check: a few file-system calls."""
     p = location(path, "ckpt_load_path")
     try:
         if p.is_dir():
+            if (p / "config.json").is_file() and model_config is not None:
+                check_hf_config(read_hf_config(p), model_config, path, variant)
             if (p / ".metadata").is_file() or (p / "config.json").is_file():
                 return
             if (p / "checkpoints").is_dir():
@@ -59,6 +63,8 @@ def check_load_path(path: str) -> None:
             raise ConfigError(f"--ckpt_load_path: {path} is empty (0 bytes)")
     except ConfigError:
         raise
+    except HFError as e:  # names the folder
+        raise ConfigError(f"--ckpt_load_path: {e}") from None
     except Exception as e:  # object storage: no endpoint, no access
         raise ConfigError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
 
@@ -89,6 +95,8 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
             _set(model, _read_on_main(p, path, read_model), _FROM_RANK0)
     except CheckpointError:  # already one line naming the path (read on rank 0)
         raise
+    except HFError as e:  # a Hugging Face folder that does not fit: names the folder
+        raise CheckpointError(f"--ckpt_load_path: {e}") from None
     except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
         raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
     except (RuntimeError, KeyError, dcp.CheckpointException) as e:

@@ -444,4 +444,4 @@ def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
         settings = ExportSettings.of(run.cfg)
-        export_trained_model(loop.model, run.paths.model_file(step), step, settings, loop.pipeline is not None)
+        export_trained_model(loop.model, run.paths.model_file(step), step, settings)
