@@ -141,3 +141,36 @@ def test_a_rope_mismatch_is_refused_at_start_up_naming_the_folder_once(runs):
     said = str(e.value)
     assert said.startswith(f"--ckpt_load_path: {runs['hf']}: rope_theta 10000.0 and rope_scaling {{'rope_type'"), said
     assert said.count(str(runs["hf"])) == 1 and said.endswith("(or --rope_theta, --rope_scaling_factor)"), said
+
+
+@pytest.mark.slow
+def test_every_mesh_imports_its_slices_exactly_and_exports_them(tmp_path):
+    """On 4 ranks, a rope-scaled Hugging Face folder read slice by slice into FSDP x TP, FSDP x pipeline
+    stages, FSDP x context parallel, and a LoRA model's frozen base; one step at learning rate 0, then the
+    model exported at the end (and, for LoRA, as a Hugging Face folder every rank writes) is the folder's
+    weights, bit for bit."""
+    hf = save_hf(tmp_path / "hf")
+    common = [*TINY, "--rope_scaling_factor=4", "--vocab_size=512", "--num_steps=1", "--learning_rate=0"]
+    common += [f"--ckpt_load_path={hf}", "--checkpoint_interval=0", "--export_model_at_end=True"]
+    meshes = {
+        "tp": ["--tensor_parallel_size=2"],
+        "pp": ["--pipeline_parallel_size=2", "--batch_size=4"],
+        "cp": ["--context_parallel_size=2"],
+        "lora": ["--lora_rank=4", "--export_interval=1", "--export_format=hf"],
+    }
+    proc = launch(
+        "tests/runs_worker.py",
+        [],
+        4,
+        extra_env={"RUNS": json.dumps([[*common, *f, f"--ckpt_save_path={tmp_path / m}"] for m, f in meshes.items()])},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = read_hf_model(str(hf), scaled_config())
+    for mesh in meshes:
+        got = load_file(str(tmp_path / mesh / "model_step_1.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), mesh
+    export = tmp_path / "lora" / "exports" / "step_1"
+    assert len(list(export.glob("model-0000?-of-00004.safetensors"))) == 4  # one file per rank
+    back = read_hf_model(str(export), scaled_config())
+    assert all(torch.equal(back[k], want[k].bfloat16()) for k in want)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fms_fsdp.checkpoint.fused import plain_tensor
+from fms_fsdp.checkpoint.fused import fuse, plain_tensor
 from fms_fsdp.checkpoint.hf import write_hf_config, write_peft_adapter
 from fms_fsdp.checkpoint.hf_write import (
     Converter,
@@ -114,7 +114,7 @@ def export_trained_model(model: CausalLM, target: Path, step: int, settings: Exp
     if is_main:
         remove_tree(shards)
     dist.barrier(group=agreement_group())
-    state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))}
+    state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
     dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
 
     def write() -> None:
