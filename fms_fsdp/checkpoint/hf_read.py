@@ -17,7 +17,7 @@ import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import HFError
+from fms_fsdp.model.variants import build_model
 from fms_fsdp.storage import open_random
 
 INDEX = "model.safetensors.index.json"
@@ -206,8 +207,6 @@ class SliceReader:
                 piece = self._rope_rows(s.name, a, b) if s.rope else self._rows(s.name, a, b)
                 pieces.append(piece if len(shape) == 1 else piece[:, offset[1] : offset[1] + shape[1]])
             row += n
-        if not pieces:
-            return torch.empty(shape, dtype=DTYPES[self.entries[sources(key, self.entries, True)[0].name].dtype])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _rope_rows(self, name: str, a: int, b: int) -> torch.Tensor:
@@ -256,24 +255,13 @@ def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, E
                 local.copy_(reader.box(key, offset, shape))
 
 
-def shapes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in state.items()}
-
-
-def read_whole(
-    folder: Path, config: LLaMAConfig, keys: Optional[dict[str, tuple[int, ...]]] = None
-) -> dict[str, torch.Tensor]:
-    """The whole fms state dict of a Hugging Face folder (`keys`: fms names and shapes; those of a model
-    built fused from `config` when not given), read tensor by tensor."""
+def read_whole(folder: Path, config: LLaMAConfig) -> dict[str, torch.Tensor]:
+    """The whole fms state dict (of a model built from `config`) of a Hugging Face folder, in the folder's
+    dtype, read tensor by tensor."""
     entries = index_folder(folder)
-    if keys is None:
-        from fms_fsdp.model.variants import build_model
-
-        keys = {k: tuple(v.shape) for k, v in build_model(config, torch.device("meta")).state_dict().items()}
+    keys = {k: tuple(v.shape) for k, v in build_model(config, torch.device("meta")).state_dict().items()}
     check_shapes(keys, entries, config, str(folder))
-    state = {
-        k: torch.empty(s, dtype=DTYPES[entries[sources(k, entries, config.tie_heads)[0].name].dtype])
-        for k, s in keys.items()
-    }
+    dtype = {k: DTYPES[entries[sources(k, entries, config.tie_heads)[0].name].dtype] for k in keys}
+    state = {k: torch.empty(s, dtype=dtype[k]) for k, s in keys.items()}
     read_into(state, folder, entries, config)
     return state
