@@ -8,9 +8,10 @@
 `make` writes a Hugging Face folder of the variant with random weights (bf16, tensor by tensor).
 `run` takes the training flags; builds the sharded model as training does, then reads the folder into
 it (--ckpt_load_path: every rank its own slices) and exports it as --export_interval does
-(--export_format=hf: every rank writes its own files). Each rank's peak RSS is read after the build,
-after the import and after the export (ru_maxrss: the process's peak so far); rank 0 prints one
-BENCH line with the seconds and every rank's figures in MiB. `offline` saves a checkpoint of the
+(--export_format=hf: every rank writes its own files). Each rank's RSS is read before the import and
+before the export, and its peak during each (Linux's VmHWM, reset before each: file pages of the
+memory-mapped safetensors count too); rank 0 prints one BENCH line with the seconds and every rank's
+figures in MiB. `offline` saves a checkpoint of the
 variant and runs fms_to_hf and fms-export-model on it, each in a fresh process, and prints their peak
 RSS above that of a bare `import torch, fms_fsdp` and the model's fp32 bytes.
 """
@@ -18,7 +19,7 @@ RSS above that of a bare `import torch, fms_fsdp` and the model's fp32 bytes.
 from __future__ import annotations
 
 import dataclasses
-import resource
+import gc
 import shutil
 import subprocess
 import sys
@@ -29,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.hf import write_hf_folder  # noqa: E402
 from fms_fsdp.checkpoint.weights import load_weights  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
+from fms_fsdp.compat import local_tensor  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
 from fms_fsdp.run import facts, started  # noqa: E402
@@ -46,8 +49,17 @@ def flag(argv: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def status_mib(field: str) -> float:
+    """A field of /proc/self/status (VmRSS: now; VmHWM: the peak since the last reset), in MiB."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(f"{field}:"))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak() -> float:
+    """Linux's peak RSS (VmHWM) set back to the RSS now (clear_refs 5); returns that RSS in MiB."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_mib("VmRSS")
 
 
 def make(argv: list[str]) -> None:
@@ -73,26 +85,29 @@ def run(argv: list[str]) -> None:
             shutil.rmtree(out, ignore_errors=True)
         dist.barrier()
         model = build_sharded_model(r)
-        built = peak_mib()
         dist.barrier()
+        before = reset_peak()
         start = time.perf_counter()
         load_weights(model, folder, cfg.model_variant)
         dist.barrier()
-        import_s, imported = time.perf_counter() - start, peak_mib()
+        import_s, imported = time.perf_counter() - start, status_mib("VmHWM")
         exporter = PeriodicExporter(dataclasses.replace(r, cfg=dataclasses.replace(cfg, export_interval=1)), model)
+        staged = reset_peak()
         start = time.perf_counter()
         stall = exporter.export(1)
         exporter.finish()
         dist.barrier()
-        export_s, exported = time.perf_counter() - start, peak_mib()
+        export_s, exported = time.perf_counter() - start, status_mib("VmHWM")
         exporter.close()
+        mine = (round(before), round(imported - before), round(staged), round(exported - staged))
         every: list = [None] * r.info.world_size
-        dist.all_gather_object(every, (round(built), round(imported), round(exported)))
-        params = sum(p.numel() for p in model.parameters())  # this rank's shards
+        dist.all_gather_object(every, mine)
+        held = sum(local_tensor(p).numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         r.log(
             f"BENCH variant={cfg.model_variant} world={r.info.world_size} import_s={import_s:.2f} "
-            f"export_s={export_s:.2f} export_stall_s={stall:.2f} rank0_shard_mib={params * 4 / 2**20:.0f} "
-            "peak_mib_per_rank(built,imported,exported)=" + ";".join(",".join(map(str, e)) for e in every)
+            f"export_s={export_s:.2f} export_stall_s={stall:.2f} rank0_shards_mib={held * 4 / 2**20:.0f} "
+            "mib_per_rank(rss_before_import,import_peak_above,rss_before_export,export_peak_above)="
+            + ";".join(",".join(map(str, e)) for e in every)
         )
 
 

@@ -24,6 +24,7 @@ from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.variants import hidden_dim
 
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
+_CHUNK = 64 * 2**20  # bytes cast and written at a time
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -97,8 +98,9 @@ def file_names(files: int) -> list[str]:
 
 
 class Converter:
-    """The tensors of a plan from a reader of fms tensors, each converted as it is needed; the last fms
-    tensor read is kept for its other parts (q, k and v come from one)."""
+    """The tensors of a plan from a reader of fms tensors, each cut out (and its rotary rows reordered)
+    as it is needed, in the reader's dtype (write_file casts it a chunk at a time); the last fms tensor
+    read is kept for its other parts (q, k and v come from one)."""
 
     def __init__(self, read: TensorReader, config: Optional[LLaMAConfig] = None):
         self.read, self.config = read, config
@@ -114,7 +116,7 @@ class Converter:
         if p.rope:
             assert self.config is not None
             t = rope_fms_to_hf(t, self.config.emb_dim // self.config.nheads)
-        return t.to(p.dtype).contiguous()
+        return t
 
 
 def write_file(path: Path, plan: list[Planned], convert: Callable[[Planned], torch.Tensor], meta: dict) -> None:
@@ -132,7 +134,9 @@ def write_file(path: Path, plan: list[Planned], convert: Callable[[Planned], tor
         for p in plan:
             t = convert(p)
             assert tuple(t.shape) == p.shape, (p.name, t.shape, p.shape)
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            rows = max(1, _CHUNK // max(1, t[0].numel() * p.dtype.itemsize)) if t.dim() else 1
+            for chunk in t.split(rows) if t.dim() else [t]:  # cast a few MB at a time
+                f.write(memoryview(chunk.to(p.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def write_part(
