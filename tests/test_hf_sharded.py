@@ -174,3 +174,15 @@ def test_every_mesh_imports_its_slices_exactly_and_exports_them(tmp_path):
     assert len(list(export.glob("model-0000?-of-00004.safetensors"))) == 4  # one file per rank
     back = read_hf_model(str(export), scaled_config())
     assert all(torch.equal(back[k], want[k].bfloat16()) for k in want)
+
+
+def test_the_note_about_the_context_counts_the_rotary_scaling():
+    """tiny has 1024 positions; scaled by 2, 2048: --seq_length=4096 is beyond them, 2048 is not."""
+    notes = facts(parse_args([*TINY, "--rope_scaling_factor=2", "--seq_length=4096"])).notes
+    assert (
+        "note: --seq_length=4096 is beyond tiny's 2048 positions (with --rope_scaling_factor=2.0): the model trains "
+        "at 4096, and its Hugging Face exports say max_position_embeddings=4096" in notes
+    ), notes
+    assert not [
+        n for n in facts(parse_args([*TINY, "--rope_scaling_factor=2", "--seq_length=2048"])).notes if "beyond" in n
+    ]
