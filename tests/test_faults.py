@@ -593,12 +593,12 @@ def _full_disk(b: Bench) -> Job:
 
 @fault(
     "the disk fills up during the export at the end",
-    "error: export to {target} failed: Error while serializing: I/O error: No space left on device (os error 28); "
-    "the run's checkpoints are kept: export one with fms-export-model",
+    "error: export to {target} failed: {free} GiB free at {folder}, {needed} GiB needed (every rank's shards, then "
+    "the file); the run's checkpoints are kept: export one with fms-export-model",
     1,
 )
 def _full_disk_export(b: Bench) -> Job:
-    mount = b.mount("disk", "8m")  # tiny's weights are 12 MB
+    mount = b.mount("disk", "8m")  # tiny's weights are 12 MB: every rank's shards (a DCP folder) do not fit
     out = mount / "run"
     return Job(
         [

@@ -39,13 +39,13 @@ from fms_fsdp.checkpoint.hf_write import (
     write_part,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import model_dtypes, model_reader, storage_writer
+from fms_fsdp.checkpoint.reader import model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.config import train_config
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.model.lora import LoRASpec, is_adapter
-from fms_fsdp.model.variants import CausalLM
+from fms_fsdp.model.variants import CausalLM, build_model
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
@@ -111,11 +111,19 @@ def export_trained_model(model: CausalLM, target: Path, step: int, settings: Exp
     it and waits for the write: a failed one (a full disk) is one CheckpointError on every rank."""
     shards = target.with_name(f".{target.name}.shards")
     is_main = dist.get_rank() == 0
-    if is_main:
-        remove_tree(shards)
-    dist.barrier(group=agreement_group())
+    kept = "the run's checkpoints are kept: export one with fms-export-model"
+    on_rank0(
+        lambda: _make_room(shards, target, model),
+        CheckpointError,
+        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
+    )
     state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
-    dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
+    try:
+        dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
+    except dcp.CheckpointException as e:  # raised on every rank: a full disk, object storage refusing
+        if is_main:
+            remove_tree(shards)
+        raise CheckpointError(f"export to {target} failed: {first_line(root_cause(e))}; {kept}") from None
 
     def write() -> None:
         try:
@@ -130,11 +138,26 @@ def export_trained_model(model: CausalLM, target: Path, step: int, settings: Exp
     on_rank0(
         write,
         lambda e: storage_error(e) or isinstance(e, CheckpointError),
-        lambda message: CheckpointError(
-            f"export to {target} failed: {message}; the run's checkpoints are kept: export one with fms-export-model"
-        ),
+        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
     )
     return target
+
+
+def _make_room(shards: Path, target: Path, model: CausalLM) -> None:
+    """Rank 0, before an export at the end: remove what an earlier one left, and CheckpointError when
+    the disk has no room for every rank's shards and then the file (object storage: no limit)."""
+    remove_tree(shards)
+    if is_remote(target):
+        return
+    meta = build_model(model.config, torch.device("meta"))
+    needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters()) * 1.05
+    target.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(target.parent).free
+    if free < needed:
+        raise CheckpointError(
+            f"{free / 2**30:.2f} GiB free at {target.parent}, {needed / 2**30:.2f} GiB needed (every rank's shards, "
+            "then the file)"
+        )
 
 
 def write_adapter_folder(folder: Path, config: Any, settings: ExportSettings, target: Path) -> Path:
@@ -270,7 +293,7 @@ class PeriodicExporter:
         target, hf = self.root / f"step_{step}", self.settings.format == "hf"
         error = None
         try:
-            files = self._files(shards)
+            files = self._files(shards, dist.get_world_size(group))
             with part_folder(target) as tmp:
                 write_part(tmp, files, self._converter(shards), (dist.get_rank(group), dist.get_world_size(group)))
         except Exception as e:
@@ -296,11 +319,11 @@ class PeriodicExporter:
         for old in KeepPolicy(self.settings.keep).to_delete(steps):
             remove_tree(self.root / f"step_{old}")
 
-    def _files(self, shards: Path) -> list[list[Planned]]:
+    def _files(self, shards: Path, writers: int) -> list[list[Planned]]:
         """The export's files: a Hugging Face folder's, at least one per rank; fms's one model.safetensors."""
         shapes = {k: tuple(v) for k, v in model_reader(shards)[0].items() if not is_adapter(k)}
         if self.settings.format == "hf":
-            return split(hf_plan(self.model.config, shapes, torch.bfloat16), dist.get_world_size())
+            return split(hf_plan(self.model.config, shapes, torch.bfloat16), writers)
         return [fms_plan(shapes, model_dtypes(shards))]
 
     def _converter(self, shards: Path) -> Converter:
