@@ -27,7 +27,7 @@ TRACKERS = ("tensorboard", "wandb", "aim", "mlflow")
 # --pipeline_schedule: torch.distributed.pipelining's schedules, by its names
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # --lora_targets' default, every layer it may name: fms's names of the blocks' projections (lora.TARGETS;
-# hf.FMS_PROJECTIONS says what each is in Hugging Face)
+# hf_read.FMS_PROJECTIONS says what each is in Hugging Face)
 LORA_TARGETS = ("qkv_fused", "dense", "wg1_fused", "w2")
 
 

@@ -36,7 +36,7 @@ from fms_fsdp.data.build import check_tokenizer
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
-from fms_fsdp.model.variants import get_model_config
+from fms_fsdp.model.variants import context_length, get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel.mesh import MeshShape, build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.pipeline import PipelinePlan, check_pipeline
@@ -196,13 +196,18 @@ def facts(cfg: train_config) -> Run:
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
     check_harness(cfg)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
-        check_load_path(cfg.ckpt_load_path)
+        check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
-    positions = get_model_config(cfg.model_variant).max_expected_seq_len
+    positions = context_length(
+        get_model_config(cfg.model_variant, rope_theta=cfg.rope_theta, rope_scaling_factor=cfg.rope_scaling_factor)
+    )
     if cfg.seq_length > positions:
+        scaled = (
+            "" if cfg.rope_scaling_factor in (None, 1) else f" (with --rope_scaling_factor={cfg.rope_scaling_factor})"
+        )
         notes += (
-            f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions: the model "
-            f"trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
+            f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions{scaled}: the "
+            f"model trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
     ft = check_fault_tolerance(cfg, shape, world_size)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)

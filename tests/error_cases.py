@@ -1121,6 +1121,42 @@ ERRORS: list[E] = [
         "",
         "",
     ),
+    E(
+        "hf",
+        "--ckpt_load_path: /hf/model-00002-of-00004.safetensors is truncated or not a safetensors file (12 bytes)",
+        "a file too short to hold a safetensors header: an interrupted download or copy",
+        "download or copy the folder again",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: /hf/model-00002-of-00004.safetensors is damaged: its safetensors header is not JSON",
+        "a damaged file",
+        "download or copy it again",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: /hf/model.safetensors.index.json is damaged: no weight_map (KeyError: 'weight_map')",
+        "the index is not one transformers wrote",
+        "write the folder again with `save_pretrained`",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: /hf: no tensor model.layers.3.mlp.up_proj.weight in its safetensors files",
+        "a folder of another architecture, or one with tensors missing",
+        "use a LlamaForCausalLM folder whose layers match --model_variant",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: /hf/model-00002-of-00004.safetensors is truncated (reading model.layers.3.mlp.up_proj.weight)",
+        "the file ends before a tensor its header names: an interrupted download or copy",
+        "download or copy the folder again",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: base_model.lora_A has no Hugging Face counterpart",
+        "the model holds a weight that has no place in a LlamaForCausalLM folder",
+        "report it: the package maps every weight of the variants it builds",
+    ),
     # ------------------------------------------------------------------------------------------------ tools
     E("tools", "<path>: no such metrics file (give a run's metrics.jsonl or its --ckpt_save_path)"),
     E("tools", "<path>: no metric records in it"),

@@ -360,6 +360,73 @@ def _load_truncated_safetensors(b: Bench) -> Job:
     return _loading(b, path)
 
 
+def _hf_folder(b: Bench, name: str = "hf", **changes: Any) -> Path:
+    """A Hugging Face folder of `tiny` (DUMMY's vocabulary) in several files with an index; `changes` to
+    its model (its config.json stays tiny's), or to its rotary scaling (rope_scaling_factor)."""
+    import torch
+
+    from fms_fsdp.checkpoint.hf import write_hf_config, write_hf_folder
+    from fms_fsdp.model.variants import build_model, get_model_config
+
+    factor = changes.pop("rope_scaling_factor", None)
+    config = get_model_config("tiny", 256, None, 1, None, factor)
+    state = build_model(config.updated(**changes), torch.device("cpu")).state_dict()
+    folder = b.tmp / name
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    write_hf_folder(config.updated(**changes), lambda keys: {k: state[k] for k in keys}, shapes, str(folder),
+                    torch.float32, None, None, max_shard_bytes=2**20)  # fmt: skip
+    write_hf_config(folder, config, torch.float32, None, None)
+    return folder
+
+
+@fault(
+    "--ckpt_load_path: a Hugging Face folder missing a shard its index names",
+    "error: --ckpt_load_path: {shard} is missing (named in model.safetensors.index.json)",
+    1,
+)
+def _hf_missing_shard(b: Bench) -> Job:
+    folder = _hf_folder(b)
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    job = _loading(b, folder, synthetic=True)
+    job.values["shard"] = str(shard)
+    return job
+
+
+@fault(
+    "--ckpt_load_path: a Hugging Face folder with a truncated .safetensors",
+    "error: --ckpt_load_path: {shard} is truncated ({n} of {m} bytes)",
+    1,
+)
+def _hf_truncated_shard(b: Bench) -> Job:
+    folder = _hf_folder(b)
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    job = _loading(b, folder, synthetic=True)
+    job.values["shard"] = str(shard)
+    return job
+
+
+@fault(
+    "--ckpt_load_path: a Hugging Face folder whose tensors do not fit the variant",
+    "error: --ckpt_load_path: {path}/{file}: {tensor} is {shape}, which does not fit the model's {key} {want}; "
+    "choose the matching --model_variant (and --vocab_size)",
+    1,
+)
+def _hf_other_shapes(b: Bench) -> Job:
+    return _loading(b, _hf_folder(b, hidden_grow_factor=3.0), synthetic=True)
+
+
+@fault(
+    "--ckpt_load_path: a Hugging Face folder with other rotary settings (checked at start-up)",
+    "error: --ckpt_load_path: {path}: rope_theta {theta} and rope_scaling {scaling}, but the run has rope_theta "
+    "{ours} and rope_scaling None; choose the matching --model_variant (or --rope_theta, --rope_scaling_factor)",
+    2,
+)
+def _hf_other_rope(b: Bench) -> Job:
+    return _loading(b, _hf_folder(b, rope_scaling_factor=4), synthetic=True)
+
+
 @fault(
     "--ckpt_load_path: a truncated .pth",
     "error: --ckpt_load_path: {path}: a file is damaged or truncated ({why})",
@@ -526,12 +593,12 @@ def _full_disk(b: Bench) -> Job:
 
 @fault(
     "the disk fills up during the export at the end",
-    "error: export to {target} failed: Error while serializing: I/O error: No space left on device (os error 28); "
-    "the run's checkpoints are kept: export one with fms-export-model",
+    "error: export to {target} failed: {free} GiB free at {folder}, {needed} GiB needed (every rank's shards, then "
+    "the file); the run's checkpoints are kept: export one with fms-export-model",
     1,
 )
 def _full_disk_export(b: Bench) -> Job:
-    mount = b.mount("disk", "8m")  # tiny's weights are 12 MB
+    mount = b.mount("disk", "8m")  # tiny's weights are 12 MB: every rank's shards (a DCP folder) do not fit
     out = mount / "run"
     return Job(
         [

@@ -321,3 +321,41 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
     assert message.startswith("--ckpt_save_path: cannot write s3://runs/run (PermissionError") and SECRET not in message
     with pytest.raises(ConfigError, match="--tracker_dir: set a local folder"):  # files that grow stay local
         parse_args([*TINY, "--ckpt_save_path=s3://runs/run", "--tracker=tensorboard"])
+
+
+@pytest.mark.slow
+def test_a_hugging_face_folder_in_a_bucket_is_read_by_ranges_and_exported_to_one(s3, tmp_path):
+    """--ckpt_load_path of a sharded Hugging Face folder in a bucket, read slice by slice by byte ranges
+    (nothing downloaded whole), then one step at learning rate 0 exported as a Hugging Face folder to a
+    bucket by every rank (2), marked COMPLETE: the folder's weights, in bf16."""
+    import s3fs
+    from test_hf_sharded import save_hf, scaled_config
+
+    from fms_fsdp.checkpoint.hf import read_hf_model
+
+    fs = s3fs.S3FileSystem()
+    hf = save_hf(tmp_path / "hf")
+    fs.put(f"{hf}/", "runs/hf_in/", recursive=True)
+    proc = launch(
+        "main_training.py",
+        [
+            *TINY,
+            "--rope_scaling_factor=4",
+            "--vocab_size=512",
+            "--num_steps=1",
+            "--learning_rate=0",
+            "--checkpoint_interval=0",
+            "--export_interval=1",
+            "--export_format=hf",
+            "--ckpt_load_path=s3://runs/hf_in",
+            "--ckpt_save_path=s3://runs/hf_out",
+        ],
+        2,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    listing = {p.removeprefix("runs/hf_out/exports/step_1/") for p in fs.find("runs/hf_out/exports/step_1")}
+    shards = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    assert listing == {*shards, "model.safetensors.index.json", "config.json", "generation_config.json", "COMPLETE"}
+    fs.get("runs/hf_out/exports/step_1/", str(tmp_path / "out"), recursive=True)
+    want, got = read_hf_model(str(hf), scaled_config()), read_hf_model(str(tmp_path / "out"), scaled_config())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].bfloat16()) for k in want)

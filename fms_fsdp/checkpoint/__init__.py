@@ -11,8 +11,10 @@
 - writer.py   the background writer of async checkpoints and periodic exports
 - fused.py    fms's fused keys for a model built unfused (tensor parallel)
 - reader.py   reading weights outside training (folders, .safetensors, .pth), never running code
-- export.py   the whole model as one safetensors file; periodic exports
+- export.py   the whole model as one safetensors file; periodic exports (every rank its files)
 - hf.py       fms <-> Hugging Face LlamaForCausalLM folders; PEFT adapter folders
+- hf_read.py  a Hugging Face folder read into a sharded model, each rank only its slices
+- hf_write.py safetensors files planned from shapes and streamed tensor by tensor
 
 A save is written under a hidden temporary name and renamed, with a COMPLETE marker inside, only after
 every rank has finished; old checkpoints are deleted only after a newer one is complete.

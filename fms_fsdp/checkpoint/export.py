@@ -1,36 +1,53 @@
-"""The whole model outside checkpoints: one safetensors file at the end of a run (--export_model_at_end,
-gathered from every rank's shards) or from a checkpoint folder (scripts/export_model.py,
-`fms-export-model`); and every --export_interval steps (`PeriodicExporter`, staged and written in
-the background like an async checkpoint), as that file or as a Hugging Face folder, under
-<ckpt_save_path>/exports/step_<N>. Everything is published whole (storage.publish): on disk written
-under a temporary name and renamed; in object storage uploaded, a folder marked COMPLETE last."""
+"""The whole model outside checkpoints: one safetensors file at the end of a run (--export_model_at_end)
+or from a checkpoint folder (scripts/export_model.py, `fms-export-model`); and every --export_interval
+steps (`PeriodicExporter`, staged and written in the background like an async checkpoint), as a
+Hugging Face folder or that file, under <ckpt_save_path>/exports/step_<N>. Every rank writes its
+shards to a DCP folder first; the files are then streamed from it tensor by tensor (hf_write.py), a
+Hugging Face folder's by every rank in parallel, so no rank ever holds the whole model. Everything is
+published whole: on disk written under a temporary name and renamed; in object storage uploaded, a
+folder marked COMPLETE last."""
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fms_fsdp.checkpoint.fused import plain_tensor
-from fms_fsdp.checkpoint.hf import write_hf_folder, write_peft_adapter
+from fms_fsdp.checkpoint.fused import fuse, plain_tensor
+from fms_fsdp.checkpoint.hf import write_hf_config, write_peft_adapter
+from fms_fsdp.checkpoint.hf_write import (
+    Converter,
+    Planned,
+    fms_plan,
+    hf_plan,
+    merging,
+    split,
+    write_file,
+    write_index,
+    write_part,
+)
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import read_model, storage_writer
+from fms_fsdp.checkpoint.reader import model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.settings import ExportSettings
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.model.lora import merged
-from fms_fsdp.model.variants import CausalLM, fuse_full
+from fms_fsdp.model.lora import is_adapter
+from fms_fsdp.model.variants import CausalLM, build_model
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.run import Run
-from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error
+from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
 from fms_fsdp.train.periodic import Report
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
@@ -45,75 +62,125 @@ TOKENIZER_FILES = (
 )
 
 
-def write_safetensors(state: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> Path:
-    """One safetensors file, published whole (local or in object storage)."""
-    from safetensors.torch import save_file
-
+def stream_model_file(folder: Path, target: Path, settings: ExportSettings, meta: dict[str, str]) -> Path:
+    """The model of checkpoint folder `folder` as one safetensors file under fms's names (LoRA's adapted
+    weights merged), streamed tensor by tensor (hf_write.py) and published whole."""
+    shapes, read = model_reader(folder)
+    dtypes = model_dtypes(folder)
+    model = {k: tuple(v) for k, v in shapes.items() if not is_adapter(k)}
+    if settings.lora:
+        read = merging(read, shapes, settings.lora)
     with publish(target) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        write_file(tmp, fms_plan(model, dtypes), Converter(read), meta)
     return target
 
 
-def export_trained_model(
-    model: CausalLM, target: Path, step: int, settings: ExportSettings, pipelined: bool = False
-) -> Path:
-    """Gather the sharded model to rank 0's CPU one tensor at a time and write it there (with LoRA: the
-    merged model, and the PEFT adapter folder adapter_step_<N> next to it); under pipeline parallelism,
-    where a rank holds its stages only, through a DCP folder of every rank's tensors that rank 0 reads
-    whole. Every rank calls it and waits for the write: a failed one (a full disk) is one
-    CheckpointError on every rank."""
-    if pipelined:
-        full = _whole_through_folder(model, target.with_name(f".{target.name}.shards"))
-    else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = fuse_full(get_model_state_dict(model, options=options))
+def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
+    """The model at the end of a run as one safetensors file (with LoRA: the merged model, and the PEFT
+    adapter folder adapter_step_<N> next to it): every rank writes its shards to a DCP folder, then
+    rank 0 streams the file from it tensor by tensor; no rank holds the whole model. Every rank calls
+    it and waits for the write: a failed one (a full disk) is one CheckpointError on every rank."""
+    shards = target.with_name(f".{target.name}.shards")
+    is_main = dist.get_rank() == 0
+    kept = "the run's checkpoints are kept: export one with fms-export-model"
+    on_rank0(
+        lambda: _make_room(shards, target, model),
+        CheckpointError,
+        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
+    )
+    state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
+    try:
+        dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
+    except dcp.CheckpointException as e:  # raised on every rank: a full disk, object storage refusing
+        if is_main:
+            remove_tree(shards)
+        raise CheckpointError(f"export to {target} failed: {first_line(root_cause(e))}; {kept}") from None
 
     def write() -> None:
-        write_safetensors(merged(full, settings.lora) if settings.lora else full, target, metadata={"step": str(step)})
-        print(f"checkpoint: exported the model to {target}", flush=True)
-        if settings.lora:
-            adapter = write_adapter_folder(full, model.config, settings, target.with_name(f"adapter_step_{step}"))
-            print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
+        try:
+            stream_model_file(shards, target, settings, {"step": str(step)})
+            print(f"checkpoint: exported the model to {target}", flush=True)
+            if settings.lora:
+                adapter = write_adapter_folder(shards, model.config, settings, target.with_name(f"adapter_step_{step}"))
+                print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
+        finally:
+            remove_tree(shards)
 
     on_rank0(
         write,
-        lambda e: storage_error(e) or type(e).__module__.startswith("safetensors"),  # its writer's I/O errors
-        lambda message: CheckpointError(
-            f"export to {target} failed: {message}; the run's checkpoints are kept: export one with fms-export-model"
-        ),
+        lambda e: storage_error(e) or isinstance(e, CheckpointError),
+        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
     )
     return target
 
 
-def _whole_through_folder(model: CausalLM, shards: Path) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0 ({} elsewhere) from every rank's tensors, written to `shards` as a DCP
-    folder (as periodic exports are) and read back whole; the folder is removed."""
-    is_main = dist.get_rank() == 0
-    if is_main:
-        remove_tree(shards)
-    dist.barrier(group=agreement_group())
-    state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))}
-    dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
-    full = read_model(shards) if is_main else {}
-    if is_main:
-        remove_tree(shards)
-    return full
+def _make_room(shards: Path, target: Path, model: CausalLM) -> None:
+    """Rank 0, before an export at the end: remove what an earlier one left, and CheckpointError when
+    the disk has no room for every rank's shards and then the file (object storage: no limit)."""
+    remove_tree(shards)
+    if is_remote(target):
+        return
+    meta = build_model(model.config, torch.device("meta"))
+    needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters()) * 1.05
+    target.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(target.parent).free
+    if free < needed:
+        raise CheckpointError(
+            f"{free / 2**30:.2f} GiB free at {target.parent}, {needed / 2**30:.2f} GiB needed (every rank's shards, "
+            "then the file)"
+        )
 
 
-def write_adapter_folder(state: dict[str, torch.Tensor], config: Any, settings: ExportSettings, target: Path) -> Path:
-    """The PEFT adapter folder of a LoRA model's full state, published whole."""
+def write_adapter_folder(folder: Path, config: Any, settings: ExportSettings, target: Path) -> Path:
+    """The PEFT adapter folder of a LoRA checkpoint folder's adapters, published whole."""
     assert settings.lora is not None and settings.base is not None
+    shapes, read = model_reader(folder)
+    adapters = read([k for k in shapes if is_adapter(k)])
     with publish(target) as tmp:
-        write_peft_adapter(state, config, settings.lora, settings.base, tmp)
+        write_peft_adapter(adapters, config, settings.lora, settings.base, tmp)
     return target
+
+
+@contextmanager
+def part_folder(target: Path) -> Iterator[Path]:
+    """Where a rank writes its files of the export folder `target`, which several ranks write: locally
+    the hidden folder that `seal` renames; in object storage a local temporary folder, uploaded."""
+    if not is_remote(target):
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        return
+    with tempfile.TemporaryDirectory(prefix="fms-fsdp-") as folder:
+        yield Path(folder)
+        for f in sorted(Path(folder).rglob("*")):
+            if f.is_file():
+                upload(f, target / f.relative_to(folder).as_posix())
+
+
+def seal(target: Path) -> None:
+    """The export folder `target` whole, once every rank's files are in: renamed into place; in object
+    storage marked COMPLETE."""
+    if is_remote(target):
+        (target / COMPLETE).write_text("ok\n")
+        return
+    tmp = target.with_name(f".{target.name}.tmp")
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask())
+    if target.is_dir():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
 
 
 class PeriodicExporter:
     """--export_interval: every N steps each rank copies its shards of the model to CPU buffers (the
     only time training waits, as for an async checkpoint) and writes them in the background as a DCP
-    folder (writer.py); rank 0 then reads it whole, writes <ckpt_save_path>/exports/step_<N> as
-    --export_format and deletes the DCP folder. The latest --export_keep are kept. A failure is raised
-    on every rank at the next export or at `finish`. Periodic work of the loop (periodic.Periodic)."""
+    folder (writer.py). Then, still in the background, every rank writes its own files of
+    <ckpt_save_path>/exports/step_<N> from that folder, tensor by tensor (hf_write.py: a Hugging Face
+    folder, or with --export_format=fms one model.safetensors that rank 0 writes), and rank 0 adds the
+    index, config and tokenizer, seals the folder and deletes the DCP folder; no rank holds the whole
+    model. The latest --export_keep are kept. A failure is raised on every rank at the next export or
+    at `finish`. Periodic work of the loop (periodic.Periodic)."""
 
     reads_model = True
 
@@ -123,7 +190,7 @@ class PeriodicExporter:
         self.pending: Optional[Future] = None
         enabled = self.settings.interval > 0
         self.writer = BackgroundWriter(run.device) if enabled else None
-        self.converter = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled and run.info.is_main else None
+        self.converter = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled else None
         if enabled and run.info.is_main:
             self._remove_stale()
 
@@ -151,18 +218,17 @@ class PeriodicExporter:
     def export(self, step: int) -> float:
         """Stage this rank's shards and start writing the export of `step`; returns the seconds training
         waited for it. Every rank calls it."""
-        assert self.writer is not None, "exports are off (--export_interval=0)"
+        assert self.writer is not None and self.converter is not None, "exports are off (--export_interval=0)"
         start = time.monotonic()
         self.finish()
-        shards = self.root / f".step_{step}.shards"
+        shards, target = self.root / f".step_{step}.shards", self.root / f"step_{step}"
         if self.info.is_main:
-            remove_tree(shards)
+            for old in (shards, target.with_name(f".{target.name}.tmp"), *([target] if is_remote(target) else [])):
+                remove_tree(old)
         dist.barrier(group=agreement_group())
         state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))}  # float8's
         written = self.writer.write(state, shards)
-        self.pending = (
-            written if self.converter is None else self.converter.submit(self._convert, written, shards, step)
-        )
+        self.pending = self.converter.submit(self._convert, written, shards, step)
         return time.monotonic() - start
 
     def finish(self) -> None:
@@ -189,38 +255,55 @@ class PeriodicExporter:
             self.writer.close()
 
     def _convert(self, written: Future, shards: Path, step: int) -> None:
-        """Rank 0, in the background: once every rank's shards are on disk, the export of `step`."""
+        """Every rank, in the background (over the writer's group): once every rank's shards are in the
+        DCP folder, this rank's files of the export of `step`; then rank 0 completes it."""
+        assert self.writer is not None
         written.result()
-        self._write(read_model(shards), step)
+        group = self.writer.group
+        dist.barrier(group=group)  # rank 0 has written the folder's .metadata
+        target, hf = self.root / f"step_{step}", self.settings.format == "hf"
+        error = None
+        try:
+            files = self._files(shards, dist.get_world_size(group))
+            with part_folder(target) as tmp:
+                write_part(tmp, files, self._converter(shards), (dist.get_rank(group), dist.get_world_size(group)))
+        except Exception as e:
+            error = f"{type(e).__name__}: {first_line(e)}"
+        every: list[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, error, group=group)
+        failed = next((e for e in every if e is not None), None)
+        if failed is not None:
+            raise CheckpointError(failed)
+        if not self.info.is_main:
+            return
+        with part_folder(target) as tmp:
+            if hf:
+                write_index(tmp, files)
+                write_hf_config(tmp, self.model.config, torch.bfloat16, self.settings.bos, self.settings.eos)
+                self._copy_tokenizer(tmp)
+            if self.settings.lora:  # and the adapter, for PEFT
+                write_adapter_folder(shards, self.model.config, self.settings, tmp / "adapter")
+        seal(target)
         remove_tree(shards)
-
-    def _write(self, state: dict[str, torch.Tensor], step: int) -> None:
-        target = self.root / f"step_{step}"
-        lora = self.settings.lora
-        model = merged(state, lora) if lora else state
-        with publish(target) as tmp:
-            if self.settings.format == "hf":
-                self._write_hf(model, tmp)
-            else:
-                write_safetensors(model, tmp / "model.safetensors", metadata={"step": str(step)})
-            if lora:  # and the adapter, for PEFT
-                assert self.settings.base is not None
-                write_peft_adapter(state, self.model.config, lora, self.settings.base, tmp / "adapter")
         print(f"checkpoint: exported the model of step {step} to {target}", flush=True)
         steps = [int(p.name.removeprefix("step_")) for p in self.root.iterdir() if p.name.startswith("step_")]
         for old in KeepPolicy(self.settings.keep).to_delete(steps):
             remove_tree(self.root / f"step_{old}")
 
-    def _write_hf(self, state: dict[str, torch.Tensor], tmp: Path) -> None:
-        write_hf_folder(
-            self.model.config,
-            lambda keys: {k: state[k] for k in keys},
-            list(state),
-            str(tmp),
-            torch.bfloat16,
-            self.settings.bos,
-            self.settings.eos,
-        )
+    def _files(self, shards: Path, writers: int) -> list[list[Planned]]:
+        """The export's files: a Hugging Face folder's, at least one per rank; fms's one model.safetensors."""
+        shapes = {k: tuple(v) for k, v in model_reader(shards)[0].items() if not is_adapter(k)}
+        if self.settings.format == "hf":
+            return split(hf_plan(self.model.config, shapes, torch.bfloat16), writers)
+        return [fms_plan(shapes, model_dtypes(shards))]
+
+    def _converter(self, shards: Path) -> Converter:
+        shapes, read = model_reader(shards)
+        if self.settings.lora:
+            read = merging(read, shapes, self.settings.lora)
+        return Converter(read, self.model.config)
+
+    def _copy_tokenizer(self, tmp: Path) -> None:
         tokenizer = Path(self.settings.tokenizer_path) if self.settings.tokenizer_path else None
         if tokenizer is not None and tokenizer.is_file():
             shutil.copy2(tokenizer, tmp / "tokenizer.json")
@@ -231,22 +314,26 @@ class PeriodicExporter:
 
 
 def export_checkpoint(load_path: str, save_path: str) -> str:
-    """The model of a checkpoint folder (this project's or fms-fsdp's) as one safetensors file; no GPU,
-    no process group, the model held in memory once. Returns a summary line."""
+    """The model of a checkpoint folder (this project's or fms-fsdp's, local or in object storage) as one
+    safetensors file, streamed tensor by tensor; no GPU, no process group. Returns a summary line."""
     if not load_path or not location(load_path, "load_path").is_dir():
         raise CheckpointError(f"--load_path: {load_path or '(missing)'} is not a checkpoint folder")
     if not save_path.endswith(".safetensors"):
         raise CheckpointError(f"--save_path: {save_path or '(missing)'} must end in .safetensors")
+    folder = location(load_path, "load_path")
     try:
-        state = read_model(location(load_path, "load_path"))
+        shapes, _ = model_reader(folder)
     except CheckpointError as e:  # names the folder and what is wrong with it
         raise CheckpointError(f"--load_path: {e}") from None
     except (RuntimeError, OSError, dcp.CheckpointException) as e:
         raise CheckpointError(f"--load_path: cannot read {load_path}: {first_line(e)}") from None
+    settings = ExportSettings(0, "fms", 0, None, None, None, None, None)
     try:
-        target = write_safetensors(state, location(save_path, "save_path"))
+        target = stream_model_file(folder, location(save_path, "save_path"), settings, {"format": "pt"})
+    except CheckpointError as e:
+        raise CheckpointError(f"--load_path: {e}") from None
     except Exception as e:  # a full disk; object storage: no endpoint, refused credentials
         if not storage_error(e):
             raise
         raise CheckpointError(f"--save_path: cannot write {save_path} ({type(e).__name__}: {first_line(e)})") from None
-    return f"wrote {target}: {len(state)} tensors, {sum(v.numel() for v in state.values()) / 1e6:.1f}M parameters"
+    return f"wrote {target}: {len(shapes)} tensors, {sum(math.prod(v) for v in shapes.values()) / 1e6:.1f}M parameters"

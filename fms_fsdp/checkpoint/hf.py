@@ -4,12 +4,12 @@
 folder; `read_hf_model` reads one for --ckpt_load_path (weights.py); `write_peft_adapter` writes a
 LoRA run's adapters for PEFT (exports).
 
-HF -> fms uses ibm-fms's own registered adapter (serialization.get_adapted("llama", "hf")).
+HF -> fms is hf_read.py's: slice by slice, as ibm-fms's own hf adapter maps names and rotary rows.
 fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
 wrong inverse rotary permutation for head_dim != 4 and misspells max_position_embeddings (checked:
 its logits differ by 3e-2), so this module inverts fms's own hf->fms steps instead, and a test checks
-the round trip is bit-exact. Tensors are converted and written one layer at a time, so an export never
-holds two copies of the model.
+the round trip is bit-exact. Tensors are read, converted and written one at a time (hf_write.py), so
+a conversion holds a few tensors, never the model.
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ import os
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
-from fms.utils import serialization
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, read_whole, rope_fms_to_hf
+from fms_fsdp.checkpoint.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
 from fms_fsdp.checkpoint.reader import TensorReader, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
-from fms_fsdp.model.variants import build_model, get_model_config, hidden_dim
+from fms_fsdp.model.variants import build_model, context_length, get_model_config, hidden_dim
 from fms_fsdp.storage import local_copy, location, publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
 
 
 def hf_config(
@@ -55,7 +54,7 @@ def hf_config(
         "num_key_value_heads": model_config.kvheads or model_config.nheads,
         "head_dim": model_config.emb_dim // model_config.nheads,
         "hidden_act": "silu",
-        "max_position_embeddings": model_config.max_expected_seq_len,
+        "max_position_embeddings": context_length(model_config),
         "rms_norm_eps": model_config.norm_eps,
         "rope_theta": float(model_config.rope_theta),
         "rope_scaling": scaling,
@@ -70,33 +69,6 @@ def hf_config(
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
     }
-
-
-# Hugging Face's projection modules, under model.layers.<i>.
-HF_PROJECTIONS = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-
-
-def rope_fms_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of fms's _hf_to_fms_rope: fms rotates interleaved pairs, HF the two halves."""
-    heads = t.size(0) // head_dim
-    return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-
-# fms's projections in a block -> Hugging Face's, in the order of their rows in the fms tensor
-FMS_PROJECTIONS = {
-    "attn.in_proj.qkv_fused": ("q_proj", "k_proj", "v_proj"),
-    "attn.dense": ("o_proj",),
-    "ff_sub_layer.wg1_fused": ("gate_proj", "up_proj"),
-    "ff_sub_layer.w2": ("down_proj",),
-}
 
 
 def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -115,96 +87,47 @@ def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tenso
     }
 
 
-def _layer_to_hf(model_config: LLaMAConfig, i: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensors of fms block i, from its fms tensors (keys without the 'base_model.layers.i.' prefix)."""
-    out, h = {}, f"model.layers.{i}."
-    for kind in ("weight", "bias"):
-        for fms_name in FMS_PROJECTIONS:
-            if f"{fms_name}.{kind}" in sd:
-                for name, part in projection_to_hf(model_config, fms_name, sd[f"{fms_name}.{kind}"]).items():
-                    out[h + f"{HF_PROJECTIONS[name]}.{kind}"] = part
-        for fms_name, hf_name in (("ln", "input_layernorm"), ("ff_ln", "post_attention_layernorm")):
-            if f"{fms_name}.{kind}" in sd:
-                out[h + f"{hf_name}.{kind}"] = sd[f"{fms_name}.{kind}"]
-    return out
-
-
-def hf_tensors(model_config: LLaMAConfig, read: TensorReader, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
-    """The HF tensors, one group at a time (embedding and head, then each block), reading only the fms
-    tensors each group needs through `read(keys) -> {key: tensor}`."""
-    top = {
-        "base_model.embedding.weight": "model.embed_tokens.weight",
-        "base_model.dec_norm.weight": "model.norm.weight",
-    }
-    if not model_config.tie_heads:
-        top["head.weight"] = "lm_head.weight"
-    got = read([k for k in top if k in keys])
-    yield {top[k]: v for k, v in got.items()}
-    for i in range(model_config.nlayers):
-        prefix = f"base_model.layers.{i}."
-        layer = read([k for k in keys if k.startswith(prefix)])
-        yield _layer_to_hf(model_config, i, {k.removeprefix(prefix): v for k, v in layer.items()})
-
-
 def write_hf_folder(
     model_config: LLaMAConfig,
     read: TensorReader,
-    keys: list[str],
+    shapes: dict[str, tuple[int, ...]],
     out: str,
     dtype: torch.dtype,
     bos_token_id: Optional[int],
     eos_token_id: Optional[int],
     max_shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Write config.json and safetensors shards of at most max_shard_bytes (with an index when more
-    than one) into `out`, atomically: a temporary folder renamed at the end."""
+    """Write config.json, generation_config.json and the safetensors files (of at most max_shard_bytes,
+    with an index when more than one) of the fms tensors `shapes` into `out`, tensor by tensor
+    (hf_write.py), atomically: a temporary folder renamed at the end."""
     target = Path(out).resolve()
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    names: list[str] = []
-
-    def flush() -> None:
-        name = f"model-{len(names) + 1:05d}.safetensors"
-        save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
-        names.append(name)
-        shards[-1] = {}
-
-    index: dict[str, int] = {}
-    for group in hf_tensors(model_config, read, keys):
-        for key, tensor in group.items():
-            tensor = tensor.to(dtype).contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                flush()
-                size = 0
-            shards[-1][key] = tensor
-            index[key] = len(names)
-            size += nbytes
-    flush()
-    if len(names) == 1:
-        os.replace(tmp / names[0], tmp / "model.safetensors")
-    else:
-        total = sum((tmp / n).stat().st_size for n in names)
-        renamed = {i: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))}
-        for i, n in enumerate(names):
-            os.replace(tmp / n, tmp / renamed[i])
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": {k: renamed[i] for k, i in sorted(index.items())}},
-                indent=2,
-            )
-        )
-    (tmp / "config.json").write_text(json.dumps(hf_config(model_config, dtype, bos_token_id, eos_token_id), indent=2))
-    (tmp / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2)
-    )
+    files = split(hf_plan(model_config, shapes, dtype), 1, max_shard_bytes)
+    write_part(tmp, files, Converter(read, model_config))
+    write_index(tmp, files)
+    write_hf_config(tmp, model_config, dtype, bos_token_id, eos_token_id)
     if target.exists():  # an empty folder (callers refuse anything else)
         target.rmdir()
     os.replace(tmp, target)
     return target
+
+
+def write_hf_config(
+    folder: Path,
+    model_config: LLaMAConfig,
+    dtype: torch.dtype,
+    bos_token_id: Optional[int],
+    eos_token_id: Optional[int],
+) -> None:
+    """config.json and generation_config.json of a Hugging Face folder."""
+    (folder / "config.json").write_text(
+        json.dumps(hf_config(model_config, dtype, bos_token_id, eos_token_id), indent=2)
+    )
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}, indent=2)
+    )
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -282,19 +205,10 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
 
 
 def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The fms state dict of a Hugging Face Llama folder, through ibm-fms's own hf adapter (its rotary
+    """The fms state dict of a Hugging Face Llama folder, read tensor by tensor (hf_read.py; its rotary
     settings those of `model_config` or of `variant`: check_hf_config)."""
     check_hf_config(read_hf_config(folder), model_config, folder, variant)
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise HFError(f"{folder}: no .safetensors weights")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            sd.update({k: handle.get_tensor(k) for k in handle.keys()})
-    if model_config.tie_heads and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return dict(serialization.get_adapted("llama", "hf", sd, {"model_config": model_config}))
+    return read_whole(Path(folder), model_config)
 
 
 def _variant(
@@ -377,7 +291,7 @@ def _convert(
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos
     with publish(target) as tmp:  # object storage too: uploaded, COMPLETE last
-        write_hf_folder(model_config, read, list(expected), str(tmp), DTYPES[dtype], bos, eos)
+        write_hf_folder(model_config, read, expected, str(tmp), DTYPES[dtype], bos, eos)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return target

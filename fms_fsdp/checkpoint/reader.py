@@ -217,6 +217,16 @@ def model_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
     return {k: v.shape for k, v in state.items()}, lambda keys: {k: state[k] for k in keys}
 
 
+def model_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """The dtype of each model tensor of a checkpoint folder, from its .metadata."""
+    metadata = safe_reader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key.removeprefix("model_state."): meta.properties.dtype
+        for key, meta in metadata.items()
+        if key.startswith("model_state.") and hasattr(meta, "size")
+    }
+
+
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint folder or a model file, whole, on the CPU."""
     shapes, read = model_reader(Path(path) if isinstance(path, str) else path)

@@ -1,26 +1,28 @@
 """Initialising a model's weights from --ckpt_load_path (not restoring a run: that is io.py's): a
 checkpoint folder (this project's or fms-fsdp's), a Hugging Face Llama folder, or a .pth /
-.safetensors file holding the model. Single files and Hugging Face folders are read on rank 0 and
-broadcast; checkpoint folders are read by every rank, each its own shards. Every rank calls it."""
+.safetensors file holding the model. Single files are read on rank 0 and broadcast; checkpoint
+folders and Hugging Face folders are read by every rank, each its own shards. Every rank calls it."""
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fms.models.llama import LLaMAConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from fms_fsdp.checkpoint.fused import fuse
-from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config, read_hf_model
+from fms_fsdp.checkpoint.fused import fuse, plain_tensor
+from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
+from fms_fsdp.checkpoint.hf_read import check_shapes, index_folder, read_into
 from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
-from fms_fsdp.errors import CheckpointError, ConfigError, first_line
+from fms_fsdp.errors import CheckpointError, ConfigError, HFError, first_line
 from fms_fsdp.model.lora import is_adapter
 from fms_fsdp.model.variants import split_full
-from fms_fsdp.parallel.process_group import agreement_group, on_rank0
+from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import local_copy, location, storage_error
 
 # a whole model from one file: read on rank 0 only, each rank receives its shards
@@ -30,12 +32,15 @@ _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 MODEL_FILES = (".safetensors", ".pth", ".pt")
 
 
-def check_load_path(path: str) -> None:
+def check_load_path(path: str, model_config: Optional[LLaMAConfig] = None, variant: Optional[str] = None) -> None:
     """--ckpt_load_path names something to load: a checkpoint folder (.metadata), a Hugging Face folder
-    (config.json) or a model file; ConfigError otherwise. A start-up check: a few file-system calls."""
+    (config.json) whose model is `model_config`'s (check_hf_config, when given) or a model file;
+    ConfigError otherwise. A start-up check: a few file-system calls."""
     p = location(path, "ckpt_load_path")
     try:
         if p.is_dir():
+            if (p / "config.json").is_file() and model_config is not None:
+                check_hf_config(read_hf_config(p), model_config, path, variant)
             if (p / ".metadata").is_file() or (p / "config.json").is_file():
                 return
             if (p / "checkpoints").is_dir():
@@ -58,6 +63,8 @@ def check_load_path(path: str) -> None:
             raise ConfigError(f"--ckpt_load_path: {path} is empty (0 bytes)")
     except ConfigError:
         raise
+    except HFError as e:  # names the folder
+        raise ConfigError(f"--ckpt_load_path: {e}") from None
     except Exception as e:  # object storage: no endpoint, no access
         raise ConfigError(f"--ckpt_load_path: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
 
@@ -75,8 +82,7 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
     try:
         if p.is_dir() and (p / "config.json").is_file():
             check_hf_config(read_hf_config(p), model.config, str(p), model_variant)  # every rank: same verdict
-            full = _read_on_main(p, path, lambda local: read_hf_model(str(local), model.config, model_variant))
-            _set(model, full, _FROM_RANK0)
+            _read_hf(model, p, path)
         elif p.is_dir():
             try:  # a folder without a whole model (a LoRA run's), or a damaged .metadata, is refused in one line
                 model_reader(p)
@@ -89,6 +95,8 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
             _set(model, _read_on_main(p, path, read_model), _FROM_RANK0)
     except CheckpointError:  # already one line naming the path (read on rank 0)
         raise
+    except HFError as e:  # a Hugging Face folder that does not fit: names the folder
+        raise CheckpointError(f"--ckpt_load_path: {e}") from None
     except (pickle.UnpicklingError, ValueError) as e:  # including HFError: a config that does not fit
         raise CheckpointError(f"--ckpt_load_path: {path}: {e}") from None
     except (RuntimeError, KeyError, dcp.CheckpointException) as e:
@@ -119,6 +127,29 @@ def _read_on_main(p: Path, path: str, read: Callable[[Path], dict[str, torch.Ten
 
     on_rank0(work, CheckpointError, lambda message: CheckpointError(f"--ckpt_load_path: {path}: {message}"))
     return box[0]
+
+
+def _read_hf(model: torch.nn.Module, p: Path, path: str) -> None:
+    """Each rank reads its slices of the Hugging Face folder `p` into its shards (hf_read.py); the folder
+    indexed on rank 0 first. A failure on any rank is one CheckpointError on every rank."""
+    entries = on_rank0(
+        lambda: index_folder(p),
+        lambda e: isinstance(e, HFError) or storage_error(e),
+        lambda message: CheckpointError(f"--ckpt_load_path: {message}"),
+    )
+    own = {k: plain_tensor(v) for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+    error: Optional[Exception] = None
+    try:
+        check_shapes({k: tuple(v.shape) for k, v in own.items()}, entries, model.config, path)
+        read_into(own, p, entries, model.config)
+    except Exception as e:
+        error = e
+    first = next((f[1] for f in failures(error) if f is not None), None)
+    if error is not None and not (isinstance(error, HFError) or storage_error(error)):
+        raise error
+    if first is not None:
+        raise CheckpointError(f"--ckpt_load_path: {first}")
+    _set(model, own, StateDictOptions())
 
 
 def _set(model: torch.nn.Module, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:

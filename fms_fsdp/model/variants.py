@@ -241,6 +241,16 @@ def get_model_config(
     return config
 
 
+def context_length(model_config: LLaMAConfig) -> int:
+    """The positions a model serves: its max_expected_seq_len (the variant's, or the trained length when
+    longer) or, with llama3 rotary scaling, its original context times the factor when that is more."""
+    scaling = model_config.rope_scaling or {}
+    scaled = 0
+    if scaling.get("rope_type") == "llama3":
+        scaled = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return max(model_config.max_expected_seq_len, scaled)
+
+
 def hidden_dim(model_config: LLaMAConfig) -> int:
     """fms GatedLinearUnit's hidden size (the FFN width)."""
     hidden = int(model_config.hidden_grow_factor * model_config.emb_dim)

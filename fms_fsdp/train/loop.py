@@ -483,6 +483,4 @@ def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
             outcome += f" (exit status {run.cfg.stop_exit_status}, --stop_exit_status)"
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(
-            loop.model, run.paths.model_file(step), step, run.settings.export, loop.pipeline is not None
-        )
+        export_trained_model(loop.model, run.paths.model_file(step), step, run.settings.export)

@@ -1,0 +1,182 @@
+"""Writing safetensors files tensor by tensor: a model's export (Hugging Face names, or fms's own) is
+planned from its tensors' shapes alone, cut into files, and each file streamed: its header first, then
+each tensor read from a checkpoint folder (`TensorReader`), converted and appended. No process holds
+more than one fms tensor and the one it converts, whatever the model's size; with several ranks each
+writes its own files (`part`), and the one that `finish`es writes the index and the configuration.
+The files are those of transformers' `save_pretrained`: `model.safetensors` alone, or
+`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+from fms.models.llama import LLaMAConfig
+
+from fms_fsdp.checkpoint.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
+from fms_fsdp.checkpoint.reader import TensorReader
+from fms_fsdp.model.lora import LoRASpec
+from fms_fsdp.model.variants import hidden_dim
+
+SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
+_CHUNK = 64 * 2**20  # bytes cast and written at a time
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of the export: its name, the fms tensor and rows it comes from, its shape and dtype,
+    whether its rows are rotary rows to put in Hugging Face's order (q, k)."""
+
+    name: str
+    key: str
+    start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rope: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def hf_plan(config: LLaMAConfig, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> list[Planned]:
+    """The Hugging Face tensors of an fms model (fused names and whole shapes), in transformers' order:
+    embedding, final norm, head, then each block."""
+    top = ["base_model.embedding.weight", "base_model.dec_norm.weight"] + ([] if config.tie_heads else ["head.weight"])
+    keys = [k for k in top if k in shapes] + [k for k in shapes if k.startswith("base_model.layers.")]
+    keys.sort(key=lambda k: int(k.split(".")[2]) if k.startswith("base_model.layers.") else -1)
+    plan: list[Planned] = []
+    for key in keys:
+        row = 0
+        for source, rows in zip(sources(key, {}, False), _rows(config, key, shapes[key][0])):
+            plan.append(Planned(source.name, key, row, (rows, *shapes[key][1:]), dtype, source.rope))
+            row += rows
+    return plan
+
+
+def _rows(config: LLaMAConfig, key: str, rows: int) -> list[int]:
+    """The rows of each part of fms tensor `key` (q, k, v; gate, up), its rows when it has one part."""
+    kv = (config.kvheads or config.nheads) * (config.emb_dim // config.nheads)
+    path = key.rsplit(".", 1)[0].split(".", 3)[-1]
+    if path == "attn.in_proj.qkv_fused":
+        return [config.emb_dim, kv, kv]
+    if path == "ff_sub_layer.wg1_fused":
+        return [hidden_dim(config)] * 2
+    assert path not in FMS_PROJECTIONS or len(FMS_PROJECTIONS[path]) == 1, key
+    return [rows]
+
+
+def fms_plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> list[Planned]:
+    """An fms export's tensors: each under its own name, whole, in its own dtype."""
+    return [Planned(k, k, 0, tuple(s), dtypes[k]) for k, s in shapes.items()]
+
+
+def split(plan: list[Planned], files: int, max_bytes: int = SHARD_BYTES) -> list[list[Planned]]:
+    """The plan cut into consecutive files of about equal bytes: at least `files` (one per writing rank)
+    and as many as keep each under max_bytes (a tensor larger than that is a file of its own)."""
+    size = [p.nbytes for p in plan]
+    total = sum(size)
+    n = max(1, min(len(plan), max(files, math.ceil(total / max_bytes))))
+    out: list[list[Planned]] = [[] for _ in range(n)]
+    done = 0
+    for p, s in zip(plan, size):
+        out[min(n - 1, done * n // max(total, 1))].append(p)
+        done += s
+    return [f for f in out if f]
+
+
+def file_names(files: int) -> list[str]:
+    return (
+        ["model.safetensors"] if files == 1 else [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+    )
+
+
+class Converter:
+    """The tensors of a plan from a reader of fms tensors, each cut out (and its rotary rows reordered)
+    as it is needed, in the reader's dtype (write_file casts it a chunk at a time); the last fms tensor
+    read is kept for its other parts (q, k and v come from one)."""
+
+    def __init__(self, read: TensorReader, config: Optional[LLaMAConfig] = None):
+        self.read, self.config = read, config
+        self.last: tuple[str, Optional[torch.Tensor]] = ("", None)
+
+    def __call__(self, p: Planned) -> torch.Tensor:
+        if self.last[0] != p.key:
+            self.last = ("", None)  # free it before reading the next
+            self.last = (p.key, self.read([p.key])[p.key])
+        whole = self.last[1]
+        assert whole is not None
+        t = whole[p.start : p.start + p.shape[0]]
+        if p.rope:
+            assert self.config is not None
+            t = rope_fms_to_hf(t, self.config.emb_dim // self.config.nheads)
+        return t
+
+
+def write_file(path: Path, plan: list[Planned], convert: Callable[[Planned], torch.Tensor], meta: dict) -> None:
+    """One safetensors file, streamed: the header from the plan, then each tensor as it is converted."""
+    header: dict = {"__metadata__": meta} if meta else {}
+    offset = 0
+    for p in plan:
+        header[p.name] = {"dtype": _NAMES[p.dtype], "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
+        offset += p.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for p in plan:
+            t = convert(p)
+            assert tuple(t.shape) == p.shape, (p.name, t.shape, p.shape)
+            rows = max(1, _CHUNK // max(1, t[0].numel() * p.dtype.itemsize)) if t.dim() else 1
+            for chunk in t.split(rows) if t.dim() else [t]:  # cast a few MB at a time
+                f.write(memoryview(chunk.to(p.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_part(
+    folder: Path,
+    files: list[list[Planned]],
+    convert: Callable[[Planned], torch.Tensor],
+    part: tuple[int, int] = (0, 1),
+    meta: Optional[dict] = None,
+) -> list[str]:
+    """Rank part[0] of part[1]'s files of the export into `folder` (which exists): every part[1]-th file."""
+    names = file_names(len(files))
+    mine = list(range(part[0], len(files), part[1]))
+    for i in mine:
+        write_file(folder / names[i], files[i], convert, meta or {"format": "pt"})
+    return [names[i] for i in mine]
+
+
+def write_index(folder: Path, files: list[list[Planned]]) -> None:
+    """model.safetensors.index.json, when there is more than one file."""
+    if len(files) == 1:
+        return
+    names = file_names(len(files))
+    total = sum(p.nbytes for f in files for p in f)
+    weight_map = {p.name: names[i] for i, f in enumerate(files) for p in f}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def merging(read: TensorReader, keys: Iterable[str], spec: LoRASpec) -> TensorReader:
+    """A reader of a LoRA model's tensors that gives each adapted weight merged, W + (alpha / r) B A."""
+    adapted = {k.removesuffix(".lora_A") for k in keys if k.endswith(".lora_A")}
+
+    def read_merged(wanted: list[str]) -> dict[str, torch.Tensor]:
+        out = read(wanted)
+        for key in wanted:
+            layer = key.removesuffix(".weight")
+            if layer in adapted:
+                ab = read([f"{layer}.lora_A", f"{layer}.lora_B"])
+                delta = (spec.alpha / spec.rank) * ab[f"{layer}.lora_B"].float() @ ab[f"{layer}.lora_A"].float()
+                out[key] = (out[key].float() + delta).to(out[key].dtype)
+        return out
+
+    return read_merged

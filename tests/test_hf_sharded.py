@@ -1,0 +1,188 @@
+"""Hugging Face folders read and written in shards: each rank reads only its slices of the safetensors
+files and writes its own files of an export (checkpoint/hf_read.py, hf_write.py). A 2-rank import takes
+the 1-rank step-1 loss; the 2-rank export is fms_to_hf's conversion of the same step's checkpoint, tensor
+for tensor and logit for logit in transformers, reads back bit for bit, and keeps the context of a
+rope-scaled model; a damaged folder ends in one line naming the file, before any step."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fms_fsdp.checkpoint.hf import convert, hf_config, read_hf_model
+from fms_fsdp.checkpoint.weights import load_weights
+from fms_fsdp.errors import CheckpointError, ConfigError
+from fms_fsdp.flags import parse_args
+from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.run import facts
+
+from conftest import TINY, launch, records, run_here
+
+# a Llama folder with llama3 rotary scaling: factor 4 over tiny's 1024 positions, 4096 in all
+SCALED = ["--rope_scaling_factor=4", "--seq_length=2048", "--vocab_size=512"]
+
+
+def scaled_config():
+    return get_model_config("tiny", 512, None, 1, None, 4)
+
+
+def save_hf(folder: Path, shard: str = "400KB") -> Path:
+    """A transformers `save_pretrained` folder of a random tiny Llama with llama3 scaling, in several files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = hf_config(scaled_config(), torch.float32, None, None)
+    assert config["max_position_embeddings"] == 4096 and config["rope_scaling"]["factor"] == 4.0
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One rank and two ranks, each one step from the same Hugging Face folder; the 2-rank run exports
+    that step as a Hugging Face folder and checkpoints it."""
+    root = tmp_path_factory.mktemp("hf_sharded")
+    hf = save_hf(root / "hf")
+    common = [*TINY, *SCALED, "--num_steps=1", f"--ckpt_load_path={hf}"]
+    run_here([*common, "--batch_size=2", f"--ckpt_save_path={root / 'one'}"])
+    proc = launch(
+        "main_training.py",
+        [*common, "--batch_size=1", "--export_interval=1", "--export_format=hf", f"--ckpt_save_path={root / 'two'}"],
+        2,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"hf": hf, "one": root / "one", "two": root / "two", "log": proc.stdout, "root": root}
+
+
+def test_two_ranks_import_their_slices_with_the_loss_of_one(runs):
+    assert len(list(runs["hf"].glob("*.safetensors"))) > 3  # sharded: each rank reads slices of several files
+    one, two = records(runs["one"]), records(runs["two"])
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1]
+    assert abs(one[0]["loss"] - two[0]["loss"]) < 1e-5, (one, two)
+    assert "is beyond tiny's" not in runs["log"]  # 2048 is within 4 x 1024: no note about the context
+
+
+def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
+    """Two ranks wrote their files of the export; it equals fms_to_hf's bf16 conversion of the step's
+    checkpoint tensor for tensor (so its logits in transformers are those), keeps the model's 4096
+    positions, and reads back as the checkpoint's weights in bf16, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    export = runs["two"] / "exports" / "step_1"
+    files = sorted(p.name for p in export.glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    ckpt = runs["two"] / "checkpoints" / "step_1_ckp"
+    offline = convert(str(ckpt), str(runs["root"] / "offline"), dtype="bf16")
+    for folder in (export, offline):
+        config = json.loads((folder / "config.json").read_text())
+        assert config["max_position_embeddings"] == 4096 and config["rope_scaling"]["factor"] == 4.0
+    ours = {k: v for f in files for k, v in load_file(str(export / f)).items()}
+    theirs = load_file(str(offline / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    tokens = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (AutoModelForCausalLM.from_pretrained(f, local_files_only=True).eval() for f in (export, offline))
+        assert torch.equal(a(tokens).logits, b(tokens).logits)
+    from fms_fsdp.checkpoint.reader import read_model
+
+    trained = read_model(ckpt)
+    back = read_hf_model(str(export), scaled_config())
+    assert back.keys() == trained.keys() and all(torch.equal(back[k], trained[k].bfloat16()) for k in back)
+
+
+def damaged(hf: Path, tmp: Path, how: str) -> Path:
+    """A copy of the folder, damaged `how`."""
+    folder = tmp / how
+    folder.mkdir()
+    for f in hf.iterdir():
+        os.link(f, folder / f.name)
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    if how == "missing":
+        shard.unlink()
+    elif how == "truncated":
+        data = shard.read_bytes()
+        shard.unlink()
+        shard.write_bytes(data[: len(data) // 2])
+    return folder
+
+
+def test_a_damaged_folder_is_one_line_naming_the_file(runs, tmp_path):
+    model = build_model(scaled_config(), torch.device("cpu"))
+    for how, said in (("missing", "is missing (named in model.safetensors.index.json)"), ("truncated", "is truncated")):
+        folder = damaged(runs["hf"], tmp_path, how)
+        shard = sorted(p.name for p in runs["hf"].glob("model-*.safetensors"))[1]
+        with pytest.raises(CheckpointError) as e:
+            load_weights(model, str(folder), "tiny")
+        assert str(e.value).startswith(f"--ckpt_load_path: {folder / shard} {said}"), e.value
+    # tensors of another FFN width under the variant's config.json
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wider = json.loads((runs["hf"] / "config.json").read_text())
+    LlamaForCausalLM(LlamaConfig(**{**wider, "intermediate_size": 768})).save_pretrained(tmp_path / "wider")
+    (tmp_path / "wider" / "config.json").write_text(json.dumps(wider))
+    with pytest.raises(CheckpointError) as e:
+        load_weights(model, str(tmp_path / "wider"), "tiny")
+    assert str(e.value) == (
+        f"--ckpt_load_path: {tmp_path / 'wider'}/model.safetensors: model.layers.0.mlp.gate_proj.weight is "
+        "[768, 256], which does not fit the model's base_model.layers.0.ff_sub_layer.wg1_fused.weight [1408, 256]; "
+        "choose the matching --model_variant (and --vocab_size)"
+    )
+
+
+def test_a_rope_mismatch_is_refused_at_start_up_naming_the_folder_once(runs):
+    """--rope_scaling_factor forgotten: config.json alone decides, before the model is built."""
+    with pytest.raises(ConfigError) as e:
+        facts(parse_args([*TINY, "--vocab_size=512", f"--ckpt_load_path={runs['hf']}"]))
+    said = str(e.value)
+    assert said.startswith(f"--ckpt_load_path: {runs['hf']}: rope_theta 10000.0 and rope_scaling {{'rope_type'"), said
+    assert said.count(str(runs["hf"])) == 1 and said.endswith("(or --rope_theta, --rope_scaling_factor)"), said
+
+
+@pytest.mark.slow
+def test_every_mesh_imports_its_slices_exactly_and_exports_them(tmp_path):
+    """On 4 ranks, a rope-scaled Hugging Face folder read slice by slice into FSDP x TP, FSDP x pipeline
+    stages, FSDP x context parallel, and a LoRA model's frozen base; one step at learning rate 0, then the
+    model exported at the end (and, for LoRA, as a Hugging Face folder every rank writes) is the folder's
+    weights, bit for bit."""
+    hf = save_hf(tmp_path / "hf")
+    common = [*TINY, "--rope_scaling_factor=4", "--vocab_size=512", "--num_steps=1", "--learning_rate=0"]
+    common += [f"--ckpt_load_path={hf}", "--checkpoint_interval=0", "--export_model_at_end=True"]
+    meshes = {
+        "tp": ["--tensor_parallel_size=2"],
+        "pp": ["--pipeline_parallel_size=2", "--batch_size=4"],
+        "cp": ["--context_parallel_size=2"],
+        "lora": ["--lora_rank=4", "--export_interval=1", "--export_format=hf"],
+    }
+    proc = launch(
+        "tests/runs_worker.py",
+        [],
+        4,
+        extra_env={"RUNS": json.dumps([[*common, *f, f"--ckpt_save_path={tmp_path / m}"] for m, f in meshes.items()])},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = read_hf_model(str(hf), scaled_config())
+    for mesh in meshes:
+        got = load_file(str(tmp_path / mesh / "model_step_1.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), mesh
+    export = tmp_path / "lora" / "exports" / "step_1"
+    assert len(list(export.glob("model-0000?-of-00004.safetensors"))) == 4  # one file per rank
+    back = read_hf_model(str(export), scaled_config())
+    assert all(torch.equal(back[k], want[k].bfloat16()) for k in want)
+
+
+def test_the_note_about_the_context_counts_the_rotary_scaling():
+    """tiny has 1024 positions; scaled by 2, 2048: --seq_length=4096 is beyond them, 2048 is not."""
+    notes = facts(parse_args([*TINY, "--rope_scaling_factor=2", "--seq_length=4096"])).notes
+    assert (
+        "note: --seq_length=4096 is beyond tiny's 2048 positions (with --rope_scaling_factor=2.0): the model trains "
+        "at 4096, and its Hugging Face exports say max_position_embeddings=4096" in notes
+    ), notes
+    assert not [
+        n for n in facts(parse_args([*TINY, "--rope_scaling_factor=2", "--seq_length=2048"])).notes if "beyond" in n
+    ]
