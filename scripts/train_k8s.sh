@@ -12,9 +12,13 @@
 #
 # Kubernetes sends SIGTERM to this script alone (the container's main process) when it takes the pod
 # away, and SIGKILL after terminationGracePeriodSeconds. The script sends it on to the ranks, as Slurm
-# signals every process; torchrun ignores it and waits for them (as in train.sh). The ranks of every pod
-# save a checkpoint and exit with status 143 (--stop_exit_status), so torchrun fails and the controller
-# restarts the pods, which resume from that checkpoint.
+# signals every process; torchrun ignores it and waits for them (as in train.sh). A SIGTERM that comes
+# before torchrun has started its ranks is sent on once they all exist. The ranks of every pod save a
+# checkpoint and exit with status 143 (--stop_exit_status), so torchrun fails (status 1) and the
+# controller restarts the pods, which resume from that checkpoint.
+#
+# The flags are read here before torchrun starts: a bad one ends in its one line and status 2, which
+# the manifests do not restart (k8s/jobset.yaml's podFailurePolicy; see docs/launching.md).
 set -euo pipefail
 REPO=$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -32,13 +36,6 @@ if [ -z "${PET_NNODES:-}" ]; then
     export PET_MASTER_ADDR="${JOBSET_NAME}-${REPLICATED_JOB_NAME}-0-0.${JOBSET_SUBDOMAIN:-$JOBSET_NAME}"
     export PET_MASTER_PORT=${MASTER_PORT:-29500}
 fi
-gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
-NPROC_PER_NODE=${NPROC_PER_NODE:-${PET_NPROC_PER_NODE:-$(gpu_count)}}
-[ "${NPROC_PER_NODE:-0}" != 0 ] || NPROC_PER_NODE=1
-export PET_NPROC_PER_NODE=$NPROC_PER_NODE
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
-
-echo "$(hostname): torchrun node ${PET_NODE_RANK} of ${PET_NNODES} x ${PET_NPROC_PER_NODE} process(es), rendezvous ${PET_MASTER_ADDR}:${PET_MASTER_PORT}"
 children() {  # the processes whose parent is $1 (torchrun's: its ranks, each in a session of its own)
     local stat line
     for stat in /proc/[0-9]*/stat; do
@@ -48,24 +45,51 @@ children() {  # the processes whose parent is $1 (torchrun's: its ranks, each in
     done
 }
 interrupted=0
+pending=0  # a SIGTERM not yet sent on: torchrun had not started its ranks
+forward() {  # the SIGTERM to the ranks, once torchrun has started all of them
+    [ -n "$pid" ] || return 0
+    set -- $(children "$pid")
+    [ "$#" -ge "$PET_NPROC_PER_NODE" ] || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    pending=0
+}
 on_term() {
     interrupted=1
+    pending=1
     echo "SIGTERM: every rank saves a checkpoint and stops"
-    [ -z "$pid" ] || kill -TERM $(children "$pid") 2>/dev/null || true
+    forward
 }
 pid=""
-trap on_term TERM  # before torchrun starts: a SIGTERM to PID 1 without a handler would be lost
+trap on_term TERM  # from the start: a SIGTERM to PID 1 without a handler would be lost
+
+for arg in "$@"; do
+    case "$arg" in -h|--help) exec python "${REPO}/main_training.py" --help ;; esac
+done
+# under torchrun every rank would print a bad flag's line, then torchrun its failure summary, status 1
+PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}" python -c 'from fms_fsdp.cli import check_flags; check_flags()' "$@"
+
+gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
+NPROC_PER_NODE=${NPROC_PER_NODE:-${PET_NPROC_PER_NODE:-$(gpu_count)}}
+[ "${NPROC_PER_NODE:-0}" != 0 ] || NPROC_PER_NODE=1
+export PET_NPROC_PER_NODE=$NPROC_PER_NODE
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+
+echo "$(hostname): torchrun node ${PET_NODE_RANK} of ${PET_NNODES} x ${PET_NPROC_PER_NODE} process(es), rendezvous ${PET_MASTER_ADDR}:${PET_MASTER_PORT}"
 (
     trap '' TERM USR1
     export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
     exec torchrun "${REPO}/main_training.py" --stop_exit_status=143 "$@"
 ) &
 pid=$!
-status=0
-wait "$pid" || status=$?
-while [ "$interrupted" = 1 ]; do  # `wait` returned for the signal: wait again for torchrun's status
+while :; do
+    while [ "$pending" = 1 ] && kill -0 "$pid" 2>/dev/null; do  # the ranks are starting
+        sleep 0.2
+        forward
+    done
     interrupted=0
     status=0
     wait "$pid" || status=$?
+    # `wait` returned for the signal (128 + 15): wait again for torchrun's own status
+    [ "$interrupted" = 1 ] && [ "$status" -gt 128 ] || break
 done
 exit "$status"

@@ -125,6 +125,61 @@ def test_the_entry_point_names_what_is_missing():
     assert proc.returncode == 2 and proc.stderr.startswith("error: no rendezvous in the environment: ")
 
 
+def _pod_env(bin_dir: Path) -> dict[str, str]:
+    """A PyTorchJob pod's environment, `bin_dir` first on PATH (its python, or a torchrun of the test's)."""
+    return {
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+        **{f"PET_{k}": v for k, v in (("NNODES", "1"), ("NODE_RANK", "0"), ("NPROC_PER_NODE", "2"))},
+        **{"PET_MASTER_ADDR": "localhost", "PET_MASTER_PORT": "29500"},
+    }
+
+
+def test_the_entry_point_ends_a_bad_flag_in_its_one_line_before_torchrun(tmp_path):
+    """Status 2, which the manifests do not restart, and no torchrun (one on PATH would leave a mark)."""
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(f"#!/bin/sh\ntouch {tmp_path / 'started'}\n")
+    torchrun.chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "scripts/train_k8s.sh", "--lerning_rate=1e-3"],
+        cwd=ROOT,
+        env=_pod_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stdout + proc.stderr
+    assert proc.stderr == "error: unknown flag --lerning_rate; did you mean --learning_rate?\n"
+    assert not (tmp_path / "started").exists()
+    jobset = yaml.safe_load(JOBSET.read_text())["spec"]["replicatedJobs"][0]["template"]["spec"]
+    (rule,) = jobset["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"] == {"operator": "In", "values": [2]}
+
+
+RANK = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); time.sleep(60)"
+
+
+def test_a_sigterm_before_the_ranks_start_reaches_them(tmp_path):
+    """SIGTERM while torchrun (here a stand-in that starts its two ranks after a second) has no ranks
+    yet: the entry point sends it on once they exist, and they stop (no 60 s wait)."""
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(
+        f"#!{sys.executable}\nimport subprocess, sys, time\ntime.sleep(1)\n"
+        f"ranks = [subprocess.Popen([sys.executable, '-c', {RANK!r}], start_new_session=True) for _ in range(2)]\n"
+        "codes = [r.wait() for r in ranks]\nprint('ranks:', codes)\nsys.exit(1 if any(codes) else 0)\n"
+    )
+    torchrun.chmod(0o755)
+    env = _pod_env(tmp_path)
+    proc = subprocess.Popen(["bash", "scripts/train_k8s.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert "torchrun node 0 of 1 x 2 process(es)" in proc.stdout.readline()  # torchrun is starting
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1 and time.time() - start < 20, output
+    assert "SIGTERM: every rank saves a checkpoint and stops" in output
+    codes = output.split("ranks: ")[1].splitlines()[0]
+    assert set(eval(codes)) <= {143, -signal.SIGTERM}, codes
+
+
 def test_a_run_stopped_by_sigterm_exits_with_stop_exit_status(tmp_path):
     """One process, no torchrun: SIGTERM, the checkpoint, then --stop_exit_status instead of 0."""
     out = tmp_path / "run"
