@@ -33,7 +33,7 @@ from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.run import Run, facts, started  # noqa: E402
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.train.guard import StepGuard  # noqa: E402
-from fms_fsdp.train.loop import train_step  # noqa: E402
+from fms_fsdp.train.step import train_step  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

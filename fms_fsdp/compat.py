@@ -7,6 +7,7 @@ there, not in the middle of a run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator, Optional
 
 import torch
@@ -374,40 +375,59 @@ def reusable_stager() -> bool:
     return TORCH >= (2, 13)
 
 
+def quiet_http_transport(timeout: Any) -> Any:
+    """torchft's default checkpoint transport (HTTP, whole state dicts), whose server would write an
+    access-log line to stderr at each transfer: the lines go to torchft's logger instead (kept off the
+    console by the command, as torchft's own lines are). torchft 0.2's private server attribute: here,
+    with the private torch APIs, so that a torchft release that moves it is found in one place."""
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    handler = transport._server.RequestHandlerClass  # torchft 0.2's server; its class is made in __init__
+    logger = logging.getLogger("torchft.checkpointing.http_transport")
+
+    def log_message(self: Any, format: str, *args: Any) -> None:
+        logger.info(format, *args)
+
+    transport._server.RequestHandlerClass = type("QuietRequestHandler", (handler,), {"log_message": log_message})
+    return transport
+
+
 __all__ = [
     "OLDEST_TORCH",
+    "TORCH",
     "all_gather_autograd",
     "all_reduce_sum",
+    "check_torch",
+    "compute_local_shape_and_global_offset",
     "context_parallel_compiles",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
-    "flatten_mesh",
-    "group_named",
-    "joined_meshes",
-    "TORCH",
-    "check_torch",
-    "Shard",
-    "ShardMetadata",
-    "ShardedTensor",
-    "ShardedTensorMetadata",
-    "TensorProperties",
-    "compute_local_shape_and_global_offset",
+    "cuda_memory_snapshot",
     "fake_store",
+    "flatten_mesh",
     "flight_recorder_dump",
     "fsspec_storage",
     "group_members",
+    "group_named",
+    "joined_meshes",
     "local_shape_and_offset_at",
     "local_tensor",
     "matmul_and_attention_ops",
     "mem_tracker",
     "muon_adjusted_lr",
     "muon_orthogonalize",
-    "cuda_memory_snapshot",
+    "quiet_http_transport",
     "record_cuda_memory_history",
     "reduce_scatter_op",
+    "reusable_stager",
     "ring_attention",
     "ring_attention_backward",
-    "reusable_stager",
     "set_group_timeout",
+    "Shard",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "ShardMetadata",
+    "TensorProperties",
     "tree_map_only",
 ]

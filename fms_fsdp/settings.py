@@ -1,8 +1,9 @@
 """Every component's settings, built once from the flags at the door (`run.facts`) and kept on the
 `Run` as `run.settings`: a component receives its own small settings object, never the flat config.
 
-Each fact the flags state is parsed here once: the fraction of checkpointed blocks, the keep policy,
-the schedule's cycles and the mixture's schedule. A settings object that cannot be (a decay longer
+Each fact the flags state is parsed here once: the fraction of checkpointed blocks, the keep policy
+and the schedule's cycles (the data's settings, the mixture's schedule among them, are read where the
+loader is built, data/build.py, which a start runs before the model). A settings object that cannot be (a decay longer
 than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
 """
 
@@ -14,7 +15,6 @@ from typing import Optional
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
 from fms_fsdp.config import parse_fraction, train_config
-from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
@@ -36,7 +36,6 @@ class Settings:
     triggers: TriggerSettings
     checkpoint: CheckpointSettings
     export: ExportSettings
-    mixture: Optional[MixtureSchedule]  # None without --weights_schedule
 
 
 def settings_of(cfg: train_config) -> Settings:
@@ -80,7 +79,6 @@ def settings_of(cfg: train_config) -> Settings:
             lora,
             cfg.ckpt_load_path,
         ),
-        mixture=None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule),
     )
 
 

@@ -22,7 +22,7 @@ from fms_fsdp.memory import GIB, Planner, setting_of
 from fms_fsdp.run import facts, started
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.loop import train_step
+from fms_fsdp.train.step import train_step
 
 from conftest import here, launch, records, run_here
 

@@ -63,10 +63,11 @@ def close(got: dict[int, float], want: dict[int, float], tol: float = TOL) -> bo
 
 
 def model_line(log: str, path: Path) -> str:
-    """The line a run writing to `path` printed about its model (its config is printed just before)."""
+    """The line a run writing to `path` printed about its model (its start-up summary, which names its
+    config.yaml, follows it)."""
     lines = log.splitlines()
-    start = next(i for i, x in enumerate(lines) if x.strip() == f"ckpt_save_path: {path}")
-    return next(x for x in lines[start:] if x.startswith("model "))
+    end = next(i for i, x in enumerate(lines) if x.startswith(f"config: {path / 'config.yaml'} "))
+    return next(x for x in reversed(lines[:end]) if x.startswith("model "))
 
 
 @pytest.fixture(scope="module")

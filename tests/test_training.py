@@ -30,7 +30,7 @@ from fms_fsdp.settings import schedule_of
 from fms_fsdp.storage import umask
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.loop import out_of_memory_error, train_step
+from fms_fsdp.train.step import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
 

@@ -26,7 +26,6 @@ The settings, their start-up checks and the fingerprint are in train/ft_settings
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
 import pickle
@@ -42,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.checkpoint.fused import plain_tensor
-from fms_fsdp.compat import local_tensor, tree_map_only
+from fms_fsdp.compat import local_tensor, quiet_http_transport, tree_map_only
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import agreement_group
 from fms_fsdp.train.ft_settings import FTSettings
@@ -140,23 +139,6 @@ def short_cause(error: BaseException) -> str:
     return next((cause for words, cause in CAUSES if any(w in text for w in words)), "a collective failed")
 
 
-def _quiet_http_transport(timeout: Any) -> Any:
-    """torchft's default checkpoint transport (HTTP, whole state dicts), whose server would write an
-    access-log line to stderr at each transfer: the lines go to torchft's logger instead (kept off the
-    console by the command, as torchft's own lines are)."""
-    from torchft.checkpointing import HTTPTransport
-
-    transport = HTTPTransport(timeout=timeout, num_chunks=0)
-    handler = transport._server.RequestHandlerClass  # torchft 0.2's server; its class is made in __init__
-    logger = logging.getLogger("torchft.checkpointing.http_transport")
-
-    def log_message(self: Any, format: str, *args: Any) -> None:
-        logger.info(format, *args)
-
-    transport._server.RequestHandlerClass = type("QuietRequestHandler", (handler,), {"log_message": log_message})
-    return transport
-
-
 @dataclass
 class Healed:
     """A live state loaded from a healthy group: the step and tokens to go on from, and whether it held
@@ -221,7 +203,7 @@ class FaultTolerance:
         pg = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=settings.timeout)
         self.manager = Manager(
             pg=pg,
-            checkpoint_transport=_quiet_http_transport(settings.timeout),
+            checkpoint_transport=quiet_http_transport(settings.timeout),
             load_state_dict=self._load_live,
             state_dict=lambda: self._live,  # built on the training thread (see publish)
             min_replica_size=settings.min_replicas,

@@ -59,15 +59,20 @@ class HangDiagnostics:
     @staticmethod
     def start(run: Run) -> "HangDiagnostics":
         """Every rank's host and rank 0's start time, gathered (every rank calls it, at start-up, once
-        the run holds its folder); on GPUs, the folder of NCCL's own dumps made."""
+        the run holds its folder)."""
         mine = (socket.gethostname(), time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         every = gather_objects(mine)
-        if run.device.type == "cuda" and run.paths.nccl_traces is not None:
-            make_folder(Path(run.paths.nccl_traces).parent)
         hosts = [host for host, _ in every]
         return HangDiagnostics(
             run.paths.diagnostics / every[0][1], run.info.rank, hosts, run.cfg.collective_timeout_minutes
         )
+
+    @staticmethod
+    def started(run: Run) -> None:
+        """On GPUs, the folder NCCL writes its own dumps to, made once the start has succeeded (a failed
+        start leaves no folder behind)."""
+        if run.device.type == "cuda" and run.paths.nccl_traces is not None:
+            make_folder(Path(run.paths.nccl_traces).parent)
 
     def diagnose(self, error: BaseException) -> TrainingError:
         """Write this rank's dump, wait for the others', and make the run's error line (said by the

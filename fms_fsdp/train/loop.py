@@ -26,12 +26,10 @@ order of what follows each (the loop's contract), `_end` says how the run ended.
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,8 +45,6 @@ from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.model.variants import CausalLM, flops_per_token
-from fms_fsdp.optim import clip_gradients
-from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import LAUNCHER_DIED, agreement_group, on_rank0
 from fms_fsdp.profiling import StepProfiler
@@ -63,19 +59,9 @@ from fms_fsdp.train.hangs import HangDiagnostics, timed_out
 from fms_fsdp.train.lease import RunLease
 from fms_fsdp.train.periodic import Periodic, Report
 from fms_fsdp.train.rehearsal import rehearse, rehearsed_ranks
+from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
 from fms_fsdp.train.stragglers import Stragglers
 from fms_fsdp.train.triggers import StepTriggers, StopRequest
-
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
-
-
-class StepResult(NamedTuple):
-    """What train_step leaves on the device (detached), and the host's wait for data."""
-
-    loss: torch.Tensor  # the objective: cross entropy, plus the z-loss term under --z_loss_weight
-    grad_norm: torch.Tensor
-    data_wait: float
-    z_loss: Optional[torch.Tensor]  # the z-loss term (None without --z_loss_weight)
 
 
 def run_training(cfg: train_config) -> list[dict[str, Any]]:
@@ -113,74 +99,6 @@ def dry_run(cfg: train_config) -> None:
     run.log(memory_report(cfg, run.shape, run.model_config, run.info.local_world_size, states))
 
 
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host batch to `device` without blocking the host: on CUDA through contiguous pinned
-    memory (the loaders' inputs and labels are strided views of one array, and a strided source would
-    go through a pageable copy)."""
-    if device.type == "cuda":
-        pinned = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
-        batch = pinned.copy_(batch)
-    return batch.to(device, non_blocking=True)
-
-
-def train_step(
-    model: CausalLM,
-    optimizer: torch.optim.Optimizer,
-    guard: StepGuard,
-    step: int,
-    batches: Batches,
-    cfg: train_config,
-    device: torch.device,
-    global_norm: bool,
-    pipeline: Optional[Pipeline] = None,
-    ft: Optional[FaultTolerance] = None,
-) -> Optional[StepResult]:
-    """Optimizer step `step` over grad_accum_steps micro-batches (or, under pipeline parallelism, one
-    batch through the rank's stages: the loss reaches every stage and the gradient norm is the whole
-    model's, so every stage's guard decides alike), without a host sync; `guard` judges it before the
-    update (and may leave it out). Returns the detached loss (and its z-loss term), the gradient norm
-    before clipping (global when clipping, skipping bad steps, `global_norm` or pipelined, else this
-    rank's) and the seconds spent waiting for data. Under --fault_tolerance, None when the step did not
-    commit (a replica group was lost in it): nothing was updated."""
-    if pipeline is not None:
-        t = time.perf_counter()
-        inputs, labels = next(batches)
-        wait = time.perf_counter() - t
-        total, z_total = pipeline.step(to_device(inputs, device), to_device(labels, device))
-        norm = clip_gradients(model, cfg.grad_clip_thresh, True, pipeline.group)
-    else:
-        total, z_total, wait = _accumulate(model, batches, cfg, device)
-        norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
-    if ft is not None and not ft.commit():
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    guard.judge(step, total, norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(total, norm, wait, z_total)
-
-
-def _accumulate(
-    model: CausalLM, batches: Batches, cfg: train_config, device: torch.device
-) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
-    """Forward and backward of grad_accum_steps micro-batches: (their mean loss, z-loss term or None,
-    the seconds spent waiting for data)."""
-    total = torch.zeros((), device=device)
-    z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
-    wait = 0.0
-    for micro in range(cfg.grad_accum_steps):
-        t = time.perf_counter()
-        inputs, labels = next(batches)
-        wait += time.perf_counter() - t
-        set_gradient_sync(model, micro == cfg.grad_accum_steps - 1)
-        loss = model(to_device(inputs, device), labels=to_device(labels, device))
-        (loss / cfg.grad_accum_steps).backward()
-        total += loss.detach() / cfg.grad_accum_steps
-        if z_total is not None and model.head.z_loss is not None:
-            z_total += model.head.z_loss / cfg.grad_accum_steps
-    return total, z_total, wait
-
-
 def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:
     """--fault_tolerance: the replica groups' quorum before step `step` + 1; a group behind the others
     heals there, and goes on from the step it got (and the data position, when it came with it)."""
@@ -194,30 +112,6 @@ def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsRep
     else:
         batches.again()
     return healed.step
-
-
-def out_of_memory_error(
-    step: int, error: torch.OutOfMemoryError, batch_size: int, checkpointing: Optional[Fraction], device: torch.device
-) -> TrainingError:
-    """The one-line error for an out-of-memory at `step`: what was being allocated, the device's
-    memory, and the flags that lower the peak."""
-    asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
-    what = f"allocating {asked.group(1)}" if asked else "out of memory"
-    where = device.type
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        where = (
-            f"{props.name} ({props.total_memory / 2**30:.1f} GiB, "
-            f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated)"
-        )
-    if checkpointing is None or checkpointing < 1:
-        advice = (
-            f"lower --batch_size (now {batch_size}) or checkpoint more blocks "
-            "(--fsdp_activation_checkpointing=True --selective_checkpointing=1)"
-        )
-    else:
-        advice = f"lower --batch_size (now {batch_size}) or shard over more GPUs"
-    return TrainingError(f"step {step}: out of memory {what} on {where}; {advice}", every_rank=False)
 
 
 def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
@@ -328,6 +222,7 @@ def _build(
         ft.resumed(start, tokens_seen)
     on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
     run.release_log(summary(run, start))
+    HangDiagnostics.started(run)
     if start >= cfg.num_steps:
         run.log(
             f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
