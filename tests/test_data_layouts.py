@@ -18,6 +18,8 @@ import torch
 
 from fms_fsdp.data import DataError
 from fms_fsdp.data.inspect import inspect_data
+from fms_fsdp.data.reader import Options
+from fms_fsdp.data.shards import CACHED_COUNTS, Layout, dataset_sources, scan
 
 from conftest import data_loader
 from test_data import EOS, cfg, consumed_from_states, doc_starts, lines_of, make_docs, take, write_dataset
@@ -187,6 +189,35 @@ def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every
     assert "doubled separators (documents beginning or ending with eos 0; the loader adds one, so they get two): 0" in (
         report
     )  # a token array's documents end at eos by design
+
+
+def scanned(root: Path, cache: Path) -> list[int]:
+    """The documents of each file of dataset `olmo`, scanned with the data cache in `cache`."""
+    entries = scan(dataset_sources(str(root), None), Layout("auto", Options(vocab_size=4096), None, str(cache)))
+    return [e.documents for e in entries["olmo"]]
+
+
+def test_a_damaged_data_cache_is_computed_again_and_dolma_metadata_keys_the_index(tmp_path):
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    write_olmo(root / "olmo", make_docs(10, 20, seed=1), metadata=True)
+    assert scanned(root, cache) == [10, 10]
+    index = sorted(cache.glob("*/index/*.npy"))
+    counts = next(cache.glob(f"*/{CACHED_COUNTS}"))
+    assert len(index) == 2
+    index[0].write_bytes(index[0].read_bytes()[:40])  # cut off in its header
+    index[1].write_bytes(index[1].read_bytes()[:-16])  # cut off in its data
+    counts.write_text("dataset/fil")
+    assert scanned(root, cache) == [10, 10]  # no traceback: computed again and replaced
+    assert [np.load(p).shape for p in index] == [(11,), (11,)]
+    assert counts.read_text().startswith("dataset/filename,documents,tokens\n/olmo/part-0-00000.npy,10,")
+    assert not [p for p in cache.rglob(".*")]  # no temporary file left behind
+    meta = root / "olmo" / "part-0-00000.csv.gz"  # the same tokens, its first two documents made one
+    rows = [r.split(",") for r in gzip.decompress(meta.read_bytes()).decode().splitlines()]
+    rows[:2] = [[rows[0][0], rows[1][1], *rows[0][2:]]]
+    meta.write_bytes(gzip.compress("\n".join(",".join(r) for r in rows).encode() + b"\n"))
+    assert scanned(root, cache) == [9, 10]
+    meta.unlink()  # no metadata: documents end at eos, which these have none of
+    assert scanned(root, cache) == [1, 10]
 
 
 def error(root: Path, **kw) -> str:

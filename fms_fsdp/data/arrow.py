@@ -54,8 +54,10 @@ class _Batches:
         self.path = path
         try:
             self._bytes = Bytes(path)
+            self._file = None
             if self._bytes.head(len(FILE_MAGIC)) == FILE_MAGIC:
-                self._ipc: Optional[pa.ipc.RecordBatchFileReader] = pa.ipc.open_file(open_random(path))
+                self._file = open_random(path)
+                self._ipc: Optional[pa.ipc.RecordBatchFileReader] = pa.ipc.open_file(self._file)
                 self.schema, self.count = self._ipc.schema, self._ipc.num_record_batches
             else:
                 self._ipc = None
@@ -73,6 +75,13 @@ class _Batches:
             return self._ipc.get_batch(b)
         return pa.ipc.read_record_batch(self._message(int(self.offsets[b])), self.schema)
 
+    def close(self) -> None:
+        """Release the mapping and the IPC reader's file (batches already read stay valid)."""
+        self._ipc = None
+        if self._file is not None:
+            self._file.close()
+        self._bytes.close()
+
 
 def stream_index(path: Path) -> np.ndarray:
     """[byte offset, rows] of every record batch of an Arrow stream (or [-1, rows] of an IPC file's),
@@ -81,8 +90,9 @@ def stream_index(path: Path) -> np.ndarray:
     rows: list[list[int]] = []
     try:
         if source.head(len(FILE_MAGIC)) == FILE_MAGIC:
-            reader = pa.ipc.open_file(open_random(path))
-            rows = [[-1, reader.get_batch(b).num_rows] for b in range(reader.num_record_batches)]
+            with open_random(path) as f:
+                reader = pa.ipc.open_file(f)
+                rows = [[-1, reader.get_batch(b).num_rows] for b in range(reader.num_record_batches)]
             return np.array(rows, np.int64).reshape(-1, 2)
         stream = source.reader()
         messages = pa.ipc.MessageReader.open_stream(stream)
@@ -137,6 +147,9 @@ class ArrowDocs(Reader):
             return int(self._rows.sum())
         return sum(self._batches.get(b).num_rows for b in range(self.documents))
 
+    def close(self) -> None:
+        self._batches.close()
+
 
 class ArrowRows(Reader):
     """One row per document, a list-of-integers column, in an Arrow IPC file or stream: document j is a
@@ -179,6 +192,10 @@ class ArrowRows(Reader):
             values, offsets = self._batch(b)
             yield values[offsets[0] : offsets[-1]], np.diff(offsets).astype(np.int64)
 
+    def close(self) -> None:
+        self._kept.clear()
+        self._batches.close()
+
 
 class ParquetRows(Reader):
     """One row per document, a list-of-integers column, in Parquet: read a row group (block) at a time."""
@@ -219,7 +236,9 @@ class ParquetRows(Reader):
 
 def arrow_reader(path: Path, options: Options) -> type[Reader]:
     """Which of the two Arrow layouts a file holds, by its column's type (a DataError otherwise)."""
-    schema = _Batches(path, np.zeros((0, 2), np.int64)).schema
+    batches = _Batches(path, np.zeros((0, 2), np.int64))
+    schema = batches.schema
+    batches.close()
     name, _ = pick_column(schema, options, path)
     ctype = schema.field(name).type
     if pa.types.is_integer(ctype):

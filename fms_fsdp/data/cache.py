@@ -7,19 +7,22 @@ The cache belongs to the run, not to the data: by default `<ckpt_save_path>/data
 folder (`<name>-<hash of its path>`). --data_cache_dir=meta keeps them in each data folder's own
 `meta/`, fms-fsdp's place (skipped where that folder is read-only). Caches are local files: none is
 written to object storage. Counts a user or `fms-prepare-data` wrote in a data folder's `meta/` are
-read in every case.
+read in every case. A cached file that cannot be read is computed again and replaced.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import suppress
 from pathlib import Path
-from typing import Optional, Union
+from typing import BinaryIO, Callable, Optional, Union
 
 import numpy as np
 
 from fms_fsdp.data.reader import Options, Reader
+from fms_fsdp.data.token_arrays import TokenArray, metadata_path
+from fms_fsdp.errors import first_line
 from fms_fsdp.storage import is_remote, location, mtime_ns
 
 IN_DATA = "meta"  # --data_cache_dir's value for the data folders' own meta/
@@ -28,47 +31,71 @@ Index = Union[None, str, np.ndarray]  # a reader's index: none, the cached .npy'
 
 def cache_folder(data_root: str, cache_dir: Optional[str]) -> Optional[Path]:
     """The folder caching what is learned of the files under data_root (None: no cache)."""
-    if cache_dir is None:
+    if cache_dir is None or is_remote(cache_dir):
         return None
     if cache_dir == IN_DATA:
         folder = location(data_root, "data_path") / "meta"
     else:
         name = data_root.rstrip("/").rsplit("/", 1)[-1] or "root"
         folder = Path(cache_dir) / f"{name}-{hashlib.sha1(data_root.encode()).hexdigest()[:12]}"
-    return None if is_remote(folder) or is_remote(cache_dir) else folder
+    return None if is_remote(folder) else folder
+
+
+def write_cached(path: Path, save: Callable[[BinaryIO], object]) -> Optional[str]:
+    """Write a cache file under a temporary name and rename it into place, leaving no temporary file
+    behind; None, or why the folder could not be written."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as f:
+            save(f)
+        os.replace(tmp, path)
+        return None
+    except OSError as e:
+        return e.strerror or first_line(e)
+    finally:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _stamp(path: Path) -> str:
+    """A file's size and mtime, or its absence."""
+    return f"{path.stat().st_size}|{mtime_ns(path)}" if path.is_file() else "absent"
 
 
 class IndexStore:
     """Readers' indexes, one .npy each under <cache folder>/index/, named by the file (its path under
-    the data folder, size and mtime), the layout and the options its index depends on."""
+    the data folder, size and mtime; a token array's Dolma metadata's too), the layout and the options
+    its index depends on. `failure`: why one could not be written (None: all were)."""
 
     def __init__(self, folder: Optional[Path]):
         self.folder = None if folder is None else folder / "index"
+        self.failure: Optional[str] = None
 
     def get(self, rel: str, path: Path, reader: type[Reader], options: Options) -> Index:
         """The file's index: from the cache, or computed now (and cached where the folder is writable)."""
-        stat = f"{path.stat().st_size}|{mtime_ns(path)}"
-        key = hashlib.sha1(f"{rel}|{stat}|{reader.__name__}|{reader.index_key(options)}".encode()).hexdigest()
-        cached = None if self.folder is None else self.folder / f"{key}.npy"
-        if cached is not None and cached.is_file():
+        stamps = [_stamp(path)] + ([_stamp(metadata_path(path))] if reader is TokenArray else [])
+        key = hashlib.sha1(f"{rel}|{'|'.join(stamps)}|{reader.__name__}|{reader.index_key(options)}".encode())
+        cached = None if self.folder is None else self.folder / f"{key.hexdigest()}.npy"
+        if cached is not None and load_index(str(cached)) is not None:
             return str(cached)
         index = reader.index_of(path, options)
         if index is None or cached is None:
             return index
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
-            with tmp.open("wb") as f:
-                np.save(f, index)
-            os.replace(tmp, cached)
+        failure = write_cached(cached, lambda f: np.save(f, index))
+        if failure is None:
             return str(cached)
-        except OSError:  # a read-only folder: the index travels with the file's entry instead
-            return index
+        self.failure = self.failure or failure
+        return index  # the index travels with the file's entry instead
 
 
 def load_index(index: Index) -> Optional[np.ndarray]:
-    """A reader's index from its entry (a cached file is memory-mapped; one this machine cannot see,
-    as when the cache folder is not shared between nodes: None, and the reader computes it)."""
+    """A reader's index from its entry (a cached file is memory-mapped; one this machine cannot see or
+    read, as when the cache folder is not shared between nodes or the file is damaged: None, and the
+    reader computes it)."""
     if isinstance(index, str):
-        return np.load(index, mmap_mode="r") if os.path.isfile(index) else None
+        try:
+            return np.load(index, mmap_mode="r")
+        except (OSError, ValueError, EOFError):
+            return None
     return index

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.data.arrow import ArrowDocs, ArrowRows, ParquetRows, arrow_reader
-from fms_fsdp.data.cache import Index, IndexStore, cache_folder, load_index
+from fms_fsdp.data.cache import IN_DATA, Index, IndexStore, cache_folder, load_index, write_cached
 from fms_fsdp.data.megatron import MegatronFile, idx_path
 from fms_fsdp.data.reader import Options, Reader
 from fms_fsdp.data.sources import Source, absolute, common_folder, matched_files
@@ -228,16 +228,40 @@ def read_counts(data_path: str, flag: str = "data_path", cache: Optional[Path] =
     if cache is not None and (cache / CACHED_COUNTS).is_file():
         found.append(cache / CACHED_COUNTS)
     for csv_path in found:
-        rows = list(csv.reader(io.StringIO(csv_path.read_text())))
-        if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
-            raise DataError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
-        for row in rows[1:]:
-            try:
-                path = "/" + row[0].strip().lstrip("/")
-                entries.setdefault(path, FileEntry(path, int(row[1]), int(row[2])))
-            except (IndexError, ValueError):
-                raise DataError(f"{csv_path}: bad row {','.join(row)!r}") from None
+        try:
+            for entry in _counts_of(csv_path):
+                entries.setdefault(entry.path, entry)
+        except DataError:
+            if csv_path.name != CACHED_COUNTS:  # the loader's own, damaged, is counted again and rewritten
+                raise
     return entries
+
+
+def _counts_of(csv_path: Path) -> list[FileEntry]:
+    """The entries of one counts CSV (a DataError naming it when it is not one)."""
+    try:
+        rows = list(csv.reader(io.StringIO(csv_path.read_text())))
+    except UnicodeDecodeError:
+        rows = []
+    if not rows or [h.strip() for h in rows[0]] != COUNTS_HEADER:
+        raise DataError(f"{csv_path}: expected the header {','.join(COUNTS_HEADER)}")
+    result = []
+    for row in rows[1:]:
+        try:
+            path = "/" + row[0].strip().lstrip("/")
+            result.append(FileEntry(path, int(row[1]), int(row[2])))
+        except (IndexError, ValueError):
+            raise DataError(f"{csv_path}: bad row {','.join(row)!r}") from None
+    return result
+
+
+def counts_text(entries: list[FileEntry]) -> str:
+    """A counts CSV of the entries."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(COUNTS_HEADER)
+    writer.writerows([e.path, e.documents, e.tokens] for e in entries)
+    return text.getvalue()
 
 
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
@@ -245,14 +269,11 @@ def write_counts(path: Path, entries: list[FileEntry]) -> None:
     object storage: caches are local only)."""
     if is_remote(path):
         return
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(COUNTS_HEADER)
-    writer.writerows([e.path, e.documents, e.tokens] for e in entries)
-    if path.is_file() and path.read_text() == text.getvalue():
+    text = counts_text(entries)
+    if path.is_file() and path.read_text() == text:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text.getvalue())
+    write_text_atomic(path, text)
 
 
 def pair_megatron(files: list[Path]) -> list[Path]:
@@ -350,12 +371,16 @@ class _RootScan:
     def save(self, result: dict[str, list[FileEntry]]) -> None:
         if self.texts is not None:
             self.texts.save()
+        failure = self.indexes.failure
         if self.computed and self.cache is not None:
-            try:
-                entries = [e for es in result.values() for e in es if e.text is None]
-                write_counts(self.cache / CACHED_COUNTS, entries)
-            except OSError:
-                pass  # a read-only folder: counts are recomputed next time
+            text = counts_text([e for es in result.values() for e in es if e.text is None]).encode()
+            failure = write_cached(self.cache / CACHED_COUNTS, lambda f: f.write(text)) or failure
+        if failure is not None and self.layout.cache_dir != IN_DATA:  # meta/ is skipped where read-only
+            print(
+                f"note: cannot write the data cache in {self.cache} ({failure}): the files are counted and "
+                "indexed again at every start; set --data_cache_dir to a folder this run can write",
+                flush=True,
+            )
 
 
 def _scan_root(

@@ -85,7 +85,9 @@ class Evaluator:
 
     reads_model = True
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, run_cache: bool = True):
+        """`run_cache`: counts and indexes are cached in the run's data cache when --data_cache_dir is not
+        given (data/build.py layout_of); `fms-evaluate` caches nothing then."""
         cfg, info = run.cfg, run.info
         self.cfg, self.info = cfg, info
         self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train/loop.py)
@@ -101,7 +103,7 @@ class Evaluator:
         path = cfg.eval_data_path
         assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
         sources = dataset_sources(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
-        layout = layout_of(cfg, run.vocab_size)
+        layout = layout_of(cfg, run.vocab_size, run_cache)
         entries = on_rank0(
             lambda: scan(sources, layout, "eval_data_path", "eval_datasets"),
             DataError,
@@ -195,7 +197,7 @@ def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
             "merged export (model_step_<N>.safetensors or exports/step_<N>)"
         )
     with started(facts(cfg)) as run:
-        evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, run.info)
+        evaluator, harness = Evaluator(run, run_cache=False), HarnessEvaluator(cfg, run.info)
         model = build_sharded_model(run)
         load_weights(model, cfg.ckpt_load_path, cfg.model_variant)
         record = evaluator.evaluate(model, 0) if evaluator.lines else {"step": 0}
