@@ -9,14 +9,13 @@ requeued job is never lost to a tracker.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.config import to_dict, train_config
@@ -150,15 +149,18 @@ class MLflowTracker:
         local = folder / "mlflow"
         if not uri:
             local.mkdir(parents=True, exist_ok=True)
+        self._set_here = _mlflow_fails_fast()
         try:
-            with _mlflow_fails_fast():
-                self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{local / 'mlflow.db'}")
-                if run_id:  # a run of an earlier attempt: running again
-                    self.client.update_run(run_id, status="RUNNING")
-                self.run_id = run_id or self._new_run(project, None if uri else (local / "artifacts").as_uri())
-                self._log_params(config)
-        except MlflowException as e:
-            raise TrackerError(f"--tracker=mlflow: {_mlflow_reason(e, uri)}") from None
+            self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{local / 'mlflow.db'}")
+            if run_id:  # a run of an earlier attempt: running again
+                self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id or self._new_run(project, None if uri else (local / "artifacts").as_uri())
+            self._log_params(config)
+        except BaseException as e:
+            self._release()
+            if isinstance(e, MlflowException):
+                raise TrackerError(f"--tracker=mlflow: {_mlflow_reason(e, uri)}") from None
+            raise
 
     def _new_run(self, project: str, artifacts: Optional[str]) -> str:
         experiment = self.client.get_experiment_by_name(project)
@@ -179,24 +181,37 @@ class MLflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        except BaseException:
+            self._release()  # switched off (Trackers drops it)
+            raise
 
     def close(self, failed: bool) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+        try:
+            self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """MLflow's own request settings again, once this tracker is done."""
+        for name in self._set_here:
+            os.environ.pop(name, None)
+        self._set_here = []
 
 
-@contextlib.contextmanager
-def _mlflow_fails_fast() -> Iterator[None]:
-    """At start-up, a tracking server that does not answer fails in seconds, not after MLflow's default
-    retries (about 4 minutes); an MLFLOW_HTTP_REQUEST_MAX_RETRIES of the user's is kept."""
-    name = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
-    given = os.environ.get(name)
-    os.environ.setdefault(name, "2")
-    try:
-        yield
-    finally:
-        if given is None:
-            del os.environ[name]
+# While an MLflow tracker is open, a tracking server that does not answer fails its call in seconds, not
+# after MLflow's default retries and timeout (about 4 minutes, in which rank 0, and so every rank, waits)
+MLFLOW_FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def _mlflow_fails_fast() -> list[str]:
+    """MLFLOW_FAIL_FAST in this process's environment, which MLflow reads on every request; a value the
+    user set is kept. Returns the names set here."""
+    set_here = [name for name in MLFLOW_FAIL_FAST if name not in os.environ]
+    for name in set_here:
+        os.environ[name] = MLFLOW_FAIL_FAST[name]
+    return set_here
 
 
 def _mlflow_reason(e: BaseException, uri: Optional[str]) -> str:

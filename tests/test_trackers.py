@@ -19,7 +19,7 @@ import pytest
 from fms_fsdp.errors import ConfigError, TrackerError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.process_group import free_port
-from fms_fsdp.trackers import open_trackers
+from fms_fsdp.trackers import MLFLOW_FAIL_FAST, open_trackers
 
 from conftest import ROOT, TINY, launch, train, train_here
 
@@ -175,12 +175,13 @@ class MLflowServer:
         raise AssertionError(f"mlflow server did not answer in {timeout} s")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
         self.log.close()
 
 
-def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp, monkeypatch):
+def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp, monkeypatch, capsys):
     """Against a real `mlflow server`; while it starts, the local store (no MLFLOW_TRACKING_URI)."""
     from mlflow import MlflowClient
 
@@ -207,8 +208,22 @@ def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_sam
         assert sorted(loss) == [2, 4, 6]
         assert loss == pytest.approx({r["step"]: r["loss"] for r in records}, rel=1e-6)
         assert {"lr", "grad_norm", "tokens_seen", "tokens_per_sec_per_gpu"} <= set(run.data.metrics)
+        _check_a_server_that_goes_away_switches_the_tracker_off_in_seconds(tmp / "gone", server, capsys)
     finally:
         server.stop()
+
+
+def _check_a_server_that_goes_away_switches_the_tracker_off_in_seconds(run: Path, server: MLflowServer, capsys):
+    run.mkdir()
+    trackers = open_trackers(parse_args(["--tracker=mlflow"]), run)
+    assert {name: os.environ.get(name) for name in MLFLOW_FAIL_FAST} == MLFLOW_FAIL_FAST  # the tracker's life
+    trackers.log({"step": 1, "loss": 4.0})
+    server.stop()
+    start = time.monotonic()
+    trackers.log({"step": 2, "loss": 3.0})
+    assert time.monotonic() - start < 30  # MLflow's default retries: about 4 minutes
+    assert trackers.trackers == {} and "--tracker=mlflow failed and is switched off: " in capsys.readouterr().err
+    assert not set(MLFLOW_FAIL_FAST) & set(os.environ)  # MLflow's own settings again
 
 
 def _check_the_local_store(run: Path) -> None:
@@ -240,4 +255,4 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_within_seconds(tmp, m
         f"--tracker=mlflow: cannot reach the tracking server {uri} (MLFLOW_TRACKING_URI): start it "
         "(`mlflow server`) or unset MLFLOW_TRACKING_URI to log to a local store"
     )
-    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # MLflow's retries are as they were
+    assert not set(MLFLOW_FAIL_FAST) & set(os.environ)  # MLflow's retries are as they were
