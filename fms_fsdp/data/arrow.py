@@ -64,7 +64,7 @@ class _Batches:
                 self.schema = pa.ipc.read_schema(self._message(0))
                 self.offsets = stream_index(path)[:, 0] if index is None else index[:, 0]
                 self.count = len(self.offsets)
-        except (pa.ArrowException, OSError) as e:
+        except (pa.ArrowException, OSError, EOFError) as e:  # EOFError: an empty or cut-off stream
             raise DataError(f"{path}: not a readable arrow shard ({first_line(e)})") from None
 
     def _message(self, offset: int) -> pa.ipc.Message:
