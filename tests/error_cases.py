@@ -1153,6 +1153,14 @@ ERRORS: list[E] = [
     ),
     E(
         "hf",
+        "--ckpt_load_path: /hf/model-00001-of-00004.safetensors: model.layers.0.mlp.up_proj.weight is F8_E4M3, "
+        "a safetensors dtype this reader does not read (it reads F64, F32, F16, BF16, I64, I32, I16, I8, U8, "
+        "BOOL); convert the weights to BF16, F16 or F32 first",
+        "a quantized folder (FP8, for example), whose tensors are not in a dtype torch reads as plain weights",
+        "load the unquantized (BF16) release, or dequantize it with transformers and `save_pretrained`",
+    ),
+    E(
+        "hf",
         "--ckpt_load_path: base_model.lora_A has no Hugging Face counterpart",
         "the model holds a weight that has no place in a LlamaForCausalLM folder",
         "report it: the package maps every weight of the variants it builds",

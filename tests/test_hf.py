@@ -6,14 +6,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
+from fms.models.llama import LLaMAConfig
 from safetensors.torch import load_file
 
+from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
 from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.hf import read_hf_model
+from fms_fsdp.checkpoint.hf_read import DTYPES, check_shapes, index_folder, read_into, sources
 from fms_fsdp.checkpoint.reader import model_reader, read_model
 from fms_fsdp.cli import to_hf as to_hf_command
 from fms_fsdp.errors import HFError
@@ -23,6 +25,20 @@ from conftest import ROOT, TINY, launch, train_here
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The fms state dict of a Hugging Face Llama folder in the folder's dtypes, read tensor by tensor (its
+    rotary settings those of `model_config` or of `variant`: check_hf_config), for the tests to compare
+    folders and models; training reads its slices in place (fms_fsdp/checkpoint/hf_read.py)."""
+    check_hf_config(read_hf_config(folder), model_config, folder, variant)
+    entries = index_folder(Path(folder))
+    keys = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
+    check_shapes(keys, entries, model_config, folder)
+    dtype = {k: DTYPES[entries[sources(k, entries, model_config.tie_heads)[0].name].dtype] for k in keys}
+    state = {k: torch.empty(s, dtype=dtype[k]) for k, s in keys.items()}
+    read_into(state, Path(folder), entries, model_config)
+    return state
 
 
 def to_hf(load_path: Path, save_path: Path, **flags: Any) -> Path:

@@ -6,13 +6,14 @@ rope-scaled model; a damaged folder ends in one line naming the file, before any
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from fms_fsdp.checkpoint.hf import convert, hf_config, read_hf_model
+from fms_fsdp.checkpoint.hf import convert, hf_config
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
@@ -20,6 +21,7 @@ from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.run import facts
 
 from conftest import TINY, launch, records, run_here
+from test_hf import read_hf_model
 
 # a Llama folder with llama3 rotary scaling: factor 4 over tiny's 1024 positions, 4096 in all
 SCALED = ["--rope_scaling_factor=4", "--seq_length=2048", "--vocab_size=512"]
@@ -132,6 +134,17 @@ def test_a_damaged_folder_is_one_line_naming_the_file(runs, tmp_path):
         "[768, 256], which does not fit the model's base_model.layers.0.ff_sub_layer.wg1_fused.weight [1408, 256]; "
         "choose the matching --model_variant (and --vocab_size)"
     )
+    # a quantized tensor: a dtype the reader does not read
+    fp8 = shutil.copytree(runs["hf"], tmp_path / "fp8")
+    name = "model.layers.0.mlp.up_proj.weight"
+    file = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(fp8 / file)
+    save_file({**tensors, name: tensors[name].to(torch.float8_e4m3fn)}, fp8 / file, {"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_weights(model, str(fp8), "tiny")
+    assert str(e.value).startswith(
+        f"--ckpt_load_path: {fp8}/{file}: {name} is F8_E4M3, a safetensors dtype this reader does not read "
+    ), e.value
 
 
 def test_a_rope_mismatch_is_refused_at_start_up_naming_the_folder_once(runs):

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.hf import read_hf_model
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.compat import context_parallel_compiles, v_shaped_schedules_run
 from fms_fsdp.model.variants import flops_per_token, get_model_config
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses, weights
+from test_hf import read_hf_model
 
 # the slow tier: the 4-rank launches take most of a run of the suite on 2 cores (about 5 minutes)
 pytestmark = pytest.mark.slow

@@ -331,7 +331,7 @@ def test_a_hugging_face_folder_in_a_bucket_is_read_by_ranges_and_exported_to_one
     import s3fs
     from test_hf_sharded import save_hf, scaled_config
 
-    from fms_fsdp.checkpoint.hf import read_hf_model
+    from test_hf import read_hf_model
 
     fs = s3fs.S3FileSystem()
     hf = save_hf(tmp_path / "hf")

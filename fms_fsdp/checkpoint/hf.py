@@ -1,10 +1,11 @@
 """Hugging Face interop: fms LLaMA checkpoints <-> transformers LlamaForCausalLM folders.
 
 `convert` (fms_to_hf.py, `fms-to-hf`) writes a checkpoint folder or model file as a Hugging Face
-folder; `read_hf_model` reads one for --ckpt_load_path (weights.py); `write_peft_adapter` writes a
-LoRA run's adapters for PEFT (exports).
+folder; `read_hf_config` and `check_hf_config` check a folder's config.json against the run's model for
+--ckpt_load_path; `write_peft_adapter` writes a LoRA run's adapters for PEFT (exports).
 
-HF -> fms is hf_read.py's: slice by slice, as ibm-fms's own hf adapter maps names and rotary rows.
+HF -> fms is hf_read.py's, used by weights.py: each rank reads its slices in place, as ibm-fms's own hf
+adapter maps names and rotary rows.
 fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
 wrong inverse rotary permutation for head_dim != 4 and misspells max_position_embeddings (checked:
 its logits differ by 3e-2), so this module inverts fms's own hf->fms steps instead, and a test checks
@@ -26,7 +27,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 from safetensors.torch import save_file
 
-from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, read_whole, rope_fms_to_hf
+from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
 from fms_fsdp.checkpoint.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
 from fms_fsdp.checkpoint.reader import TensorReader, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
@@ -202,13 +203,6 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
             f"{folder}: rope_theta {theta} and rope_scaling {scaling}, but the run has rope_theta {our_theta} and "
             f"rope_scaling {our_scaling}; choose the matching --model_variant (or --rope_theta, --rope_scaling_factor)"
         )
-
-
-def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The fms state dict of a Hugging Face Llama folder, read tensor by tensor (hf_read.py; its rotary
-    settings those of `model_config` or of `variant`: check_hf_config)."""
-    check_hf_config(read_hf_config(folder), model_config, folder, variant)
-    return read_whole(Path(folder), model_config)
 
 
 def _variant(

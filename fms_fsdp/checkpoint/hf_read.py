@@ -4,7 +4,8 @@ from object storage. No rank holds more than its own shards and one tensor's sli
 
 The folder is indexed first (model.safetensors.index.json, each file's safetensors header): a shard
 the index names that is missing, a truncated or damaged file, a tensor whose shape does not fit the
-model, each is one HFError naming the file, before anything is read. Names are mapped to fms's and
+model or whose dtype is not one of DTYPES (a quantized FP8 folder), each is one HFError naming the file,
+before anything is read. Names are mapped to fms's and
 the q/k rows put in fms's rotary order slice by slice (whole heads are read around a slice), for any
 sharding: FSDP/HSDP, tensor parallel, a pipeline stage's blocks, context parallel, LoRA's base.
 """
@@ -25,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import HFError
-from fms_fsdp.model.variants import build_model
 from fms_fsdp.storage import open_random
 
 INDEX = "model.safetensors.index.json"
@@ -172,13 +172,19 @@ def sources(key: str, entries: dict[str, Entry], tie_heads: bool) -> list[Source
 def check_shapes(
     shapes: dict[str, tuple[int, ...]], entries: dict[str, Entry], config: LLaMAConfig, folder: str
 ) -> None:
-    """HFError naming the file of the first Hugging Face tensor that is absent or does not fit the fms
-    tensor it is read into (global shapes)."""
+    """HFError naming the file of the first Hugging Face tensor that is absent, of a dtype this module does
+    not read, or does not fit the fms tensor it is read into (global shapes)."""
     for key, shape in shapes.items():
         found = sources(key, entries, config.tie_heads)
         for s in found:
             if s.name not in entries:
                 raise HFError(f"{folder}: no tensor {s.name} in its safetensors files")
+            entry = entries[s.name]
+            if entry.dtype not in DTYPES:
+                raise HFError(
+                    f"{folder}/{entry.file}: {s.name} is {entry.dtype}, a safetensors dtype this reader does not "
+                    f"read (it reads {', '.join(DTYPES)}); convert the weights to BF16, F16 or F32 first"
+                )
         rows = sum(entries[s.name].shape[0] for s in found)
         columns = {entries[s.name].shape[1:] for s in found}
         if rows != shape[0] or columns != {tuple(shape[1:])}:
@@ -253,15 +259,3 @@ def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, E
             local, offset, shape = local_box(value)
             if local.numel():
                 local.copy_(reader.box(key, offset, shape))
-
-
-def read_whole(folder: Path, config: LLaMAConfig) -> dict[str, torch.Tensor]:
-    """The whole fms state dict (of a model built from `config`) of a Hugging Face folder, in the folder's
-    dtype, read tensor by tensor."""
-    entries = index_folder(folder)
-    keys = {k: tuple(v.shape) for k, v in build_model(config, torch.device("meta")).state_dict().items()}
-    check_shapes(keys, entries, config, str(folder))
-    dtype = {k: DTYPES[entries[sources(k, entries, config.tie_heads)[0].name].dtype] for k in keys}
-    state = {k: torch.empty(s, dtype=dtype[k]) for k, s in keys.items()}
-    read_into(state, folder, entries, config)
-    return state
