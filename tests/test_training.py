@@ -108,7 +108,9 @@ def test_a_failed_start_says_its_error_first_and_leaves_no_folder(tmp):
     with here() as printed, contextlib.redirect_stderr(err), pytest.raises(SystemExit) as end:
         fms_train([*TINY, "--use_dummy_dataset=False", f"--data_path={tmp / 'data'}", f"--ckpt_save_path={out}"])
     assert end.value.code == 2
-    assert printed.getvalue() == "" and err.getvalue().startswith(f"error: {tmp / 'data' / 'web'}: no .arrow or .parquet")
+    assert printed.getvalue() == "" and err.getvalue().startswith(
+        f"error: {tmp / 'data' / 'web'}: no .arrow or .parquet"
+    )
     assert sorted(p.name for p in tmp.iterdir()) == ["data"]
 
 
