@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-import fms_fsdp.train.loop
+import fms_fsdp.train.step
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.layout import complete_checkpoints
@@ -465,7 +465,7 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
     def broken(*args):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(fms_fsdp.train.loop, "clip_gradients", broken)
+    monkeypatch.setattr(fms_fsdp.train.step, "clip_gradients", broken)
     with pytest.raises(ValueError, match="a bug") as error:
         run_here(flags(data, tmp_path / "run", "--num_workers=2"))
     assert error.traceback  # still held here

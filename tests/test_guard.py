@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fms_fsdp.train.loop
+import fms_fsdp.train.step
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.optim import clip_gradients
@@ -69,7 +69,7 @@ def poison(monkeypatch, steps: set[int]) -> None:
             return norm * math.nan
         return norm
 
-    monkeypatch.setattr(fms_fsdp.train.loop, "clip_gradients", clip)
+    monkeypatch.setattr(fms_fsdp.train.step, "clip_gradients", clip)
 
 
 def test_a_run_skips_nan_steps_then_stops_after_too_many_in_a_row(tmp_path, monkeypatch):
