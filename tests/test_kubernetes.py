@@ -180,6 +180,7 @@ def test_a_sigterm_before_the_ranks_start_reaches_them(tmp_path):
     assert set(eval(codes)) <= {143, -signal.SIGTERM}, codes
 
 
+@pytest.mark.slow  # a run trained, stopped and saved (about 18 s): the slow tier
 def test_a_run_stopped_by_sigterm_exits_with_stop_exit_status(tmp_path):
     """One process, no torchrun: SIGTERM, the checkpoint, then --stop_exit_status instead of 0."""
     out = tmp_path / "run"

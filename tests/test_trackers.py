@@ -181,6 +181,7 @@ class MLflowServer:
         self.log.close()
 
 
+@pytest.mark.slow  # a real mlflow server boots (about 20 s): the slow tier
 def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp, monkeypatch, capsys):
     """Against a real `mlflow server`; while it starts, the local store (no MLFLOW_TRACKING_URI)."""
     from mlflow import MlflowClient
