@@ -160,6 +160,7 @@ def a_stop_signal_for_the_job(shards: Path) -> None:
     assert "alive 2 torch.Size([2, 16])" in proc.stdout
 
 
+@pytest.mark.slow  # every way a run can end, each with its loader workers (about 25 s): the slow tier
 def test_no_ending_hangs_or_leaves_a_worker(shards):
     """Each ending in its own interpreter, a few at a time; an assertion names its ending."""
     endings = (sys_exit, exception_in_the_loop, dropped_iterators, repl, ctrl_c, a_stop_signal_for_the_job)

@@ -180,6 +180,7 @@ def bucket_losses(url: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.slow  # a 2-rank run killed and resumed from a bucket (about 57 s): the slow tier
 def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3, data, uninterrupted, tmp_path):
     import s3fs
 
