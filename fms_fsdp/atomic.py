@@ -4,7 +4,9 @@ object storage)."""
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from fms_fsdp.storage import is_remote
 
@@ -18,17 +20,31 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def write_local_atomic(path: Path, save: Callable[[BinaryIO], object], durable: bool = True) -> None:
+    """`save` writes a local file's bytes under a temporary name (unique per process), which is renamed
+    into place (with `durable`, flushed to disk first, and the folder's entry after); the temporary file
+    never outlives a failure."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            save(f)
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_path(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` under a temporary name (unique per process), flush it, rename it into place; in
-    object storage, one upload (an object is whole or absent)."""
+    """Write `text` whole or not at all: locally through write_local_atomic; in object storage, one
+    upload (an object is whole or absent)."""
     if is_remote(path):
         path.write_text(text)
         return
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    write_local_atomic(path, lambda f: f.write(text.encode()))
 
 
 def write_text_keeping_old(path: Path, text: str) -> None:

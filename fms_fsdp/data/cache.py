@@ -13,13 +13,12 @@ read in every case. A cached file that cannot be read is computed again and repl
 from __future__ import annotations
 
 import hashlib
-import os
-from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO, Callable, Optional, Union
 
 import numpy as np
 
+from fms_fsdp.atomic import write_local_atomic
 from fms_fsdp.data.reader import Options, Reader
 from fms_fsdp.data.token_arrays import TokenArray, metadata_path
 from fms_fsdp.errors import first_line
@@ -42,20 +41,14 @@ def cache_folder(data_root: str, cache_dir: Optional[str]) -> Optional[Path]:
 
 
 def write_cached(path: Path, save: Callable[[BinaryIO], object]) -> Optional[str]:
-    """Write a cache file under a temporary name and rename it into place, leaving no temporary file
-    behind; None, or why the folder could not be written."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Write a cache file whole or not at all (atomic.write_local_atomic; a cache is made again when
+    lost, so not flushed to disk); None, or why the folder could not be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
-            save(f)
-        os.replace(tmp, path)
+        write_local_atomic(path, save, durable=False)
         return None
     except OSError as e:
         return e.strerror or first_line(e)
-    finally:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def _stamp(path: Path) -> str:
