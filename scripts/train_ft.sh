@@ -43,7 +43,8 @@ lighthouse() {
     echo "lighthouse on port ${FT_LIGHTHOUSE##*:}: its log is $FT_LIGHTHOUSE_LOG" >&2
     while true; do  # a single point of failure: restarted at once; the groups ride out its restart
         # a quorum of any live groups: the groups' --ft_min_replicas decides whether a step commits
-        torchft_lighthouse --min_replicas 1 --bind "[::]:${FT_LIGHTHOUSE##*:}" \
+        # its log file is for its quorum lines (info), whatever RUST_LOG the caller has
+        RUST_LOG=info torchft_lighthouse --min_replicas 1 --bind "[::]:${FT_LIGHTHOUSE##*:}" \
             --heartbeat_timeout_ms "$FT_HEARTBEAT_TIMEOUT_MS" --join_timeout_ms "$FT_JOIN_TIMEOUT_MS" \
             >>"$FT_LIGHTHOUSE_LOG" 2>&1 &
         child=$!
@@ -82,6 +83,12 @@ case "${1:-}" in
         gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
         per=${NPROC_PER_NODE:-$(( ${gpus:-0} >= 2 * FT_GROUPS ? gpus / FT_GROUPS : 2 ))}  # CPU: 2 processes
         lighthouse & lh=$!
+        # the groups start once it listens: a group that finds no lighthouse logs its retries on the console
+        for ((tries = 0; tries < 600; tries++)); do
+            (exec 3<>"/dev/tcp/${FT_LIGHTHOUSE%:*}/${FT_LIGHTHOUSE##*:}") 2>/dev/null && break
+            kill -0 "$lh" 2>/dev/null || exit 2  # it could not start (its error is above)
+            sleep 0.1
+        done
         pids=()
         for ((i = 0; i < FT_GROUPS; i++)); do
             (   # each group its own GPUs
