@@ -251,21 +251,51 @@ def _prepare_data(
     text_field: str = "text",
     shard_tokens: int = 100_000_000,
     workers: Optional[int] = None,
+    piece_bytes: int = 128 << 20,
+    engine: str = "local",
+    ray_address: Optional[str] = None,
+    num_tasks: Optional[int] = None,
+    task_index: Optional[int] = None,
+    finalize: bool = False,
 ) -> None:
     """fms-prepare-data --input=raw/ --output=<data_path>/<dataset> --tokenizer=<folder or byte>
 
     --input         a file, a folder (searched recursively) or a glob of .jsonl, .jsonl.gz, .json (JSON lines),
-                    .parquet (the --text_field column) and .txt/.md files (one document each); types can be mixed
-    --output        <data_path>/<dataset>: the shards; <data_path>/meta/counts_<dataset>.csv lists them
+                    .parquet (the --text_field column) and .txt/.md files (one document each); types can be mixed;
+                    local or in object storage (s3://...)
+    --output        <data_path>/<dataset>: the shards; <data_path>/meta/counts_<dataset>.csv lists them (local or
+                    object storage)
     --tokenizer     a folder holding tokenizer.json (loaded offline; special tokens are not added), or byte:
                     token id = byte value of the UTF-8 text (vocabulary 256)
     --text_field    the JSON key / Parquet column holding the text
     --shard_tokens  a shard is closed once it holds this many tokens
-    --workers       input files tokenized in parallel (default: the number of CPUs)
+    --piece_bytes   the unit of work: a larger uncompressed .jsonl or Parquet file is cut into pieces of about this
+                    many bytes (the output depends on it, never on the engine or the number of workers or tasks)
+    --workers       pieces tokenized in parallel on this machine (default: the number of CPUs); with --engine=ray
+                    and no --ray_address, the CPUs of the local Ray
+    --engine        local (this machine's process pool) or ray (tasks on a Ray cluster: pip install 'fms-fsdp[ray]')
+    --ray_address   HOST:PORT of a running Ray cluster (ray start --head); none: a local Ray, started and stopped
+    --num_tasks     this run is one of a job array's tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1) ...
+    --task_index    ... and does every num_tasks-th piece from this one (default: $SLURM_ARRAY_TASK_ID, else 0);
+                    the task that finishes the last piece writes the counts
+    --finalize      tokenize nothing: write the counts once every piece is finished (or say what is left)
     """
     from fms_fsdp.data.prepare import prepare_data
 
-    prepare_data(input, output, tokenizer, text_field, shard_tokens, workers)
+    prepare_data(
+        input,
+        output,
+        tokenizer,
+        text_field,
+        shard_tokens,
+        workers,
+        piece_bytes=piece_bytes,
+        engine=engine,
+        ray_address=ray_address,
+        num_tasks=num_tasks,
+        task_index=task_index,
+        finalize=finalize,
+    )
 
 
 def _inspect_data(

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 import torch
+from slurm_cluster import slurm  # noqa: F401  (the fixture: a one-node Slurm cluster, for any test file)
 
 from fms_fsdp.parallel.process_group import free_port
 

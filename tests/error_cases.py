@@ -364,7 +364,27 @@ ERRORS: list[E] = [
     E("data", "--output=<output> is a file; give a folder <data_path>/<dataset>"),
     E("data", "--input=<spec>: unsupported file type (expected <EXTENSIONS>)"),
     E("data", "<path>: cannot read it (<why>); fix or remove this input file"),
-    E("data", "--output=<output> was made with another --<flag>; use the same one or a new --output"),
+    E(
+        "data",
+        "--output=<output> was made with --<flag>=<old>, not <new>; use the same one or a new --output",
+        "the output folder holds pieces tokenized with another tokenizer, text field, shard or piece size",
+        "run with the settings it was made with, or give a new `--output`",
+    ),
+    E(
+        "data",
+        "--output=<out>: <n> of <total> pieces are not finished (the first: <path>, piece <part>); run the array's tasks again: each does only what is left",
+        "`--finalize=True` ran before every task of the job array finished its pieces",
+        "run the array again (finished pieces are skipped), then `--finalize=True` if you still want it",
+    ),
+    E("data", "--engine=<engine>: expected one of <ENGINES>"),
+    E("data", "--task_index=<index>: expected 0 .. <last> (--num_tasks=<count>)"),
+    E(
+        "data",
+        "--ray_address=<address>: no Ray cluster there (<why>); start one with `ray start --head`",
+        "no Ray head at that address, or a cluster with token authentication and no `RAY_AUTH_MODE=token` here",
+        "start the head (`ray start --head`), or set Ray's `RAY_AUTH_MODE=token` (with its token) as Ray's docs say",
+    ),
+    E("data", "--engine=ray needs Ray: pip install 'fms-fsdp[ray]'"),
     E(
         "data",
         "--output=<output> holds <name> but --input matches only <n_inputs> files; use a new --output or empty this one",

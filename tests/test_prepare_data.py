@@ -136,7 +136,7 @@ def test_shard_tokens_splits_one_input(tmp_path):
     write_jsonl(tmp_path / "raw.jsonl", [{"text": t} for t in texts])
     prepare(tmp_path / "raw.jsonl", tmp_path / "data" / "ds", "--tokenizer=byte", "--shard_tokens=25")
     shards = read_shards(tmp_path / "data" / "ds")
-    assert list(shards) == [f"part-00000-{j:05d}.arrow" for j in range(4)]
+    assert list(shards) == [f"part-00000-00000-{j:05d}.arrow" for j in range(4)]
     assert [len(docs) for docs in shards.values()] == [3, 3, 3, 1]
     assert documents(tmp_path / "data" / "ds") == utf8(texts)
 
@@ -184,18 +184,18 @@ def test_rerun_skips_finished_inputs_and_redoes_only_unfinished_ones(tmp_path):
 
     proc = prepare(raw, data / "ds", "--tokenizer=byte", "--shard_tokens=40")
     assert snapshot(data) == before
-    assert "3 input files (3 done before)" in proc.stdout
+    assert "3 input files in 3 pieces (3 done before)" in proc.stdout
 
-    (data / "ds" / ".done" / "00001.json").unlink()  # as if the run had died while writing input 1
+    (data / "ds" / ".done" / "00001-00000.json").unlink()  # as if the run had died while writing input 1
     for shard in (data / "ds").glob("part-00001-*.arrow"):
         shard.unlink()
-    (data / "ds" / ".part-00001-00000.arrow.tmp").write_bytes(b"half a shard")
+    (data / "ds" / ".part-00001-00000-00000.arrow.0badc0de.tmp").write_bytes(b"half a shard")
     proc = prepare(raw, data / "ds", "--tokenizer=byte", "--shard_tokens=40")
-    assert "3 input files (2 done before)" in proc.stdout
+    assert "3 input files in 3 pieces (2 done before)" in proc.stdout
     after = snapshot(data)
     assert after.keys() == before.keys()
     redone = {k for k in before if after[k][0] != before[k][0]}
-    assert redone == {k for k in before if "part-00001-" in k or k.endswith("00001.json")}
+    assert redone == {k for k in before if "part-00001-" in k or k.endswith("00001-00000.json")}
     assert all(after[k][1] == before[k][1] for k in before)  # same bytes, counts CSV included: no duplicates
     rows = counts_rows(data, "ds")
     assert len(rows) == len({r[0] for r in rows}) == 1 + len(list((data / "ds").glob("*.arrow")))

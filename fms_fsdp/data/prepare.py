@@ -2,53 +2,48 @@
 Run as scripts/prepare_data.py or, installed, `fms-prepare-data`:
 
     python scripts/prepare_data.py --input=raw/ --output=/data/my_dataset --tokenizer=/models/llama3
-    python scripts/prepare_data.py --input='raw/*.jsonl.gz' --output=/data/web --tokenizer=byte \
-        --text_field=content --shard_tokens=50_000_000 --workers=8
+    python scripts/prepare_data.py --input='s3://raw/*.jsonl.gz' --output=s3://data/web --tokenizer=byte \
+        --engine=ray --ray_address=head:6379
 
-Input file i (in sorted order) becomes <output>/part-<i>-<j>.arrow, j = 0, 1, ...: Arrow IPC files with one
-uint32 column `tokens` and one record batch per document. Every file is written under a temporary name and
-renamed into place when complete; <output>/.done/<i>.json marks input i as finished, so a re-run skips
-finished inputs and redoes the others from scratch. Bad records (invalid JSON or UTF-8, no text, empty
-text) are skipped, counted and reported as file:line (the row number for Parquet); they never stop the run.
+The input is cut into pieces that depend on the files alone (data/pieces.py). Piece p of input file i
+(in sorted order) becomes <output>/part-<i>-<p>-<j>.arrow, j = 0, 1, ...: Arrow IPC files with one
+uint32 column `tokens` and one record batch per document. A piece's shards are written under temporary
+names (locally; uploaded whole to object storage) and put in place when all are complete; then
+<output>/.done/<i>-<p>.json marks the piece finished, so a re-run skips finished pieces and redoes the
+others from scratch. Whatever ran them (one process pool, a Ray cluster, a Slurm array of any size),
+the shards and counts are the same bytes. The counts, <data_path>/meta/counts_<dataset>.csv, are
+written when every piece is finished: by the run or array task that finishes the last one, or by
+--finalize=True. Bad records (invalid JSON or UTF-8, no text, empty text) are skipped, counted and
+reported as file:line (the row number for Parquet); they never stop the run.
 """
 
 from __future__ import annotations
 
-import codecs
-import glob
 import hashlib
 import json
 import os
 import sys
-import zlib
+import uuid
 from collections import Counter
-from multiprocessing import Pool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from fms_fsdp.atomic import fsync_path, write_text_atomic
+from fms_fsdp.data import engines
+from fms_fsdp.data.pieces import EXTENSIONS, Piece, cut, is_splittable_jsonl, is_supported, records
 from fms_fsdp.data.shards import FileEntry, write_counts
-from fms_fsdp.data.text import (
-    check_text,
-    encode,
-    load_tokenizer,
-    open_binary,
-    parse_line,
-    text_column,
-    tokenizer_json,
-)
-from fms_fsdp.errors import ConfigError, DataError, first_line
+from fms_fsdp.data.text import encode, load_tokenizer, tokenizer_json
+from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.storage import is_remote, location, mtime_ns, upload
 
-EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".md")
 SCHEMA = pa.schema([("tokens", pa.uint32())])
 MAX_WARNINGS = 20
-
-Record = tuple[int, Optional[str], Optional[str]]  # (line or row, text, reason it is skipped)
+_GLOB = ("*", "?", "[", "{")
 
 
 def as_count(flag: str, value: int) -> int:
@@ -58,136 +53,144 @@ def as_count(flag: str, value: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Share:
+    """Which pieces this run does: task `index` of `count` (a Slurm array's), every count-th piece."""
+
+    index: int = 0
+    count: int = 1
+
+    def holds(self, k: int) -> bool:
+        return k % self.count == self.index
+
+
+def share_of(num_tasks: Optional[int], task_index: Optional[int]) -> Share:
+    """--num_tasks/--task_index, or Slurm's array variables when not given."""
+    env = os.environ
+    count = num_tasks if num_tasks is not None else int(env.get("SLURM_ARRAY_TASK_COUNT", 1))
+    index = task_index if task_index is not None else int(env.get("SLURM_ARRAY_TASK_ID", 0))
+    if env.get("SLURM_ARRAY_TASK_MIN") and task_index is None:
+        index -= int(env["SLURM_ARRAY_TASK_MIN"])  # --array=1-8 numbers its tasks from 1
+    as_count("num_tasks", count)
+    if not 0 <= index < count:
+        raise ConfigError(f"--task_index={index}: expected 0 .. {count - 1} (--num_tasks={count})")
+    return Share(index, count)
+
+
 # ---------------------------------------------------------------- inputs
 
 
-def is_supported(path: Path) -> bool:
-    return path.name.lower().endswith(EXTENSIONS)
-
-
 def find_inputs(spec: str) -> list[Path]:
-    """The input files named by --input (a file, a folder searched recursively, or a glob), sorted."""
+    """The input files named by --input (a file, a folder searched recursively, or a glob; local or in
+    object storage), sorted."""
     if not spec:
         raise ConfigError("--input is required: a file, folder or glob of .jsonl/.jsonl.gz/.json/.parquet/.txt/.md")
-    path = Path(spec)
-    if path.is_file():
-        if not is_supported(path):
-            raise ConfigError(f"--input={spec}: unsupported file type (expected {', '.join(EXTENSIONS)})")
-        return [path]
-    found: set[Path] = set()
-    for match in [path] if path.is_dir() else map(Path, glob.glob(spec, recursive=True)):
-        if match.is_dir():
-            found.update(
-                p
-                for p in match.rglob("*")
-                if p.is_file()
-                and is_supported(p)
-                and not any(part.startswith(".") for part in p.relative_to(match).parts)
-            )
-        elif match.is_file() and is_supported(match):
-            found.add(match)
+    glob_at = min((spec.find(c) for c in _GLOB if c in spec), default=-1)
+    if glob_at >= 0:
+        folder, _, rest = spec[:glob_at].rpartition("/")
+        found = {p for p in location(folder or ".", "input").glob(rest + spec[glob_at:]) if p.is_file()}
+        found |= {
+            f for p in location(folder or ".", "input").glob(rest + spec[glob_at:]) if p.is_dir() for f in _tree(p)
+        }
+    else:
+        path = location(spec, "input")
+        if path.is_file():
+            if not is_supported(path):
+                raise ConfigError(f"--input={spec}: unsupported file type (expected {', '.join(EXTENSIONS)})")
+            return [path]
+        found = set(_tree(path)) if path.is_dir() else set()
+    found = {p for p in found if is_supported(p)}
     if not found:
         raise ConfigError(f"--input={spec}: no {', '.join(EXTENSIONS)} files found")
-    return sorted(found)
+    return sorted(found, key=str)
 
 
-def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
-    """Records of a JSON-lines file (gzipped or not); blank lines are ignored."""
-    with open_binary(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                yield n, *parse_line(line, text_field)
+def _tree(folder: Path) -> Iterator[Path]:
+    """The files under a folder, hidden ones left out."""
+    for p in folder.rglob("*"):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+            yield p
 
 
-def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
-    """Records of the text_field column of a Parquet file, read batch by batch."""
-    pf = pq.ParquetFile(path)
-    text_column(pf, path, text_field)
-    n = 0
-    for batch in pf.iter_batches(columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            n += 1
-            yield n, *check_text(value, text_field)
-
-
-def read_text(path: Path, text_field: str) -> Iterator[Record]:
-    """A plain text file: one document."""
-    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        yield data.count(b"\n", 0, e.start) + 1, None, "invalid UTF-8"
-        return
-    yield 1, *check_text(text, text_field)
-
-
-def records(path: Path, text_field: str) -> Iterator[Record]:
-    """(line or row, text, None) for each document of an input file, (line, None, reason) for a bad one."""
-    name = path.name.lower()
-    reader = read_parquet if name.endswith(".parquet") else read_text if name.endswith((".txt", ".md")) else read_jsonl
-    try:
-        yield from reader(path, text_field)
-    except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
-        why = first_line(e)
-        raise DataError(f"{path}: cannot read it ({why}); fix or remove this input file") from None
+def plan(inputs: list[Path], piece_bytes: int) -> list[Piece]:
+    """Every input's pieces, in input order."""
+    return [piece for i, path in enumerate(inputs) for piece in cut(i, path, path.stat().st_size, piece_bytes)]
 
 
 # ---------------------------------------------------------------- tokenizer
 
 
-def tokenizer_file(spec: str) -> Optional[Path]:
-    """tokenizer.json of --tokenizer (None for the byte tokenizer)."""
+def tokenizer_text(spec: str) -> Optional[str]:
+    """--tokenizer's tokenizer.json as text (None for the byte tokenizer), checked to load."""
     if not spec:
         raise ConfigError("--tokenizer is required: a folder holding tokenizer.json, or byte")
-    return None if spec == "byte" else tokenizer_json(spec, "tokenizer")
+    if spec == "byte":
+        return None
+    load_tokenizer(spec, "tokenizer")  # fail now, not in every worker
+    return tokenizer_json(spec, "tokenizer").read_bytes().decode("utf-8")
 
 
-def load_encoder(path: Optional[Path]) -> Callable[[str], pa.Array]:
-    """The encoder of a tokenizer.json (None: the byte tokenizer): text -> uint32 token ids, without
-    special tokens (the loader adds the separators)."""
-    if path is None:
+def load_encoder(tokenizer: Optional[str]) -> Callable[[str], pa.Array]:
+    """The encoder of a tokenizer.json's text (None: the byte tokenizer): text -> uint32 token ids,
+    without special tokens (the loader adds the separators)."""
+    if tokenizer is None:
         return lambda text: pa.array(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32))
-    tok = load_tokenizer(str(path), "tokenizer")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer)
     return lambda text: pa.array(encode(tok, text), type=pa.uint32())
 
 
 _encode: Callable[[str], pa.Array]
 
 
-def init_worker(path: Optional[Path]) -> None:
+def init_worker(tokenizer: Optional[str]) -> None:
     global _encode
-    _encode = load_encoder(path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _encode = load_encoder(tokenizer)
 
 
 # ---------------------------------------------------------------- output
 
 
-def marker_path(output: Path, index: int) -> Path:
-    return output / ".done" / f"{index:05d}.json"
+def marker_path(output: Path, piece: Piece) -> Path:
+    return output / ".done" / f"{piece.name}.json"
 
 
-def shard_index(path: Path) -> int:
-    """The input index in part-<i>-<j>.arrow or <i>.json; -1 for other names."""
-    stem = path.name.removeprefix("part-").split("-")[0].split(".")[0]
-    return int(stem) if stem.isdigit() else -1
+def shard_key(path: Path) -> tuple[int, int]:
+    """(input, piece) of part-<i>-<p>-<j>.arrow or <i>-<p>.json; (-1, -1) for other names."""
+    numbers = path.name.removeprefix("part-").removeprefix(".").split(".")[0].split("-")
+    return (
+        (int(numbers[0]), int(numbers[1])) if len(numbers) >= 2 and all(n.isdigit() for n in numbers[:2]) else (-1, -1)
+    )
+
+
+def remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class ShardWriter:
-    """The shards of one input, closed once they hold shard_tokens tokens. They stay under temporary names
-    until `finish` renames them all into place, so the dataset never holds part of an input."""
+    """The shards of one piece, closed once they hold shard_tokens tokens. They are written to local
+    temporary files (in the output folder when it is local) until `finish` puts them all in place, so
+    the dataset never holds part of a piece."""
 
-    def __init__(self, output: Path, index: int, shard_tokens: int):
-        self.output, self.index, self.shard_tokens = output, index, shard_tokens
+    def __init__(self, output: Path, piece: Piece, shard_tokens: int, scratch: Path):
+        self.output, self.piece, self.shard_tokens = output, piece, shard_tokens
+        self.scratch = scratch
         self.shards: list[dict] = []
         self._writer: Optional[pa.ipc.RecordBatchFileWriter] = None
+        self._run = uuid.uuid4().hex[:8]  # a killed run's orphan workers never write to this run's files
 
     def _tmp(self, name: str) -> Path:
-        return self.output / f".{name}.tmp"
+        return self.scratch / f".{name}.{self._run}.tmp"
 
     def add(self, tokens: pa.Array) -> None:
         """Append one document as one record batch."""
         if self._writer is None:
-            name = f"part-{self.index:05d}-{len(self.shards):05d}.arrow"
+            name = f"part-{self.piece.name}-{len(self.shards):05d}.arrow"
             self.shards.append({"name": name, "documents": 0, "tokens": 0})
             self._sink = pa.OSFile(str(self._tmp(name)), "wb")
             self._writer = pa.ipc.new_file(self._sink, SCHEMA)
@@ -202,97 +205,149 @@ class ShardWriter:
         if self._writer is not None:
             self._writer.close()
             self._sink.close()
-            fsync_path(self._tmp(self.shards[-1]["name"]))
+            if not is_remote(self.output):
+                fsync_path(self._tmp(self.shards[-1]["name"]))
             self._writer = None
 
     def abandon(self) -> None:
         """Close and delete every shard written so far."""
         self._close()
         for shard in self.shards:
-            self._tmp(shard["name"]).unlink(missing_ok=True)
+            remove(self._tmp(shard["name"]))
 
     def finish(self) -> list[dict]:
-        """Close the last shard, rename every shard into place; returns their names and counts."""
+        """Close the last shard, put every shard in place; returns their names and counts."""
         self._close()
         for shard in self.shards:
-            os.replace(self._tmp(shard["name"]), self.output / shard["name"])
+            tmp, final = self._tmp(shard["name"]), self.output / shard["name"]
+            if is_remote(final):
+                upload(tmp, final)
+                tmp.unlink()
+            else:
+                os.replace(tmp, final)
         return self.shards
 
 
-def clear_input(output: Path, index: int) -> None:
-    """Remove what an unfinished earlier run left of input `index`: marker first, then shards and temp files."""
-    marker_path(output, index).unlink(missing_ok=True)
-    for pattern in (f"part-{index:05d}-*.arrow", f".part-{index:05d}-*.arrow.tmp"):
+def write_text(path: Path, text: str) -> None:
+    """A small file, whole or not at all (renamed into place locally; one upload to object storage)."""
+    if is_remote(path):
+        path.write_text(text)
+    else:
+        write_text_atomic(path, text)
+
+
+def clear_piece(output: Path, piece: Piece) -> None:
+    """Remove what an unfinished earlier run left of a piece: marker first, then shards and temp files."""
+    remove(marker_path(output, piece))
+    patterns = [f"part-{piece.name}-*.arrow"] + ([] if is_remote(output) else [f".part-{piece.name}-*.tmp"])
+    for pattern in patterns:
         for path in output.glob(pattern):
-            path.unlink()
+            remove(path)
 
 
-def process_input(job: tuple[int, Path, Path, dict]) -> tuple[int, dict, list[str]]:
-    """Tokenize one input file into its shards and mark it done; returns (index, marker, first warnings)."""
-    index, path, output, settings = job
-    clear_input(output, index)
-    writer = ShardWriter(output, index, settings["shard_tokens"])
+def input_id(path: Path) -> str:
+    return str(path) if is_remote(path) else str(path.resolve())
+
+
+def process_piece(job: tuple[Piece, str, dict]) -> tuple[Piece, dict]:
+    """Tokenize one piece into its shards and mark it done; returns (piece, marker)."""
+    piece, out, settings = job
+    output = location(out, "output")
+    clear_piece(output, piece)
+    if is_remote(output):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="fms-fsdp-") as scratch:
+            return piece, _tokenize(piece, output, settings, Path(scratch))
+    return piece, _tokenize(piece, output, settings, output)
+
+
+def process_piece_with(job: tuple[Piece, str, dict], tokenizer: Optional[str]) -> tuple[Piece, dict]:
+    """process_piece in a worker that loads the tokenizer on its first piece (a Ray task)."""
+    if "_encode" not in globals():
+        init_worker(tokenizer)
+    return process_piece(job)
+
+
+def _tokenize(piece: Piece, output: Path, settings: dict, scratch: Path) -> dict:
+    writer = ShardWriter(output, piece, settings["shard_tokens"], scratch)
     skipped: Counter[str] = Counter()
-    warnings: list[str] = []
+    warnings: list[list] = []
+    lines = 0
     try:
-        for line, text, reason in records(path, settings["text_field"]):
+        for line, text, reason in records(piece, settings["text_field"]):
+            lines = line
             tokens = _encode(text) if text is not None else None
             if tokens is not None and len(tokens) == 0:
                 reason = "no tokens"
             if reason is not None:
                 skipped[reason] += 1
                 if len(warnings) < MAX_WARNINGS:
-                    warnings.append(f"warning: {path}:{line}: {reason}")
-                continue
-            writer.add(tokens)
+                    warnings.append([line, reason])
+            elif tokens is not None:
+                writer.add(tokens)
     except (DataError, OSError):
         writer.abandon()
         raise
-    stat = path.stat()
     marker = {
-        "input": str(path.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        "input": input_id(piece.path),
+        "size": piece.path.stat().st_size,
+        "mtime_ns": mtime_ns(piece.path),
+        "piece": [piece.start, piece.end],
         "settings": settings,
         "shards": writer.finish(),
+        "lines": lines,
         "skipped": dict(sorted(skipped.items())),
+        "warnings": warnings,
     }
-    write_text_atomic(marker_path(output, index), json.dumps(marker, indent=1) + "\n")
-    return index, marker, warnings
+    write_text(marker_path(output, piece), json.dumps(marker, indent=1) + "\n")
+    return marker
 
 
-def finished(output: Path, index: int, path: Path, settings: dict) -> Optional[dict]:
-    """The marker of input `index` when it is complete and current; None when it must be (re)done.
-    Raises DataError when the output was made from another input or with other settings."""
+def finished(output: Path, piece: Piece, settings: dict) -> Optional[dict]:
+    """The marker of a piece when it is complete and current; None when it must be (re)done. Raises
+    DataError when the output was made from another input or with other settings."""
     try:
-        marker = json.loads(marker_path(output, index).read_text())
+        marker = json.loads(marker_path(output, piece).read_text())
         made_from, made_with = marker["input"], marker["settings"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if made_from != str(path.resolve()):
+    if made_from != input_id(piece.path):
         raise DataError(
-            f"--output={output} holds input {index:05d} made from {made_from}, but input {index:05d} is "
-            f"now {path}; use a new --output or empty this one"
+            f"--output={output} holds input {piece.index:05d} made from {made_from}, but input {piece.index:05d} is "
+            f"now {piece.path}; use a new --output or empty this one"
         )
     for flag, value in settings.items():
         if made_with.get(flag) != value:
-            raise DataError(f"--output={output} was made with another --{flag}; use the same one or a new --output")
-    stat = path.stat()
-    if (marker.get("size"), marker.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            raise DataError(
+                f"--output={output} was made with --{flag}={made_with.get(flag)}, not {value}; use the same one or "
+                "a new --output"
+            )
+    if (marker.get("size"), marker.get("mtime_ns"), marker.get("piece")) != (
+        piece.path.stat().st_size,
+        mtime_ns(piece.path),
+        [piece.start, piece.end],
+    ):
         return None  # the input changed since
     if not all((output / s["name"]).is_file() for s in marker.get("shards", [])):
         return None
     return marker
 
 
-def check_no_stale(output: Path, n_inputs: int) -> None:
-    """Refuse an output holding shards of more input files than --input matches now."""
+def remove_stale(output: Path, pieces: list[Piece]) -> None:
+    """Refuse an output holding shards of more input files than --input matches now; remove the pieces
+    an input no longer has (it shrank)."""
+    planned = {(p.index, p.part) for p in pieces}
+    n_inputs = 1 + max(p.index for p in pieces)
     for path in [*output.glob("part-*.arrow"), *(output / ".done").glob("*.json")]:
-        if shard_index(path) >= n_inputs:
+        index, part = shard_key(path)
+        if index >= n_inputs:
             raise DataError(
                 f"--output={output} holds {path.name} but --input matches only {n_inputs} files; "
                 "use a new --output or empty this one"
             )
+        if index >= 0 and (index, part) not in planned:
+            remove(path)
 
 
 def counts_path(output: Path) -> Path:
@@ -300,63 +355,103 @@ def counts_path(output: Path) -> Path:
     return output.parent / "meta" / f"counts_{output.name}.csv"
 
 
+def write_dataset_counts(output: Path, pieces: list[Piece], markers: dict[Piece, dict]) -> Path:
+    entries = [
+        FileEntry(f"/{output.name}/{s['name']}", s["documents"], s["tokens"])
+        for p in pieces
+        for s in markers[p]["shards"]
+    ]
+    path = counts_path(output)
+    write_counts(path, entries)
+    return path
+
+
 # ---------------------------------------------------------------- main
 
 
-def tokenized(todo: list[tuple], tok_file: Optional[Path], workers: int) -> Iterator[tuple[int, dict, list[str]]]:
-    """process_input over todo, in `workers` processes (in this one when 1), in order of completion."""
-    if workers <= 1:
-        init_worker(tok_file)
-        yield from map(process_input, todo)
-        return
-    with Pool(workers, initializer=init_worker, initargs=(tok_file,)) as pool:
-        yield from pool.imap_unordered(process_input, todo)
+@dataclass(frozen=True)
+class Engine:
+    """--engine, --workers and --ray_address."""
+
+    name: str = "local"
+    workers: int = 1
+    ray_address: Optional[str] = None
 
 
-def run(inputs: list[Path], output: Path, tok_file: Optional[Path], settings: dict, workers: int) -> None:
-    """Tokenize every unfinished input, write the counts CSV, report."""
-    output.mkdir(parents=True, exist_ok=True)
-    (output / ".done").mkdir(exist_ok=True)
-    check_no_stale(output, len(inputs))
-    markers: dict[int, dict] = {}
-    for i, path in enumerate(inputs):
-        if (marker := finished(output, i, path, settings)) is not None:
-            markers[i] = marker
-    todo = [(i, path, output, settings) for i, path in enumerate(inputs) if i not in markers]
-    sizes = {i: path.stat().st_size for i, path, *_ in todo}
-    warnings: dict[int, list[str]] = {}
+def tokenized(jobs: list, tokenizer: Optional[str], engine: Engine) -> Iterator[tuple[Piece, dict]]:
+    if engine.name == "ray":
+        return engines.run_ray(process_piece_with, jobs, tokenizer, engine.ray_address, engine.workers)
+    return engines.run_local(process_piece, init_worker, jobs, tokenizer, min(engine.workers, len(jobs)))
+
+
+def run(
+    inputs: list[Path],
+    output: Path,
+    out: str,
+    tokenizer: Optional[str],
+    settings: dict,
+    engine: Engine,
+    share: Share,
+    finalize: bool = False,
+) -> None:
+    """Tokenize this share's unfinished pieces; when every piece is finished, write the counts and report."""
+    if not is_remote(output):
+        (output / ".done").mkdir(parents=True, exist_ok=True)
+    pieces = plan(inputs, settings["piece_bytes"])
+    remove_stale(output, pieces)
+    markers = {p: m for p in pieces if (m := finished(output, p, settings)) is not None}
+    todo = [p for k, p in enumerate(pieces) if share.holds(k) and p not in markers and not finalize]
+    before = len(markers)
     with tqdm(
-        total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
+        total=sum((p.size for p in todo)), unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
     ) as bar:
-        for i, marker, warned in tokenized(todo, tok_file, min(workers, len(todo))):
-            markers[i], warnings[i] = marker, warned
-            bar.update(sizes[i])
-    counts = counts_path(output)
-    write_counts(
-        counts,
-        [
-            FileEntry(f"/{output.name}/{s['name']}", s["documents"], s["tokens"])
-            for i in sorted(markers)
-            for s in markers[i]["shards"]
-        ],
-    )
-    report(output, len(inputs), markers, {i: warnings[i] for i in sorted(warnings)}, counts)
+        documents = tokens = 0
+        for piece, marker in tokenized([(p, out, settings) for p in todo], tokenizer, engine):
+            markers[piece] = marker
+            documents += sum(s["documents"] for s in marker["shards"])
+            tokens += sum(s["tokens"] for s in marker["shards"])
+            bar.set_postfix_str(f"{documents} documents, {tokens} tokens", refresh=False)
+            bar.update(piece.size)
+    for p in pieces:  # what other tasks finished meanwhile
+        if p not in markers and (done := finished(output, p, settings)) is not None:
+            markers[p] = done
+    missing = [p for p in pieces if p not in markers]
+    if missing and finalize:
+        raise DataError(
+            f"--output={out}: {len(missing)} of {len(pieces)} pieces are not finished (the first: {missing[0].path}, "
+            f"piece {missing[0].part}); run the array's tasks again: each does only what is left"
+        )
+    if missing:
+        print(
+            f"{out}: task {share.index} of {share.count} did its {len(todo)} pieces; {len(missing)} of {len(pieces)} "
+            "are left to other tasks (the one that finishes the last writes the counts)"
+        )
+        return
+    report(out, len(inputs), pieces, markers, before, write_dataset_counts(output, pieces, markers))
 
 
-def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict[int, list[str]], counts: Path) -> None:
-    """The first MAX_WARNINGS warnings of this run on stderr, the summary of the dataset on stdout."""
-    shown = [line for lines in warnings.values() for line in lines][:MAX_WARNINGS]
-    for line in shown:
+def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, dict], before: int, counts: Path) -> None:
+    """The first MAX_WARNINGS skipped records of the dataset (file:line) on stderr, its summary on stdout."""
+    shown, lines_before = [], 0
+    for p in pieces:
+        marker = markers[p]
+        lines_before = 0 if p.part == 0 else lines_before
+        offset = lines_before if is_splittable_jsonl(p.path) and p.end >= 0 else 0
+        shown += [f"warning: {p.path}:{line + offset}: {reason}" for line, reason in marker["warnings"]]
+        lines_before += marker["lines"]
+    for line in shown[:MAX_WARNINGS]:
         print(line, file=sys.stderr)
-    bad_now = sum(sum(markers[i]["skipped"].values()) for i in warnings)
-    if bad_now > len(shown):
-        print(f"warning: {bad_now - len(shown)} more skipped records not shown", file=sys.stderr)
     skipped: Counter[str] = Counter()
     for m in markers.values():
         skipped.update(m["skipped"])
+    if sum(skipped.values()) > min(len(shown), MAX_WARNINGS):
+        print(
+            f"warning: {sum(skipped.values()) - min(len(shown), MAX_WARNINGS)} more skipped records not shown",
+            file=sys.stderr,
+        )
     shards = [s for m in markers.values() for s in m["shards"]]
     print(
-        f"{output}: {n_inputs} input files ({n_inputs - len(warnings)} done before), "
+        f"{out}: {n_inputs} input files in {len(pieces)} pieces ({before} done before), "
         f"{sum(s['documents'] for s in shards)} documents, {sum(s['tokens'] for s in shards)} tokens, "
         f"{len(shards)} shards"
     )
@@ -367,24 +462,39 @@ def report(output: Path, n_inputs: int, markers: dict[int, dict], warnings: dict
 
 
 def prepare_data(
-    input: str, output: str, tokenizer: str, text_field: str, shard_tokens: int, workers: Optional[int]
+    input: str,
+    output: str,
+    tokenizer: str,
+    text_field: str,
+    shard_tokens: int,
+    workers: Optional[int],
+    piece_bytes: int = 128 << 20,
+    engine: str = "local",
+    ray_address: Optional[str] = None,
+    num_tasks: Optional[int] = None,
+    task_index: Optional[int] = None,
+    finalize: bool = False,
 ) -> None:
     """Tokenize --input into Arrow shards under --output (the flags: fms_fsdp/cli.py)."""
+    if engine not in engines.ENGINES:
+        raise ConfigError(f"--engine={engine}: expected one of {', '.join(engines.ENGINES)}")
     inputs = find_inputs(input)
     if not output:
         raise ConfigError("--output is required: <data_path>/<dataset>")
-    out = Path(output).resolve()
+    out_path = location(output, "output")
+    out = out_path if is_remote(out_path) else out_path.resolve()
     if out.name == "meta" or out == out.parent:
         raise ConfigError(f"--output={output}: give <data_path>/<dataset> (meta is reserved for the counts files)")
     if out.is_file():
         raise ConfigError(f"--output={output} is a file; give a folder <data_path>/<dataset>")
-    tok_file = tokenizer_file(tokenizer)
-    load_encoder(tok_file)  # fail now, not in every worker
-    fingerprint = "byte" if tok_file is None else "sha256:" + hashlib.sha256(tok_file.read_bytes()).hexdigest()
+    text = tokenizer_text(tokenizer)
+    fingerprint = "byte" if text is None else "sha256:" + hashlib.sha256(text.encode()).hexdigest()
     settings = {
         "tokenizer": fingerprint,
         "text_field": text_field,
         "shard_tokens": as_count("shard_tokens", shard_tokens),
+        "piece_bytes": as_count("piece_bytes", piece_bytes),
     }
     workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
-    run(inputs, out, tok_file, settings, workers)
+    share = share_of(num_tasks, task_index)
+    run(inputs, out, str(out), text, settings, Engine(engine, workers, ray_address), share, finalize)

@@ -1,0 +1,85 @@
+"""Where `fms-prepare-data`'s pieces run: this machine's process pool, or tasks on a Ray cluster (an
+existing one at --ray_address, or a local one started and stopped here). Either way a worker is given
+the piece and the tokenizer's text, and returns the piece's marker: it needs no shared filesystem, only
+access to the input and output (a local path, or object storage)."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from fms_fsdp.errors import ConfigError
+
+ENGINES = ("local", "ray")
+Result = tuple[Any, dict]  # (the piece, its marker)
+
+
+def run_local(
+    work: Callable[[Any], Result],
+    init: Callable[[Optional[str]], None],
+    jobs: list,
+    tokenizer: Optional[str],
+    workers: int,
+) -> Iterator[Result]:
+    """work(job) for every job in `workers` processes (in this one when 1), in order of completion."""
+    if workers <= 1:
+        init(tokenizer)
+        yield from map(work, jobs)
+        return
+    with Pool(workers, initializer=init, initargs=(tokenizer,)) as pool:
+        yield from pool.imap_unordered(work, jobs)
+
+
+def run_ray(
+    work: Callable[[Any, Optional[str]], Result],
+    jobs: list,
+    tokenizer: Optional[str],
+    address: Optional[str],
+    workers: int,
+) -> Iterator[Result]:
+    """work(job, tokenizer) for every job as a Ray task (retried when its worker dies), in order of
+    completion; this package travels to the workers with the tasks."""
+    ray = _import_ray()
+    package = Path(__file__).resolve().parents[1]
+    runtime_env = {
+        "py_modules": [str(package)],
+        "excludes": ["__pycache__"],
+        "env_vars": {"TOKENIZERS_PARALLELISM": "false"},
+    }
+    try:
+        if address:
+            ray.init(address=address, runtime_env=runtime_env, logging_level=logging.ERROR, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=workers,
+                runtime_env=runtime_env,
+                include_dashboard=False,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
+    except ConnectionError as e:
+        raise ConfigError(
+            f"--ray_address={address}: no Ray cluster there ({e}); start one with `ray start --head`"
+        ) from None
+    try:
+        task = ray.remote(num_cpus=1, max_retries=3)(work)
+        tokenizer_ref = ray.put(tokenizer)
+        pending = [task.remote(job, tokenizer_ref) for job in jobs]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                yield ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                raise e.cause from None  # the worker's own error (a DataError naming the file)
+    finally:
+        ray.shutdown()
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--engine=ray needs Ray: pip install 'fms-fsdp[ray]'") from None
+    return ray

@@ -1,0 +1,151 @@
+"""fms-prepare-data on a cluster's engines: a real Ray cluster (`ray start --head`, the command joining it
+by --ray_address), a local Ray the command starts and stops, and a real Slurm job array
+(scripts/prepare_data.slurm). Each writes what one machine writes, byte for byte; a Ray worker or the
+driver killed with -9 costs nothing but time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from slurm_cluster import job_state, wait_for
+from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
+
+from fms_fsdp.parallel.process_group import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    """A corpus of many pieces, a word-level tokenizer, the flags, and what one machine makes of them."""
+    folder = tmp_path_factory.mktemp("corpus")
+    raw, tok = folder / "raw", word_tokenizer(folder / "tok")
+    write_corpus(raw, lines=3000, words=40)
+    flags = [f"--tokenizer={tok}", f"--piece_bytes={PIECE * 4}", "--shard_tokens=5000"]
+    prepare(raw, folder / "one" / "ds", *flags, "--workers=2")
+    return {"raw": raw, "flags": flags, "bytes": dataset_bytes(folder / "one")}
+
+
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory) -> dict[str, str]:
+    """Ray's settings for these tests: its token (Ray's default authentication) in a home of their own."""
+    home = tmp_path_factory.mktemp("ray-home")
+    return {"HOME": str(home), "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+def ray_processes(name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", name], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_a_local_ray_writes_what_one_machine_writes_and_is_stopped(corpus, ray_env, tmp_path):
+    proc = prepare(corpus["raw"], tmp_path / "ds", *corpus["flags"], "--engine=ray", "--workers=2", env=ray_env)
+    assert dataset_bytes(tmp_path) == corpus["bytes"]
+    assert "pieces (0 done before)" in proc.stdout
+    assert not ray_processes("raylet"), "the local Ray outlived the command"
+
+
+@pytest.fixture(scope="module")
+def ray_head(ray_env) -> Iterator[str]:
+    """A Ray cluster started as a user starts one (`ray start --head`, 2 CPUs); its address."""
+    port = free_port()
+    env = {**os.environ, **ray_env, "PYTHONPATH": str(ROOT)}
+    start = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    subprocess.run([*start, "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def start(corpus: dict, out: Path, env: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "scripts/prepare_data.py",
+            f"--input={corpus['raw']}",
+            f"--output={out}",
+            *corpus["flags"],
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def markers(out: Path) -> int:
+    return len(list((out / ".done").glob("*.json")))
+
+
+def test_a_ray_cluster_writes_what_one_machine_writes_despite_a_killed_worker(corpus, ray_env, ray_head, tmp_path):
+    out = tmp_path / "ds"
+    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}")
+    killed = []
+    wait_for(
+        "a Ray worker tokenizing", lambda: bool(ray_processes("ray::process_piece_with")) or proc.poll() is not None, 60
+    )
+    for pid in ray_processes("ray::process_piece_with")[:1]:
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, output
+    assert killed, "the run ended before a worker could be killed"
+    assert dataset_bytes(tmp_path) == corpus["bytes"]
+
+
+def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ray_env, ray_head, tmp_path):
+    out = tmp_path / "ds"
+    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}")
+    wait_for("the first pieces", lambda: markers(out) >= 2 or proc.poll() is not None, 60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = markers(out)
+    again = prepare(corpus["raw"], out, *corpus["flags"], "--engine=ray", f"--ray_address={ray_head}", env=ray_env)
+    assert 2 <= done < markers(out), "the kill came after the last piece"
+    assert dataset_bytes(tmp_path) == corpus["bytes"]
+    assert "done before)" in again.stdout
+
+
+def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_path):
+    out = tmp_path / "ds"
+    env = {**slurm, "PYTHON": sys.executable}
+    job = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--array=0-2",
+            "--cpus-per-task=1",
+            "--time=10",
+            f"--output={tmp_path / 'task-%a.out'}",
+            "scripts/prepare_data.slurm",
+            f"--input={corpus['raw']}",
+            f"--output={out}",
+            *corpus["flags"],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    tasks = [f"{job}_{i}" for i in range(3)]
+    wait_for(
+        "the array's tasks",
+        lambda: all(job_state(slurm, t) in ("COMPLETED", "FAILED", "CANCELLED") for t in tasks),
+        180,
+    )
+    logs = {t: (tmp_path / f"task-{t[-1]}.out").read_text() for t in tasks}
+    assert all(job_state(slurm, t) == "COMPLETED" for t in tasks), logs
+    assert dataset_bytes(tmp_path) == corpus["bytes"]
+    assert sum("counts:" in log for log in logs.values()) >= 1  # the last to finish wrote them
