@@ -143,6 +143,43 @@ def test_training_and_evaluation_from_a_bucket_keep_no_credentials(s3, tmp_path)
     assert "s3://data/corpus" in saved and SECRET not in saved and "testing" not in saved
 
 
+def test_prepared_into_a_bucket_the_counts_travel_with_the_data_and_other_data_is_cached_there(s3, tmp_path, capsys):
+    """fms-prepare-data from a bucket into a bucket writes what it writes on disk, counts included, and a
+    start over it counts nothing; a start over remote data prepared elsewhere caches what it learns in
+    the run's bucket folder, and the next start reads that instead of the files."""
+    import s3fs
+    from test_prepare_pieces import dataset_bytes, prepare, write_corpus
+
+    env, local = s3
+    fs = s3fs.S3FileSystem()
+    write_corpus(tmp_path / "raw", lines=120)
+    fs.put(f"{tmp_path / 'raw'}/", "data/raw/", recursive=True)
+    flags = ["--tokenizer=byte", "--piece_bytes=3000", "--shard_tokens=2000"]
+    prepare("s3://data/raw", "s3://data/prepared/ds", *flags, "--workers=2")
+    prepare(tmp_path / "raw", tmp_path / "disk" / "ds", *flags)
+    fs.get("data/prepared/", f"{tmp_path / 'fetched'}/", recursive=True)
+    assert dataset_bytes(tmp_path / "fetched") == dataset_bytes(tmp_path / "disk")
+
+    prepared = cfg(
+        local, data_path="s3://data/prepared", vocab_size=256, tokenizer_path=None, data_cache_dir="s3://runs/cache-a"
+    )
+    on_disk = cfg(local, data_path=str(tmp_path / "disk"), vocab_size=256, tokenizer_path=None)
+    for (x1, _), (x2, _) in zip(take(data_loader(prepared, 0, 1), 6), take(data_loader(on_disk, 0, 1), 6)):
+        assert torch.equal(x1, x2)
+    assert not fs.exists("runs/cache-a"), "counts came with the data: nothing to cache"
+
+    elsewhere = cfg(local, data_path="s3://data/corpus", data_cache_dir="s3://runs/cache-b")
+    capsys.readouterr()
+    first = [x for x, _ in take(data_loader(elsewhere, 0, 1), 4)]
+    assert "note: indexing raw text files (once: cached in s3://runs/cache-b/" in capsys.readouterr().out
+    cached = {key: fs.info(key)["LastModified"] for key in fs.find("runs/cache-b")}
+    assert any(key.endswith("counts_fms_fsdp_cache.csv") for key in cached)
+    again = [x for x, _ in take(data_loader(elsewhere, 0, 1), 4)]
+    assert "indexing" not in capsys.readouterr().out
+    assert {key: fs.info(key)["LastModified"] for key in fs.find("runs/cache-b")} == cached
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatch):
     import s3fs
 

@@ -14,8 +14,7 @@ from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.reader import Options
-from fms_fsdp.data.shards import Dataset, FileEntry, Layout, dataset_sources, scan
-from fms_fsdp.data.sources import Source
+from fms_fsdp.data.shards import Dataset, Layout, dataset_sources, scan
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
 from fms_fsdp.errors import ConfigError, DataError
@@ -45,7 +44,7 @@ def get_data_loader(
     # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     layout = layout_of(cfg, vocab_size)
     entries = on_rank0(
-        lambda: scan_noting(sources, layout),
+        lambda: scan(sources, layout),
         DataError,
         lambda message: DataError(message, every_rank=True),
         timeout=timedelta(hours=6),
@@ -78,7 +77,7 @@ def packing_of(cfg: train_config, vocab_size: int) -> Packing:
 def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = True) -> Layout:
     """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
     cache folder is --data_cache_dir, else (`run_cache`: a training run's) <ckpt_save_path>/data_cache
-    (data/cache.py: none in object storage), else none."""
+    (data/cache.py), else none."""
     text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
     options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
     cache = cfg.data_cache_dir
@@ -92,17 +91,6 @@ def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = Tr
     if cache is not None and cache != IN_DATA and not is_remote(cache):
         cache = os.path.abspath(cache.removeprefix("file://"))
     return Layout(cfg.file_type, options, text, cache)
-
-
-def scan_noting(sources: list[Source], layout: Layout) -> dict[str, list[FileEntry]]:
-    """scan() (on rank 0), after a note where the data cache would be in object storage: none is kept there."""
-    if layout.cache_dir is not None and is_remote(layout.cache_dir):
-        print(
-            f"note: no data cache is kept in object storage ({layout.cache_dir}): the files are counted and "
-            "indexed again at every start; set --data_cache_dir to a local folder to keep them",
-            flush=True,
-        )
-    return scan(sources, layout)
 
 
 def check_tokenizer(cfg: train_config, vocab: int) -> list[str]:

@@ -265,12 +265,13 @@ def counts_text(entries: list[FileEntry]) -> str:
 
 
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
-    """Write a counts CSV atomically; one that already says the same is left untouched (and none to
-    object storage: caches are local only)."""
-    if is_remote(path):
-        return
+    """Write a counts CSV whole or not at all (renamed into place; in object storage one upload); one
+    that already says the same is left untouched."""
     text = counts_text(entries)
     if path.is_file() and path.read_text() == text:
+        return
+    if is_remote(path):
+        path.write_text(text)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text)

@@ -30,10 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.data.cache import write_cached
 from fms_fsdp.data.reader import Reader
 from fms_fsdp.errors import ConfigError, DataError, first_line
-from fms_fsdp.storage import is_remote, mtime_ns, open_random
+from fms_fsdp.storage import mtime_ns, open_random
 
 JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
 BLOCK_DOCS = 256  # documents per block of a JSON-lines file
@@ -288,14 +288,12 @@ class IndexCache:
         return index
 
     def save(self) -> None:
-        """Write the cache atomically; a read-only data folder is left alone (indexed again next time)."""
-        if not self.changed or self.path is None or is_remote(self.path):  # caches are local only
+        """Write the cache whole or not at all (data/cache.py); a read-only folder is left alone (indexed
+        again next time)."""
+        if not self.changed or self.path is None:
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.path, json.dumps({"version": INDEX_VERSION, "files": self.files}))
-        except OSError:
-            pass
+        text = json.dumps({"version": INDEX_VERSION, "files": self.files})
+        write_cached(self.path, lambda f: f.write(text.encode()))
 
 
 # ---------------------------------------------------------------- reading
