@@ -195,7 +195,7 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
 
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
         quiet_library_noise()
-        from fms_fsdp.parallel.process_group import LAUNCHER_DIED, exit_with_parent
+        from fms_fsdp.lifetime import LAUNCHER_DIED, exit_with_parent
         from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:

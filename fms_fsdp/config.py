@@ -102,6 +102,26 @@ class train_config:
     text_field: str = _f(
         "text", "JSON key / Parquet column holding the text of raw text documents (with --tokenizer_path).", shared=True
     )
+    cache_dir: Optional[str] = _f(
+        None,
+        "Levanter's cache_dir (local or s3://...): raw-text datasets are tokenized once with --tokenizer_path into <cache_dir>/<dataset> before the first step (fms-prepare-data's code and layout), and the run trains from there; a complete cache is reused as it is. Built on rank 0's node by its CPUs, or on Ray (--ray_address, --ray_start_workers, --ray_auto_start_cluster).",
+        shared=True,
+    )
+    ray_address: Optional[str] = _f(
+        None,
+        "--cache_dir: HOST:PORT of a running Ray cluster that tokenizes the cache (pip install 'fms-fsdp[ray]').",
+        shared=False,
+    )
+    ray_start_workers: bool = _f(
+        False,
+        "--cache_dir: start a Ray cluster over the job's own nodes (its head beside rank 0, each node's first rank a worker) to tokenize the cache, and stop it when the cache is done.",
+        shared=False,
+    )
+    ray_auto_start_cluster: bool = _f(
+        False,
+        "--cache_dir without --ray_address: tokenize on a local Ray that rank 0 starts and stops (else rank 0's process pool).",
+        shared=False,
+    )
     datasets: Optional[list[str]] = _f(
         None,
         "Comma list of datasets: sub-folders of data_path (default: all but meta), or name=pattern|pattern entries whose files are anywhere, with brace ranges and globs, e.g. web=s3://b/web-{000..127}.jsonl.gz|s3://b/more/*.jsonl.gz (brace lists {a,b} in a config file's list, where commas do not split).",
@@ -629,6 +649,18 @@ def validate(cfg: train_config) -> None:
     _check_evaluation_and_documents(cfg)
     _check_checkpoints(cfg)
     _check_paths_and_profiler(cfg)
+    _check_cache(cfg)
+
+
+def _check_cache(cfg: train_config) -> None:
+    """--cache_dir tokenizes raw text with --tokenizer_path; the Ray flags serve it alone."""
+    if cfg.cache_dir is not None and cfg.tokenizer_path is None:
+        raise ConfigError("--cache_dir tokenizes raw-text datasets: give --tokenizer_path too")
+    ray = [f for f in ("ray_address", "ray_start_workers", "ray_auto_start_cluster") if getattr(cfg, f)]
+    if ray and cfg.cache_dir is None:
+        raise ConfigError(f"--{ray[0]} sets where --cache_dir is tokenized: give --cache_dir, or leave it out")
+    if cfg.ray_address and cfg.ray_start_workers:
+        raise ConfigError("--ray_address and --ray_start_workers: join a running cluster or start one, not both")
 
 
 def _check_ranges(cfg: train_config) -> None:

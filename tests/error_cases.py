@@ -387,6 +387,40 @@ ERRORS: list[E] = [
     E("data", "--engine=ray needs Ray: pip install 'fms-fsdp[ray]'"),
     E(
         "data",
+        "--cache_dir tokenizes raw-text datasets: give --tokenizer_path too",
+        flags=("--use_dummy_dataset=False", "--cache_dir=cache"),
+    ),
+    E(
+        "data",
+        "--<flag> sets where --cache_dir is tokenized: give --cache_dir, or leave it out",
+        flags=("--ray_address=head:6379",),
+    ),
+    E(
+        "data",
+        "--ray_address and --ray_start_workers: join a running cluster or start one, not both",
+        flags=(
+            "--cache_dir=cache",
+            "--tokenizer_path=README.md",
+            "--ray_address=head:6379",
+            "--ray_start_workers=True",
+        ),
+    ),
+    E(
+        "data",
+        "--cache_dir: <output> was tokenized with <tokenizer> and --text_field=<field>, not <now> and --text_field=<field_now>; give another --cache_dir, or the tokenizer and text field it was made with",
+        "the cache folder holds datasets tokenized by an earlier run with another tokenizer or text field",
+        "give the run its own `--cache_dir`, or the tokenizer and text field the cache was made with",
+    ),
+    E("data", "--cache_dir: dataset <name> mixes raw text and token files; give each kind its own dataset"),
+    E("data", "--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'"),
+    E(
+        "data",
+        "--ray_start_workers: `ray <args>` failed (<why>)",
+        "Ray could not start its head beside rank 0 or join it from another node (a port taken, Ray's token authentication without a token)",
+        "as Ray's last line says; with token authentication, give every node the token (`RAY_AUTH_TOKEN`) as Ray's docs say",
+    ),
+    E(
+        "data",
         "--output=<output> holds <name> but --input matches only <n_inputs> files; use a new --output or empty this one",
         "",
         "",

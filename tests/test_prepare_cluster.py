@@ -18,6 +18,8 @@ from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, w
 
 from fms_fsdp.parallel.process_group import free_port
 
+from conftest import TINY, launch, records
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -38,7 +40,11 @@ def corpus(tmp_path_factory) -> dict:
 def ray_env(tmp_path_factory) -> dict[str, str]:
     """Ray's settings for these tests: its token (Ray's default authentication) in a home of their own."""
     home = tmp_path_factory.mktemp("ray-home")
-    return {"HOME": str(home), "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {"HOME": str(home), "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"], env={**os.environ, **env}, check=True, capture_output=True
+    )
+    return env
 
 
 def ray_processes(name: str) -> list[int]:
@@ -51,6 +57,37 @@ def test_a_local_ray_writes_what_one_machine_writes_and_is_stopped(corpus, ray_e
     assert dataset_bytes(tmp_path) == corpus["bytes"]
     assert "pieces (0 done before)" in proc.stdout
     assert not ray_processes("raylet"), "the local Ray outlived the command"
+
+
+def cache_run(tmp_path: Path, ray_env: dict, *ray_flags: str) -> tuple[list[dict], str]:
+    """A 2-rank run on raw text with --cache_dir, its cache tokenized on Ray; its records and output."""
+    from test_data import make_docs, write_dataset
+
+    data = tmp_path / "raw"
+    write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
+    args = [
+        "--use_dummy_dataset=False",
+        f"--data_path={data}",
+        f"--tokenizer_path={data / 'tokenizer.json'}",
+        "--vocab_size=4096",
+        f"--cache_dir={tmp_path / 'cache'}",
+        "--num_steps=2",
+        "--batch_size=2",
+        *ray_flags,
+    ]
+    out = tmp_path / "run"
+    proc = launch("main_training.py", [*TINY, f"--ckpt_save_path={out}", *args], 2, extra_env=ray_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "cache" / "text" / ".done" / "complete.json").is_file()
+    return records(out), proc.stdout + proc.stderr
+
+
+def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray_env, tmp_path):
+    """--ray_start_workers (Levanter's start_workers): the head beside rank 0, a worker per other node
+    (none on one node), stopped once the cache is built; training then reads the cache."""
+    runs, output = cache_run(tmp_path, ray_env, "--ray_start_workers=True")
+    assert "note: tokenizing text into" in output and any("loss" in r for r in runs)
+    assert not ray_processes("raylet"), "the job's Ray outlived the cache"
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +186,8 @@ def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_pat
     assert all(job_state(slurm, t) == "COMPLETED" for t in tasks), logs
     assert dataset_bytes(tmp_path) == corpus["bytes"]
     assert sum("counts:" in log for log in logs.values()) >= 1  # the last to finish wrote them
+
+
+def test_a_run_builds_its_cache_on_a_running_ray_cluster(ray_env, ray_head, tmp_path):
+    runs, output = cache_run(tmp_path, ray_env, f"--ray_address={ray_head}")
+    assert "note: tokenizing text into" in output and any("loss" in r for r in runs)

@@ -5,6 +5,7 @@ documents become lines (`packing_of`), which files are read how (`layout_of`), t
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -14,9 +15,11 @@ from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.reader import Options
-from fms_fsdp.data.shards import Dataset, Layout, dataset_sources, scan
+from fms_fsdp.data.shards import Dataset, FileEntry, Layout, dataset_sources, scan
+from fms_fsdp.data.sources import Source
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
+from fms_fsdp.data.token_cache import CacheSettings, RaySettings, cached_sources
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.parallel.process_group import on_rank0
 from fms_fsdp.storage import is_remote, location
@@ -41,15 +44,21 @@ def get_data_loader(
             f"{', '.join(names)}; give one weight per dataset or set --datasets",
             every_rank=True,
         )
-    # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     layout = layout_of(cfg, vocab_size)
+    layouts = {s.name: layout for s in sources}
+    if cfg.cache_dir is not None:  # raw text tokenized into the cache first (rank 0), then read from there
+        built = cached_sources(sources, layout, cache_of(cfg))
+        tokenized = replace(layout, file_type="arrow", text=None)
+        layouts.update({b.name: tokenized for s, b in zip(sources, built) if b != s})
+        sources = built
+    # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
     entries = on_rank0(
-        lambda: scan(sources, layout),
+        lambda: scan_each(sources, layouts),
         DataError,
         lambda message: DataError(message, every_rank=True),
         timeout=timedelta(hours=6),
     )
-    datasets = [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layout) for s in sources]
+    datasets = [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name]) for s in sources]
     weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(
         datasets,
@@ -64,6 +73,21 @@ def get_data_loader(
         schedule,
         cfg.grad_accum_steps,
     )
+
+
+def scan_each(sources: list[Source], layouts: dict[str, Layout]) -> dict[str, list[FileEntry]]:
+    """scan() of the datasets, each under its own layout (the cache's tokenized ones are Arrow shards)."""
+    entries: dict[str, list[FileEntry]] = {}
+    for layout in set(layouts.values()):
+        entries.update(scan([s for s in sources if layouts[s.name] == layout], layout))
+    return entries
+
+
+def cache_of(cfg: train_config) -> CacheSettings:
+    """--cache_dir and how it is tokenized (data/token_cache.py)."""
+    assert cfg.cache_dir is not None and cfg.tokenizer_path is not None
+    ray = RaySettings(cfg.ray_address, cfg.ray_start_workers, cfg.ray_auto_start_cluster)
+    return CacheSettings(cfg.cache_dir, cfg.tokenizer_path, cfg.text_field, ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:

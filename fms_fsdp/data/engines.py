@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.lifetime import pool_worker
 
 ENGINES = ("local", "ray")
 Result = tuple[Any, dict]  # (the piece, its marker)
@@ -28,8 +29,13 @@ def run_local(
         init(tokenizer)
         yield from map(work, jobs)
         return
-    with Pool(workers, initializer=init, initargs=(tokenizer,)) as pool:
+    with Pool(workers, initializer=_start_worker, initargs=(init, tokenizer)) as pool:
         yield from pool.imap_unordered(work, jobs)
+
+
+def _start_worker(init: Callable[[Optional[str]], None], tokenizer: Optional[str]) -> None:
+    pool_worker()  # ends with its pool or its parent, also inside a training rank
+    init(tokenizer)
 
 
 def run_ray(

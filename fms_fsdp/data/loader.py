@@ -26,7 +26,7 @@ from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
 from fms_fsdp.errors import DataError
-from fms_fsdp.parallel.process_group import STOP_SIGNALS, exit_with_parent
+from fms_fsdp.lifetime import STOP_SIGNALS, exit_with_parent
 
 STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]

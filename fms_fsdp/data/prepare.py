@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import sys
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,15 +32,23 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from fms_fsdp.atomic import fsync_path, write_text_atomic
-from fms_fsdp.data import engines
+from fms_fsdp.data.engines import ENGINES, run_local, run_ray
 from fms_fsdp.data.pieces import EXTENSIONS, Piece, cut, is_splittable_jsonl, is_supported, records
-from fms_fsdp.data.shards import FileEntry, write_counts
+from fms_fsdp.data.shard_writer import (
+    ShardWriter,
+    clear_piece,
+    finished,
+    input_id,
+    ledger_path,
+    marker_path,
+    remove_stale,
+    write_dataset_counts,
+    write_text,
+)
 from fms_fsdp.data.text import encode, load_tokenizer, tokenizer_json
 from fms_fsdp.errors import ConfigError, DataError
-from fms_fsdp.storage import is_remote, location, mtime_ns, upload
+from fms_fsdp.storage import is_remote, location, mtime_ns
 
-SCHEMA = pa.schema([("tokens", pa.uint32())])
 MAX_WARNINGS = 20
 _GLOB = ("*", "?", "[", "{")
 
@@ -150,105 +157,6 @@ def init_worker(tokenizer: Optional[str]) -> None:
     _encode = load_encoder(tokenizer)
 
 
-# ---------------------------------------------------------------- output
-
-
-def marker_path(output: Path, piece: Piece) -> Path:
-    return output / ".done" / f"{piece.name}.json"
-
-
-def shard_key(path: Path) -> tuple[int, int]:
-    """(input, piece) of part-<i>-<p>-<j>.arrow or <i>-<p>.json; (-1, -1) for other names."""
-    numbers = path.name.removeprefix("part-").removeprefix(".").split(".")[0].split("-")
-    return (
-        (int(numbers[0]), int(numbers[1])) if len(numbers) >= 2 and all(n.isdigit() for n in numbers[:2]) else (-1, -1)
-    )
-
-
-def remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-class ShardWriter:
-    """The shards of one piece, closed once they hold shard_tokens tokens. They are written to local
-    temporary files (in the output folder when it is local) until `finish` puts them all in place, so
-    the dataset never holds part of a piece."""
-
-    def __init__(self, output: Path, piece: Piece, shard_tokens: int, scratch: Path):
-        self.output, self.piece, self.shard_tokens = output, piece, shard_tokens
-        self.scratch = scratch
-        self.shards: list[dict] = []
-        self._writer: Optional[pa.ipc.RecordBatchFileWriter] = None
-        self._run = uuid.uuid4().hex[:8]  # a killed run's orphan workers never write to this run's files
-
-    def _tmp(self, name: str) -> Path:
-        return self.scratch / f".{name}.{self._run}.tmp"
-
-    def add(self, tokens: pa.Array) -> None:
-        """Append one document as one record batch."""
-        if self._writer is None:
-            name = f"part-{self.piece.name}-{len(self.shards):05d}.arrow"
-            self.shards.append({"name": name, "documents": 0, "tokens": 0})
-            self._sink = pa.OSFile(str(self._tmp(name)), "wb")
-            self._writer = pa.ipc.new_file(self._sink, SCHEMA)
-        self._writer.write_batch(pa.record_batch([tokens], schema=SCHEMA))
-        shard = self.shards[-1]
-        shard["documents"] += 1
-        shard["tokens"] += len(tokens)
-        if shard["tokens"] >= self.shard_tokens:
-            self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            if not is_remote(self.output):
-                fsync_path(self._tmp(self.shards[-1]["name"]))
-            self._writer = None
-
-    def abandon(self) -> None:
-        """Close and delete every shard written so far."""
-        self._close()
-        for shard in self.shards:
-            remove(self._tmp(shard["name"]))
-
-    def finish(self) -> list[dict]:
-        """Close the last shard, put every shard in place; returns their names and counts."""
-        self._close()
-        for shard in self.shards:
-            tmp, final = self._tmp(shard["name"]), self.output / shard["name"]
-            if is_remote(final):
-                upload(tmp, final)
-                tmp.unlink()
-            else:
-                os.replace(tmp, final)
-        return self.shards
-
-
-def write_text(path: Path, text: str) -> None:
-    """A small file, whole or not at all (renamed into place locally; one upload to object storage)."""
-    if is_remote(path):
-        path.write_text(text)
-    else:
-        write_text_atomic(path, text)
-
-
-def clear_piece(output: Path, piece: Piece) -> None:
-    """Remove what an unfinished earlier run left of a piece: marker first, then shards and temp files."""
-    remove(marker_path(output, piece))
-    patterns = [f"part-{piece.name}-*.arrow"] + ([] if is_remote(output) else [f".part-{piece.name}-*.tmp"])
-    for pattern in patterns:
-        for path in output.glob(pattern):
-            remove(path)
-
-
-def input_id(path: Path) -> str:
-    return str(path) if is_remote(path) else str(path.resolve())
-
-
 def process_piece(job: tuple[Piece, str, dict]) -> tuple[Piece, dict]:
     """Tokenize one piece into its shards and mark it done; returns (piece, marker)."""
     piece, out, settings = job
@@ -304,68 +212,6 @@ def _tokenize(piece: Piece, output: Path, settings: dict, scratch: Path) -> dict
     return marker
 
 
-def finished(output: Path, piece: Piece, settings: dict) -> Optional[dict]:
-    """The marker of a piece when it is complete and current; None when it must be (re)done. Raises
-    DataError when the output was made from another input or with other settings."""
-    try:
-        marker = json.loads(marker_path(output, piece).read_text())
-        made_from, made_with = marker["input"], marker["settings"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    if made_from != input_id(piece.path):
-        raise DataError(
-            f"--output={output} holds input {piece.index:05d} made from {made_from}, but input {piece.index:05d} is "
-            f"now {piece.path}; use a new --output or empty this one"
-        )
-    for flag, value in settings.items():
-        if made_with.get(flag) != value:
-            raise DataError(
-                f"--output={output} was made with --{flag}={made_with.get(flag)}, not {value}; use the same one or "
-                "a new --output"
-            )
-    if (marker.get("size"), marker.get("mtime_ns"), marker.get("piece")) != (
-        piece.path.stat().st_size,
-        mtime_ns(piece.path),
-        [piece.start, piece.end],
-    ):
-        return None  # the input changed since
-    if not all((output / s["name"]).is_file() for s in marker.get("shards", [])):
-        return None
-    return marker
-
-
-def remove_stale(output: Path, pieces: list[Piece]) -> None:
-    """Refuse an output holding shards of more input files than --input matches now; remove the pieces
-    an input no longer has (it shrank)."""
-    planned = {(p.index, p.part) for p in pieces}
-    n_inputs = 1 + max(p.index for p in pieces)
-    for path in [*output.glob("part-*.arrow"), *(output / ".done").glob("*.json")]:
-        index, part = shard_key(path)
-        if index >= n_inputs:
-            raise DataError(
-                f"--output={output} holds {path.name} but --input matches only {n_inputs} files; "
-                "use a new --output or empty this one"
-            )
-        if index >= 0 and (index, part) not in planned:
-            remove(path)
-
-
-def counts_path(output: Path) -> Path:
-    """<data_path>/meta/counts_<dataset>.csv: the counts of every shard of the dataset."""
-    return output.parent / "meta" / f"counts_{output.name}.csv"
-
-
-def write_dataset_counts(output: Path, pieces: list[Piece], markers: dict[Piece, dict]) -> Path:
-    entries = [
-        FileEntry(f"/{output.name}/{s['name']}", s["documents"], s["tokens"])
-        for p in pieces
-        for s in markers[p]["shards"]
-    ]
-    path = counts_path(output)
-    write_counts(path, entries)
-    return path
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -378,23 +224,47 @@ class Engine:
     ray_address: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What the shards depend on: the tokenizer (--tokenizer as given, and its tokenizer.json's text;
+    None: the byte tokenizer), --text_field, --shard_tokens and --piece_bytes."""
+
+    tokenizer: str
+    tokenizer_text: Optional[str]
+    text_field: str = "text"
+    shard_tokens: int = 100_000_000
+    piece_bytes: int = 128 << 20
+
+    def settings(self) -> dict:
+        """What every piece's marker records, and a re-run must match."""
+        text = self.tokenizer_text
+        return {
+            "tokenizer": "byte" if text is None else "sha256:" + hashlib.sha256(text.encode()).hexdigest(),
+            "text_field": self.text_field,
+            "shard_tokens": as_count("shard_tokens", self.shard_tokens),
+            "piece_bytes": as_count("piece_bytes", self.piece_bytes),
+        }
+
+
+def recipe_of(tokenizer: str, text_field: str, shard_tokens: int, piece_bytes: int) -> Recipe:
+    """The recipe of the flags, its tokenizer loaded once to check it."""
+    recipe = Recipe(tokenizer, tokenizer_text(tokenizer), text_field, shard_tokens, piece_bytes)
+    recipe.settings()
+    return recipe
+
+
 def tokenized(jobs: list, tokenizer: Optional[str], engine: Engine) -> Iterator[tuple[Piece, dict]]:
     if engine.name == "ray":
-        return engines.run_ray(process_piece_with, jobs, tokenizer, engine.ray_address, engine.workers)
-    return engines.run_local(process_piece, init_worker, jobs, tokenizer, min(engine.workers, len(jobs)))
+        return run_ray(process_piece_with, jobs, tokenizer, engine.ray_address, engine.workers)
+    return run_local(process_piece, init_worker, jobs, tokenizer, min(engine.workers, len(jobs)))
 
 
-def run(
-    inputs: list[Path],
-    output: Path,
-    out: str,
-    tokenizer: Optional[str],
-    settings: dict,
-    engine: Engine,
-    share: Share,
-    finalize: bool = False,
-) -> None:
-    """Tokenize this share's unfinished pieces; when every piece is finished, write the counts and report."""
+def prepare_files(
+    inputs: list[Path], output: Path, recipe: Recipe, engine: Engine, share: Share = Share(), finalize: bool = False
+) -> bool:
+    """Tokenize this share's unfinished pieces of `inputs` into `output`; when every piece is finished,
+    write the counts and the ledger and report. Returns whether the dataset is complete."""
+    settings, out = recipe.settings(), str(output)
     if not is_remote(output):
         (output / ".done").mkdir(parents=True, exist_ok=True)
     pieces = plan(inputs, settings["piece_bytes"])
@@ -402,16 +272,10 @@ def run(
     markers = {p: m for p in pieces if (m := finished(output, p, settings)) is not None}
     todo = [p for k, p in enumerate(pieces) if share.holds(k) and p not in markers and not finalize]
     before = len(markers)
-    with tqdm(
-        total=sum((p.size for p in todo)), unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
-    ) as bar:
-        documents = tokens = 0
-        for piece, marker in tokenized([(p, out, settings) for p in todo], tokenizer, engine):
-            markers[piece] = marker
-            documents += sum(s["documents"] for s in marker["shards"])
-            tokens += sum(s["tokens"] for s in marker["shards"])
-            bar.set_postfix_str(f"{documents} documents, {tokens} tokens", refresh=False)
-            bar.update(piece.size)
+    for piece, marker in with_progress(
+        tokenized([(p, out, settings) for p in todo], recipe.tokenizer_text, engine), todo
+    ):
+        markers[piece] = marker
     for p in pieces:  # what other tasks finished meanwhile
         if p not in markers and (done := finished(output, p, settings)) is not None:
             markers[p] = done
@@ -426,8 +290,35 @@ def run(
             f"{out}: task {share.index} of {share.count} did its {len(todo)} pieces; {len(missing)} of {len(pieces)} "
             "are left to other tasks (the one that finishes the last writes the counts)"
         )
-        return
-    report(out, len(inputs), pieces, markers, before, write_dataset_counts(output, pieces, markers))
+        return False
+    counts = write_dataset_counts(output, pieces, markers)
+    shards = [s for p in pieces for s in markers[p]["shards"]]
+    ledger = {
+        **settings,
+        "tokenizer": recipe.tokenizer,
+        "tokenizer_sha": settings["tokenizer"],
+        "inputs": len(inputs),
+        "pieces": len(pieces),
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+    }
+    write_text(ledger_path(output), json.dumps(ledger, indent=1) + "\n")
+    report(out, len(inputs), pieces, markers, before, counts)
+    return True
+
+
+def with_progress(results: Iterator[tuple[Piece, dict]], todo: list[Piece]) -> Iterator[tuple[Piece, dict]]:
+    """The results, with one progress line over every worker: input bytes, rate and ETA, documents, tokens."""
+    with tqdm(
+        total=sum(p.size for p in todo), unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
+    ) as bar:
+        documents = tokens = 0
+        for piece, marker in results:
+            documents += sum(s["documents"] for s in marker["shards"])
+            tokens += sum(s["tokens"] for s in marker["shards"])
+            bar.set_postfix_str(f"{documents} documents, {tokens} tokens", refresh=False)
+            bar.update(piece.size)
+            yield piece, marker
 
 
 def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, dict], before: int, counts: Path) -> None:
@@ -476,8 +367,8 @@ def prepare_data(
     finalize: bool = False,
 ) -> None:
     """Tokenize --input into Arrow shards under --output (the flags: fms_fsdp/cli.py)."""
-    if engine not in engines.ENGINES:
-        raise ConfigError(f"--engine={engine}: expected one of {', '.join(engines.ENGINES)}")
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine={engine}: expected one of {', '.join(ENGINES)}")
     inputs = find_inputs(input)
     if not output:
         raise ConfigError("--output is required: <data_path>/<dataset>")
@@ -487,14 +378,7 @@ def prepare_data(
         raise ConfigError(f"--output={output}: give <data_path>/<dataset> (meta is reserved for the counts files)")
     if out.is_file():
         raise ConfigError(f"--output={output} is a file; give a folder <data_path>/<dataset>")
-    text = tokenizer_text(tokenizer)
-    fingerprint = "byte" if text is None else "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-    settings = {
-        "tokenizer": fingerprint,
-        "text_field": text_field,
-        "shard_tokens": as_count("shard_tokens", shard_tokens),
-        "piece_bytes": as_count("piece_bytes", piece_bytes),
-    }
+    recipe = recipe_of(tokenizer, text_field, shard_tokens, piece_bytes)
     workers = as_count("workers", len(os.sched_getaffinity(0)) if workers is None else workers)
     share = share_of(num_tasks, task_index)
-    run(inputs, out, str(out), text, settings, Engine(engine, workers, ray_address), share, finalize)
+    prepare_files(inputs, out, recipe, Engine(engine, workers, ray_address), share, finalize)

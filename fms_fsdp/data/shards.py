@@ -310,6 +310,15 @@ def shard_paths(folder: Path, file_type: str, extensions: Optional[tuple[str, ..
     return pair_megatron(files)
 
 
+def dataset_files(
+    source: Source, layout: Layout, flag: str = "data_path", datasets_flag: str = "datasets"
+) -> list[Path]:
+    """The files of a dataset: its folder's, or those its patterns match."""
+    if source.patterns:
+        return pair_megatron(matched_files(source, layout.extensions, datasets_flag))
+    return shard_paths(location(source.root, flag) / source.name, layout.file_type, layout.extensions)
+
+
 def scan(
     sources: list[Source], layout: Layout, flag: str = "data_path", datasets_flag: str = "datasets"
 ) -> dict[str, list[FileEntry]]:
@@ -392,10 +401,7 @@ def _scan_root(
     result: dict[str, list[FileEntry]] = {}
     for source in sources:
         name = source.name
-        if source.patterns:
-            files = pair_megatron(matched_files(source, layout.extensions, datasets_flag))
-        else:
-            files = shard_paths(run.root / name, layout.file_type, layout.extensions)
+        files = dataset_files(source, layout, flag, datasets_flag)
         entries = []
         for path in files:
             rel = "/" + path.relative_to(run.root).as_posix()

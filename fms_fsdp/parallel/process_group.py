@@ -8,11 +8,8 @@ and rank 0's file work travel over gloo groups of their own, one per wait they a
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -23,22 +20,6 @@ import torch.distributed as dist
 from fms_fsdp.errors import ConfigError, first_line
 
 T = TypeVar("T")
-
-_PR_SET_PDEATHSIG = 1
-LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (cli.train)
-# what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
-
-
-def exit_with_parent(sig: signal.Signals) -> None:
-    """Have Linux send `sig` to this process when its parent dies, so that a SIGKILLed launcher (or
-    rank) leaves nothing training on; if the parent is already gone, send it now. A no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:
-        os.kill(os.getpid(), sig)
 
 
 def lost_peer(error: BaseException) -> bool:

@@ -42,11 +42,12 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
+from fms_fsdp.lifetime import LAUNCHER_DIED
 from fms_fsdp.memory import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.parallel.pipeline import Pipeline
-from fms_fsdp.parallel.process_group import LAUNCHER_DIED, agreement_group, on_rank0
+from fms_fsdp.parallel.process_group import agreement_group, on_rank0
 from fms_fsdp.profiling import StepProfiler
 from fms_fsdp.run import Run, facts, record, started, summary
 from fms_fsdp.storage import make_folder

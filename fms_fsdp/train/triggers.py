@@ -1,7 +1,7 @@
 """What else happens at a step boundary: stop requests and time-based saves, owned by the loop.
 
 SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
-stop after the current step, as does --max_run_minutes once that time has passed since the run started; so does LAUNCHER_DIED (parallel/process_group.py), which Linux sends a rank when
+stop after the current step, as does --max_run_minutes once that time has passed since the run started; so does LAUNCHER_DIED (lifetime.py), which Linux sends a rank when
 its torchrun dies, after which the run ends in an error (on every node, so no launcher waits for the
 dead one).
 --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto after the time between
@@ -24,7 +24,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.parallel.process_group import STOP_SIGNALS, DistInfo, collective_timeout
+from fms_fsdp.lifetime import STOP_SIGNALS
+from fms_fsdp.parallel.process_group import DistInfo, collective_timeout
 
 AGREE_SECONDS = 2.0
 MAX_STEPS_BETWEEN_AGREEMENTS = 1000

@@ -1,0 +1,163 @@
+"""Levanter's `cache_dir`: raw-text datasets tokenized once, before the first step, into
+<cache_dir>/<dataset> by fms-prepare-data's code (data/prepare.py: the same pieces, shards, counts and
+markers), then read as prepared Arrow shards. A complete cache (its ledger, .done/complete.json) is
+reused as it is, read and never rewritten; an unfinished one is finished (its finished pieces kept); one
+made with another tokenizer or text field is refused. Datasets of token files are read where they are.
+
+Who tokenizes: rank 0 (the others wait), with its node's CPUs, or on Ray: a running cluster
+(--ray_address), a local one it starts and stops (--ray_auto_start_cluster), or one started over the
+job's own nodes for the build and stopped after it (--ray_start_workers: the head beside rank 0, each
+other node's first rank a worker).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from fms_fsdp.data.prepare import Engine, Recipe, prepare_files, recipe_of
+from fms_fsdp.data.shard_writer import read_ledger
+from fms_fsdp.data.shards import Layout, dataset_files, is_text
+from fms_fsdp.data.sources import Source
+from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.parallel.process_group import agreement_group, free_port, on_rank0
+from fms_fsdp.storage import location
+
+BUILD_TIMEOUT = timedelta(days=7)  # the other ranks wait this long for the cache
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """--ray_address, --ray_start_workers, --ray_auto_start_cluster (Levanter's names)."""
+
+    address: Optional[str] = None
+    start_workers: bool = False
+    auto_start_cluster: bool = False
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """--cache_dir, and how its raw text is tokenized: --tokenizer_path, --text_field, the Ray settings."""
+
+    cache_dir: str
+    tokenizer_path: str
+    text_field: str = "text"
+    ray: RaySettings = RaySettings()
+
+
+def cached_sources(sources: list[Source], layout: Layout, settings: CacheSettings) -> list[Source]:
+    """The datasets to read: each raw-text one as its folder in the cache, tokenized there first where the
+    cache is not complete (every rank calls this; rank 0 tokenizes)."""
+    head = start_job_cluster() if settings.ray.start_workers else None
+    try:
+        return on_rank0(
+            lambda: [_cached(s, layout, settings, head) for s in sources],
+            lambda e: isinstance(e, (DataError, ConfigError)),
+            lambda message: DataError(message, every_rank=True),
+            timeout=BUILD_TIMEOUT,
+        )
+    finally:
+        if head is not None:
+            stop_job_cluster()
+
+
+def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optional[str]) -> Source:
+    """One dataset: itself when it holds token files, else its folder in the cache (built there now
+    unless complete)."""
+    files = dataset_files(source, layout)
+    text = [f for f in files if is_text(f, layout)]
+    if not text:
+        return source
+    if len(text) != len(files):
+        raise DataError(
+            f"--cache_dir: dataset {source.name} mixes raw text and token files; give each kind its own dataset"
+        )
+    output = location(settings.cache_dir, "cache_dir") / source.name
+    recipe = recipe_of(settings.tokenizer_path, settings.text_field, 100_000_000, 128 << 20)
+    ledger = read_ledger(output)
+    if ledger is None:
+        print(f"note: tokenizing {source.name} into {output} (once: later runs read it)", flush=True)
+        prepare_files(text, output, recipe, engine_of(settings.ray, head))
+    else:
+        check_made_with(ledger, output, recipe)
+        print(f"note: {source.name}: reading the tokenized cache {output}", flush=True)
+    return Source(source.name, settings.cache_dir)
+
+
+def check_made_with(ledger: dict, output: Path, recipe: Recipe) -> None:
+    """Refuse a cache made with another tokenizer or text field, naming both."""
+    made = recipe.settings()
+    if (ledger.get("tokenizer_sha"), ledger.get("text_field")) == (
+        made["tokenizer"],
+        made["text_field"],
+    ):
+        return
+    raise DataError(
+        f"--cache_dir: {output} was tokenized with {ledger.get('tokenizer')} and --text_field="
+        f"{ledger.get('text_field')}, not {recipe.tokenizer} and --text_field={recipe.text_field}; give another "
+        "--cache_dir, or the tokenizer and text field it was made with"
+    )
+
+
+def engine_of(ray: RaySettings, head: Optional[str]) -> Engine:
+    """Where rank 0 tokenizes: on a Ray cluster (the job's own, a running one, a local one) or in its pool."""
+    cpus = len(os.sched_getaffinity(0))
+    address = head or ray.address
+    if address is not None or ray.auto_start_cluster:
+        return Engine("ray", cpus, address)
+    return Engine("local", cpus)
+
+
+# ---------------------------------------------------------------- a Ray cluster over the job's nodes
+
+
+def ray_command(*args: str) -> None:
+    """`ray <args>` (the ray beside this Python, else on PATH); ConfigError when it fails."""
+    beside = Path(sys.executable).parent / "ray"
+    ray = str(beside) if beside.exists() else shutil.which("ray")
+    if ray is None:
+        raise ConfigError("--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'")
+    done = subprocess.run([ray, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"--ray_start_workers: `ray {' '.join(args)}` failed ({why})")
+
+
+def start_job_cluster() -> str:
+    """Start Ray's head beside rank 0 and a worker on each other node (its first rank); its address."""
+
+    def head() -> str:
+        address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{free_port()}"
+        ray_command(
+            "start",
+            "--head",
+            f"--port={address.rsplit(':', 1)[1]}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        )
+        return address
+
+    address = on_rank0(head, ConfigError, lambda message: ConfigError(message))
+    if dist.is_initialized() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        ray_command("start", f"--address={address}", "--disable-usage-stats")
+    group = agreement_group()
+    if group is not None:
+        dist.barrier(group=group)
+    return address
+
+
+def stop_job_cluster() -> None:
+    """Stop the job's Ray processes on every node (each node's first rank), once the cache is built."""
+    group = agreement_group()
+    if group is not None:
+        dist.barrier(group=group)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        ray_command("stop")

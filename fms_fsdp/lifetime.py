@@ -1,0 +1,35 @@
+"""How this package's processes end (no torch here: the data tools' worker pools use it too): the
+signals that ask a rank to save and stop, and children that die with their parent."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (cli.train)
+# what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
+
+
+def exit_with_parent(sig: signal.Signals) -> None:
+    """Have Linux send `sig` to this process when its parent dies, so that a SIGKILLed launcher (or
+    rank) leaves nothing training on; if the parent is already gone, send it now. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def pool_worker() -> None:
+    """Set up a worker of a process pool (fms-prepare-data's, also inside a training rank): it ends on
+    its pool's SIGTERM (multiprocessing's terminate) even where the rank handles the stop signals,
+    leaves Ctrl-C and the other stop signals to its parent, and dies with its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGINT, *STOP_SIGNALS[1:]):
+        signal.signal(sig, signal.SIG_IGN)
+    exit_with_parent(signal.SIGKILL)
