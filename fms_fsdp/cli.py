@@ -219,9 +219,12 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
 
     def work() -> None:
         quiet_library_noise()
-        from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
+        from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation, evaluate_checkpoint
+        from fms_fsdp.run import facts
+        from fms_fsdp.settings import checkpoint_evaluation_of
 
-        evaluate_checkpoint(cfg)
+        check_checkpoint_evaluation(checkpoint_evaluation_of(cfg))
+        evaluate_checkpoint(facts(cfg, run_cache=False))
 
     guarded(work)
 

@@ -131,6 +131,11 @@ class Run:
         return Paths.of(self.cfg.ckpt_save_path, None if self.ft is None else self.ft.index)
 
     @property
+    def variant(self) -> str:
+        """--model_variant."""
+        return self.cfg.model_variant
+
+    @property
     def vocab_size(self) -> int:
         return self.model_config.src_vocab_size
 
@@ -167,9 +172,10 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
     return rank, cfg.plan_world_size, local_rank, min(cfg.plan_world_size, PLANNED_RANKS_PER_NODE)
 
 
-def facts(cfg: train_config) -> Run:
+def facts(cfg: train_config, run_cache: bool = True) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
-    data or model is touched, and nothing is waited for (`started` waits for the lighthouse)."""
+    data or model is touched, and nothing is waited for (`started` waits for the lighthouse).
+    `run_cache`: the data caches may be kept under --ckpt_save_path (False: `fms-evaluate`'s)."""
     check_torch()
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
@@ -186,7 +192,9 @@ def facts(cfg: train_config) -> Run:
     check_context_parallel(cfg, device)
     check_pipeline(cfg, model_config)
     pipeline = PipelinePlan.of(cfg, model_config)
-    settings = settings_of(cfg)  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag
+    settings = settings_of(
+        cfg, model_config.src_vocab_size, run_cache
+    )  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag
     check_optimizer(settings.optimizer, settings.lora is not None)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if settings.parallel.float8 is not None:
@@ -194,7 +202,7 @@ def facts(cfg: train_config) -> Run:
         check_profiler(settings.profiler, device)
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
-    check_harness(cfg)
+    check_harness(settings.harness)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()

@@ -10,11 +10,17 @@ than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raise
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
 from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.data.build import layout_of, packing_of
+from fms_fsdp.evaluation.harness import HarnessSettings, task_names
+from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
+from fms_fsdp.memory import MemorySettings, Setting
+from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
@@ -36,15 +42,21 @@ class Settings:
     triggers: TriggerSettings
     checkpoint: CheckpointSettings
     export: ExportSettings
+    evaluation: EvalSettings
+    harness: HarnessSettings
+    memory: MemorySettings
+    attention: AttentionSettings
 
 
-def settings_of(cfg: train_config) -> Settings:
-    """Every component's settings from the flags (ConfigError naming the flag that cannot be)."""
-    lora = lora_of(cfg)
+def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> Settings:
+    """Every component's settings from the flags and the model's vocabulary `vocab_size` (ConfigError
+    naming the flag that cannot be); `run_cache`: the data caches may be kept under --ckpt_save_path
+    (a training run's; `fms-evaluate` keeps them only in --data_cache_dir)."""
+    lora, parallel = lora_of(cfg), parallel_of(cfg)
     return Settings(
         schedule=schedule_of(cfg),
         optimizer=optimizer_of(cfg),
-        parallel=parallel_of(cfg),
+        parallel=parallel,
         lora=lora,
         profiler=ProfilerSettings(
             cfg.use_profiler,
@@ -79,6 +91,79 @@ def settings_of(cfg: train_config) -> Settings:
             lora,
             cfg.ckpt_load_path,
         ),
+        evaluation=evaluation_of(cfg, vocab_size, run_cache),
+        harness=harness_of(cfg),
+        memory=memory_of(cfg, parallel, lora),
+        attention=AttentionSettings(
+            cfg.eos_token if cfg.document_masking else None,
+            cfg.document_positions == "document",
+            cfg.use_torch_compile,
+            cfg.cp_attention == "ring",
+        ),
+    )
+
+
+def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:
+    """The memory plan's settings; its activation checkpointing is `parallel`'s (parsed once there) and
+    its adapters `lora`'s."""
+    fraction = parallel.checkpointing
+    return MemorySettings(
+        Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
+        cfg.model_variant,
+        cfg.vocab_size,
+        cfg.seq_length,
+        cfg.mixed_precision,
+        cfg.device,
+        cfg.use_torch_compile,
+        cfg.document_masking,
+        cfg.cp_attention,
+        cfg.optimizer == "muon",
+        lora,
+        cfg.plan_device_memory_gib,
+    )
+
+
+def evaluation_of(cfg: train_config, vocab_size: int, run_cache: bool) -> EvalSettings:
+    """--eval_data_path's evaluation, its datasets read and framed as training's (data/build.py)."""
+    return EvalSettings(
+        cfg.eval_interval,
+        cfg.num_steps,
+        cfg.eval_data_path,
+        cfg.eval_datasets,
+        cfg.eval_batch_size or cfg.batch_size,
+        cfg.eval_batches,
+        cfg.pipeline_parallel_size > 1,
+        layout_of(cfg, vocab_size, run_cache) if cfg.eval_interval else None,
+        packing_of(cfg, vocab_size),
+    )
+
+
+def checkpoint_evaluation_of(cfg: train_config) -> CheckpointEvalSettings:
+    """What `fms-evaluate` is asked to evaluate (checked before the run's facts)."""
+    return CheckpointEvalSettings(
+        cfg.ckpt_load_path,
+        bool(cfg.eval_data_path),
+        bool(cfg.eval_harness_tasks),
+        cfg.pipeline_parallel_size,
+        bool(cfg.lora_rank),
+    )
+
+
+def harness_of(cfg: train_config) -> HarnessSettings:
+    """--eval_harness_tasks's settings, the task names parsed once."""
+    return HarnessSettings(
+        task_names(cfg.eval_harness_tasks),
+        cfg.eval_harness_include_path,
+        cfg.tokenizer_path,
+        cfg.eval_harness_interval,
+        cfg.eval_harness_limit or None,
+        cfg.num_steps,
+        cfg.seq_length,
+        cfg.eval_batch_size or cfg.batch_size,
+        cfg.eos_token,
+        cfg.bos_token if cfg.bos_token is not None else cfg.eos_token,
+        cfg.context_parallel_size,
+        cfg.tensor_parallel_size,
     )
 
 

@@ -245,7 +245,7 @@ def test_memory_snapshot_without_a_gpu_is_refused_before_training():
         parse("--profiler_memory_snapshot", "--device=cuda")
     cfg = parse("--use_profiler", "--profiler_memory_snapshot")  # the device is known once resolved
     with pytest.raises(ConfigError, match="--profiler_memory_snapshot records the CUDA allocator: this run has no GPU"):
-        check_profiler(settings_of(cfg).profiler, torch.device("cpu"))
+        check_profiler(settings_of(cfg, vocab_size=256).profiler, torch.device("cpu"))
 
 
 def test_a_repeated_flag_takes_the_later_value():

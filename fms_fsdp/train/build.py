@@ -46,7 +46,9 @@ def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
     pipeline parallelism this rank's stages of it, and the schedule that runs them."""
     cfg, device = run.cfg, run.device
     if device.type == "cuda" and run.info.is_main:
-        warning = fits_or_warning(cfg, run.shape, run.model_config, run.info.local_world_size)
+        warning = fits_or_warning(
+            run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size
+        )
         if warning:
             run.log(warning)
     model, pipeline, done, n_lora = parallelised(run, torch.device("meta") if cfg.low_cpu_fsdp else device)
@@ -73,7 +75,7 @@ def parallelised(run: Run, device: torch.device) -> Stages:
     model = build_model(run.model_config, device)
     n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
     model.head.z_loss_weight = cfg.z_loss_weight
-    model.lines = LinePlan.of(cfg, run.device, context_parallel(run))
+    model.lines = LinePlan.of(run.settings.attention, run.device, context_parallel(run))
     pipeline = None
     if run.pipeline is not None:  # this rank's stages only, under their whole-model names
         group = run.mesh["pp"].get_group()

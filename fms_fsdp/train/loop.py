@@ -96,7 +96,9 @@ def dry_run(cfg: train_config) -> None:
         f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
         f"as at a real start in {time.perf_counter() - start:.1f} s"
     )
-    run.log(memory_report(cfg, run.shape, run.model_config, run.info.local_world_size, states))
+    run.log(
+        memory_report(run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size, states)
+    )
 
 
 def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:
@@ -207,7 +209,8 @@ def _build(
     `hosts`: every rank's host."""
     cfg, info = run.cfg, run.info
     loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
-    evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
+    # the tasks load before the model
+    evaluator, harness = Evaluator(run.settings.evaluation, info), HarnessEvaluator(run.settings.harness, info)
     model, pipeline = build_stages(run)
     evaluator.pipeline = pipeline
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
