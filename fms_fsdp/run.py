@@ -48,7 +48,7 @@ from fms_fsdp.parallel.process_group import (
     world_from_env,
 )
 from fms_fsdp.profiling import check_profiler
-from fms_fsdp.settings import Settings, settings_of
+from fms_fsdp.settings import Settings, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, location
 from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
@@ -184,14 +184,15 @@ def facts(cfg: train_config, run_cache: bool = True) -> Run:
         if cfg.dry_run
         else resolve_device(cfg.device, local_rank)
     )
-    shape = mesh_shape(cfg, world_size, local_world_size)
+    mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
+    shape = mesh_shape(mesh, world_size, local_world_size)
     model_config = get_model_config(
         cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
     )
-    check_tensor_parallel(cfg, model_config)
-    check_context_parallel(cfg, device)
-    check_pipeline(cfg, model_config)
-    pipeline = PipelinePlan.of(cfg, model_config)
+    check_tensor_parallel(mesh, model_config)
+    check_context_parallel(mesh, device)
+    check_pipeline(pipeline_settings, model_config)
+    pipeline = PipelinePlan.of(pipeline_settings, model_config)
     settings = settings_of(
         cfg, model_config.src_vocab_size, run_cache
     )  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag

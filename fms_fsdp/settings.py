@@ -24,7 +24,9 @@ from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
+from fms_fsdp.parallel.mesh import MeshSettings
 from fms_fsdp.parallel.parallelize import ParallelSettings
+from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.train.triggers import TriggerSettings
@@ -218,4 +220,39 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
         cfg.use_torch_compile,
         cfg.mixed_precision,
         float8_of(cfg),
+    )
+
+
+def mesh_of(cfg: train_config) -> MeshSettings:
+    """The mesh's flags (run.facts lays out the mesh from them before the other settings are built, and
+    keeps its shape: run.shape)."""
+    return MeshSettings(
+        cfg.pipeline_parallel_size,
+        cfg.tensor_parallel_size,
+        cfg.context_parallel_size,
+        cfg.sharding_strategy,
+        cfg.sharding_group_size,
+        cfg.seq_length,
+        cfg.cp_attention,
+        cfg.document_masking,
+        cfg.mixed_precision,
+        cfg.use_torch_compile,
+        cfg.float8,
+        bool(cfg.lora_rank),
+    )
+
+
+def pipeline_of(cfg: train_config) -> PipelineSettings:
+    """The pipeline's flags (run.facts plans the stages from them, and keeps the plan: run.pipeline)."""
+    return PipelineSettings(
+        cfg.pipeline_parallel_size,
+        cfg.pipeline_schedule,
+        cfg.pipeline_stages_per_rank,
+        cfg.pipeline_microbatches,
+        cfg.pipeline_split,
+        cfg.batch_size,
+        cfg.model_variant,
+        cfg.grad_accum_steps,
+        bool(cfg.eval_harness_tasks),
+        cfg.eval_batch_size,
     )

@@ -17,7 +17,7 @@ from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpoi
 from fms_fsdp.parallel.mesh import mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast
 from fms_fsdp.parallel.pipeline import PipelinePlan
-from fms_fsdp.settings import lora_of, memory_of, parallel_of
+from fms_fsdp.settings import lora_of, memory_of, mesh_of, parallel_of, pipeline_of
 
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 
@@ -68,13 +68,13 @@ def memory_settings(cfg) -> MemorySettings:
 
 def plan_for(cfg, world_size: int, ranks_per_node: int, device_bytes: int) -> Planner:
     """The plan of `cfg` on `world_size` ranks, nodes of `ranks_per_node`, devices of `device_bytes`."""
-    shape = mesh_shape(cfg, world_size, ranks_per_node)
+    shape = mesh_shape(mesh_of(cfg), world_size, ranks_per_node)
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
     return Planner(memory_settings(cfg), shape, model_config, None, device_bytes)
 
 
 def warning_of(cfg, world_size: int, ranks_per_node: int):
-    shape = mesh_shape(cfg, world_size, ranks_per_node)
+    shape = mesh_shape(mesh_of(cfg), world_size, ranks_per_node)
     model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
     return fits_or_warning(memory_settings(cfg), shape, model_config, None, ranks_per_node)
 
@@ -223,9 +223,9 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
 
     def stages(schedule: str) -> list[Planner]:
         cfg = make_config(**base, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=8)
-        shape = mesh_shape(cfg, 8, 8)
+        shape = mesh_shape(mesh_of(cfg), 8, 8)
         model_config = get_model_config("small")
-        plan = PipelinePlan.of(cfg, model_config)
+        plan = PipelinePlan.of(pipeline_of(cfg), model_config)
         return [Planner(memory_settings(cfg), shape, model_config, plan, 1 << 40, r) for r in range(2)]
 
     first, last = stages("1F1B")
@@ -239,7 +239,13 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
         **base, pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_microbatches=8, plan_device_memory_gib=80
     )
     model_config = get_model_config("small")
-    text = report(memory_settings(cfg), mesh_shape(cfg, 8, 8), model_config, PipelinePlan.of(cfg, model_config), 8)
+    text = report(
+        memory_settings(cfg),
+        mesh_shape(mesh_of(cfg), 8, 8),
+        model_config,
+        PipelinePlan.of(pipeline_of(cfg), model_config),
+        8,
+    )
     peaks = [p.plan(setting).peak for p in stages("GPipe")]
     highest = peaks.index(max(peaks))
     assert f"pipeline rank {highest} of 2 has the highest peak" in text, text
