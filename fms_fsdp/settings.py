@@ -15,7 +15,7 @@ from typing import Optional
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
-from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.config import parse_fraction, to_dict, train_config
 from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
@@ -29,6 +29,7 @@ from fms_fsdp.parallel.parallelize import ParallelSettings
 from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
+from fms_fsdp.trackers import TrackerSettings
 from fms_fsdp.train.triggers import TriggerSettings
 
 
@@ -48,6 +49,7 @@ class Settings:
     harness: HarnessSettings
     memory: MemorySettings
     attention: AttentionSettings
+    trackers: TrackerSettings
 
 
 def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> Settings:
@@ -102,7 +104,14 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
             cfg.use_torch_compile,
             cfg.cp_attention == "ring",
         ),
+        trackers=trackers_of(cfg),
     )
+
+
+def trackers_of(cfg: train_config) -> TrackerSettings:
+    """--tracker's settings, with every flag's value for the trackers' hyper-parameters."""
+    names = tuple(cfg.tracker or ())
+    return TrackerSettings(names, cfg.tracker_project_name, cfg.tracker_dir, cfg.tracker_run_id, to_dict(cfg))
 
 
 def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:

@@ -134,7 +134,7 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
         if run.device.type == "cpu" and cfg.mixed_precision:
             run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
         hangs = HangDiagnostics.start(run)
-        trackers = start_trackers(cfg, run.paths.root)
+        trackers = start_trackers(run.settings.trackers, run.paths.root)
         failed = True
         try:
             records = _train(run, stop, trackers, lease, hangs.hosts)
