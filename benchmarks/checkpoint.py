@@ -58,14 +58,17 @@ def bench(run: Run) -> None:
         StepGuard(0, None, optimizer, info.device),
         1,
         iter(loader),
-        cfg,
+        run.settings.step,
         info.device,
         global_norm=False,
     )
     figures = {}
+    checkpointing = {  # --async_checkpoint off and on
+        mode: dataclasses.replace(run.settings.checkpoint, background=mode == "async") for mode in ("sync", "async")
+    }
     for mode in ("sync", "async"):
         ckpt = Checkpointer(
-            dataclasses.replace(run, cfg=dataclasses.replace(cfg, async_checkpoint=mode == "async")),
+            dataclasses.replace(run, settings=dataclasses.replace(run.settings, checkpoint=checkpointing[mode])),
             model,
             optimizer,
             scheduler,

@@ -29,10 +29,12 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
-from fms_fsdp.config import train_config
+from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.data.build import check_tokenizer
+from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
@@ -48,8 +50,8 @@ from fms_fsdp.parallel.process_group import (
     world_from_env,
 )
 from fms_fsdp.profiling import check_profiler
-from fms_fsdp.settings import Settings, mesh_of, pipeline_of, settings_of
-from fms_fsdp.storage import is_remote, location
+from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
+from fms_fsdp.storage import is_remote, location, make_folder
 from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
@@ -172,10 +174,11 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
     return rank, cfg.plan_world_size, local_rank, min(cfg.plan_world_size, PLANNED_RANKS_PER_NODE)
 
 
-def facts(cfg: train_config, run_cache: bool = True) -> Run:
+def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = None) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
     data or model is touched, and nothing is waited for (`started` waits for the lighthouse).
-    `run_cache`: the data caches may be kept under --ckpt_save_path (False: `fms-evaluate`'s)."""
+    `run_cache`: the data caches may be kept under --ckpt_save_path (False: `fms-evaluate`'s). `ft`:
+    --fault_tolerance's settings where the command line built them already (settings.ft_of)."""
     check_torch()
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
@@ -218,7 +221,9 @@ def facts(cfg: train_config, run_cache: bool = True) -> Run:
             f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions{scaled}: the "
             f"model trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
-    ft = check_fault_tolerance(cfg, shape, world_size)
+    ft = ft or ft_of(cfg)
+    if ft is not None and not cfg.dry_run:
+        check_fault_tolerance(shape, world_size, cfg.sharding_strategy)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
@@ -267,6 +272,19 @@ def record(run: Run) -> str:
         *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
     ]
     return "".join(f"# {line}\n" for line in lines)
+
+
+def write_config(run: Run) -> None:
+    """<ckpt_save_path>/config.yaml: the run record (`record`), then the flags (an earlier, different
+    one is kept as config.<n>.yaml), written once the run has started (a start that failed leaves none);
+    CheckpointError naming the path when it cannot be written."""
+    try:
+        make_folder(run.paths.root)
+        write_text_keeping_old(run.paths.config, record(run) + to_yaml(run.cfg))
+    except Exception as e:  # fsspec filesystems raise their clients' own errors too
+        raise CheckpointError(
+            f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} ({type(e).__name__}: {first_line(e)})"
+        ) from None
 
 
 def summary(run: Run, start: int) -> list[str]:

@@ -1,14 +1,19 @@
 """Every component's settings, built once from the flags at the door (`run.facts`) and kept on the
 `Run` as `run.settings`: a component receives its own small settings object, never the flat config.
 
-Each fact the flags state is parsed here once: the fraction of checkpointed blocks, the keep policy
-and the schedule's cycles (the data's settings, the mixture's schedule among them, are read where the
-loader is built, data/build.py, which a start runs before the model). A settings object that cannot be (a decay longer
-than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
+Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
+and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names and the
+values of the flags replica groups share (the data's settings, the mixture's schedule among them, are
+read where the loader is built, data/build.py, which a start runs before the model). Three are built
+before the others, by `run.facts` or the command line, and are not kept here: the mesh's and the
+pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows from them, `run.shape` and
+`run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay
+longer than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -20,9 +25,11 @@ from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.memory import MemorySettings, Setting
+from fms_fsdp.metrics import MetricsSettings
 from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
+from fms_fsdp.model.variants import ModelSettings
 from fms_fsdp.optim import OptimizerSettings
 from fms_fsdp.parallel.mesh import MeshSettings
 from fms_fsdp.parallel.parallelize import ParallelSettings
@@ -30,6 +37,9 @@ from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.trackers import TrackerSettings
+from fms_fsdp.train.ft_settings import FTSettings
+from fms_fsdp.train.loop_settings import LoopSettings
+from fms_fsdp.train.step import StepSettings
 from fms_fsdp.train.triggers import TriggerSettings
 
 
@@ -50,6 +60,10 @@ class Settings:
     memory: MemorySettings
     attention: AttentionSettings
     trackers: TrackerSettings
+    loop: LoopSettings
+    step: StepSettings
+    metrics: MetricsSettings
+    model: ModelSettings
 
 
 def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> Settings:
@@ -105,6 +119,30 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
             cfg.cp_attention == "ring",
         ),
         trackers=trackers_of(cfg),
+        loop=loop_of(cfg),
+        step=StepSettings(cfg.grad_accum_steps, cfg.grad_clip_thresh),
+        metrics=MetricsSettings(cfg.batch_size, cfg.seq_length, cfg.grad_accum_steps, cfg.peak_tflops, cfg.num_steps),
+        model=ModelSettings(cfg.low_cpu_fsdp, cfg.seed, cfg.z_loss_weight),
+    )
+
+
+def loop_of(cfg: train_config) -> LoopSettings:
+    """The flags the training loop reads itself."""
+    return LoopSettings(
+        cfg.num_steps,
+        cfg.report_interval,
+        cfg.seed,
+        cfg.skip_bad_steps,
+        cfg.spike_sigma,
+        cfg.grad_clip_thresh,
+        cfg.straggler_threshold,
+        cfg.straggler_reports,
+        cfg.batch_size,
+        cfg.seq_length,
+        cfg.mixed_precision,
+        cfg.checkpoint_interval,
+        cfg.stop_exit_status,
+        cfg.export_model_at_end,
     )
 
 
@@ -264,4 +302,33 @@ def pipeline_of(cfg: train_config) -> PipelineSettings:
         cfg.grad_accum_steps,
         bool(cfg.eval_harness_tasks),
         cfg.eval_batch_size,
+    )
+
+
+# Flags every replica group must share beyond the model and the mesh: the fields marked `shared` in
+# config.py (what sets each group's batches and every update: data layout and order, optimizer,
+# learning-rate schedule, precision, adapters). Paths (the data's too: a copy on another mount),
+# logging and checkpoint cadence may differ.
+SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metadata["shared"])
+
+
+def shared_of(cfg: train_config) -> str:
+    """The values of SHARED_FLAGS, as --fault_tolerance's fingerprint holds them (train/ft_settings.py)."""
+    return "|".join(f"{f}={getattr(cfg, f)!r}" for f in SHARED_FLAGS)
+
+
+def ft_of(cfg: train_config) -> Optional[FTSettings]:
+    """--fault_tolerance's settings, the environment filled in (None without it; ConfigError naming the
+    flag when one is missing or wrong). Built once: by the command line, which labels each line with the
+    replica group before the run's facts, else by run.facts."""
+    if not cfg.fault_tolerance:
+        return None
+    return FTSettings.of(
+        cfg.ft_replica_groups,
+        cfg.ft_group_index,
+        cfg.ft_min_replicas,
+        cfg.ft_lighthouse,
+        cfg.ft_timeout_seconds,
+        cfg.ft_step_timeout_seconds,
+        shared_of(cfg),
     )

@@ -31,7 +31,7 @@ class TrackerSettings:
     once: settings.py)."""
 
     names: tuple[str, ...]  # --tracker
-    project: Optional[str]  # --tracker_project_name
+    project: str  # --tracker_project_name
     folder: Optional[str]  # --tracker_dir
     run_id: Optional[str]  # --tracker_run_id
     config: dict[str, Any]  # every flag's value

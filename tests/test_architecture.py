@@ -110,9 +110,6 @@ SEES_THE_CONFIG = {
     "fms_fsdp.run",
     "fms_fsdp.settings",
     "fms_fsdp.data.build",
-    "fms_fsdp.train.ft_settings",
-    "fms_fsdp.train.loop",
-    "fms_fsdp.train.step",  # split from the loop: train_step still takes the config
 }
 
 
@@ -130,11 +127,6 @@ READS_THE_CONFIG = {
     "fms_fsdp.run",
     "fms_fsdp.settings",
     "fms_fsdp.data.build",
-    "fms_fsdp.metrics",
-    "fms_fsdp.train.build",
-    "fms_fsdp.train.ft_settings",
-    "fms_fsdp.train.loop",
-    "fms_fsdp.train.step",
 }
 
 

@@ -58,7 +58,7 @@ def test_fire_style_flag_forms():
 def test_every_field_has_help_and_round_trips_through_a_file(tmp_path):
     cfg = parse()
     assert all(f.metadata["help"] for f in FIELDS.values())
-    # and says whether fault-tolerance replica groups must share it (ft_settings.SHARED_FLAGS is made of those)
+    # and says whether fault-tolerance replica groups must share it (settings.SHARED_FLAGS is made of those)
     undecided = [name for name, f in FIELDS.items() if not isinstance(f.metadata.get("shared"), bool)]
     assert not undecided, f"say shared=True or shared=False for {undecided} (config._f)"
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))

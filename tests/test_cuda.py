@@ -68,12 +68,16 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
         batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         total = torch.zeros((), device=info.device)
-        train_step(model, optimizer, guard, 1, batches, cfg, info.device, global_norm=True)  # first step: lazy state
+        train_step(
+            model, optimizer, guard, 1, batches, run.settings.step, info.device, global_norm=True
+        )  # first step: lazy state
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(2, 6):
-                done = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=False)
+                done = train_step(
+                    model, optimizer, guard, step, batches, run.settings.step, info.device, global_norm=False
+                )
                 scheduler.step()
                 total += done.loss
         finally:

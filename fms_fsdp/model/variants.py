@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -313,6 +314,16 @@ class LMHead(LinearClassificationHead):
             self.backward_twice,
         )
         return loss
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How a run builds its model (built once: settings.py): on the meta device first (--low_cpu_fsdp),
+    its weights from --seed, the head's z-loss weight."""
+
+    low_cpu: bool  # --low_cpu_fsdp
+    seed: int
+    z_loss_weight: float
 
 
 class CausalLM(LLaMA):
