@@ -157,17 +157,12 @@ class Planner:
         pp_rank: int = 0,
     ):
         """`pipeline`: the run's plan of stages (run.pipeline), None without pipeline parallelism."""
-        self.settings, self.world_size, self.device_bytes = (
-            settings,
-            shape.dp * shape.tp * shape.cp * shape.pp,
-            device_bytes,
-        )
-        self.mesh = shape
+        self.settings, self.device_bytes, self.mesh = settings, device_bytes, shape
+        self.world_size = shape.dp * shape.tp * shape.cp * shape.pp
         model = build_model(model_config, torch.device("meta"))
-        self.lora = settings.lora
+        self.lora, self.pipeline = settings.lora, pipeline
         if self.lora is not None:
             add_adapters(model, self.lora)
-        self.pipeline = pipeline
         if self.pipeline is not None:  # pipeline rank `pp_rank`'s stages only
             prune(model, self.pipeline, pp_rank)
         self.pp_rank, self.first, self.last = pp_rank, model.base_model.embedding is not None, model.head is not None
@@ -184,13 +179,10 @@ class Planner:
         # the final norm and head: none off a pipeline's last stage
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
-        muon = 0
-        if settings.muon:
-            muon = sum(
-                _numel_sharded(tp[n], shards)
-                for n, p in model.named_parameters()
-                if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
-            )
+        matrices = [
+            n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}"
+        ]
+        muon = sum(_numel_sharded(tp[n], shards) for n in matrices if "lora_" not in n) if settings.muon else 0
         self.compute = 2 if settings.mixed_precision else 4
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")

@@ -29,7 +29,6 @@ from fms_fsdp.metrics import MetricsSettings
 from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
-from fms_fsdp.model.variants import ModelSettings
 from fms_fsdp.optim import OptimizerSettings
 from fms_fsdp.parallel.mesh import MeshSettings
 from fms_fsdp.parallel.parallelize import ParallelSettings
@@ -38,7 +37,7 @@ from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.trackers import TrackerSettings
 from fms_fsdp.train.ft_settings import FTSettings
-from fms_fsdp.train.loop_settings import LoopSettings
+from fms_fsdp.train.settings import LoopSettings, ModelSettings
 from fms_fsdp.train.step import StepSettings
 from fms_fsdp.train.triggers import TriggerSettings
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -314,16 +313,6 @@ class LMHead(LinearClassificationHead):
             self.backward_twice,
         )
         return loss
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """How a run builds its model (built once: settings.py): on the meta device first (--low_cpu_fsdp),
-    its weights from --seed, the head's z-loss weight."""
-
-    low_cpu: bool  # --low_cpu_fsdp
-    seed: int
-    z_loss_weight: float
 
 
 class CausalLM(LLaMA):
