@@ -196,9 +196,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     check_context_parallel(mesh, device)
     check_pipeline(pipeline_settings, model_config)
     pipeline = PipelinePlan.of(pipeline_settings, model_config)
-    settings = settings_of(
-        cfg, model_config.src_vocab_size, run_cache
-    )  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag
+    # every component's settings (the keep policy, the schedule, ...): ConfigError naming the flag
+    settings = settings_of(cfg, model_config.src_vocab_size, run_cache)
     check_optimizer(settings.optimizer, settings.lora is not None)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if settings.parallel.float8 is not None:

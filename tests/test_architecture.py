@@ -119,8 +119,9 @@ def test_only_the_door_and_the_listed_modules_name_the_flat_config():
     assert naming <= SEES_THE_CONFIG, f"build settings for these in fms_fsdp/settings.py: {naming - SEES_THE_CONFIG}"
 
 
-# the modules that read the flat config's fields (`cfg.<field>`): where it is declared and turned into
-# settings, the command layer, and those not yet given settings of their own (the list may only shrink)
+# the modules that read the flat config's fields (`cfg.<field>`, `run.cfg.<field>`): where it is declared
+# and turned into settings, the command layer, and those not yet given settings of their own (the list
+# may only shrink; the goal is at most 6 modules)
 READS_THE_CONFIG = {
     "fms_fsdp.config",
     "fms_fsdp.cli",
@@ -130,16 +131,22 @@ READS_THE_CONFIG = {
 }
 
 
+def reads_a_field(node: ast.AST) -> bool:
+    """`cfg.<field>` or `<something>.cfg.<field>`."""
+    if not isinstance(node, ast.Attribute):
+        return False
+    owner = node.value
+    return (isinstance(owner, ast.Name) and owner.id == "cfg") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "cfg"
+    )
+
+
 def test_only_the_door_and_the_listed_modules_read_the_flat_configs_fields():
-    """`cfg.<field>` is read where the settings are built, not in the components."""
+    """A field of the flat config is read where the settings are built, not in the components."""
     reading = {
-        module_name(p)
-        for p in PACKAGE.rglob("*.py")
-        if any(
-            isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "cfg"
-            for n in ast.walk(ast.parse(p.read_text()))
-        )
+        module_name(p) for p in PACKAGE.rglob("*.py") if any(map(reads_a_field, ast.walk(ast.parse(p.read_text()))))
     }
     assert reading <= READS_THE_CONFIG, (
         f"build settings for these in fms_fsdp/settings.py: {reading - READS_THE_CONFIG}"
     )
+    assert len(READS_THE_CONFIG) <= 6

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from fractions import Fraction
 
 import pytest
 import torch
@@ -259,3 +260,37 @@ def test_one_rule_says_which_paths_are_object_storage():
     with pytest.raises(ConfigError, match="--profiler_dir: set a local folder: --ckpt_save_path=s3://b/run"):
         parse("--ckpt_save_path=s3://b/run", "--use_profiler=True")
     parse("--ckpt_save_path=file:///tmp/run", "--use_profiler=True")
+
+
+def test_the_run_parses_each_fact_of_the_flags_once(monkeypatch):
+    """run.facts builds every component's settings once: the checkpointed fraction of blocks (the
+    parallelism's and the memory plan's), the keep policy, the schedule's cycles and the lm-eval tasks
+    are each parsed by one call, and --fault_tolerance's settings are built once, by the command line
+    where it gives them."""
+    import fms_fsdp.run as run_module
+    import fms_fsdp.settings as settings
+    from fms_fsdp.checkpoint.policy import KeepPolicy
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, real):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("parse_fraction", "cycle_starts", "task_names"):
+        monkeypatch.setattr(settings, name, counted(name, getattr(settings, name)))
+    monkeypatch.setattr(KeepPolicy, "parse", counted("KeepPolicy.parse", KeepPolicy.parse))
+    monkeypatch.setattr(run_module, "ft_of", counted("ft_of", settings.ft_of))
+    cfg = parse("--selective_checkpointing=1/2", "--fsdp_activation_checkpointing=True", "--lr_cycles=2")
+    run = facts(cfg)
+    assert calls == {"parse_fraction": 1, "cycle_starts": 1, "task_names": 1, "KeepPolicy.parse": 1, "ft_of": 1}
+    assert run.settings.parallel.checkpointing == run.settings.memory.setting.fraction == Fraction(1, 2)
+    calls.clear()
+    ft_flags = ["--fault_tolerance=True", "--ft_replica_groups=2", "--ft_group_index=1", "--ft_lighthouse=head:29510"]
+    cfg = parse("--dry_run=True", *ft_flags)  # a plan: torchft and a lighthouse are not needed
+    given = settings.ft_of(cfg)  # as the command line builds them, to label each line with the group
+    assert facts(cfg, ft=given).ft is given and "ft_of" not in calls
+    assert given is not None and given.index == 1 and given.lighthouse == "http://head:29510"
