@@ -87,8 +87,10 @@ def bench(run: Run) -> None:
         figures[f"{mode}_total_s"] = round(min(totals), 3)
         ckpt.close()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
-        export_cfg = dataclasses.replace(cfg, export_interval=1, export_format=fmt)
-        exporter = PeriodicExporter(dataclasses.replace(run, cfg=export_cfg), model)
+        exporting = dataclasses.replace(run.settings.export, interval=1, format=fmt)
+        exporter = PeriodicExporter(
+            dataclasses.replace(run, settings=dataclasses.replace(run.settings, export=exporting)), model
+        )
         start = time.perf_counter()
         exporter.export(6)
         figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)
