@@ -1,8 +1,8 @@
 """The training loop, top to bottom.
 
-`run_training`: the run's facts and start-up checks (run.py, worked out by the command line), the process group and mesh, then
-`train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and the trackers, the
-data loader first (bad data fails before the model is built), the model parallelised and its
+`run_training`: the run's facts and start-up checks (run.facts, under the stop signals), the process group
+and mesh, then `train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and
+the trackers, the data loader first (bad data fails before the model is built), the model parallelised and its
 optimizer (train/build.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
