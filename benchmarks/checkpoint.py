@@ -58,14 +58,17 @@ def bench(run: Run) -> None:
         StepGuard(0, None, optimizer, info.device),
         1,
         iter(loader),
-        cfg,
+        run.settings.step,
         info.device,
         global_norm=False,
     )
     figures = {}
+    checkpointing = {  # --async_checkpoint off and on
+        mode: dataclasses.replace(run.settings.checkpoint, background=mode == "async") for mode in ("sync", "async")
+    }
     for mode in ("sync", "async"):
         ckpt = Checkpointer(
-            dataclasses.replace(run, cfg=dataclasses.replace(cfg, async_checkpoint=mode == "async")),
+            dataclasses.replace(run, settings=dataclasses.replace(run.settings, checkpoint=checkpointing[mode])),
             model,
             optimizer,
             scheduler,
@@ -84,8 +87,10 @@ def bench(run: Run) -> None:
         figures[f"{mode}_total_s"] = round(min(totals), 3)
         ckpt.close()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
-        export_cfg = dataclasses.replace(cfg, export_interval=1, export_format=fmt)
-        exporter = PeriodicExporter(dataclasses.replace(run, cfg=export_cfg), model)
+        exporting = dataclasses.replace(run.settings.export, interval=1, format=fmt)
+        exporter = PeriodicExporter(
+            dataclasses.replace(run, settings=dataclasses.replace(run.settings, export=exporting)), model
+        )
         start = time.perf_counter()
         exporter.export(6)
         figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)

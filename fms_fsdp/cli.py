@@ -150,15 +150,12 @@ class Labelled(io.TextIOBase):
         return self.stream.fileno()
 
 
-def label_groups(cfg: Any) -> None:
-    """Under --fault_tolerance, every line this process prints begins with its replica group."""
-    if cfg.fault_tolerance:
-        from fms_fsdp.train.ft_settings import FTSettings
-
-        settings = FTSettings.of(cfg)
-        assert settings is not None
-        sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {settings.index}] "))
-        sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {settings.index}] "))
+def label_groups(ft: Any) -> None:
+    """Under --fault_tolerance (`ft`: its settings, None without it), every line this process prints
+    begins with its replica group."""
+    if ft is not None:
+        sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {ft.index}] "))
+        sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {ft.index}] "))
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
@@ -196,15 +193,18 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
         quiet_library_noise()
         from fms_fsdp.lifetime import LAUNCHER_DIED, exit_with_parent
+        from fms_fsdp.run import facts
+        from fms_fsdp.settings import ft_of
         from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)
-        label_groups(cfg)
+        ft = ft_of(cfg)  # built once, here: every line is labelled with the replica group from the start
+        label_groups(ft)
         if cfg.dry_run:
-            dry_run(cfg)
+            dry_run(facts(cfg, ft=ft))
         else:
-            run_training(cfg)
+            run_training(lambda: facts(cfg, ft=ft))
 
     guarded(work)
 
@@ -219,9 +219,12 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
 
     def work() -> None:
         quiet_library_noise()
-        from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
+        from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation, evaluate_checkpoint
+        from fms_fsdp.run import facts
+        from fms_fsdp.settings import checkpoint_evaluation_of
 
-        evaluate_checkpoint(cfg)
+        check_checkpoint_evaluation(checkpoint_evaluation_of(cfg))
+        evaluate_checkpoint(facts(cfg, run_cache=False))
 
     guarded(work)
 

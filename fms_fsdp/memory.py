@@ -35,15 +35,13 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.activation_trace import Activations, Shape, trace_activations
-from fms_fsdp.config import parse_fraction, train_config
 from fms_fsdp.model.attention import flex_documents
-from fms_fsdp.model.lora import add_adapters
+from fms_fsdp.model.lora import LoRASpec, add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
 from fms_fsdp.parallel.mesh import MeshShape
 from fms_fsdp.parallel.pipeline import PipelinePlan, blocks_of, microbatches_in_flight, prune
 from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
-from fms_fsdp.settings import lora_of
 
 HEADROOM = 0.9  # of the device's memory a plan may use
 AGREEMENT = 0.01  # how far the analytic state may be from the rehearsal's real shards
@@ -128,28 +126,43 @@ class Setting:
         )
 
 
-def setting_of(cfg: train_config) -> Setting:
-    return Setting(
-        cfg.batch_size,
-        cfg.fsdp_activation_checkpointing,
-        parse_fraction("selective_checkpointing", cfg.selective_checkpointing),
-        cfg.ac_mode,
-    )
+@dataclass(frozen=True)
+class MemorySettings:
+    """The flags the plan reads (built once: settings.py)."""
+
+    setting: Setting  # the run's: --batch_size and its activation checkpointing (the fraction parsed once)
+    variant: str
+    vocab_size: Optional[int]  # --vocab_size, None for the variant's
+    seq_length: int
+    mixed_precision: bool
+    device: str  # --device: a plan is for a GPU unless it is "cpu"
+    compile: bool
+    document_masking: bool
+    cp_attention: str
+    muon: bool  # --optimizer=muon
+    lora: Optional[LoRASpec]
+    device_gib: Optional[float]  # --plan_device_memory_gib
 
 
 class Planner:
     """Plans of one model and mesh for any micro-batch and checkpointing setting."""
 
     def __init__(
-        self, cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, device_bytes: int, pp_rank: int = 0
+        self,
+        settings: MemorySettings,
+        shape: MeshShape,
+        model_config: LLaMAConfig,
+        pipeline: Optional[PipelinePlan],
+        device_bytes: int,
+        pp_rank: int = 0,
     ):
-        self.cfg, self.world_size, self.device_bytes = cfg, shape.dp * shape.tp * shape.cp * shape.pp, device_bytes
-        self.mesh = shape
+        """`pipeline`: the run's plan of stages (run.pipeline), None without pipeline parallelism."""
+        self.settings, self.device_bytes, self.mesh = settings, device_bytes, shape
+        self.world_size = shape.dp * shape.tp * shape.cp * shape.pp
         model = build_model(model_config, torch.device("meta"))
-        self.lora = lora_of(cfg)
+        self.lora, self.pipeline = settings.lora, pipeline
         if self.lora is not None:
             add_adapters(model, self.lora)
-        self.pipeline = PipelinePlan.of(cfg, model_config)
         if self.pipeline is not None:  # pipeline rank `pp_rank`'s stages only
             prune(model, self.pipeline, pp_rank)
         self.pp_rank, self.first, self.last = pp_rank, model.base_model.embedding is not None, model.head is not None
@@ -166,16 +179,13 @@ class Planner:
         # the final norm and head: none off a pipeline's last stage
         head = sum(math.prod(tp[n]) for n in tp if n.startswith(("base_model.dec_norm.", "head.")))
         # --optimizer=muon keeps one buffer (its momentum) for the blocks' matrices, AdamW two for the rest
-        muon = 0
-        if cfg.optimizer == "muon":
-            muon = sum(
-                _numel_sharded(tp[n], shards)
-                for n, p in model.named_parameters()
-                if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}" and "lora_" not in n
-            )
-        self.compute = 2 if cfg.mixed_precision else 4
+        matrices = [
+            n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}"
+        ]
+        muon = sum(_numel_sharded(tp[n], shards) for n in matrices if "lora_" not in n) if settings.muon else 0
+        self.compute = 2 if settings.mixed_precision else 4
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
-        self._flex = flex_documents(cfg.use_torch_compile, "cpu" if cfg.device == "cpu" else "cuda")
+        self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * (trained - muon) + 4 * muon
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
@@ -187,13 +197,13 @@ class Planner:
             trained_whole = sum(math.prod(tp[n]) for n, p in model.named_parameters() if p.requires_grad)
             self.gathered = self.compute * whole + 4 * trained_whole
         self.shape = Shape(
-            cfg.model_variant,
-            cfg.vocab_size,
-            cfg.seq_length,
-            cfg.mixed_precision,
-            cfg.device != "cpu",
+            settings.variant,
+            settings.vocab_size,
+            settings.seq_length,
+            settings.mixed_precision,
+            settings.device != "cpu",
             self.lora,
-            shape.whole and cfg.mixed_precision,
+            shape.whole and settings.mixed_precision,
         )
 
     @property
@@ -224,8 +234,8 @@ class Planner:
             activations, saved, loss = self._tensor_parallel(step, chosen, activations, saved, loss)
         if self.mesh.cp > 1:  # likewise: see _context_parallel
             activations, saved, loss = self._context_parallel(step, chosen, activations, saved, loss)
-        elif self.cfg.document_masking and not self._flex:
-            activations += step.batch * self.cfg.seq_length**2  # SDPA's boolean mask of the documents
+        elif self.settings.document_masking and not self._flex:
+            activations += step.batch * self.settings.seq_length**2  # SDPA's boolean mask of the documents
         activations = int(activations * in_flight)
         recompute = per_block["none"] if chosen else 0
         peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
@@ -240,7 +250,7 @@ class Planner:
         its FFN width, its part of the sequence), plus the whole-sequence inputs of attention and the
         FFN that a block not checkpointed whole keeps for its matmuls' backward (2 x tokens x width),
         and in the loss the whole hidden states' gradient (tokens x width)."""
-        tp, tokens = self.mesh.tp, setting.batch * self.cfg.seq_length
+        tp, tokens = self.mesh.tp, setting.batch * self.settings.seq_length
         gathered = int(2 * tokens * self.emb_dim * self.compute * (1 - 1 / tp))
         whole = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
         hidden_grad = int(tokens * self.emb_dim * self.compute * (1 - 1 / tp)) if self.last else 0
@@ -255,12 +265,14 @@ class Planner:
         --cp_attention=ring passes them round the ranks and keeps none), and
         under SDPA's --document_masking the boolean mask of its queries against the line (batch x seq /
         C x seq bytes, one for all blocks)."""
-        cp, tokens = self.mesh.cp, setting.batch * self.cfg.seq_length
+        cp, tokens = self.mesh.cp, setting.batch * self.settings.seq_length
         keys_values = tokens * self.kv_width * self.compute // self.mesh.tp
-        if self.cfg.cp_attention == "ring" or (self.cfg.device == "cpu" and not self.cfg.document_masking):
+        if self.settings.cp_attention == "ring" or (
+            self.settings.device == "cpu" and not self.settings.document_masking
+        ):
             keys_values = 0
         kept = self.n_blocks - chosen if setting.mode == "block" else self.n_blocks
-        mask = tokens * self.cfg.seq_length // cp if self.cfg.document_masking and not self._flex else 0
+        mask = tokens * self.settings.seq_length // cp if self.settings.document_masking and not self._flex else 0
         return activations // cp + kept * keys_values + mask, saved // cp, loss // cp
 
     def largest_batch(self, setting: Setting) -> int:
@@ -282,12 +294,12 @@ class Planner:
         return next((s for s in candidates if self.plan(s).fits), None)
 
 
-def device_memory(cfg: train_config, local_world_size: int) -> tuple[int, str]:
+def device_memory(settings: MemorySettings, local_world_size: int) -> tuple[int, str]:
     """(bytes, what they are) of one rank's device: --plan_device_memory_gib, else the visible GPU,
     else this machine's memory shared by its ranks."""
-    if cfg.plan_device_memory_gib is not None:
-        return int(cfg.plan_device_memory_gib * GIB), "--plan_device_memory_gib"
-    if torch.cuda.is_available() and cfg.device != "cpu":
+    if settings.device_gib is not None:
+        return int(settings.device_gib * GIB), "--plan_device_memory_gib"
+    if torch.cuda.is_available() and settings.device != "cpu":
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, props.name
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -306,27 +318,28 @@ def _gib(n: int) -> str:
 
 
 def report(
-    cfg: train_config,
+    settings: MemorySettings,
     shape: MeshShape,
     model_config: LLaMAConfig,
+    pipeline: Optional[PipelinePlan],
     local_world_size: int,
     states: Optional[Sequence[State]] = None,
 ) -> str:
-    """The plan of the run cfg describes (on a mesh of `shape`), as printed by --dry_run: a table,
+    """The plan of the run `settings` describe (on a mesh of `shape`), as printed by --dry_run: a table,
     suggestions, the PLAN line. `states`: each pipeline rank's parameters, gradients and optimizer state
     as its real shards hold them (the rehearsal), planned with in place of the analytic figures, which
     they are checked against."""
-    device_bytes, device_name = device_memory(cfg, local_world_size)
-    setting = setting_of(cfg)
-    planners = [Planner(cfg, shape, model_config, device_bytes, r) for r in range(shape.pp)]
+    device_bytes, device_name = device_memory(settings, local_world_size)
+    setting = settings.setting
+    planners = [Planner(settings, shape, model_config, pipeline, device_bytes, r) for r in range(shape.pp)]
     checks = [] if states is None else _cross_check(planners, states)
     peaks = [p.plan(setting).peak for p in planners]
     planner = planners[peaks.index(max(peaks))]  # the pipeline rank with the highest peak (or the one rank)
     plan = planner.plan(setting)
-    lines = _report_header(cfg, planner, setting, peaks)
-    lines += _report_table(cfg, planner, plan, device_name)
+    lines = _report_header(planner, setting, peaks)
+    lines += _report_table(planner, plan, device_name)
     lines += checks
-    lines += _report_suggestions(cfg, planner, plan, setting)
+    lines += _report_suggestions(planner, plan, setting)
     lines.append(plan.line())
     return "\n".join(lines)
 
@@ -352,16 +365,17 @@ def _cross_check(planners: list[Planner], states: Sequence[State]) -> list[str]:
     return lines
 
 
-def _report_header(cfg: train_config, planner: Planner, setting: Setting, peaks: list[int]) -> list[str]:
+def _report_header(planner: Planner, setting: Setting, peaks: list[int]) -> list[str]:
     """The report's first line (model, mesh, micro-batch, precision, checkpointing) and, under pipeline
     parallelism, the rank planned (the highest peak) and every rank's peak."""
-    compute = "bf16" if cfg.mixed_precision else "fp32"
+    settings = planner.settings
+    compute = "bf16" if settings.mixed_precision else "fp32"
     chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
     dims = planner.mesh.dims()
     lines = [
-        f"memory plan, per rank: {cfg.model_variant} on {planner.world_size} ranks, mesh "
+        f"memory plan, per rank: {settings.variant} on {planner.world_size} ranks, mesh "
         f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}, "
-        f"micro-batch {cfg.batch_size} x {cfg.seq_length} tokens, "
+        f"micro-batch {setting.batch} x {settings.seq_length} tokens, "
         f"{compute}, activation checkpointing: "
         + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
     ]
@@ -371,24 +385,23 @@ def _report_header(cfg: train_config, planner: Planner, setting: Setting, peaks:
         lines.append(
             f"  pipeline rank {planner.pp_rank} of {planner.mesh.pp} has the highest peak: stages "
             f"{', '.join(map(str, stages))} ({len(blocks)} blocks), {microbatches_in_flight(planner.pipeline, planner.pp_rank):g} "
-            f"of {planner.pipeline.microbatches} microbatches of {-(-cfg.batch_size // planner.pipeline.microbatches)} "
+            f"of {planner.pipeline.microbatches} microbatches of {-(-setting.batch // planner.pipeline.microbatches)} "
             f"lines in flight; every rank's peak: " + ", ".join(f"{_gib(p).strip()}" for p in peaks)
         )
     return lines
 
 
-def _report_table(cfg: train_config, planner: Planner, plan: Plan, device_name: str) -> list[str]:
+def _report_table(planner: Planner, plan: Plan, device_name: str) -> list[str]:
     """The report's table of bytes by kind, its notes on what is estimated, and whether the peak fits."""
-    compute = "bf16" if cfg.mixed_precision else "fp32"
+    settings = planner.settings
+    compute = "bf16" if settings.mixed_precision else "fp32"
     whole = planner.mesh.whole
     copies = ", bf16 weight copies included" if planner.shape.autocast else ""
     rows = [
         ("parameters (fp32)" if whole else "parameters (fp32 master shards)", plan.params),
         ("gradients (fp32)" if whole else "gradients (fp32 shards)", plan.grads),
         (
-            "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)"
-            if cfg.optimizer == "muon"
-            else "optimizer state (AdamW, 2 x fp32)",
+            "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)" if settings.muon else "optimizer state (AdamW, 2 x fp32)",
             plan.optimizer,
         ),
         *([] if whole else [(_gathered_row(planner, compute), plan.gathered)]),
@@ -403,7 +416,7 @@ def _report_table(cfg: train_config, planner: Planner, plan: Plan, device_name: 
         lines.append("  (tensor or context parallel: activations and loss estimated from the unsplit model's traces)")
     if whole:
         lines.append(
-            f"  (one rank: the module itself, no FSDP{', bf16 through autocast' if cfg.mixed_precision else ''})"
+            f"  (one rank: the module itself, no FSDP{', bf16 through autocast' if settings.mixed_precision else ''})"
         )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(
@@ -412,7 +425,7 @@ def _report_table(cfg: train_config, planner: Planner, plan: Plan, device_name: 
     return lines
 
 
-def _report_suggestions(cfg: train_config, planner: Planner, plan: Plan, setting: Setting) -> list[str]:
+def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[str]:
     """The report's suggestions: the largest micro-batch that fits with this checkpointing, and the least
     checkpointing that fits --batch_size (else a smaller batch, or how many ranks the state needs)."""
     largest = planner.largest_batch(setting)
@@ -425,26 +438,33 @@ def _report_suggestions(cfg: train_config, planner: Planner, plan: Plan, setting
         f"none: the model's state alone takes {_gib(state).strip()} per rank; shard it over {need}ranks "
         "(--sharding_strategy=fsdp, a larger --sharding_group_size, or --tensor_parallel_size)"
     )
-    least = planner.least_checkpointing(cfg.batch_size)
+    least = planner.least_checkpointing(setting.batch)
     return [
         "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
-        f"least checkpointing that fits --batch_size={cfg.batch_size}: "
+        f"least checkpointing that fits --batch_size={setting.batch}: "
         + (
             least.flags().split(" ", 1)[1]
             if least
             else "none does: lower --batch_size"
-            if cfg.batch_size > 1 and not state_alone
+            if setting.batch > 1 and not state_alone
             else more_ranks
         ),
     ]
 
 
 def fits_or_warning(
-    cfg: train_config, shape: MeshShape, model_config: LLaMAConfig, local_world_size: int
+    settings: MemorySettings,
+    shape: MeshShape,
+    model_config: LLaMAConfig,
+    pipeline: Optional[PipelinePlan],
+    local_world_size: int,
 ) -> Optional[str]:
     """None when the run's plan fits its device, else the start-up warning."""
-    device_bytes, device_name = device_memory(cfg, local_world_size)
-    plans = [Planner(cfg, shape, model_config, device_bytes, r).plan(setting_of(cfg)) for r in range(shape.pp)]
+    device_bytes, device_name = device_memory(settings, local_world_size)
+    plans = [
+        Planner(settings, shape, model_config, pipeline, device_bytes, r).plan(settings.setting)
+        for r in range(shape.pp)
+    ]
     plan = max(plans, key=lambda p: p.peak)
     if plan.fits:
         return None

@@ -8,6 +8,7 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fms_fsdp.errors import ConfigError, first_line
-from fms_fsdp.run import Run
+from fms_fsdp.parallel.process_group import DistInfo
 from fms_fsdp.storage import is_remote, storage_error
 from fms_fsdp.trackers import Trackers
 from fms_fsdp.train.periodic import Report
@@ -49,35 +50,48 @@ def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Option
     return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in name), None)
 
 
+@dataclass(frozen=True)
+class MetricsSettings:
+    """The flags the reports read (built once: settings.py)."""
+
+    batch_size: int
+    seq_length: int
+    grad_accum_steps: int
+    peak_tflops: Optional[float]  # --peak_tflops, None for the device's table entry
+    num_steps: int
+
+
 class MetricsReporter:
     """Accumulates per-step figures on the device and reports them every report_interval steps."""
 
     def __init__(
         self,
-        run: Run,
+        settings: MetricsSettings,
+        info: DistInfo,
+        path: Path,
         flops_per_token: float,
         start_step: int = 0,
         tokens_seen: int = 0,
         trackers: Optional[Trackers] = None,
         dataset_lines: Optional[Callable[[], dict[str, int]]] = None,
     ):
-        cfg, info = run.cfg, run.info
-        self.dataset_lines, self.seq_length = dataset_lines, cfg.seq_length  # tokens per dataset, reported
+        """`path`: metrics.jsonl (run.paths.metrics)."""
+        self.dataset_lines, self.seq_length = dataset_lines, settings.seq_length  # tokens per dataset, reported
         self.info = info
         self.trackers = trackers or Trackers({})
         self.device = info.device
         # per GPU: a tensor- (context-, pipeline-) parallel group of T x C x P GPUs trains on one rank's batch
-        self.tokens_per_step = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps / info.same_data
+        self.tokens_per_step = settings.batch_size * settings.seq_length * settings.grad_accum_steps / info.same_data
         self.flops_per_token = flops_per_token
-        self.peak = peak_flops(info.device, cfg.peak_tflops)
-        self.log = MetricsLog(run.paths.metrics, info.is_main)
+        self.peak = peak_flops(info.device, settings.peak_tflops)
+        self.log = MetricsLog(path, info.is_main)
         self.start_step = start_step
         self.tokens_seen = tokens_seen  # all ranks, carried over a resume
         self.run_start = time.perf_counter()
         self._reset(time.perf_counter())
         self.bar = None
         if info.is_main and sys.stderr.isatty():
-            self.bar = tqdm(total=cfg.num_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=settings.num_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def _reset(self, now: float) -> None:
         self.interval_start = now

@@ -29,10 +29,12 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
-from fms_fsdp.config import train_config
+from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.data.build import check_tokenizer
+from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
@@ -48,8 +50,8 @@ from fms_fsdp.parallel.process_group import (
     world_from_env,
 )
 from fms_fsdp.profiling import check_profiler
-from fms_fsdp.settings import Settings, settings_of
-from fms_fsdp.storage import is_remote, location
+from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
+from fms_fsdp.storage import is_remote, location, make_folder
 from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
@@ -131,6 +133,11 @@ class Run:
         return Paths.of(self.cfg.ckpt_save_path, None if self.ft is None else self.ft.index)
 
     @property
+    def variant(self) -> str:
+        """--model_variant."""
+        return self.cfg.model_variant
+
+    @property
     def vocab_size(self) -> int:
         return self.model_config.src_vocab_size
 
@@ -167,9 +174,11 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
     return rank, cfg.plan_world_size, local_rank, min(cfg.plan_world_size, PLANNED_RANKS_PER_NODE)
 
 
-def facts(cfg: train_config) -> Run:
+def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = None) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
-    data or model is touched, and nothing is waited for (`started` waits for the lighthouse)."""
+    data or model is touched, and nothing is waited for (`started` waits for the lighthouse).
+    `run_cache`: the data caches may be kept under --ckpt_save_path (False: `fms-evaluate`'s). `ft`:
+    --fault_tolerance's settings where the command line built them already (settings.ft_of)."""
     check_torch()
     rank, world_size, local_rank, local_world_size = planned_world(cfg)
     # a dry run plans for the device asked for, which this machine need not have
@@ -178,15 +187,17 @@ def facts(cfg: train_config) -> Run:
         if cfg.dry_run
         else resolve_device(cfg.device, local_rank)
     )
-    shape = mesh_shape(cfg, world_size, local_world_size)
+    mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
+    shape = mesh_shape(mesh, world_size, local_world_size)
     model_config = get_model_config(
         cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
     )
-    check_tensor_parallel(cfg, model_config)
-    check_context_parallel(cfg, device)
-    check_pipeline(cfg, model_config)
-    pipeline = PipelinePlan.of(cfg, model_config)
-    settings = settings_of(cfg)  # the keep policy, the schedule, the mixture, ...: ConfigError naming the flag
+    check_tensor_parallel(mesh, model_config)
+    check_context_parallel(mesh, device)
+    check_pipeline(pipeline_settings, model_config)
+    pipeline = PipelinePlan.of(pipeline_settings, model_config)
+    # every component's settings (the keep policy, the schedule, ...): ConfigError naming the flag
+    settings = settings_of(cfg, model_config.src_vocab_size, run_cache)
     check_optimizer(settings.optimizer, settings.lora is not None)
     if not cfg.dry_run:  # a plan is made on any machine, for the devices the run will have
         if settings.parallel.float8 is not None:
@@ -194,7 +205,7 @@ def facts(cfg: train_config) -> Run:
         check_profiler(settings.profiler, device)
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
-    check_harness(cfg)
+    check_harness(settings.harness)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant)
     notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
@@ -209,7 +220,9 @@ def facts(cfg: train_config) -> Run:
             f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions{scaled}: the "
             f"model trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
         )
-    ft = check_fault_tolerance(cfg, shape, world_size)
+    ft = ft or ft_of(cfg)
+    if ft is not None and not cfg.dry_run:
+        check_fault_tolerance(shape, world_size, cfg.sharding_strategy)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
@@ -258,6 +271,19 @@ def record(run: Run) -> str:
         *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
     ]
     return "".join(f"# {line}\n" for line in lines)
+
+
+def write_config(run: Run) -> None:
+    """<ckpt_save_path>/config.yaml: the run record (`record`), then the flags (an earlier, different
+    one is kept as config.<n>.yaml), written once the run has started (a start that failed leaves none);
+    CheckpointError naming the path when it cannot be written."""
+    try:
+        make_folder(run.paths.root)
+        write_text_keeping_old(run.paths.config, record(run) + to_yaml(run.cfg))
+    except Exception as e:  # fsspec filesystems raise their clients' own errors too
+        raise CheckpointError(
+            f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} ({type(e).__name__}: {first_line(e)})"
+        ) from None
 
 
 def summary(run: Run, start: int) -> list[str]:

@@ -1,26 +1,44 @@
 """Every component's settings, built once from the flags at the door (`run.facts`) and kept on the
 `Run` as `run.settings`: a component receives its own small settings object, never the flat config.
 
-Each fact the flags state is parsed here once: the fraction of checkpointed blocks, the keep policy
-and the schedule's cycles (the data's settings, the mixture's schedule among them, are read where the
-loader is built, data/build.py, which a start runs before the model). A settings object that cannot be (a decay longer
-than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
+Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
+and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names and the
+values of the flags replica groups share (the data's settings, the mixture's schedule among them, are
+read where the loader is built, data/build.py, which a start runs before the model). Three are built
+before the others, by `run.facts` or the command line, and are not kept here: the mesh's and the
+pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows from them, `run.shape` and
+`run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay
+longer than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
-from fms_fsdp.config import parse_fraction, train_config
+from fms_fsdp.config import parse_fraction, to_dict, train_config
+from fms_fsdp.data.build import layout_of, packing_of
+from fms_fsdp.evaluation.harness import HarnessSettings, task_names
+from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
+from fms_fsdp.memory import MemorySettings, Setting
+from fms_fsdp.metrics import MetricsSettings
+from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
+from fms_fsdp.parallel.mesh import MeshSettings
 from fms_fsdp.parallel.parallelize import ParallelSettings
+from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
+from fms_fsdp.trackers import TrackerSettings
+from fms_fsdp.train.ft_settings import FTSettings
+from fms_fsdp.train.settings import LoopSettings, ModelSettings
+from fms_fsdp.train.step import StepSettings
 from fms_fsdp.train.triggers import TriggerSettings
 
 
@@ -36,15 +54,26 @@ class Settings:
     triggers: TriggerSettings
     checkpoint: CheckpointSettings
     export: ExportSettings
+    evaluation: EvalSettings
+    harness: HarnessSettings
+    memory: MemorySettings
+    attention: AttentionSettings
+    trackers: TrackerSettings
+    loop: LoopSettings
+    step: StepSettings
+    metrics: MetricsSettings
+    model: ModelSettings
 
 
-def settings_of(cfg: train_config) -> Settings:
-    """Every component's settings from the flags (ConfigError naming the flag that cannot be)."""
-    lora = lora_of(cfg)
+def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> Settings:
+    """Every component's settings from the flags and the model's vocabulary `vocab_size` (ConfigError
+    naming the flag that cannot be); `run_cache`: the data caches may be kept under --ckpt_save_path
+    (a training run's; `fms-evaluate` keeps them only in --data_cache_dir)."""
+    lora, parallel = lora_of(cfg), parallel_of(cfg)
     return Settings(
         schedule=schedule_of(cfg),
         optimizer=optimizer_of(cfg),
-        parallel=parallel_of(cfg),
+        parallel=parallel,
         lora=lora,
         profiler=ProfilerSettings(
             cfg.use_profiler,
@@ -79,6 +108,110 @@ def settings_of(cfg: train_config) -> Settings:
             lora,
             cfg.ckpt_load_path,
         ),
+        evaluation=evaluation_of(cfg, vocab_size, run_cache),
+        harness=harness_of(cfg),
+        memory=memory_of(cfg, parallel, lora),
+        attention=AttentionSettings(
+            cfg.eos_token if cfg.document_masking else None,
+            cfg.document_positions == "document",
+            cfg.use_torch_compile,
+            cfg.cp_attention == "ring",
+        ),
+        trackers=trackers_of(cfg),
+        loop=loop_of(cfg),
+        step=StepSettings(cfg.grad_accum_steps, cfg.grad_clip_thresh),
+        metrics=MetricsSettings(cfg.batch_size, cfg.seq_length, cfg.grad_accum_steps, cfg.peak_tflops, cfg.num_steps),
+        model=ModelSettings(cfg.low_cpu_fsdp, cfg.seed, cfg.z_loss_weight),
+    )
+
+
+def loop_of(cfg: train_config) -> LoopSettings:
+    """The flags the training loop reads itself."""
+    return LoopSettings(
+        cfg.num_steps,
+        cfg.report_interval,
+        cfg.seed,
+        cfg.skip_bad_steps,
+        cfg.spike_sigma,
+        cfg.grad_clip_thresh,
+        cfg.straggler_threshold,
+        cfg.straggler_reports,
+        cfg.batch_size,
+        cfg.seq_length,
+        cfg.mixed_precision,
+        cfg.checkpoint_interval,
+        cfg.stop_exit_status,
+        cfg.export_model_at_end,
+    )
+
+
+def trackers_of(cfg: train_config) -> TrackerSettings:
+    """--tracker's settings, with every flag's value for the trackers' hyper-parameters."""
+    names = tuple(cfg.tracker or ())
+    return TrackerSettings(names, cfg.tracker_project_name, cfg.tracker_dir, cfg.tracker_run_id, to_dict(cfg))
+
+
+def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:
+    """The memory plan's settings; its activation checkpointing is `parallel`'s (parsed once there) and
+    its adapters `lora`'s."""
+    fraction = parallel.checkpointing
+    return MemorySettings(
+        Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
+        cfg.model_variant,
+        cfg.vocab_size,
+        cfg.seq_length,
+        cfg.mixed_precision,
+        cfg.device,
+        cfg.use_torch_compile,
+        cfg.document_masking,
+        cfg.cp_attention,
+        cfg.optimizer == "muon",
+        lora,
+        cfg.plan_device_memory_gib,
+    )
+
+
+def evaluation_of(cfg: train_config, vocab_size: int, run_cache: bool) -> EvalSettings:
+    """--eval_data_path's evaluation, its datasets read and framed as training's (data/build.py)."""
+    return EvalSettings(
+        cfg.eval_interval,
+        cfg.num_steps,
+        cfg.eval_data_path,
+        cfg.eval_datasets,
+        cfg.eval_batch_size or cfg.batch_size,
+        cfg.eval_batches,
+        cfg.pipeline_parallel_size > 1,
+        layout_of(cfg, vocab_size, run_cache) if cfg.eval_interval else None,
+        packing_of(cfg, vocab_size),
+    )
+
+
+def checkpoint_evaluation_of(cfg: train_config) -> CheckpointEvalSettings:
+    """What `fms-evaluate` is asked to evaluate (checked before the run's facts)."""
+    return CheckpointEvalSettings(
+        cfg.ckpt_load_path,
+        bool(cfg.eval_data_path),
+        bool(cfg.eval_harness_tasks),
+        cfg.pipeline_parallel_size,
+        bool(cfg.lora_rank),
+    )
+
+
+def harness_of(cfg: train_config) -> HarnessSettings:
+    """--eval_harness_tasks's settings, the task names parsed once."""
+    return HarnessSettings(
+        task_names(cfg.eval_harness_tasks),
+        cfg.eval_harness_include_path,
+        cfg.tokenizer_path,
+        cfg.eval_harness_interval,
+        cfg.eval_harness_limit or None,
+        cfg.num_steps,
+        cfg.seq_length,
+        cfg.eval_batch_size or cfg.batch_size,
+        cfg.eos_token,
+        cfg.bos_token if cfg.bos_token is not None else cfg.eos_token,
+        cfg.context_parallel_size,
+        cfg.tensor_parallel_size,
     )
 
 
@@ -133,4 +266,68 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
         cfg.use_torch_compile,
         cfg.mixed_precision,
         float8_of(cfg),
+    )
+
+
+def mesh_of(cfg: train_config) -> MeshSettings:
+    """The mesh's flags (run.facts lays out the mesh from them before the other settings are built, and
+    keeps its shape: run.shape)."""
+    return MeshSettings(
+        cfg.pipeline_parallel_size,
+        cfg.tensor_parallel_size,
+        cfg.context_parallel_size,
+        cfg.sharding_strategy,
+        cfg.sharding_group_size,
+        cfg.seq_length,
+        cfg.cp_attention,
+        cfg.document_masking,
+        cfg.mixed_precision,
+        cfg.use_torch_compile,
+        cfg.float8,
+        bool(cfg.lora_rank),
+    )
+
+
+def pipeline_of(cfg: train_config) -> PipelineSettings:
+    """The pipeline's flags (run.facts plans the stages from them, and keeps the plan: run.pipeline)."""
+    return PipelineSettings(
+        cfg.pipeline_parallel_size,
+        cfg.pipeline_schedule,
+        cfg.pipeline_stages_per_rank,
+        cfg.pipeline_microbatches,
+        cfg.pipeline_split,
+        cfg.batch_size,
+        cfg.model_variant,
+        cfg.grad_accum_steps,
+        bool(cfg.eval_harness_tasks),
+        cfg.eval_batch_size,
+    )
+
+
+# Flags every replica group must share beyond the model and the mesh: the fields marked `shared` in
+# config.py (what sets each group's batches and every update: data layout and order, optimizer,
+# learning-rate schedule, precision, adapters). Paths (the data's too: a copy on another mount),
+# logging and checkpoint cadence may differ.
+SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metadata["shared"])
+
+
+def shared_of(cfg: train_config) -> str:
+    """The values of SHARED_FLAGS, as --fault_tolerance's fingerprint holds them (train/ft_settings.py)."""
+    return "|".join(f"{f}={getattr(cfg, f)!r}" for f in SHARED_FLAGS)
+
+
+def ft_of(cfg: train_config) -> Optional[FTSettings]:
+    """--fault_tolerance's settings, the environment filled in (None without it; ConfigError naming the
+    flag when one is missing or wrong). Built once: by the command line, which labels each line with the
+    replica group before the run's facts, else by run.facts."""
+    if not cfg.fault_tolerance:
+        return None
+    return FTSettings.of(
+        cfg.ft_replica_groups,
+        cfg.ft_group_index,
+        cfg.ft_min_replicas,
+        cfg.ft_lighthouse,
+        cfg.ft_timeout_seconds,
+        cfg.ft_step_timeout_seconds,
+        shared_of(cfg),
     )

@@ -14,15 +14,27 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from fms_fsdp.atomic import write_text_atomic
-from fms_fsdp.config import to_dict, train_config
 from fms_fsdp.errors import ConfigError, TrackerError, first_line
 from fms_fsdp.parallel.process_group import on_rank0
 
 RUN_IDS_FILE = "tracker_runs.json"
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    """--tracker and its flags, and the resolved config the trackers record as hyper-parameters (built
+    once: settings.py)."""
+
+    names: tuple[str, ...]  # --tracker
+    project: str  # --tracker_project_name
+    folder: Optional[str]  # --tracker_dir
+    run_id: Optional[str]  # --tracker_run_id
+    config: dict[str, Any]  # every flag's value
 
 
 class Tracker(Protocol):
@@ -270,35 +282,35 @@ def _load_run_ids(path: Path) -> dict[str, str]:
     return ids
 
 
-def _open(name: str, cfg: train_config, folder: Path, run_id: Optional[str], resumed: bool) -> Tracker:
-    config = to_dict(cfg)
+def _open(name: str, settings: TrackerSettings, folder: Path, run_id: Optional[str], resumed: bool) -> Tracker:
+    config, project = settings.config, settings.project
     if name == "tensorboard":
         return TensorBoardTracker(folder / "tensorboard" / (run_id or ""), config)
     if name == "wandb":
-        return WandbTracker(folder, cfg.tracker_project_name, run_id or "", config)
+        return WandbTracker(folder, project, run_id or "", config)
     if name == "mlflow":
-        return MLflowTracker(folder, cfg.tracker_project_name, run_id, config)
-    return AimTracker(folder, cfg.tracker_project_name, run_id, config, take_over=resumed)
+        return MLflowTracker(folder, project, run_id, config)
+    return AimTracker(folder, project, run_id, config, take_over=resumed)
 
 
-def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
+def open_trackers(settings: TrackerSettings, run_folder: Path) -> Trackers:
     """Start (or resume) every tracker in --tracker, their files under --tracker_dir (default:
     `run_folder`/tracker) and their run ids in `run_folder`/tracker_runs.json. Call on rank 0 only;
     raises TrackerError."""
-    if not cfg.tracker:
+    if not settings.names:
         return Trackers({})
-    folder = Path(cfg.tracker_dir) if cfg.tracker_dir else run_folder / "tracker"
+    folder = Path(settings.folder) if settings.folder else run_folder / "tracker"
     ids_path = run_folder / RUN_IDS_FILE
     saved = _load_run_ids(ids_path)  # the tracker runs of earlier attempts of this run
-    ids = {name: cfg.tracker_run_id for name in cfg.tracker} if cfg.tracker_run_id else dict(saved)
+    ids = {name: settings.run_id for name in settings.names} if settings.run_id else dict(saved)
     trackers: dict[str, Tracker] = {}
     try:
-        for name in cfg.tracker:
+        for name in settings.names:
             if name not in ("aim", "mlflow"):  # an Aim run's hash and an MLflow run's id are theirs to choose
                 ids.setdefault(name, uuid.uuid4().hex[:12])
             resumed = name in saved and saved[name] == ids.get(name)
             try:
-                tracker = _open(name, cfg, folder, ids.get(name), resumed)
+                tracker = _open(name, settings, folder, ids.get(name), resumed)
             except Exception as e:
                 if resumed:  # a resumed run goes on: a requeued job is never lost to a tracker
                     message = str(e) if isinstance(e, TrackerError) else f"--tracker={name}: {first_line(e)}"
@@ -322,10 +334,12 @@ def open_trackers(cfg: train_config, run_folder: Path) -> Trackers:
     return Trackers(trackers)
 
 
-def start_trackers(cfg: train_config, run_folder: Path) -> Trackers:
+def start_trackers(settings: TrackerSettings, run_folder: Path) -> Trackers:
     """open_trackers on rank 0 (the other ranks get none); a tracker that cannot start stops every rank
     with one ConfigError (rank 0 keeps the traceback of an error that is not a TrackerError)."""
     opened: list[Trackers] = []
-    if cfg.tracker:
-        on_rank0(lambda: opened.append(open_trackers(cfg, run_folder)), TrackerError, ConfigError)  # nothing to share
+    if settings.names:
+        on_rank0(
+            lambda: opened.append(open_trackers(settings, run_folder)), TrackerError, ConfigError
+        )  # nothing to share
     return opened[0] if opened else Trackers({})

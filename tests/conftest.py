@@ -173,10 +173,11 @@ def run_here(args: list[str]) -> str:
     """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
     command line is not under test."""
     from fms_fsdp.flags import parse_args
+    from fms_fsdp.run import facts
     from fms_fsdp.train.loop import run_training
 
     with here() as out:
-        run_training(parse_args([*TINY, *args]))
+        run_training(lambda: facts(parse_args([*TINY, *args])))
     return out.getvalue()
 
 

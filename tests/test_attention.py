@@ -14,6 +14,7 @@ from fms_fsdp.flags import parse_args
 from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.context_parallel import ContextParallel
+from fms_fsdp.settings import mesh_of
 
 from conftest import TINY, train_here
 
@@ -127,11 +128,11 @@ def test_a_run_trains_with_document_masking(tmp):
 def test_context_parallel_errors_name_the_numbers_at_start_up(args, world, message):
     from fms_fsdp.parallel.mesh import check_context_parallel, mesh_shape
 
-    cfg = parse_args([*TINY, *args])
+    settings = mesh_of(parse_args([*TINY, *args]))
     device = "cuda" if "--device=cuda" in args else "cpu"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        mesh_shape(cfg, world, world)
-        check_context_parallel(cfg, torch.device(device))
+        mesh_shape(settings, world, world)
+        check_context_parallel(settings, torch.device(device))
 
 
 def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
@@ -140,12 +141,12 @@ def test_context_parallel_in_compiled_blocks_needs_torch_2_13(monkeypatch):
     from fms_fsdp import compat
     from fms_fsdp.parallel.mesh import check_context_parallel
 
-    cfg = parse_args([*TINY, "--context_parallel_size=2", "--use_torch_compile=True"])
+    settings = mesh_of(parse_args([*TINY, "--context_parallel_size=2", "--use_torch_compile=True"]))
     monkeypatch.setattr(compat, "TORCH", (2, 11))
     with pytest.raises(ConfigError, match="with --use_torch_compile=True needs torch 2.13 or later"):
-        check_context_parallel(cfg, torch.device("cpu"))
+        check_context_parallel(settings, torch.device("cpu"))
     monkeypatch.setattr(compat, "TORCH", (2, 13))
-    check_context_parallel(cfg, torch.device("cpu"))
+    check_context_parallel(settings, torch.device("cpu"))
 
 
 def _saved_bytes(forward) -> int:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from fractions import Fraction
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_fire_style_flag_forms():
 def test_every_field_has_help_and_round_trips_through_a_file(tmp_path):
     cfg = parse()
     assert all(f.metadata["help"] for f in FIELDS.values())
-    # and says whether fault-tolerance replica groups must share it (ft_settings.SHARED_FLAGS is made of those)
+    # and says whether fault-tolerance replica groups must share it (settings.SHARED_FLAGS is made of those)
     undecided = [name for name, f in FIELDS.items() if not isinstance(f.metadata.get("shared"), bool)]
     assert not undecided, f"say shared=True or shared=False for {undecided} (config._f)"
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
@@ -245,7 +246,7 @@ def test_memory_snapshot_without_a_gpu_is_refused_before_training():
         parse("--profiler_memory_snapshot", "--device=cuda")
     cfg = parse("--use_profiler", "--profiler_memory_snapshot")  # the device is known once resolved
     with pytest.raises(ConfigError, match="--profiler_memory_snapshot records the CUDA allocator: this run has no GPU"):
-        check_profiler(settings_of(cfg).profiler, torch.device("cpu"))
+        check_profiler(settings_of(cfg, vocab_size=256).profiler, torch.device("cpu"))
 
 
 def test_a_repeated_flag_takes_the_later_value():
@@ -259,3 +260,37 @@ def test_one_rule_says_which_paths_are_object_storage():
     with pytest.raises(ConfigError, match="--profiler_dir: set a local folder: --ckpt_save_path=s3://b/run"):
         parse("--ckpt_save_path=s3://b/run", "--use_profiler=True")
     parse("--ckpt_save_path=file:///tmp/run", "--use_profiler=True")
+
+
+def test_the_run_parses_each_fact_of_the_flags_once(monkeypatch):
+    """run.facts builds every component's settings once: the checkpointed fraction of blocks (the
+    parallelism's and the memory plan's), the keep policy, the schedule's cycles and the lm-eval tasks
+    are each parsed by one call, and --fault_tolerance's settings are built once, by the command line
+    where it gives them."""
+    import fms_fsdp.run as run_module
+    import fms_fsdp.settings as settings
+    from fms_fsdp.checkpoint.policy import KeepPolicy
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, real):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("parse_fraction", "cycle_starts", "task_names"):
+        monkeypatch.setattr(settings, name, counted(name, getattr(settings, name)))
+    monkeypatch.setattr(KeepPolicy, "parse", counted("KeepPolicy.parse", KeepPolicy.parse))
+    monkeypatch.setattr(run_module, "ft_of", counted("ft_of", settings.ft_of))
+    cfg = parse("--selective_checkpointing=1/2", "--fsdp_activation_checkpointing=True", "--lr_cycles=2")
+    run = facts(cfg)
+    assert calls == {"parse_fraction": 1, "cycle_starts": 1, "task_names": 1, "KeepPolicy.parse": 1, "ft_of": 1}
+    assert run.settings.parallel.checkpointing == run.settings.memory.setting.fraction == Fraction(1, 2)
+    calls.clear()
+    ft_flags = ["--fault_tolerance=True", "--ft_replica_groups=2", "--ft_group_index=1", "--ft_lighthouse=head:29510"]
+    cfg = parse("--dry_run=True", *ft_flags)  # a plan: torchft and a lighthouse are not needed
+    given = settings.ft_of(cfg)  # as the command line builds them, to label each line with the group
+    assert facts(cfg, ft=given).ft is given and "ft_of" not in calls
+    assert given is not None and given.index == 1 and given.lighthouse == "http://head:29510"

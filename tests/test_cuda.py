@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
-from fms_fsdp.memory import GIB, Planner, setting_of
+from fms_fsdp.memory import GIB, Planner
 from fms_fsdp.run import facts, started
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
@@ -68,12 +68,16 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
         batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         total = torch.zeros((), device=info.device)
-        train_step(model, optimizer, guard, 1, batches, cfg, info.device, global_norm=True)  # first step: lazy state
+        train_step(
+            model, optimizer, guard, 1, batches, run.settings.step, info.device, global_norm=True
+        )  # first step: lazy state
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(2, 6):
-                done = train_step(model, optimizer, guard, step, batches, cfg, info.device, global_norm=False)
+                done = train_step(
+                    model, optimizer, guard, step, batches, run.settings.step, info.device, global_norm=False
+                )
                 scheduler.step()
                 total += done.loss
         finally:
@@ -183,7 +187,9 @@ def test_the_memory_plan_is_within_10_percent_of_the_peak(tmp_path, ac):
     cfg = parse_args([*GPU, *flags, "--ckpt_save_path=unused"])
     run = facts(cfg)
     device_bytes = torch.cuda.get_device_properties(0).total_memory
-    planned = Planner(cfg, run.shape, run.model_config, device_bytes).plan(setting_of(cfg))
+    planned = Planner(run.settings.memory, run.shape, run.model_config, run.pipeline, device_bytes).plan(
+        run.settings.memory.setting
+    )
     print(f"memory plan {ac}: planned {planned.peak / GIB:.2f} GiB, measured {peak / GIB:.2f} GiB")
     assert abs(planned.peak - peak) <= 0.1 * peak, (planned, peak / GIB)
 

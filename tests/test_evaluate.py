@@ -71,6 +71,7 @@ def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_trai
             )
         )
     found = dict(re.findall(r"^EVAL dataset=(\w+) loss=([\d.]+) ppl=[\d.]+ tokens=\d+$", out.getvalue(), re.M))
+    assert not (tmp_path / "standalone" / "data_cache").exists()  # fms-evaluate caches only in --data_cache_dir
     assert found.keys() == {"web", "code", "all"}
     for name, key in (("web", "eval_loss/web"), ("code", "eval_loss/code"), ("all", "eval_loss")):
         assert float(found[name]) == pytest.approx(six[key], rel=1e-5), name

@@ -19,8 +19,9 @@ import torch
 
 from fms_fsdp.cli import Labelled
 from fms_fsdp.parallel.process_group import free_port
+from fms_fsdp.settings import SHARED_FLAGS, shared_of
 from fms_fsdp.train.ft import Watchdog, short_cause
-from fms_fsdp.train.ft_settings import SHARED_FLAGS, fingerprint
+from fms_fsdp.train.ft_settings import fingerprint
 
 from conftest import ROOT, TINY, records, run_here
 
@@ -220,19 +221,23 @@ def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
     from fms_fsdp.config import train_config
 
     cfg = train_config()
-    base = fingerprint(cfg, "llama", "mesh")
+    base = fingerprint(shared_of(cfg), "llama", "mesh")
 
     def changed(flag: str, value: Any) -> str:
         other = train_config()
         setattr(other, flag, value)
-        return fingerprint(other, "llama", "mesh")
+        return fingerprint(shared_of(other), "llama", "mesh")
 
     assert all(hasattr(cfg, f) for f in SHARED_FLAGS)
     assert {f for f in SHARED_FLAGS if changed(f, ("another", getattr(cfg, f))) == base} == set()
     assert {"seed", "learning_rate", "warmup_steps", "lr_schedule", "batch_size"} <= set(SHARED_FLAGS)
     for flag, value in (("ckpt_save_path", "/b"), ("data_path", "/b"), ("ft_group_index", 3), ("report_interval", 7)):
         assert changed(flag, value) == base, flag
-    assert fingerprint(cfg, "llama", "another mesh") != base != fingerprint(cfg, "another model", "mesh")
+    assert (
+        fingerprint(shared_of(cfg), "llama", "another mesh")
+        != base
+        != fingerprint(shared_of(cfg), "another model", "mesh")
+    )
 
 
 def test_the_watchdog_ends_a_hung_step_in_one_line():

@@ -15,11 +15,12 @@ from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.evaluation.evaluate import evaluate_checkpoint
+from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
 from fms_fsdp.flags import make_config
 from fms_fsdp.model.lora import TARGETS, LoRASpec, add_adapters
 from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.run import facts
+from fms_fsdp.settings import checkpoint_evaluation_of
 
 from conftest import train, train_here
 
@@ -138,9 +139,11 @@ def test_a_lora_checkpoint_is_not_taken_for_a_model_nor_resumed_on_another_base(
     with pytest.raises(CheckpointError, match="is a LoRA checkpoint: it holds the adapters only"):
         export_checkpoint(str(tuned / "checkpoints" / "step_4_ckp"), str(tmp_path / "m.safetensors"))
     with pytest.raises(ConfigError, match="evaluation takes whole models: drop --lora_rank"):
-        evaluate_checkpoint(
-            make_config(
-                model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x", eval_interval=1
+        check_checkpoint_evaluation(
+            checkpoint_evaluation_of(
+                make_config(
+                    model_variant="tiny", lora_rank=4, ckpt_load_path=str(base[0]), eval_data_path="x", eval_interval=1
+                )
             )
         )
     flags = [*LORA, "--num_steps=2"]

@@ -11,11 +11,13 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory import Planner, Setting, fits_or_warning, report
+from fms_fsdp.memory import MemorySettings, Planner, Setting, fits_or_warning, report
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
 from fms_fsdp.parallel.mesh import mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast
+from fms_fsdp.parallel.pipeline import PipelinePlan
+from fms_fsdp.settings import lora_of, memory_of, mesh_of, parallel_of, pipeline_of
 
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 
@@ -59,19 +61,22 @@ NONE, HALF_BLOCKS, ALL_OPS = (
 )
 
 
+def memory_settings(cfg) -> MemorySettings:
+    """The plan's settings as run.facts builds them."""
+    return memory_of(cfg, parallel_of(cfg), lora_of(cfg))
+
+
 def plan_for(cfg, world_size: int, ranks_per_node: int, device_bytes: int) -> Planner:
     """The plan of `cfg` on `world_size` ranks, nodes of `ranks_per_node`, devices of `device_bytes`."""
-    shape = mesh_shape(cfg, world_size, ranks_per_node)
-    return Planner(
-        cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), device_bytes
-    )
+    shape = mesh_shape(mesh_of(cfg), world_size, ranks_per_node)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
+    return Planner(memory_settings(cfg), shape, model_config, None, device_bytes)
 
 
 def warning_of(cfg, world_size: int, ranks_per_node: int):
-    shape = mesh_shape(cfg, world_size, ranks_per_node)
-    return fits_or_warning(
-        cfg, shape, get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp), ranks_per_node
-    )
+    shape = mesh_shape(mesh_of(cfg), world_size, ranks_per_node)
+    model_config = get_model_config(cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp)
+    return fits_or_warning(memory_settings(cfg), shape, model_config, None, ranks_per_node)
 
 
 @pytest.mark.parametrize(
@@ -218,8 +223,10 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
 
     def stages(schedule: str) -> list[Planner]:
         cfg = make_config(**base, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=8)
-        shape = mesh_shape(cfg, 8, 8)
-        return [Planner(cfg, shape, get_model_config("small"), 1 << 40, r) for r in range(2)]
+        shape = mesh_shape(mesh_of(cfg), 8, 8)
+        model_config = get_model_config("small")
+        plan = PipelinePlan.of(pipeline_of(cfg), model_config)
+        return [Planner(memory_settings(cfg), shape, model_config, plan, 1 << 40, r) for r in range(2)]
 
     first, last = stages("1F1B")
     assert first.mesh == (1, 4, 1, 1, 2) and first.first and not first.last and last.last
@@ -231,7 +238,14 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     cfg = make_config(
         **base, pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_microbatches=8, plan_device_memory_gib=80
     )
-    text = report(cfg, mesh_shape(cfg, 8, 8), get_model_config("small"), 8)
+    model_config = get_model_config("small")
+    text = report(
+        memory_settings(cfg),
+        mesh_shape(mesh_of(cfg), 8, 8),
+        model_config,
+        PipelinePlan.of(pipeline_of(cfg), model_config),
+        8,
+    )
     peaks = [p.plan(setting).peak for p in stages("GPipe")]
     highest = peaks.index(max(peaks))
     assert f"pipeline rank {highest} of 2 has the highest peak" in text, text

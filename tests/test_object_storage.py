@@ -315,6 +315,7 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
 def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3, tmp_path, monkeypatch, capsys):
     import s3fs
 
+    from fms_fsdp.run import facts
     from fms_fsdp.train.loop import run_training
 
     def error(flag: str, path: str) -> str:
@@ -322,9 +323,8 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
         saved = dict(os.environ)  # run_training() sets the process group's variables (RANK, MASTER_PORT, ...)
         try:
             with pytest.raises(ConfigError) as e:
-                run_training(
-                    parse_args([*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"])
-                )
+                flags = [*TINY, "--num_steps=2", f"--ckpt_save_path={tmp_path / 'run'}", f"--{flag}={path}"]
+                run_training(lambda: facts(parse_args(flags)))
         finally:
             os.environ.clear()
             os.environ.update(saved)

@@ -13,6 +13,7 @@ from fms_fsdp.model.variants import build_model, get_model_config, init_weights
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from fms_fsdp.parallel.mesh import check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast
+from fms_fsdp.settings import mesh_of
 
 T, F = True, False
 
@@ -41,24 +42,29 @@ def cfg(*flags):
     return parse_args(["--use_dummy_dataset", *flags])
 
 
+def mesh(*flags):
+    """The mesh's settings of these flags."""
+    return mesh_of(cfg(*flags))
+
+
 def test_mesh_shapes():
-    assert mesh_shape(cfg("--sharding_strategy=fsdp"), 16, 8) == (1, 16, 1, 1, 1)
-    assert mesh_shape(cfg("--sharding_strategy=hsdp"), 16, 8) == (2, 8, 1, 1, 1)
-    assert mesh_shape(cfg("--sharding_strategy=hsdp", "--sharding_group_size=4"), 16, 8) == (4, 4, 1, 1, 1)
-    assert mesh_shape(cfg("--sharding_strategy=ddp"), 16, 8) == (16, 1, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=fsdp"), 16, 8) == (1, 16, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp"), 16, 8) == (2, 8, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--sharding_group_size=4"), 16, 8) == (4, 4, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=ddp"), 16, 8) == (16, 1, 1, 1, 1)
     # tensor parallel innermost; data parallelism over the rest, HSDP's default group the node's share
-    assert mesh_shape(cfg("--sharding_strategy=fsdp", "--tensor_parallel_size=4"), 16, 8) == (1, 4, 4, 1, 1)
-    assert mesh_shape(cfg("--sharding_strategy=hsdp", "--tensor_parallel_size=4"), 16, 8) == (2, 2, 4, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=fsdp", "--tensor_parallel_size=4"), 16, 8) == (1, 4, 4, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--tensor_parallel_size=4"), 16, 8) == (2, 2, 4, 1, 1)
     assert mesh_shape(
-        cfg("--sharding_strategy=hsdp", "--tensor_parallel_size=2", "--sharding_group_size=2"), 16, 8
+        mesh("--sharding_strategy=hsdp", "--tensor_parallel_size=2", "--sharding_group_size=2"), 16, 8
     ) == (4, 2, 2, 1, 1)
-    assert mesh_shape(cfg("--sharding_strategy=ddp", "--tensor_parallel_size=8"), 16, 8).dp == 2
+    assert mesh_shape(mesh("--sharding_strategy=ddp", "--tensor_parallel_size=8"), 16, 8).dp == 2
     # pipeline parallel outermost: each stage's world / P ranks laid out as without it
-    assert mesh_shape(cfg("--sharding_strategy=hsdp", "--pipeline_parallel_size=2"), 16, 8) == (1, 8, 1, 1, 2)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--pipeline_parallel_size=2"), 16, 8) == (1, 8, 1, 1, 2)
     # context parallel: a group of C (x T) ranks per line; HSDP's default group the node's share of lines
-    assert mesh_shape(cfg("--sharding_strategy=hsdp", "--context_parallel_size=2"), 16, 8) == (2, 4, 1, 2, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--context_parallel_size=2"), 16, 8) == (2, 4, 1, 2, 1)
     assert mesh_shape(
-        cfg("--sharding_strategy=fsdp", "--context_parallel_size=2", "--tensor_parallel_size=2"), 16, 8
+        mesh("--sharding_strategy=fsdp", "--context_parallel_size=2", "--tensor_parallel_size=2"), 16, 8
     ) == (1, 4, 2, 2, 1)
 
 
@@ -75,7 +81,7 @@ def test_mesh_shapes():
 )
 def test_tensor_parallel_size_that_does_not_fit_the_world_is_an_error(flags, world, match):
     with pytest.raises(ConfigError, match=match):
-        mesh_shape(cfg(*flags), *world)
+        mesh_shape(mesh(*flags), *world)
 
 
 @pytest.mark.parametrize(
@@ -98,12 +104,12 @@ def test_tensor_parallel_size_that_does_not_fit_the_world_is_an_error(flags, wor
 def test_tensor_parallel_size_that_does_not_split_the_model_is_an_error(flags, match):
     c = cfg(*flags)
     with pytest.raises(ConfigError, match=match):
-        check_tensor_parallel(c, get_model_config(c.model_variant, c.vocab_size, c.seq_length))
+        check_tensor_parallel(mesh_of(c), get_model_config(c.model_variant, c.vocab_size, c.seq_length))
 
 
 def test_shard_group_that_does_not_divide_is_an_error():
     with pytest.raises(ConfigError, match="--sharding_group_size=3 does not divide the world size 4"):
-        mesh_shape(cfg("--sharding_strategy=hsdp", "--sharding_group_size=3"), 4, 4)
+        mesh_shape(mesh("--sharding_strategy=hsdp", "--sharding_group_size=3"), 4, 4)
 
 
 def backward_flops(model: torch.nn.Module, tokens: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ from fms_fsdp.model.variants import get_model_config
 from fms_fsdp.parallel.mesh import mesh_shape
 from fms_fsdp.parallel.pipeline import PipelinePlan, balanced_split, check_pipeline
 from fms_fsdp.parallel.process_group import DistInfo
+from fms_fsdp.settings import mesh_of, pipeline_of
 
 from conftest import TINY
 
@@ -19,8 +20,8 @@ from conftest import TINY
 def plan(*args: str, variant: str = "tiny") -> PipelinePlan:
     cfg = parse_args([*TINY, f"--model_variant={variant}", *args])
     model_config = get_model_config(variant, cfg.vocab_size)
-    check_pipeline(cfg, model_config)
-    result = PipelinePlan.of(cfg, model_config)
+    check_pipeline(pipeline_of(cfg), model_config)
+    result = PipelinePlan.of(pipeline_of(cfg), model_config)
     assert result is not None
     return result
 
@@ -108,10 +109,10 @@ def test_pipeline_errors_name_the_flag_and_numbers_at_start_up(args, message):
 
 def test_the_world_must_divide_by_the_stages_and_the_schedule_be_torchs():
     with pytest.raises(ConfigError, match=re.escape("--pipeline_parallel_size=2 must divide the world size 3")):
-        mesh_shape(parse_args([*TINY, "--pipeline_parallel_size=2"]), 3, 3)
+        mesh_shape(mesh_of(parse_args([*TINY, "--pipeline_parallel_size=2"])), 3, 3)
     with pytest.raises(ConfigError, match="--pipeline_schedule"):
         parse_args([*TINY, "--pipeline_schedule=OneFOneB"])
-    assert mesh_shape(parse_args([*TINY, "--pipeline_parallel_size=2"]), 8, 8).dims() == [
+    assert mesh_shape(mesh_of(parse_args([*TINY, "--pipeline_parallel_size=2"])), 8, 8).dims() == [
         ("pp", 2),
         ("replicate", 1),
         ("shard", 4),

@@ -50,7 +50,7 @@ def test_the_real_shards_agree_with_the_analytic_plan(mesh):
     cfg, run, states = rehearsed(**MESHES[mesh])
     assert len(states) == run.shape.pp
     for pp_rank, state in enumerate(states):
-        analytic = Planner(cfg, run.shape, run.model_config, 1 << 40, pp_rank).state
+        analytic = Planner(run.settings.memory, run.shape, run.model_config, run.pipeline, 1 << 40, pp_rank).state
         assert state.gap(analytic) <= AGREEMENT, (state, analytic)
         assert state.grads == state.params  # every parameter trained, its gradient shard fp32 like it
         if cfg.optimizer == "adamw":
@@ -67,7 +67,7 @@ def test_the_real_shards_agree_with_the_analytic_plan(mesh):
 
 def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_stray():
     cfg, run, (state,) = rehearsed(plan_world_size=8, plan_device_memory_gib=80)
-    text = report(cfg, run.shape, run.model_config, 8, [state])
+    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [state])
     fields = dict(item.split("=") for item in text.splitlines()[-1].split()[1:])
     assert (int(fields["params_bytes"]), int(fields["grads_bytes"]), int(fields["optimizer_bytes"])) == (
         state.params,
@@ -77,7 +77,7 @@ def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_st
     assert "the rehearsal's real shards; the analytic plan within 0.00% of them" in text
     assert "warning" not in text
     strayed = State(2 * state.params, state.grads, state.optimizer)
-    text = report(cfg, run.shape, run.model_config, 8, [strayed])
+    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [strayed])
     assert f"params_bytes={strayed.params} " in text.splitlines()[-1]
     assert (
         f"warning: pipeline rank 0's real shards hold {strayed.params}, {state.grads} and {state.optimizer} bytes "

@@ -19,6 +19,7 @@ import pytest
 from fms_fsdp.errors import ConfigError, TrackerError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.process_group import free_port
+from fms_fsdp.settings import trackers_of
 from fms_fsdp.trackers import MLFLOW_FAIL_FAST, open_trackers
 
 from conftest import ROOT, TINY, launch, train, train_here
@@ -109,7 +110,7 @@ def test_wandb_online_without_a_login_is_one_clear_error(tmp, monkeypatch):
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(TrackerError) as e:
-        open_trackers(parse_args(["--tracker=wandb"]), tmp / "run")
+        open_trackers(trackers_of(parse_args(["--tracker=wandb"])), tmp / "run")
     message = str(e.value)
     assert message.startswith("--tracker=wandb: ") and "WANDB_MODE=offline" in message and "\n" not in message
 
@@ -216,7 +217,7 @@ def test_mlflow_gets_the_config_and_metrics_and_a_resumed_run_goes_on_in_the_sam
 
 def _check_a_server_that_goes_away_switches_the_tracker_off_in_seconds(run: Path, server: MLflowServer, capsys):
     run.mkdir()
-    trackers = open_trackers(parse_args(["--tracker=mlflow"]), run)
+    trackers = open_trackers(trackers_of(parse_args(["--tracker=mlflow"])), run)
     assert {name: os.environ.get(name) for name in MLFLOW_FAIL_FAST} == MLFLOW_FAIL_FAST  # the tracker's life
     trackers.log({"step": 1, "loss": 4.0})
     server.stop()
@@ -234,7 +235,7 @@ def _check_the_local_store(run: Path) -> None:
 
     cfg = parse_args(["--tracker=mlflow", "--tracker_project_name=local"])
     for step in (1, 2):
-        trackers = open_trackers(cfg, run)
+        trackers = open_trackers(trackers_of(cfg), run)
         trackers.log({"step": step, "loss": 5.0 - step})
         trackers.close()
     run_id = json.loads((run / "tracker_runs.json").read_text())["mlflow"]
@@ -250,7 +251,7 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_within_seconds(tmp, m
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     start = time.monotonic()
     with pytest.raises(TrackerError) as e:
-        open_trackers(parse_args(["--tracker=mlflow"]), tmp / "run")
+        open_trackers(trackers_of(parse_args(["--tracker=mlflow"])), tmp / "run")
     assert time.monotonic() - start < 30
     assert str(e.value) == (
         f"--tracker=mlflow: cannot reach the tracking server {uri} (MLFLOW_TRACKING_URI): start it "

@@ -210,7 +210,7 @@ def test_one_rank_trains_the_module_itself_with_the_losses_of_fsdp(bf16):
             batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
             curves.append([])
             for step in range(1, 7):
-                done = train_step(model, optimizer, guard, step, batches, cfg, run.device, True)
+                done = train_step(model, optimizer, guard, step, batches, run.settings.step, run.device, True)
                 scheduler.step()
                 curves[-1].append((done.loss.item(), done.grad_norm.item()))
     plain, fsdp = curves

@@ -94,7 +94,7 @@ class Checkpointer(CheckpointSaver):
     def load_weights(self) -> None:
         """The model's weights from --ckpt_load_path (weights.py)."""
         assert self.settings.load_path is not None
-        load_weights(self.model, self.settings.load_path, self.run.cfg.model_variant)
+        load_weights(self.model, self.settings.load_path, self.run.variant)
         self.run.log(f"checkpoint: model initialised from {self.settings.load_path}")
 
     # ---------------------------------------------------------------- load

@@ -22,16 +22,15 @@ import torch
 import torch.distributed as dist
 
 from fms_fsdp.checkpoint.weights import load_weights
-from fms_fsdp.config import train_config
-from fms_fsdp.data.build import layout_of, packing_of
 from fms_fsdp.data.shards import Dataset, dataset_sources, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.evaluation.harness import HarnessEvaluator
+from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.model.loss import IGNORE_INDEX
 from fms_fsdp.parallel.pipeline import Pipeline
-from fms_fsdp.parallel.process_group import on_rank0
-from fms_fsdp.run import Run, facts, started
+from fms_fsdp.parallel.process_group import DistInfo, on_rank0
+from fms_fsdp.run import Run, started
 from fms_fsdp.storage import location
 from fms_fsdp.train.build import build_sharded_model
 from fms_fsdp.train.periodic import Report
@@ -85,42 +84,38 @@ class Evaluator:
 
     reads_model = True
 
-    def __init__(self, run: Run, run_cache: bool = True):
-        """`run_cache`: counts and indexes are cached in the run's data cache when --data_cache_dir is not
-        given (data/build.py layout_of); `fms-evaluate` caches nothing then."""
-        cfg, info = run.cfg, run.info
-        self.cfg, self.info = cfg, info
+    def __init__(self, settings: EvalSettings, info: DistInfo):
+        """Counts and indexes are cached where `settings.layout` says (run.facts: a training run's data
+        cache when --data_cache_dir is not given; `fms-evaluate` caches nothing then)."""
+        self.settings, self.info = settings, info
         self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train/loop.py)
-        self.batch = (
-            cfg.eval_batch_size or cfg.batch_size
-        )  # --batch_size under pipeline parallelism (parallel/pipeline.py)
-        self.pipelined = cfg.pipeline_parallel_size > 1  # whose stages take batches of one shape
-        self.eos = cfg.eos_token
+        self.batch = settings.batch
+        self.pipelined = settings.pipelined  # whose stages take batches of one shape
+        self.eos = settings.packing.eos
         self.lines: dict[str, np.ndarray] = {}
         self.forwards: dict[str, int] = {}
-        if cfg.eval_interval == 0:
+        if settings.interval == 0:
             return
-        path = cfg.eval_data_path
-        assert path is not None, "config.validate: --eval_interval needs --eval_data_path"
-        sources = dataset_sources(path, cfg.eval_datasets, "eval_data_path", "eval_datasets")
-        layout = layout_of(cfg, run.vocab_size, run_cache)
+        path, layout = settings.data_path, settings.layout
+        assert path is not None and layout is not None, "config.validate: --eval_interval needs --eval_data_path"
+        sources = dataset_sources(path, settings.datasets, "eval_data_path", "eval_datasets")
         entries = on_rank0(
             lambda: scan(sources, layout, "eval_data_path", "eval_datasets"),
             DataError,
             lambda message: DataError(message, every_rank=True),
             timeout=timedelta(hours=1),
         )
-        packing = packing_of(cfg, run.vocab_size)
-        limit = cfg.eval_batches * self.batch if cfg.eval_batches else None
+        limit = settings.batches * self.batch if settings.batches else None
         for source in sources:
             name = source.name
             dataset = Dataset(name, location(source.root, "eval_data_path"), entries[name], layout)
-            lines = eval_lines(dataset, packing, limit)
+            lines = eval_lines(dataset, settings.packing, limit)
             self.lines[name] = lines[info.dp_rank :: info.dp_size]
             self.forwards[name] = -(-len(lines) // (info.dp_size * self.batch))
 
     def due(self, step: int) -> bool:
-        return self.cfg.eval_interval > 0 and (step % self.cfg.eval_interval == 0 or step == self.cfg.num_steps)
+        interval = self.settings.interval
+        return interval > 0 and (step % interval == 0 or step == self.settings.num_steps)
 
     def run(self, step: int, model: torch.nn.Module) -> Report:
         """The evaluation at `step` as a record of its own, which --checkpoint_keep_best ranks by."""
@@ -154,7 +149,9 @@ class Evaluator:
                 # a rank's share done, or a pipeline's fixed shape: masked lines keep the collectives paired
                 pad = (self.batch if self.pipelined else 1) - len(chunk)
                 if pad > 0:
-                    chunk = np.concatenate([chunk, np.full((pad, self.cfg.seq_length + 1), _PAD, np.int64)])
+                    chunk = np.concatenate(
+                        [chunk, np.full((pad, self.settings.packing.seq_length + 1), _PAD, np.int64)]
+                    )
                 batch = torch.from_numpy(chunk).to(self.info.device)
                 inputs = torch.where(batch[:, :-1] == _PAD, self.eos, batch[:, :-1])
                 labels = torch.where(batch[:, 1:] == _PAD, IGNORE_INDEX, batch[:, 1:])
@@ -176,30 +173,39 @@ class Evaluator:
         return record
 
 
-def evaluate_checkpoint(cfg: train_config) -> dict[str, Any]:
-    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
-    folder), built as training builds it, evaluated on --eval_data_path and --eval_harness_tasks by
-    every rank of the launch (`fms-evaluate`); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=..
-    tokens=..` line per dataset and one for all, and one `HARNESS <task>/<metric>=<value>` line per score."""
-    if not cfg.ckpt_load_path or not (cfg.eval_data_path or cfg.eval_harness_tasks):
+def check_checkpoint_evaluation(settings: CheckpointEvalSettings) -> None:
+    """`fms-evaluate`'s checks, before the run's facts: weights and data or tasks to evaluate them on, and
+    a whole model (ConfigError naming the flag)."""
+    if not settings.load_path or not (settings.data or settings.tasks):
         raise ConfigError(
             "--ckpt_load_path and --eval_data_path or --eval_harness_tasks are needed: the weights to evaluate "
             "and the data or tasks"
         )
-    if cfg.pipeline_parallel_size > 1:
+    if settings.pipeline_parallel_size > 1:
         raise ConfigError(
             f"fms-evaluate runs the whole model on every rank: drop --pipeline_parallel_size="
-            f"{cfg.pipeline_parallel_size} (training evaluates through its stages with --eval_data_path)"
+            f"{settings.pipeline_parallel_size} (training evaluates through its stages with --eval_data_path)"
         )
-    if cfg.lora_rank:
+    if settings.lora:
         raise ConfigError(
             "evaluation takes whole models: drop --lora_rank and give --ckpt_load_path a LoRA run's "
             "merged export (model_step_<N>.safetensors or exports/step_<N>)"
         )
-    with started(facts(cfg)) as run:
-        evaluator, harness = Evaluator(run, run_cache=False), HarnessEvaluator(cfg, run.info)
+
+
+def evaluate_checkpoint(run: Run) -> dict[str, Any]:
+    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
+    folder), built as training builds it, evaluated on --eval_data_path and --eval_harness_tasks by
+    every rank of the launch (`fms-evaluate`, after check_checkpoint_evaluation; `run`'s facts keep no
+    data cache under --ckpt_save_path); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=..
+    tokens=..` line per dataset and one for all, and one `HARNESS <task>/<metric>=<value>` line per score."""
+    load_path = run.settings.checkpoint.load_path
+    assert load_path is not None, "check_checkpoint_evaluation: --ckpt_load_path is given"
+    with started(run) as run:
+        evaluator = Evaluator(run.settings.evaluation, run.info)
+        harness = HarnessEvaluator(run.settings.harness, run.info)
         model = build_sharded_model(run)
-        load_weights(model, cfg.ckpt_load_path, cfg.model_variant)
+        load_weights(model, load_path, run.variant)
         record = evaluator.evaluate(model, 0) if evaluator.lines else {"step": 0}
         if harness.tasks is not None:
             record.update(harness.evaluate(model, 0))

@@ -21,13 +21,13 @@ import functools
 import math
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.config import train_config
 from fms_fsdp.data.text import load_tokenizer
 from fms_fsdp.errors import ConfigError, first_line
 from fms_fsdp.parallel.process_group import DistInfo
@@ -42,9 +42,27 @@ except ImportError:  # pragma: no cover - the class below is then never instanti
     TemplateLM = object
 
 
-def task_names(cfg: train_config) -> list[str]:
+@dataclass(frozen=True)
+class HarnessSettings:
+    """--eval_harness_tasks and what scoring them needs (built once: settings.py)."""
+
+    tasks: tuple[str, ...]  # the names --eval_harness_tasks gives, empty without it
+    include_path: Optional[str]  # --eval_harness_include_path
+    tokenizer_path: Optional[str]
+    interval: int  # --eval_harness_interval (0: at the last step only)
+    limit: Optional[int]  # --eval_harness_limit, None for every document
+    num_steps: int
+    seq_length: int
+    batch: int  # --eval_batch_size, else --batch_size
+    eos: int
+    prefix: int  # --bos_token, else --eos_token: what a context begins with, as lm-eval's HFLM
+    cp: int  # --context_parallel_size
+    tp: int  # --tensor_parallel_size
+
+
+def task_names(spec: Optional[str]) -> tuple[str, ...]:
     """The names --eval_harness_tasks gives."""
-    return [t.strip() for t in (cfg.eval_harness_tasks or "").split(",") if t.strip()]
+    return tuple(t.strip() for t in (spec or "").split(",") if t.strip())
 
 
 @functools.lru_cache(maxsize=4)
@@ -55,9 +73,9 @@ def task_manager(include_path: Optional[str]) -> Any:
     return TaskManager(include_path=include_path)
 
 
-def check_harness(cfg: train_config) -> None:
+def check_harness(settings: HarnessSettings) -> None:
     """Start-up checks of --eval_harness_tasks: lm-eval installed, a tokenizer, every task known."""
-    names = task_names(cfg)
+    names = settings.tasks
     if not names:
         return
     try:
@@ -66,29 +84,27 @@ def check_harness(cfg: train_config) -> None:
         raise ConfigError(
             "--eval_harness_tasks needs lm-eval: pip install lm-eval (this package's [harness] extra)"
         ) from None
-    if cfg.tokenizer_path is None:
+    if settings.tokenizer_path is None:
         raise ConfigError("--eval_harness_tasks needs --tokenizer_path: the tasks are text, tokenized for the model")
-    known = task_manager(cfg.eval_harness_include_path).all_tasks
+    known = task_manager(settings.include_path).all_tasks
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=3)
-            where = f" or under --eval_harness_include_path={cfg.eval_harness_include_path}" * bool(
-                cfg.eval_harness_include_path
-            )
+            where = f" or under --eval_harness_include_path={settings.include_path}" * bool(settings.include_path)
             raise ConfigError(
                 f"--eval_harness_tasks: unknown task {name!r} (not among lm-eval's tasks{where})"
                 + (f"; did you mean {', '.join(near)}?" if near else "")
             )
 
 
-def load_tasks(cfg: train_config) -> dict[str, Any]:
+def load_tasks(settings: HarnessSettings) -> dict[str, Any]:
     """lm-eval's tasks of --eval_harness_tasks (their documents loaded); ConfigError for a task that
     generates text."""
     try:
-        task_dict = task_manager(cfg.eval_harness_include_path).load(task_names(cfg))
+        task_dict = task_manager(settings.include_path).load(list(settings.tasks))
     except Exception as e:  # a task's dataset that cannot be read: name it, in one line
         raise ConfigError(
-            f"--eval_harness_tasks: cannot load {cfg.eval_harness_tasks} ({type(e).__name__}: {first_line(e)})"
+            f"--eval_harness_tasks: cannot load {','.join(settings.tasks)} ({type(e).__name__}: {first_line(e)})"
         ) from None
     for name, task in task_dict["tasks"].items():
         kind = task.get_config("output_type")
@@ -102,16 +118,16 @@ def load_tasks(cfg: train_config) -> dict[str, Any]:
 class HarnessModel(TemplateLM):  # type: ignore[misc,valid-type]
     """The model as lm-eval's LM: loglikelihoods scored across the data-parallel ranks (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: train_config, info: DistInfo, tokenizer: Any):
+    def __init__(self, model: torch.nn.Module, settings: HarnessSettings, info: DistInfo, tokenizer: Any):
         super().__init__()
         self.model, self.info, self.tokenizer = model, info, tokenizer
-        self.max_length, self.batch = cfg.seq_length, cfg.eval_batch_size or cfg.batch_size
-        self.eos = cfg.eos_token
+        self.max_length, self.batch = settings.seq_length, settings.batch
+        self.eos = settings.eos
         # lengths a forward pass can take: a context-parallel group cuts them in 2C chunks, tensor parallel
         # each rank's part in T (seq_length itself is checked to fit at start-up)
-        cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+        cp, tp = settings.cp, settings.tp
         self.unit = math.lcm(2 * cp, cp * tp) if cp > 1 else tp
-        self.prefix = cfg.bos_token if cfg.bos_token is not None else cfg.eos_token  # as lm-eval's HFLM
+        self.prefix = settings.prefix
 
     @property
     def eot_token_id(self) -> int:
@@ -185,16 +201,16 @@ class HarnessEvaluator:
 
     reads_model = True
 
-    def __init__(self, cfg: train_config, info: DistInfo):
-        self.cfg, self.info = cfg, info
+    def __init__(self, settings: HarnessSettings, info: DistInfo):
+        self.settings, self.info = settings, info
         self.tasks: Optional[dict[str, Any]] = None
-        if task_names(self.cfg):
-            self.tasks = load_tasks(self.cfg)
-            self.tokenizer = load_tokenizer(self.cfg.tokenizer_path or "")
+        if settings.tasks:
+            self.tasks = load_tasks(settings)
+            self.tokenizer = load_tokenizer(settings.tokenizer_path or "")
 
     def due(self, step: int) -> bool:
-        interval = self.cfg.eval_harness_interval
-        return self.tasks is not None and ((interval > 0 and step % interval == 0) or step == self.cfg.num_steps)
+        interval = self.settings.interval
+        return self.tasks is not None and ((interval > 0 and step % interval == 0) or step == self.settings.num_steps)
 
     def run(self, step: int, model: torch.nn.Module) -> Report:
         """The scores at `step` as a record of their own."""
@@ -223,9 +239,9 @@ class HarnessEvaluator:
         model.eval()
         with _own_random_state():
             results = evaluate(
-                HarnessModel(model, self.cfg, self.info, self.tokenizer),
+                HarnessModel(model, self.settings, self.info, self.tokenizer),
                 self.tasks,
-                limit=self.cfg.eval_harness_limit or None,
+                limit=self.settings.limit,
                 bootstrap_iters=0,
                 log_samples=False,
                 verbosity="WARNING",

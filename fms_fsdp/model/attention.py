@@ -39,12 +39,21 @@ from fms.modules.attention import _sdpa_store_op, register_attention_op
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from fms_fsdp.config import train_config
 from fms_fsdp.parallel.context_parallel import ContextParallel, LineAttention, own_values, ring_attention_op
 
 FLEX = "fms_fsdp_flex"
 CONTEXT = "fms_fsdp_context_parallel"
 RING = "fms_fsdp_ring"
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """The attention flags (built once: settings.py)."""
+
+    eos: Optional[int]  # --document_masking: documents end at --eos_token; None: lines are plain causal
+    restart_positions: bool  # --document_positions=document
+    compile: bool  # --use_torch_compile: FlexAttention's kernels are compiled
+    ring: bool  # --cp_attention=ring
 
 
 @dataclass(frozen=True)
@@ -59,15 +68,16 @@ class LinePlan:
     ring: bool = False  # --cp_attention=ring
 
     @staticmethod
-    def of(cfg: train_config, device: torch.device, context: Optional[ContextParallel]) -> Optional["LinePlan"]:
+    def of(
+        settings: AttentionSettings, device: torch.device, context: Optional[ContextParallel]
+    ) -> Optional["LinePlan"]:
         """The run's plan, None when lines are plain causal on one rank; FlexAttention for documents
         where it is compiled and has a backward (CUDA)."""
-        if not cfg.document_masking and context is None:
+        if settings.eos is None and context is None:
             return None
-        eos = cfg.eos_token if cfg.document_masking else None
-        flex = flex_documents(cfg.use_torch_compile, device.type)
-        ring = context is not None and cfg.cp_attention == "ring"
-        return LinePlan(eos, cfg.document_positions == "document", context, flex, ring)
+        flex = flex_documents(settings.compile, device.type)
+        ring = context is not None and settings.ring
+        return LinePlan(settings.eos, settings.restart_positions, context, flex, ring)
 
     def prepare(
         self, x: torch.Tensor, labels: Optional[torch.Tensor]

@@ -4,6 +4,7 @@ sub-meshes (data parallel, a stage's ranks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -16,10 +17,28 @@ from fms_fsdp.compat import (
     joined_meshes,
     set_group_timeout,
 )
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.variants import hidden_dim
 from fms_fsdp.parallel.process_group import collective_timeout
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """The flags that lay out the mesh and what tensor and context parallelism must divide or refuse
+    (built once: settings.py)."""
+
+    pp: int  # --pipeline_parallel_size
+    tp: int  # --tensor_parallel_size
+    cp: int  # --context_parallel_size
+    sharding_strategy: str
+    sharding_group_size: Optional[int]
+    seq_length: int
+    cp_attention: str
+    document_masking: bool
+    mixed_precision: bool
+    compile: bool  # --use_torch_compile
+    float8: bool
+    lora: bool  # --lora_rank given
 
 
 class MeshShape(NamedTuple):
@@ -52,19 +71,19 @@ class MeshShape(NamedTuple):
         return self.dp * self.tp * self.cp == 1
 
 
-def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> MeshShape:
+def mesh_shape(settings: MeshSettings, world_size: int, local_world_size: int) -> MeshShape:
     """The mesh for the sharding strategy and --tensor_parallel_size; ConfigError naming the numbers
     when they don't divide. HSDP's shard group (--sharding_group_size, default: the node) counts
     data-parallel ranks: with TP, a node holds ranks per node / T of them. Pipeline parallelism takes
     the outermost factor P of the world; the rest is laid out inside each stage's world / P ranks."""
-    pp = cfg.pipeline_parallel_size
+    pp = settings.pp
     if world_size % pp:
         raise ConfigError(f"--pipeline_parallel_size={pp} must divide the world size {world_size}")
     # each pipeline stage's ranks: what the rest is laid out over
     world = f"world size {world_size}" + (f" / --pipeline_parallel_size={pp}" if pp > 1 else "")
     world_size //= pp
     world += f" = {world_size}" if pp > 1 else ""
-    tp, cp = cfg.tensor_parallel_size, cfg.context_parallel_size
+    tp, cp = settings.tp, settings.cp
     if tp > 1 and (local_world_size % tp or world_size % tp):
         raise ConfigError(
             f"--tensor_parallel_size={tp} must divide the ranks per node ({local_world_size}) and the "
@@ -76,11 +95,11 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
             + (f" / --tensor_parallel_size={tp} = {world_size // tp}" if tp > 1 else "")
         )
     dp = world_size // (tp * cp)
-    if cfg.sharding_strategy == "fsdp":
+    if settings.sharding_strategy == "fsdp":
         return MeshShape(1, dp, tp, cp, pp)
-    if cfg.sharding_strategy == "ddp":
+    if settings.sharding_strategy == "ddp":
         return MeshShape(dp, 1, tp, cp, pp)
-    group = cfg.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
+    group = settings.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
     if dp % group:
         raise ConfigError(
             f"--sharding_group_size={group} does not divide the {world}"
@@ -92,44 +111,44 @@ def mesh_shape(cfg: train_config, world_size: int, local_world_size: int) -> Mes
     return MeshShape(dp // group, group, tp, cp, pp)
 
 
-def check_context_parallel(cfg: train_config, device: torch.device) -> None:
+def check_context_parallel(settings: MeshSettings, device: torch.device) -> None:
     """--context_parallel_size=C cuts every line into 2C equal chunks (and, under tensor parallelism,
     each rank's part again T ways): ConfigError naming the numbers, or a setting it does not serve."""
-    cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+    cp, tp, seq_length = settings.cp, settings.tp, settings.seq_length
     if cp == 1:
         return
-    if cfg.cp_attention == "ring" and cfg.document_masking:
+    if settings.cp_attention == "ring" and settings.document_masking:
         raise ConfigError(
             "--cp_attention=ring passes keys and values round the ranks for causal lines only: "
             "--document_masking=True needs --cp_attention=allgather"
         )
-    if cfg.cp_attention == "ring" and device.type == "cuda" and not cfg.mixed_precision:
+    if settings.cp_attention == "ring" and device.type == "cuda" and not settings.mixed_precision:
         raise ConfigError(
             "--cp_attention=ring runs CUDA's flash attention, which takes bf16: set --mixed_precision=True "
             "or --cp_attention=allgather"
         )
-    if cfg.seq_length % (2 * cp):
+    if seq_length % (2 * cp):
         raise ConfigError(
             f"--context_parallel_size={cp} cuts each line into 2 x {cp} = {2 * cp} chunks: --seq_length="
-            f"{cfg.seq_length} must be a multiple of {2 * cp}"
+            f"{seq_length} must be a multiple of {2 * cp}"
         )
-    if (cfg.seq_length // cp) % tp:
+    if (seq_length // cp) % tp:
         raise ConfigError(
-            f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {cfg.seq_length // cp} "
+            f"--context_parallel_size={cp} x --tensor_parallel_size={tp}: each rank's {seq_length // cp} "
             f"tokens of a line must divide by {tp} (sequence parallel); pick a --seq_length that does"
         )
-    if cfg.use_torch_compile and not context_parallel_compiles():
+    if settings.compile and not context_parallel_compiles():
         raise ConfigError(
             f"--context_parallel_size={cp} with --use_torch_compile=True needs torch 2.13 or later (torch "
             f"{torch.__version__} computes wrong gradients there); set --use_torch_compile=False or upgrade torch"
         )
 
 
-def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
+def check_tensor_parallel(settings: MeshSettings, model_config: LLaMAConfig) -> None:
     """--tensor_parallel_size=T splits heads, KV heads, the FFN width, the vocabulary and the sequence
     (sequence parallel) T ways: ConfigError naming the first that T does not divide, or a feature that
     does not combine with it yet."""
-    tp = cfg.tensor_parallel_size
+    tp = settings.tp
     if tp == 1:
         return
     for what, n in (
@@ -137,13 +156,13 @@ def check_tensor_parallel(cfg: train_config, model_config: LLaMAConfig) -> None:
         ("KV heads", model_config.kvheads),
         ("FFN width", hidden_dim(model_config)),
         ("vocabulary size", model_config.src_vocab_size),
-        ("sequence length (--seq_length)", cfg.seq_length),
+        ("sequence length (--seq_length)", settings.seq_length),
     ):
         if n % tp:
             raise ConfigError(f"--tensor_parallel_size={tp} must divide the model's {what}, {n}; pick a divisor")
     for flag, used in (
-        ("--float8", cfg.float8),
-        ("--lora_rank", cfg.lora_rank),
+        ("--float8", settings.float8),
+        ("--lora_rank", settings.lora),
         ("a head tied to the embedding", model_config.tie_heads),
     ):
         if used:

@@ -25,7 +25,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from fms_fsdp.compat import v_shaped_schedules_run
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.loss import IGNORE_INDEX
 from fms_fsdp.model.variants import CausalLM, hidden_dim
@@ -33,6 +32,22 @@ from fms_fsdp.model.variants import CausalLM, hidden_dim
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
 # schedules that run a stage's backward twice: its inputs' gradients first, its weights' later
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The pipeline flags, and those it does not combine with yet (built once: settings.py)."""
+
+    size: int  # --pipeline_parallel_size
+    schedule: str
+    stages_per_rank: int  # --pipeline_stages_per_rank (0: the schedule's default)
+    microbatches: int  # --pipeline_microbatches (0: the fewest that serve)
+    split: Optional[str]  # --pipeline_split
+    batch_size: int
+    variant: str  # --model_variant
+    grad_accum_steps: int
+    harness: bool  # --eval_harness_tasks given
+    eval_batch_size: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -47,22 +62,22 @@ class PipelinePlan:
     blocks: tuple[tuple[int, int], ...]
 
     @staticmethod
-    def of(cfg: train_config, model_config: LLaMAConfig) -> Optional["PipelinePlan"]:
+    def of(settings: PipelineSettings, model_config: LLaMAConfig) -> Optional["PipelinePlan"]:
         """The run's plan (None without pipeline parallelism); ConfigError naming the flag and the
         numbers when the schedule, stages, split or microbatches cannot work."""
-        size = cfg.pipeline_parallel_size
+        size = settings.size
         if size == 1:
             return None
-        multi = issubclass(get_schedule_class(cfg.pipeline_schedule), PipelineScheduleMulti)
-        per_rank = _stages_per_rank(cfg, multi)
+        multi = issubclass(get_schedule_class(settings.schedule), PipelineScheduleMulti)
+        per_rank = _stages_per_rank(settings, multi)
         stages, n_blocks = size * per_rank, model_config.nlayers
         if stages > n_blocks:
-            raise ConfigError(_too_many_stages(cfg, per_rank, n_blocks))
-        blocks = _explicit_split(cfg.pipeline_split, stages, n_blocks) if cfg.pipeline_split else None
+            raise ConfigError(_too_many_stages(settings, per_rank, n_blocks))
+        blocks = _explicit_split(settings.split, stages, n_blocks) if settings.split else None
         if blocks is None:
             blocks = balanced_split(model_config, stages)
-        microbatches = _microbatches(cfg, stages)
-        return PipelinePlan(size, cfg.pipeline_schedule, per_rank, microbatches, blocks)
+        microbatches = _microbatches(settings, stages)
+        return PipelinePlan(size, settings.schedule, per_rank, microbatches, blocks)
 
     @property
     def stages(self) -> int:
@@ -98,9 +113,9 @@ def microbatches_in_flight(plan: PipelinePlan, pp_rank: int) -> float:
     return min(v * m, 2 * (size - pp_rank - 1) + (v - 1) * size + 1) / v
 
 
-def _stages_per_rank(cfg: train_config, multi: bool) -> int:
+def _stages_per_rank(settings: PipelineSettings, multi: bool) -> int:
     """--pipeline_stages_per_rank, or the schedule's default: 1 for a single-stage schedule, 2 else."""
-    asked, name = cfg.pipeline_stages_per_rank, cfg.pipeline_schedule
+    asked, name = settings.stages_per_rank, settings.schedule
     if not multi:
         if asked not in (0, 1):
             raise ConfigError(
@@ -120,20 +135,20 @@ def _stages_per_rank(cfg: train_config, multi: bool) -> int:
     return asked or 2
 
 
-def _too_many_stages(cfg: train_config, per_rank: int, n_blocks: int) -> str:
+def _too_many_stages(settings: PipelineSettings, per_rank: int, n_blocks: int) -> str:
     """The message for more stages than blocks: where the stages per rank came from, and what to change."""
-    size, name = cfg.pipeline_parallel_size, cfg.pipeline_schedule
+    size, name = settings.size, settings.schedule
     one_stage = "a one-stage schedule (--pipeline_schedule=1F1B or GPipe)"
     if name in V_SHAPED:
         why, change = f"(--pipeline_schedule={name} runs 2)", f"use {one_stage} or lower --pipeline_parallel_size"
-    elif cfg.pipeline_stages_per_rank == 0 and per_rank > 1:
+    elif settings.stages_per_rank == 0 and per_rank > 1:
         why = f"(the default of --pipeline_schedule={name})"
         change = f"set --pipeline_stages_per_rank=1, use {one_stage}, or lower --pipeline_parallel_size"
     else:
         why, change = "", "lower --pipeline_stages_per_rank or --pipeline_parallel_size"
     return (
         f"--pipeline_parallel_size={size} x {per_rank} stage(s) per rank{' ' + why if why else ''} = "
-        f"{size * per_rank} stages, more than {cfg.model_variant}'s {n_blocks} blocks: every stage needs a "
+        f"{size * per_rank} stages, more than {settings.variant}'s {n_blocks} blocks: every stage needs a "
         f"block; {change}"
     )
 
@@ -184,12 +199,12 @@ def balanced_split(model_config: LLaMAConfig, stages: int) -> tuple[tuple[int, i
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
-def _microbatches(cfg: train_config, stages: int) -> int:
+def _microbatches(settings: PipelineSettings, stages: int) -> int:
     """--pipeline_microbatches, or the fewest that divide --batch_size and are at least the stages
     (fewer leave the pipeline mostly idle); ConfigError when they do not divide the batch or are fewer
     than the schedule runs with."""
-    m, batch, name = cfg.pipeline_microbatches, cfg.batch_size, cfg.pipeline_schedule
-    size = cfg.pipeline_parallel_size
+    m, batch, name = settings.microbatches, settings.batch_size, settings.schedule
+    size = settings.size
     looped = name in ("Interleaved1F1B", "InterleavedZeroBubble")  # whose rounds, m // P, must divide m
     if m == 0:
         fits = [d for d in range(1, batch + 1) if batch % d == 0 and (not looped or d % max(1, d // size) == 0)]
@@ -210,19 +225,19 @@ def _microbatches(cfg: train_config, stages: int) -> int:
     return m
 
 
-def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
+def check_pipeline(settings: PipelineSettings, model_config: LLaMAConfig) -> None:
     """Settings pipeline parallelism does not combine with yet (ConfigError, one line)."""
-    if cfg.pipeline_parallel_size == 1:
+    if settings.size == 1:
         return
     for flag, used in (
         (
             "--grad_accum_steps > 1 (its microbatches are the accumulation: raise --pipeline_microbatches)",
-            cfg.grad_accum_steps > 1,
+            settings.grad_accum_steps > 1,
         ),
-        ("--eval_harness_tasks", bool(cfg.eval_harness_tasks)),
+        ("--eval_harness_tasks", settings.harness),
         (
             "an --eval_batch_size other than --batch_size (the stages take microbatches of one shape)",
-            cfg.eval_batch_size not in (None, cfg.batch_size),
+            settings.eval_batch_size not in (None, settings.batch_size),
         ),
         (
             "a head tied to the embedding (the first and last stages would share it): use an untied variant",
@@ -230,7 +245,7 @@ def check_pipeline(cfg: train_config, model_config: LLaMAConfig) -> None:
         ),
     ):
         if used:
-            raise ConfigError(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} does not combine with {flag} yet")
+            raise ConfigError(f"--pipeline_parallel_size={settings.size} does not combine with {flag} yet")
 
 
 def prune(model: CausalLM, plan: PipelinePlan, pp_rank: int) -> None:

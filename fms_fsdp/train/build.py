@@ -44,21 +44,24 @@ class Stages(NamedTuple):
 def build_stages(run: Run) -> tuple[CausalLM, Optional[Pipeline]]:
     """The run's model, parallelised over its mesh and initialised (every rank calls it); under
     pipeline parallelism this rank's stages of it, and the schedule that runs them."""
-    cfg, device = run.cfg, run.device
+    settings, device = run.settings.model, run.device
     if device.type == "cuda" and run.info.is_main:
-        warning = fits_or_warning(cfg, run.shape, run.model_config, run.info.local_world_size)
+        warning = fits_or_warning(
+            run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size
+        )
         if warning:
             run.log(warning)
-    model, pipeline, done, n_lora = parallelised(run, torch.device("meta") if cfg.low_cpu_fsdp else device)
-    if cfg.low_cpu_fsdp:
+    model, pipeline, done, n_lora = parallelised(run, torch.device("meta") if settings.low_cpu else device)
+    if settings.low_cpu:
         model.to_empty(device=device)
-        init_weights(model, cfg.seed)
+        init_weights(model, settings.seed)
     if pipeline is not None:
         pipeline.start()
     run.log(describe(run, model, done, n_lora))
-    if cfg.float8 and done.float8 == 0:
+    float8 = run.settings.parallel.float8
+    if float8 is not None and done.float8 == 0:
         run.log(
-            f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={cfg.float8_min_size} "
+            f"warning: --float8=True converted no Linear layer: none has >= --float8_min_size={float8.min_size} "
             "features in and out"
         )
     return model, pipeline
@@ -68,19 +71,19 @@ def parallelised(run: Run, device: torch.device) -> Stages:
     """The run's model built on `device` (initialised there unless it is the meta device), LoRA's
     adapters added, under pipeline parallelism pruned to this rank's stages, and parallelised over the
     run's mesh: what every start does, and what --dry_run rehearses on the meta device."""
-    cfg = run.cfg
+    settings = run.settings.model
     assert run.mesh is not None, "the process group is up (run.started)"
     model = build_model(run.model_config, device)
     n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
-    model.head.z_loss_weight = cfg.z_loss_weight
-    model.lines = LinePlan.of(cfg, run.device, context_parallel(run))
+    model.head.z_loss_weight = settings.z_loss_weight
+    model.lines = LinePlan.of(run.settings.attention, run.device, context_parallel(run))
     pipeline = None
     if run.pipeline is not None:  # this rank's stages only, under their whole-model names
         group = run.mesh["pp"].get_group()
         prune(model, run.pipeline, dist.get_rank(group))
-        pipeline = Pipeline(run.pipeline, model, group, run.device, cfg.z_loss_weight > 0)
+        pipeline = Pipeline(run.pipeline, model, group, run.device, settings.z_loss_weight > 0)
     if device.type != "meta":
-        init_weights(model, cfg.seed)
+        init_weights(model, settings.seed)
     done = parallelize(model, run.settings.parallel, run.mesh, None if pipeline is None else list(pipeline.parts))
     return Stages(model, pipeline, done, n_lora)
 
@@ -96,24 +99,26 @@ def context_parallel(run: Run) -> Optional[ContextParallel]:
 
 def describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
     """The start-up line about the model: sizes, mesh, and what is on."""
-    cfg, mesh = run.cfg, run.mesh
+    parallel, lora, mesh = run.settings.parallel, run.settings.lora, run.mesh
     assert mesh is not None
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     checkpointing = (
-        "off" if done.checkpointed is None else f"{done.checkpointed}/{run.model_config.nlayers} blocks, {cfg.ac_mode}"
+        "off"
+        if done.checkpointed is None
+        else f"{done.checkpointed}/{run.model_config.nlayers} blocks, {parallel.ac_mode}"
     )
     line = (
-        f"model {cfg.model_variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
+        f"model {run.variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
         f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.shape)} on {run.device.type}"
         f"{' (one rank: no FSDP)' if run.shape.whole else ''}, "
-        f"activation checkpointing: {checkpointing}, compile: {cfg.use_torch_compile}, "
-        f"bf16: {cfg.mixed_precision}{' (autocast)' if cfg.mixed_precision and run.shape.whole else ''}"
+        f"activation checkpointing: {checkpointing}, compile: {parallel.compile}, "
+        f"bf16: {parallel.mixed_precision}{' (autocast)' if parallel.mixed_precision and run.shape.whole else ''}"
     )
-    if cfg.float8:
-        line += f", float8 ({cfg.float8_recipe}): {done.float8} Linear layers"
-    if cfg.lora_rank:
+    if parallel.float8 is not None:
+        line += f", float8 ({parallel.float8.recipe}): {done.float8} Linear layers"
+    if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        line += f", LoRA rank {cfg.lora_rank} on {n_lora} layers, {trainable:,} trainable parameters held"
+        line += f", LoRA rank {lora.rank} on {n_lora} layers, {trainable:,} trainable parameters held"
     if run.pipeline is not None:
         line += f"; {run.pipeline.describe()}"
     return line

@@ -9,7 +9,7 @@ members. A step (`begin`, forward and backward, `commit`):
 
 - `begin` asks for the quorum (synchronously: a group that comes back loads the live state before its
   forward, and nothing else runs while torchft's thread serves the state, which the training thread
-  built) and checks that every live group runs the same model, mesh and SHARED_FLAGS (a fingerprint);
+  built) and checks that every live group runs the same model, mesh and shared flags (a fingerprint);
 - `commit` exchanges every group's data position with the other live groups (their loader states, in
   the same step as the gradients they produced) and asks torchft whether the step commits: it does
   not when a collective failed (a group died) or fewer than --ft_min_replicas groups took part; the

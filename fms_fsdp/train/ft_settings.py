@@ -1,12 +1,12 @@
 """The settings of --fault_tolerance (train/ft.py) and its start-up checks: the flags with torchft's and
-torchx's environment filled in, torchft installed, FSDP inside each replica group, no pipeline; the wait
-for a lighthouse that answers (run.started); and the fingerprint of what every replica group must share
-(the model, the mesh and SHARED_FLAGS), which train/ft.py compares across the live groups at each step.
+torchx's environment filled in (built once, in settings.py), torchft installed, FSDP inside each replica
+group, no pipeline; the wait for a lighthouse that answers (run.started); and the fingerprint of what
+every replica group must share (the model, the mesh and the flags config.py marks `shared`), which
+train/ft.py compares across the live groups at each step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.parallel.mesh import MeshShape
 
@@ -29,22 +28,30 @@ class FTSettings:
     min_replicas: int
     timeout: timedelta
     step_timeout: float  # seconds; 0: no watchdog
+    shared: str  # the values of the flags every replica group must share (the fingerprint's)
 
     @staticmethod
-    def of(cfg: train_config) -> Optional["FTSettings"]:
-        """None without --fault_tolerance; ConfigError naming the flag when one is missing or wrong."""
-        if not cfg.fault_tolerance:
-            return None
-        groups = _flag_or_env(cfg.ft_replica_groups, "ft_replica_groups", "NUM_REPLICA_GROUPS")
-        index = _flag_or_env(cfg.ft_group_index, "ft_group_index", "REPLICA_GROUP_ID")
+    def of(
+        replica_groups: Optional[int],
+        group_index: Optional[int],
+        min_replicas: int,
+        lighthouse: Optional[str],
+        timeout_seconds: float,
+        step_timeout: float,
+        shared: str,
+    ) -> "FTSettings":
+        """The flags --ft_*, torchft's and torchx's environment filling those not given; ConfigError
+        naming the flag when one is missing or wrong."""
+        groups = _flag_or_env(replica_groups, "ft_replica_groups", "NUM_REPLICA_GROUPS")
+        index = _flag_or_env(group_index, "ft_group_index", "REPLICA_GROUP_ID")
         if index >= groups:
             raise ConfigError(f"--ft_group_index={index} must be below --ft_replica_groups={groups}")
-        if cfg.ft_min_replicas > groups:
+        if min_replicas > groups:
             raise ConfigError(
-                f"--ft_min_replicas={cfg.ft_min_replicas} is more than the {groups} replica groups "
+                f"--ft_min_replicas={min_replicas} is more than the {groups} replica groups "
                 "(--ft_replica_groups): no step could ever commit"
             )
-        lighthouse = cfg.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError(
                 "--fault_tolerance needs the lighthouse: --ft_lighthouse=host:port or $TORCHFT_LIGHTHOUSE"
@@ -55,25 +62,14 @@ class FTSettings:
         if not port.isdigit():
             raise ConfigError(f"--ft_lighthouse={lighthouse}: expected host:port (such as head-node:29510)")
         return FTSettings(
-            groups,
-            index,
-            lighthouse,
-            cfg.ft_min_replicas,
-            timedelta(seconds=cfg.ft_timeout_seconds),
-            cfg.ft_step_timeout_seconds,
+            groups, index, lighthouse, min_replicas, timedelta(seconds=timeout_seconds), step_timeout, shared
         )
 
 
-# Flags every replica group must share beyond the model and the mesh: the fields marked `shared` in
-# config.py (what sets each group's batches and every update: data layout and order, optimizer,
-# learning-rate schedule, precision, adapters). Paths (the data's too: a copy on another mount),
-# logging and checkpoint cadence may differ.
-SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metadata["shared"])
-
-
-def fingerprint(cfg: train_config, model_config: Any, shape: MeshShape) -> str:
-    """What every replica group must share: the model, the mesh and SHARED_FLAGS."""
-    return "|".join([str(model_config), str(shape), *(f"{f}={getattr(cfg, f)!r}" for f in SHARED_FLAGS)])
+def fingerprint(shared: str, model_config: Any, shape: MeshShape) -> str:
+    """What every replica group must share: the model, the mesh and the shared flags' values (`shared`:
+    settings.shared_of)."""
+    return "|".join([str(model_config), str(shape), shared])
 
 
 def _flag_or_env(value: Optional[int], flag: str, env: str) -> int:
@@ -85,26 +81,21 @@ def _flag_or_env(value: Optional[int], flag: str, env: str) -> int:
     return int(text)
 
 
-def check_fault_tolerance(cfg: train_config, shape: MeshShape, world_size: int) -> Optional[FTSettings]:
-    """The settings of --fault_tolerance (None without it), after its start-up checks: torchft
-    installed, FSDP inside the group, no pipeline. It does not wait: run.started waits for the
-    lighthouse (wait_for_lighthouse)."""
-    settings = FTSettings.of(cfg)
-    if settings is None or cfg.dry_run:
-        return settings
+def check_fault_tolerance(shape: MeshShape, world_size: int, sharding_strategy: str) -> None:
+    """--fault_tolerance's start-up checks: torchft installed, FSDP inside the group, no pipeline. It
+    does not wait: run.started waits for the lighthouse (wait_for_lighthouse)."""
     try:
         import torchft  # noqa: F401
     except ImportError:
         raise ConfigError("--fault_tolerance needs torchft: pip install 'torchft==0.2.0' (extra ft)") from None
     if shape.pp > 1:
         raise ConfigError("--fault_tolerance does not run with --pipeline_parallel_size > 1 yet")
-    if shape.replicate > 1 or world_size < 2 or cfg.sharding_strategy == "ddp":
+    if shape.replicate > 1 or world_size < 2 or sharding_strategy == "ddp":
         raise ConfigError(
             "--fault_tolerance replicates across groups: each group shards with FSDP over its own ranks "
             f"(at least 2; this group has {world_size}, mesh {dict(shape.dims())}): "
             "use --sharding_strategy=fsdp, and one group per node or more"
         )
-    return settings
 
 
 def wait_for_lighthouse(settings: FTSettings) -> None:

@@ -64,7 +64,7 @@ class HangDiagnostics:
         every = gather_objects(mine)
         hosts = [host for host, _ in every]
         return HangDiagnostics(
-            run.paths.diagnostics / every[0][1], run.info.rank, hosts, run.cfg.collective_timeout_minutes
+            run.paths.diagnostics / every[0][1], run.info.rank, hosts, run.settings.triggers.timeout_minutes
         )
 
     @staticmethod

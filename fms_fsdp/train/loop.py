@@ -1,8 +1,8 @@
 """The training loop, top to bottom.
 
-`run_training`: the run's facts and start-up checks (run.py), the process group and mesh, then
-`train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and the trackers, the
-data loader first (bad data fails before the model is built), the model parallelised and its
+`run_training`: the run's facts and start-up checks (run.facts, under the stop signals), the process group
+and mesh, then `train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and
+the trackers, the data loader first (bad data fails before the model is built), the model parallelised and its
 optimizer (train/build.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
@@ -29,17 +29,15 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.io import Checkpointer
-from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.data import get_data_loader
-from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError, first_line
+from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.lifetime import LAUNCHER_DIED
@@ -49,8 +47,7 @@ from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import agreement_group, on_rank0
 from fms_fsdp.profiling import StepProfiler
-from fms_fsdp.run import Run, facts, record, started, summary
-from fms_fsdp.storage import make_folder
+from fms_fsdp.run import Run, started, summary, write_config
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_stages
 from fms_fsdp.train.ft import FaultTolerance, Replay
@@ -65,27 +62,27 @@ from fms_fsdp.train.stragglers import Stragglers
 from fms_fsdp.train.triggers import StepTriggers, StopRequest
 
 
-def run_training(cfg: train_config) -> list[dict[str, Any]]:
-    """Check the flags the modules judge, start the process group, train, and tear it down; the stop
-    signals are this function's from its first line (a signal during start-up stops the run after its
-    first step) to its last. A run stopped before --num_steps then exits with --stop_exit_status when
-    it is not 0."""
+def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
+    """Work out the run's facts (`facts_of`: run.facts of the flags, which checks the flags the modules
+    judge), start the process group, train, and tear it down; the stop signals are this function's from
+    its first line (a signal during start-up stops the run after its first step) to its last. A run
+    stopped before --num_steps then exits with --stop_exit_status when it is not 0."""
     stop = StopRequest()
     try:
-        with started(facts(cfg)) as run:
+        with started(facts_of()) as run:
             records = train_run(run, stop)
     finally:
         stop.restore()
-    if stop.agreed is not None and cfg.stop_exit_status:  # stopped early: Kubernetes restarts a failed pod
-        raise SystemExit(cfg.stop_exit_status)
+    status = run.settings.loop.stop_exit_status
+    if stop.agreed is not None and status:  # stopped early: Kubernetes restarts a failed pod
+        raise SystemExit(status)
     return records
 
 
-def dry_run(cfg: train_config) -> None:
-    """--dry_run: rank 0 rehearses the start at the planned size under a fake process group
-    (train/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
+def dry_run(run: Run) -> None:
+    """--dry_run of the run's facts: rank 0 rehearses the start at the planned size under a fake process
+    group (train/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
     real process group starts, no GPU memory is touched."""
-    run = facts(cfg)
     if not run.info.is_main:
         return
     start = time.perf_counter()
@@ -97,7 +94,9 @@ def dry_run(cfg: train_config) -> None:
         f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
         f"as at a real start in {time.perf_counter() - start:.1f} s"
     )
-    run.log(memory_report(cfg, run.shape, run.model_config, run.info.local_world_size, states))
+    run.log(
+        memory_report(run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size, states)
+    )
 
 
 def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:
@@ -119,8 +118,8 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     """Train to num_steps, resuming from ckpt_save_path's newest checkpoint when there is one, until
     done or `stop` is requested; returns the metric records of this run (rank 0 also printed, saved and
     tracked them). Every rank calls it, with the process group up."""
-    cfg = run.cfg
-    torch.manual_seed(cfg.seed)
+    settings = run.settings.loop
+    torch.manual_seed(settings.seed)
     lease = RunLease(run.paths.root)
     run.hold_log()  # a start that fails says its error alone; a started run its lines, then a summary
     note = on_rank0(lease.acquire, ConfigError, ConfigError)  # before any write there
@@ -130,10 +129,10 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
             run.log(note)
         for line in run.notes:
             run.log(line)
-        if run.device.type == "cpu" and cfg.mixed_precision:
+        if run.device.type == "cpu" and settings.mixed_precision:
             run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
         hangs = HangDiagnostics.start(run)
-        trackers = start_trackers(cfg, run.paths.root)
+        trackers = start_trackers(run.settings.trackers, run.paths.root)
         failed = True
         try:
             records = _train(run, stop, trackers, lease, hangs.hosts)
@@ -148,19 +147,6 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
     finally:
         if run.info.is_main:
             lease.release()
-
-
-def write_run_config(run: Run) -> None:
-    """<ckpt_save_path>/config.yaml: the run record (run.record), then the flags (an earlier, different
-    one is kept as config.<n>.yaml), written once the run has started (a start that failed leaves none);
-    CheckpointError naming the path when it cannot be written."""
-    try:
-        make_folder(run.paths.root)
-        write_text_keeping_old(run.paths.config, record(run) + to_yaml(run.cfg))
-    except Exception as e:  # fsspec filesystems raise their clients' own errors too
-        raise CheckpointError(
-            f"--ckpt_save_path: cannot write {run.cfg.ckpt_save_path} ({type(e).__name__}: {first_line(e)})"
-        ) from None
 
 
 @dataclass
@@ -206,13 +192,14 @@ def _build(
 ) -> tuple[Loop, int]:
     """The loop's collaborators, each closed by `stack`, and the step it starts from (a resume's);
     `hosts`: every rank's host."""
-    cfg, info = run.cfg, run.info
-    loader = get_data_loader(cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
-    evaluator, harness = Evaluator(run), HarnessEvaluator(cfg, info)  # tasks load before the model
+    settings, info = run.settings.loop, run.info
+    loader = get_data_loader(run.cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
+    # the tasks load before the model
+    evaluator, harness = Evaluator(run.settings.evaluation, info), HarnessEvaluator(run.settings.harness, info)
     model, pipeline = build_stages(run)
     evaluator.pipeline = pipeline
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
-    guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
+    guard = StepGuard(settings.skip_bad_steps, settings.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
     checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
     stack.callback(checkpointer.close)
@@ -221,19 +208,24 @@ def _build(
     start, tokens_seen = checkpointer.start()
     if ft is not None:
         ft.resumed(start, tokens_seen)
-    on_rank0(lambda: write_run_config(run), CheckpointError, CheckpointError)
+    on_rank0(lambda: write_config(run), CheckpointError, CheckpointError)
     run.release_log(summary(run, start))
     HangDiagnostics.started(run)
-    if start >= cfg.num_steps:
+    if start >= settings.num_steps:
         run.log(
-            f"nothing to train: the checkpoint is at step {start} and --num_steps={cfg.num_steps}; "
+            f"nothing to train: the checkpoint is at step {start} and --num_steps={settings.num_steps}; "
             "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
         )
     lines = getattr(loader, "lines_by_dataset", None)  # the synthetic loader has no datasets
-    reporter = MetricsReporter(run, flops_per_token(model.config, cfg.seq_length), start, tokens_seen, trackers, lines)
+    flops = flops_per_token(model.config, settings.seq_length)
+    reporter = MetricsReporter(
+        run.settings.metrics, info, run.paths.metrics, flops, start, tokens_seen, trackers, lines
+    )
     stack.callback(reporter.close)
     triggers = StepTriggers(run.settings.triggers, info, stop, start)
-    stragglers = Stragglers(model, info.device, hosts, cfg.straggler_threshold, cfg.straggler_reports, run.log)
+    stragglers = Stragglers(
+        model, info.device, hosts, settings.straggler_threshold, settings.straggler_reports, run.log
+    )
     stack.callback(stragglers.close)
     profiler = StepProfiler(run.settings.profiler, info, run.paths.root)
     stack.callback(profiler.close)
@@ -249,7 +241,7 @@ def _fault_tolerance(
     """--fault_tolerance's replica-group membership (closed by `stack`), None without it."""
     if run.ft is None:
         return None
-    fp = fingerprint(run.cfg, run.model_config, run.shape)
+    fp = fingerprint(run.ft.shared, run.model_config, run.shape)
     ft = FaultTolerance(run.ft, model, optimizer, scheduler, loader, guard, fp, run.device, run.log)
     stack.callback(ft.close)
     return ft
@@ -258,25 +250,25 @@ def _fault_tolerance(
 def _batches(loop: Loop) -> Any:
     """The loop's batches: replayable under --fault_tolerance (a step that does not commit runs again on
     its batches), placeholders on a pipeline stage that reads no data."""
-    cfg = loop.run.cfg
+    settings = loop.run.settings.loop
     if loop.ft is not None:
         return Replay(loop.loader)
     if loop.pipeline is None or loop.pipeline.reads_data(loop.model):
         return iter(loop.loader)
-    return loop.pipeline.no_data(cfg.batch_size, cfg.seq_length)
+    return loop.pipeline.no_data(settings.batch_size, settings.seq_length)
 
 
 def _steps(loop: Loop, batches: Any, step: int) -> tuple[int, Optional[str]]:
     """Train from `step` to --num_steps or a stop request: (the last step, the stop signal's name or
     None). Under --fault_tolerance each step begins with the replica groups' quorum."""
-    cfg = loop.run.cfg
-    while step < cfg.num_steps:
+    settings = loop.run.settings.loop
+    while step < settings.num_steps:
         if loop.ft is not None:
             step = _quorum(loop.ft, step, batches, loop.reporter, loop.triggers)
-            if step >= cfg.num_steps:
+            if step >= settings.num_steps:
                 break
         step += 1
-        report_step = step % cfg.report_interval == 0 or step == cfg.num_steps
+        report_step = step % settings.report_interval == 0 or step == settings.num_steps
         done = _attempt(loop, step, batches, report_step)
         if done is None:  # --fault_tolerance: not committed; the same batches again, with the live groups
             step -= 1
@@ -299,7 +291,7 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
             loop.guard,
             step,
             batches,
-            run.cfg,
+            run.settings.step,
             run.device,
             report_step,
             loop.pipeline,
@@ -307,7 +299,7 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
         )
     except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
         raise out_of_memory_error(
-            step, e, run.cfg.batch_size, run.settings.parallel.checkpointing, run.device
+            step, e, run.settings.loop.batch_size, run.settings.parallel.checkpointing, run.device
         ) from None
     if done is None:
         assert loop.ft is not None
@@ -355,8 +347,8 @@ def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_st
     """The interval's record (every rank calls it): the gradient norm where it is global (the step's
     clipping or guard made it so, or a report step asked for it), the steps left out by
     --skip_bad_steps, the slowest rank's figures and --fault_tolerance's."""
-    cfg, guard, reporter = loop.run.cfg, loop.guard, loop.reporter
-    global_norm = report_step or cfg.grad_clip_thresh > 0 or guard.skipping
+    settings, guard, reporter = loop.run.settings.loop, loop.guard, loop.reporter
+    global_norm = report_step or settings.grad_clip_thresh > 0 or guard.skipping
     skipped = guard.skipped_since_report() if guard.skipping else None
     extra = loop.stragglers.report(reporter.data_wait, time.perf_counter() - reporter.interval_start)
     extra.update(loop.ft.report() if loop.ft is not None else {})
@@ -366,17 +358,17 @@ def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_st
 def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
     """A stopped run's line (an error when the launcher died, so that torchrun on every node ends now),
     or a finished run's --export_model_at_end."""
-    run = loop.run
+    run, settings = loop.run, loop.run.settings.loop
     if stopped is not None:
         outcome = (
             "the checkpoint is saved, resume by running the same command"
-            if run.cfg.checkpoint_interval != 0
+            if settings.checkpoint_interval != 0
             else "no checkpoint (--checkpoint_interval=0)"
         )
         if stopped == LAUNCHER_DIED.name:
             raise TrainingError(f"stopped after step {step}: the launcher (torchrun) of a rank died; {outcome}")
-        if run.cfg.stop_exit_status:
-            outcome += f" (exit status {run.cfg.stop_exit_status}, --stop_exit_status)"
+        if settings.stop_exit_status:
+            outcome += f" (exit status {settings.stop_exit_status}, --stop_exit_status)"
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
-    elif run.cfg.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
+    elif settings.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
         export_trained_model(loop.model, run.paths.model_file(step), step, run.settings.export)

@@ -54,7 +54,7 @@ def rehearse(run: Run) -> list[State]:
     Each rank is rehearsed in a process of its own, forked from this one, as many at once as there are
     cores: DTensor's caches keep the meshes of a finished world, whose groups the next world lacks."""
     ranks = rehearsed_ranks(run)
-    if run.cfg.use_torch_compile:  # torch's compiler imported here once, not in every rank's process
+    if run.settings.parallel.compile:  # torch's compiler imported here once, not in every rank's process
         torch.compile(_state)  # (nothing is compiled until called)
     with get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
         return list(pool.imap(partial(_rehearse, run), ranks))  # the first rank's error first

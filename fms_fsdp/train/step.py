@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from fms_fsdp.config import train_config
 from fms_fsdp.errors import TrainingError
 from fms_fsdp.model.variants import CausalLM
 from fms_fsdp.optim import clip_gradients
@@ -21,6 +21,14 @@ from fms_fsdp.train.ft import FaultTolerance
 from fms_fsdp.train.guard import StepGuard
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The flags of one optimizer step (built once: settings.py)."""
+
+    grad_accum_steps: int
+    grad_clip_thresh: float  # 0: no clipping
 
 
 class StepResult(NamedTuple):
@@ -48,7 +56,7 @@ def train_step(
     guard: StepGuard,
     step: int,
     batches: Batches,
-    cfg: train_config,
+    settings: StepSettings,
     device: torch.device,
     global_norm: bool,
     pipeline: Optional[Pipeline] = None,
@@ -66,10 +74,10 @@ def train_step(
         inputs, labels = next(batches)
         wait = time.perf_counter() - t
         total, z_total = pipeline.step(to_device(inputs, device), to_device(labels, device))
-        norm = clip_gradients(model, cfg.grad_clip_thresh, True, pipeline.group)
+        norm = clip_gradients(model, settings.grad_clip_thresh, True, pipeline.group)
     else:
-        total, z_total, wait = accumulate(model, batches, cfg, device)
-        norm = clip_gradients(model, cfg.grad_clip_thresh, global_norm or guard.skipping)
+        total, z_total, wait = accumulate(model, batches, settings.grad_accum_steps, device)
+        norm = clip_gradients(model, settings.grad_clip_thresh, global_norm or guard.skipping)
     if ft is not None and not ft.commit():
         optimizer.zero_grad(set_to_none=True)
         return None
@@ -80,23 +88,23 @@ def train_step(
 
 
 def accumulate(
-    model: CausalLM, batches: Batches, cfg: train_config, device: torch.device
+    model: CausalLM, batches: Batches, steps: int, device: torch.device
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
-    """Forward and backward of grad_accum_steps micro-batches: (their mean loss, z-loss term or None,
-    the seconds spent waiting for data)."""
+    """Forward and backward of `steps` micro-batches (--grad_accum_steps): (their mean loss, z-loss term
+    or None, the seconds spent waiting for data)."""
     total = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
     wait = 0.0
-    for micro in range(cfg.grad_accum_steps):
+    for micro in range(steps):
         t = time.perf_counter()
         inputs, labels = next(batches)
         wait += time.perf_counter() - t
-        set_gradient_sync(model, micro == cfg.grad_accum_steps - 1)
+        set_gradient_sync(model, micro == steps - 1)
         loss = model(to_device(inputs, device), labels=to_device(labels, device))
-        (loss / cfg.grad_accum_steps).backward()
-        total += loss.detach() / cfg.grad_accum_steps
+        (loss / steps).backward()
+        total += loss.detach() / steps
         if z_total is not None and model.head.z_loss is not None:
-            z_total += model.head.z_loss / cfg.grad_accum_steps
+            z_total += model.head.z_loss / steps
     return total, z_total, wait
 
 
