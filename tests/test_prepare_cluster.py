@@ -90,6 +90,34 @@ def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray
     assert not ray_processes("raylet"), "the job's Ray outlived the cache"
 
 
+def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(ray_env, slurm, tmp_path):
+    """scripts/train.slurm with --cache_dir --ray_start_workers=True, as its header shows."""
+    from test_data import make_docs, write_dataset
+
+    data, log, run = tmp_path / "raw", tmp_path / "job.out", tmp_path / "run"
+    write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
+    env = {**slurm, **ray_env, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{slurm['PATH']}"}
+    flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096", "--num_steps=2"]
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10"]
+        + [f"--output={log}", "scripts/train.slurm", *TINY, "--use_dummy_dataset=False", *flags]
+        + [f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={run}"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 240, log)
+    output = log.read_text()
+    assert job_state(slurm, job) == "COMPLETED", output[-4000:]
+    assert (
+        "note: tokenizing text into" in output and (tmp_path / "cache" / "text" / ".done" / "complete.json").is_file()
+    )
+    assert [r["step"] for r in records(run) if "loss" in r] == [1, 2]
+    assert not ray_processes("raylet"), "the job's Ray outlived the cache"
+
+
 @pytest.fixture(scope="module")
 def ray_head(ray_env) -> Iterator[str]:
     """A Ray cluster started as a user starts one (`ray start --head`, 2 CPUs); its address."""
