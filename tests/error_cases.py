@@ -385,6 +385,13 @@ ERRORS: list[E] = [
         "start the head (`ray start --head`), or set Ray's `RAY_AUTH_MODE=token` (with its token) as Ray's docs say",
     ),
     E("data", "--engine=ray needs Ray: pip install 'fms-fsdp[ray]'"),
+    E("data", "--engine=ray: a task failed (<why>)"),
+    E(
+        "data",
+        "--engine=ray: <kind> (<why>); run the same command again: finished pieces are kept",
+        "a Ray worker died past its retries, or a node of the cluster left",
+        "run the same command again; only the unfinished pieces are done",
+    ),
     E(
         "data",
         "--cache_dir tokenizes raw-text datasets: give --tokenizer_path too",

@@ -10,7 +10,7 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from fms_fsdp.errors import ConfigError
+from fms_fsdp.errors import ConfigError, DataError, first_line
 from fms_fsdp.lifetime import pool_worker
 
 ENGINES = ("local", "ray")
@@ -78,7 +78,14 @@ def run_ray(
             try:
                 yield ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
-                raise e.cause from None  # the worker's own error (a DataError naming the file)
+                if isinstance(e.cause, (DataError, ConfigError)):
+                    raise e.cause from None  # the worker's own error, naming the file
+                raise DataError(f"--engine=ray: a task failed ({first_line(e.cause or e)})") from None
+            except ray.exceptions.RayError as e:  # a worker lost for good (after its retries), a node gone
+                raise DataError(
+                    f"--engine=ray: {type(e).__name__} ({first_line(e)}); run the same command again: finished "
+                    "pieces are kept"
+                ) from None
     finally:
         ray.shutdown()
 

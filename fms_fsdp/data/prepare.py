@@ -45,12 +45,14 @@ from fms_fsdp.data.shard_writer import (
     write_dataset_counts,
     write_text,
 )
+from fms_fsdp.data.sources import expand_braces
 from fms_fsdp.data.text import encode, load_tokenizer, tokenizer_json
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.storage import is_remote, location, mtime_ns
 
 MAX_WARNINGS = 20
-_GLOB = ("*", "?", "[", "{")
+SHARD_TOKENS = 100_000_000  # --shard_tokens's default (cli.py says it too)
+PIECE_BYTES = 128 << 20  # --piece_bytes's
 
 
 def as_count(flag: str, value: int) -> int:
@@ -88,24 +90,22 @@ def share_of(num_tasks: Optional[int], task_index: Optional[int]) -> Share:
 
 
 def find_inputs(spec: str) -> list[Path]:
-    """The input files named by --input (a file, a folder searched recursively, or a glob; local or in
-    object storage), sorted."""
+    """The input files named by --input (a file, a folder searched recursively, or a pattern with globs
+    and braces, web-{000..127}.jsonl.gz; local or in object storage), sorted."""
     if not spec:
         raise ConfigError("--input is required: a file, folder or glob of .jsonl/.jsonl.gz/.json/.parquet/.txt/.md")
-    glob_at = min((spec.find(c) for c in _GLOB if c in spec), default=-1)
-    if glob_at >= 0:
-        folder, _, rest = spec[:glob_at].rpartition("/")
-        found = {p for p in location(folder or ".", "input").glob(rest + spec[glob_at:]) if p.is_file()}
-        found |= {
-            f for p in location(folder or ".", "input").glob(rest + spec[glob_at:]) if p.is_dir() for f in _tree(p)
-        }
-    else:
-        path = location(spec, "input")
-        if path.is_file():
-            if not is_supported(path):
+    found: set[Path] = set()
+    for pattern in expand_braces(spec):
+        glob_at = min((pattern.find(c) for c in "*?[" if c in pattern), default=-1)
+        if glob_at < 0:
+            path = location(pattern, "input")
+            if path.is_file() and not is_supported(path):
                 raise ConfigError(f"--input={spec}: unsupported file type (expected {', '.join(EXTENSIONS)})")
-            return [path]
-        found = set(_tree(path)) if path.is_dir() else set()
+            found |= {path} if path.is_file() else set(_tree(path)) if path.is_dir() else set()
+            continue
+        folder, _, rest = pattern[:glob_at].rpartition("/")
+        for match in location(folder or ".", "input").glob(rest + pattern[glob_at:]):
+            found |= {match} if match.is_file() else set(_tree(match))
     found = {p for p in found if is_supported(p)}
     if not found:
         raise ConfigError(f"--input={spec}: no {', '.join(EXTENSIONS)} files found")
@@ -232,8 +232,8 @@ class Recipe:
     tokenizer: str
     tokenizer_text: Optional[str]
     text_field: str = "text"
-    shard_tokens: int = 100_000_000
-    piece_bytes: int = 128 << 20
+    shard_tokens: int = SHARD_TOKENS
+    piece_bytes: int = PIECE_BYTES
 
     def settings(self) -> dict:
         """What every piece's marker records, and a re-run must match."""
@@ -246,7 +246,9 @@ class Recipe:
         }
 
 
-def recipe_of(tokenizer: str, text_field: str, shard_tokens: int, piece_bytes: int) -> Recipe:
+def recipe_of(
+    tokenizer: str, text_field: str, shard_tokens: int = SHARD_TOKENS, piece_bytes: int = PIECE_BYTES
+) -> Recipe:
     """The recipe of the flags, its tokenizer loaded once to check it."""
     recipe = Recipe(tokenizer, tokenizer_text(tokenizer), text_field, shard_tokens, piece_bytes)
     recipe.settings()
@@ -359,7 +361,7 @@ def prepare_data(
     text_field: str,
     shard_tokens: int,
     workers: Optional[int],
-    piece_bytes: int = 128 << 20,
+    piece_bytes: int = PIECE_BYTES,
     engine: str = "local",
     ray_address: Optional[str] = None,
     num_tasks: Optional[int] = None,

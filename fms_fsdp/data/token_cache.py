@@ -81,7 +81,7 @@ def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optio
             f"--cache_dir: dataset {source.name} mixes raw text and token files; give each kind its own dataset"
         )
     output = location(settings.cache_dir, "cache_dir") / source.name
-    recipe = recipe_of(settings.tokenizer_path, settings.text_field, 100_000_000, 128 << 20)
+    recipe = recipe_of(settings.tokenizer_path, settings.text_field)
     ledger = read_ledger(output)
     if ledger is None:
         print(f"note: tokenizing {source.name} into {output} (once: later runs read it)", flush=True)
