@@ -49,7 +49,7 @@ def bench(run: Run) -> None:
     if info.is_main:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
-    loader = get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size)
+    loader = get_data_loader(run.settings.data, info.dp_rank, info.dp_size)
     model = build_sharded_model(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     train_step(

@@ -215,7 +215,7 @@ def main(
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
-    loader = get_data_loader(cfg, 0, 1, facts(cfg).vocab_size)
+    loader = get_data_loader(facts(cfg).settings.data, 0, 1)
     it = iter(loader)
     next(it)
     first_batch = time.perf_counter() - start
@@ -269,7 +269,7 @@ def compare_layouts(
             logical_shards=1024,
             data_cache_dir=str(root) + ".cache",
         )
-        loader = get_data_loader(cfg, 0, 1, facts(cfg).vocab_size)
+        loader = get_data_loader(facts(cfg).settings.data, 0, 1)
         iters[name] = (loader, iter(loader))
         warm = time.perf_counter() + 2.0
         while time.perf_counter() < warm:

@@ -208,7 +208,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     check_harness(settings.harness)
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant)
-    notes = tuple(check_tokenizer(cfg, model_config.src_vocab_size)) if cfg.tokenizer_path is not None else ()
+    tokenizer = cfg.tokenizer_path
+    notes = tuple(check_tokenizer(tokenizer, cfg.model_variant, settings.data.packing)) if tokenizer is not None else ()
     positions = context_length(
         get_model_config(cfg.model_variant, rope_theta=cfg.rope_theta, rope_scaling_factor=cfg.rope_scaling_factor)
     )

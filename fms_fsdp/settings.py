@@ -2,18 +2,19 @@
 `Run` as `run.settings`: a component receives its own small settings object, never the flat config.
 
 Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
-and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names and the
-values of the flags replica groups share (the data's settings, the mixture's schedule among them, are
-read where the loader is built, data/build.py, which a start runs before the model). Three are built
-before the others, by `run.facts` or the command line, and are not kept here: the mesh's and the
-pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows from them, `run.shape` and
-`run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay
-longer than a cycle, an unreadable keep policy) is a ConfigError naming the flag, raised at start-up.
+and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's
+layout and framing (for training and evaluation alike), the mixture's schedule and the values of the
+flags replica groups share. Three are built before the others, by `run.facts` or the command line, and
+are not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows
+from them, `run.shape` and `run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings
+object that cannot be (a decay longer than a cycle, an unreadable keep policy, an unreadable mixture
+schedule) is a ConfigError naming the flag, raised at start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -21,7 +22,14 @@ from typing import Optional
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
 from fms_fsdp.config import parse_fraction, to_dict, train_config
-from fms_fsdp.data.build import layout_of, packing_of
+from fms_fsdp.data.cache import IN_DATA
+from fms_fsdp.data.mixture import MixtureSchedule
+from fms_fsdp.data.reader import Options
+from fms_fsdp.data.settings import DataSettings
+from fms_fsdp.data.shards import Layout
+from fms_fsdp.data.stream import Packing
+from fms_fsdp.data.text import TextSpec
+from fms_fsdp.data.token_cache import CacheSettings, RaySettings
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.memory import MemorySettings, Setting
@@ -35,6 +43,7 @@ from fms_fsdp.parallel.parallelize import ParallelSettings
 from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
+from fms_fsdp.storage import is_remote, location
 from fms_fsdp.trackers import TrackerSettings
 from fms_fsdp.train.ft_settings import FTSettings
 from fms_fsdp.train.settings import LoopSettings, ModelSettings
@@ -63,6 +72,7 @@ class Settings:
     step: StepSettings
     metrics: MetricsSettings
     model: ModelSettings
+    data: DataSettings
 
 
 def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> Settings:
@@ -70,6 +80,7 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
     naming the flag that cannot be); `run_cache`: the data caches may be kept under --ckpt_save_path
     (a training run's; `fms-evaluate` keeps them only in --data_cache_dir)."""
     lora, parallel = lora_of(cfg), parallel_of(cfg)
+    layout, packing = layout_of(cfg, vocab_size, run_cache), packing_of(cfg, vocab_size)
     return Settings(
         schedule=schedule_of(cfg),
         optimizer=optimizer_of(cfg),
@@ -108,7 +119,7 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
             lora,
             cfg.ckpt_load_path,
         ),
-        evaluation=evaluation_of(cfg, vocab_size, run_cache),
+        evaluation=evaluation_of(cfg, layout, packing),
         harness=harness_of(cfg),
         memory=memory_of(cfg, parallel, lora),
         attention=AttentionSettings(
@@ -122,7 +133,64 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         step=StepSettings(cfg.grad_accum_steps, cfg.grad_clip_thresh),
         metrics=MetricsSettings(cfg.batch_size, cfg.seq_length, cfg.grad_accum_steps, cfg.peak_tflops, cfg.num_steps),
         model=ModelSettings(cfg.low_cpu_fsdp, cfg.seed, cfg.z_loss_weight),
+        data=data_of(cfg, layout, packing),
     )
+
+
+def data_of(cfg: train_config, layout: Layout, packing: Packing) -> DataSettings:
+    """The training data's settings: --weights_schedule parsed once (ConfigError naming it), --cache_dir's."""
+    schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
+    return DataSettings(
+        cfg.use_dummy_dataset,
+        cfg.batch_size,
+        cfg.seed,
+        cfg.data_path,
+        cfg.datasets,
+        cfg.weights,
+        schedule,
+        layout,
+        packing,
+        cfg.logical_shards,
+        cfg.num_workers,
+        cfg.grad_accum_steps,
+        cache_of(cfg),
+    )
+
+
+def cache_of(cfg: train_config) -> Optional[CacheSettings]:
+    """--cache_dir and how it is tokenized (data/token_cache.py); None without it."""
+    if cfg.cache_dir is None:
+        return None
+    assert cfg.tokenizer_path is not None  # config.validate: --cache_dir needs --tokenizer_path
+    ray = RaySettings(cfg.ray_address, cfg.ray_start_workers, cfg.ray_auto_start_cluster)
+    return CacheSettings(cfg.cache_dir, cfg.tokenizer_path, cfg.text_field, ray)
+
+
+def packing_of(cfg: train_config, vocab_size: int) -> Packing:
+    """How documents become lines under cfg's separator, bos/bol/eol and strip tokens."""
+    strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
+    return Packing(
+        cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip), vocab_size
+    )
+
+
+def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = True) -> Layout:
+    """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
+    cache folder is --data_cache_dir, else (`run_cache`: a training run's) <ckpt_save_path>/data_cache
+    (data/cache.py), else none."""
+    text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
+    options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
+    cache = cfg.data_cache_dir
+    if cache is None and run_cache:
+        save = cfg.ckpt_save_path
+        cache = (
+            f"{save.rstrip('/')}/data_cache"
+            if is_remote(save)
+            else str(location(save, "ckpt_save_path") / "data_cache")
+        )
+    if cache is not None and cache != IN_DATA and not is_remote(cache):
+        cache = os.path.abspath(cache.removeprefix("file://"))
+    return Layout(cfg.file_type, options, text, cache)
 
 
 def loop_of(cfg: train_config) -> LoopSettings:
@@ -171,8 +239,8 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
     )
 
 
-def evaluation_of(cfg: train_config, vocab_size: int, run_cache: bool) -> EvalSettings:
-    """--eval_data_path's evaluation, its datasets read and framed as training's (data/build.py)."""
+def evaluation_of(cfg: train_config, layout: Layout, packing: Packing) -> EvalSettings:
+    """--eval_data_path's evaluation, its datasets read and framed as training's (`layout`, `packing`)."""
     return EvalSettings(
         cfg.eval_interval,
         cfg.num_steps,
@@ -181,8 +249,8 @@ def evaluation_of(cfg: train_config, vocab_size: int, run_cache: bool) -> EvalSe
         cfg.eval_batch_size or cfg.batch_size,
         cfg.eval_batches,
         cfg.pipeline_parallel_size > 1,
-        layout_of(cfg, vocab_size, run_cache) if cfg.eval_interval else None,
-        packing_of(cfg, vocab_size),
+        layout if cfg.eval_interval else None,
+        packing,
     )
 
 

@@ -182,11 +182,11 @@ def run_here(args: list[str]) -> str:
 
 
 def data_loader(cfg: Any, rank: int, world_size: int) -> Any:
-    """get_data_loader for data-parallel rank `rank` of `world_size`, with the run's vocabulary."""
+    """get_data_loader for data-parallel rank `rank` of `world_size`, with cfg's data settings (the run's)."""
     from fms_fsdp.data import get_data_loader
     from fms_fsdp.run import facts
 
-    return get_data_loader(cfg, rank, world_size, facts(cfg).vocab_size)
+    return get_data_loader(facts(cfg).settings.data, rank, world_size)
 
 
 def train_here(tmp: Path, args: list[str]) -> list[dict]:

@@ -50,7 +50,7 @@ def inspect(cfg) -> dict:
         record["weight_fingerprint"] = {
             n: [t.double().sum().item(), t.double().square().sum().item()] for n, t in full.items()
         }
-        inputs, labels = next(iter(get_data_loader(cfg, rank, world_size, run.vocab_size)))
+        inputs, labels = next(iter(get_data_loader(run.settings.data, rank, world_size)))
         with torch.no_grad():
             loss = model(inputs, labels=labels)
         dist.all_reduce(loss)

@@ -109,7 +109,6 @@ SEES_THE_CONFIG = {
     "fms_fsdp.cli",
     "fms_fsdp.run",
     "fms_fsdp.settings",
-    "fms_fsdp.data.build",
 }
 
 
@@ -127,7 +126,6 @@ READS_THE_CONFIG = {
     "fms_fsdp.cli",
     "fms_fsdp.run",
     "fms_fsdp.settings",
-    "fms_fsdp.data.build",
 }
 
 

@@ -65,7 +65,7 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
         info = run.info
         model = build_sharded_model(run)
         optimizer, scheduler = build_optimizer_and_schedule(run, model)
-        batches = iter(get_data_loader(cfg, info.dp_rank, info.dp_size, run.vocab_size))
+        batches = iter(get_data_loader(run.settings.data, info.dp_rank, info.dp_size))
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         total = torch.zeros((), device=info.device)
         train_step(

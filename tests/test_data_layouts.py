@@ -154,8 +154,8 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
 
 
 def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):
-    from fms_fsdp.data.build import packing_of
     from fms_fsdp.evaluation.evaluate import eval_lines
+    from fms_fsdp.settings import packing_of
 
     docs = make_docs(10, 30, 9)
     write_dataset(tmp_path, "fms", docs, files=2)

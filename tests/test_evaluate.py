@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from fms_fsdp.cli import evaluate as evaluate_main
-from fms_fsdp.data.build import packing_of
 from fms_fsdp.data.reader import Options
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.evaluation.evaluate import eval_lines
 from fms_fsdp.flags import parse_args
+from fms_fsdp.settings import packing_of
 
 from conftest import TINY, here, records, run_here
 from test_checkpoint import flags, losses, run

@@ -1,5 +1,5 @@
 """Training data. `from fms_fsdp.data import get_data_loader, DataError`:
-get_data_loader(cfg, rank, world_size, vocab_size) -> an iterable of (inputs, labels) batches with
+get_data_loader(settings, rank, world_size) -> an iterable of (inputs, labels) batches with
 state_dict()/load_state_dict(). Imported on first use, so fms_fsdp.data.shards stays light for tools.
 """
 

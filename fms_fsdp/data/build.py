@@ -1,53 +1,50 @@
-"""get_data_loader(cfg, rank, world_size, vocab_size): the synthetic loader, or the stateful loader over
-the shards (every layout: data/shards.py) or raw text under data_path; and the settings of the data flags: how
-documents become lines (`packing_of`), which files are read how (`layout_of`), the tokenizer's check."""
+"""get_data_loader(settings, rank, world_size): the synthetic loader, or the stateful loader over the shards
+(every layout: data/shards.py) or raw text under data_path, as the data's settings say (data/settings.py,
+built from the flags once in fms_fsdp/settings.py); and the tokenizer's check at start-up."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Union
 
-from fms_fsdp.config import train_config
-from fms_fsdp.data.cache import IN_DATA
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
-from fms_fsdp.data.mixture import MixtureSchedule
-from fms_fsdp.data.reader import Options
+from fms_fsdp.data.settings import DataSettings
 from fms_fsdp.data.shards import Dataset, FileEntry, Layout, dataset_sources, scan
 from fms_fsdp.data.sources import Source
 from fms_fsdp.data.stream import Packing
-from fms_fsdp.data.text import TextSpec, added_tokens, load_tokenizer
-from fms_fsdp.data.token_cache import CacheSettings, RaySettings, cached_sources
+from fms_fsdp.data.text import added_tokens, load_tokenizer
+from fms_fsdp.data.token_cache import cached_sources
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.parallel.process_group import on_rank0
-from fms_fsdp.storage import is_remote, location
+from fms_fsdp.storage import location
 
 
-def get_data_loader(
-    cfg: train_config, rank: int, world_size: int, vocab_size: int
-) -> Union[StatefulLoader, DummyDataLoader]:
+def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union[StatefulLoader, DummyDataLoader]:
     """The loader of data-parallel rank `rank` of `world_size`: synthetic lines with use_dummy_dataset,
-    else the shards under data_path, their token ids checked against `vocab_size` (the run's: run.py).
+    else the shards under data_path, their token ids checked against the run's vocabulary (the packing's).
     Bad data raises DataError (one line naming the file or flag)."""
-    if cfg.use_dummy_dataset:
-        return DummyDataLoader(cfg.batch_size, cfg.seq_length, vocab_size, cfg.seed, rank, world_size)
-    sources = dataset_sources(cfg.data_path, cfg.datasets)  # the same on every rank: rank 0 reports errors
+    packing = settings.packing
+    if settings.use_dummy_dataset:
+        return DummyDataLoader(
+            settings.batch_size, packing.seq_length, packing.vocab_size, settings.seed, rank, world_size
+        )
+    sources = dataset_sources(settings.data_path, settings.datasets)  # the same on every rank: rank 0 reports errors
     names = [s.name for s in sources]
-    schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
-    given = cfg.weights if schedule is None else schedule.stages[0][1]
+    schedule = settings.schedule
+    given = settings.weights if schedule is None else schedule.stages[0][1]
     if given is not None and len(given) != len(names):
         flag = "--weights" if schedule is None else "--weights_schedule"
         raise DataError(
-            f"{flag} has {len(given)} values but {cfg.data_path} has {len(names)} datasets: "
+            f"{flag} has {len(given)} values but {settings.data_path} has {len(names)} datasets: "
             f"{', '.join(names)}; give one weight per dataset or set --datasets",
             every_rank=True,
         )
-    layout = layout_of(cfg, vocab_size)
+    layout = settings.layout
     layouts = {s.name: layout for s in sources}
-    if cfg.cache_dir is not None:  # raw text tokenized into the cache first (rank 0), then read from there
-        built = cached_sources(sources, layout, cache_of(cfg))
+    if settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
+        built = cached_sources(sources, layout, settings.cache)
         tokenized = replace(layout, file_type="arrow", text=None)
         layouts.update({b.name: tokenized for s, b in zip(sources, built) if b != s})
         sources = built
@@ -63,15 +60,15 @@ def get_data_loader(
     return StatefulLoader(
         datasets,
         weights,
-        packing_of(cfg, vocab_size),
-        cfg.batch_size,
-        cfg.logical_shards,
-        cfg.seed,
+        packing,
+        settings.batch_size,
+        settings.logical_shards,
+        settings.seed,
         rank,
         world_size,
-        cfg.num_workers,
+        settings.num_workers,
         schedule,
-        cfg.grad_accum_steps,
+        settings.grad_accum_steps,
     )
 
 
@@ -83,58 +80,25 @@ def scan_each(sources: list[Source], layouts: dict[str, Layout]) -> dict[str, li
     return entries
 
 
-def cache_of(cfg: train_config) -> CacheSettings:
-    """--cache_dir and how it is tokenized (data/token_cache.py)."""
-    assert cfg.cache_dir is not None and cfg.tokenizer_path is not None
-    ray = RaySettings(cfg.ray_address, cfg.ray_start_workers, cfg.ray_auto_start_cluster)
-    return CacheSettings(cfg.cache_dir, cfg.tokenizer_path, cfg.text_field, ray)
-
-
-def packing_of(cfg: train_config, vocab_size: int) -> Packing:
-    """How documents become lines under cfg's separator, bos/bol/eol and strip tokens."""
-    strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
-    return Packing(
-        cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip), vocab_size
-    )
-
-
-def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = True) -> Layout:
-    """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
-    cache folder is --data_cache_dir, else (`run_cache`: a training run's) <ckpt_save_path>/data_cache
-    (data/cache.py), else none."""
-    text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
-    options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
-    cache = cfg.data_cache_dir
-    if cache is None and run_cache:
-        save = cfg.ckpt_save_path
-        cache = (
-            f"{save.rstrip('/')}/data_cache"
-            if is_remote(save)
-            else str(location(save, "ckpt_save_path") / "data_cache")
-        )
-    if cache is not None and cache != IN_DATA and not is_remote(cache):
-        cache = os.path.abspath(cache.removeprefix("file://"))
-    return Layout(cfg.file_type, options, text, cache)
-
-
-def check_tokenizer(cfg: train_config, vocab: int) -> list[str]:
-    """--tokenizer_path loads and fits the model's vocabulary `vocab` (ConfigError otherwise); returns
-    notes on how raw text will be framed, for the log. Run once, at start-up (run.py)."""
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
+def check_tokenizer(tokenizer_path: str, variant: str, packing: Packing) -> list[str]:
+    """--tokenizer_path loads and fits the vocabulary of the model `variant` (`packing`'s: the run's;
+    ConfigError otherwise); returns notes on how raw text will be framed under `packing`'s eos and bos
+    tokens, for the log. Run once, at start-up (run.py)."""
+    tokenizer = load_tokenizer(tokenizer_path)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab:
+    if size > packing.vocab_size:
         raise ConfigError(
-            f"--tokenizer_path: {cfg.tokenizer_path} has {size} tokens but {cfg.model_variant}'s "
-            f"vocabulary is {vocab}; set --vocab_size={size} (or larger)"
+            f"--tokenizer_path: {tokenizer_path} has {size} tokens but {variant}'s "
+            f"vocabulary is {packing.vocab_size}; set --vocab_size={size} (or larger)"
         )
     before, after = added_tokens(tokenizer)
     notes = []
-    if after and cfg.eos_token not in after:
+    if after and packing.eos not in after:
         notes.append(
-            f"warning: the tokenizer ends a text with token(s) {after}, but --eos_token={cfg.eos_token} "
+            f"warning: the tokenizer ends a text with token(s) {after}, but --eos_token={packing.eos} "
             f"separates raw text documents; set --eos_token={after[-1]} if that is its end-of-text token"
         )
-    if before and cfg.bos_token is None:
+    if before and packing.bos is None:
         notes.append(
             f"note: the tokenizer starts a text with token(s) {before}; raw text documents get no bos "
             f"token unless --bos_token is set (e.g. --bos_token={before[0]})"

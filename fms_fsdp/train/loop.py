@@ -193,7 +193,7 @@ def _build(
     """The loop's collaborators, each closed by `stack`, and the step it starts from (a resume's);
     `hosts`: every rank's host."""
     settings, info = run.settings.loop, run.info
-    loader = get_data_loader(run.cfg, info.data_rank, info.data_size, run.vocab_size)  # bad data fails before the model
+    loader = get_data_loader(run.settings.data, info.data_rank, info.data_size)  # bad data fails before the model
     # the tasks load before the model
     evaluator, harness = Evaluator(run.settings.evaluation, info), HarnessEvaluator(run.settings.harness, info)
     model, pipeline = build_stages(run)
