@@ -126,3 +126,12 @@ def job_state(env: dict[str, str], job: str) -> str:
     out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
     fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
     return fields.get("JobState", "UNKNOWN")
+
+
+def submit(env: dict[str, str], *args: str) -> str:
+    """`sbatch --parsable args` from the repository root; the job's id."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        ["sbatch", "--parsable", *args], cwd=root, env=env, check=True, capture_output=True, text=True
+    )
+    return done.stdout.strip()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from slurm_cluster import job_state, wait_for
+from slurm_cluster import job_state, submit, wait_for
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
 
 from fms_fsdp.parallel.process_group import free_port
@@ -98,16 +98,12 @@ def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(r
     write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
     env = {**slurm, **ray_env, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{slurm['PATH']}"}
     flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096", "--num_steps=2"]
-    job = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10"]
-        + [f"--output={log}", "scripts/train.slurm", *TINY, "--use_dummy_dataset=False", *flags]
-        + [f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={run}"],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    job = submit(
+        env,
+        *("--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10", f"--output={log}"),
+        *("scripts/train.slurm", *TINY, "--use_dummy_dataset=False", *flags),
+        *(f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={run}"),
+    )
     wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 240, log)
     output = log.read_text()
     assert job_state(slurm, job) == "COMPLETED", output[-4000:]
@@ -185,25 +181,11 @@ def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ra
 def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_path):
     out = tmp_path / "ds"
     env = {**slurm, "PYTHON": sys.executable}
-    job = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--array=0-2",
-            "--cpus-per-task=1",
-            "--time=10",
-            f"--output={tmp_path / 'task-%a.out'}",
-            "scripts/prepare_data.slurm",
-            f"--input={corpus['raw']}",
-            f"--output={out}",
-            *corpus["flags"],
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    job = submit(
+        env,
+        *("--array=0-2", "--cpus-per-task=1", "--time=10", f"--output={tmp_path / 'task-%a.out'}"),
+        *("scripts/prepare_data.slurm", f"--input={corpus['raw']}", f"--output={out}", *corpus["flags"]),
+    )
     tasks = [f"{job}_{i}" for i in range(3)]
     wait_for(
         "the array's tasks",

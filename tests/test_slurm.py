@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import job_state, wait_for
+from slurm_cluster import job_state, submit, wait_for
 
-from conftest import ROOT, TINY
+from conftest import TINY
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -33,28 +33,12 @@ def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigter
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}",
     }
-    job = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--nodes=1",
-            "--gres=none",
-            f"--cpus-per-task={os.cpu_count()}",
-            "--time=10",
-            f"--output={log}",
-            "scripts/train.slurm",
-            *TINY,
-            "--report_interval=5",
-            "--checkpoint_interval=100000",
-            "--num_steps=100000",
-            f"--ckpt_save_path={run}",
-        ],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    job = submit(
+        env,
+        *("--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10", f"--output={log}"),
+        *("scripts/train.slurm", *TINY, "--report_interval=5", "--checkpoint_interval=100000"),
+        *("--num_steps=100000", f"--ckpt_save_path={run}"),
+    )
     text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
 
     wait_for("the first metrics", lambda: len(_records(metrics)) > 0, 120, log)
