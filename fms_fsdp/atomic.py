@@ -4,6 +4,7 @@ object storage)."""
 from __future__ import annotations
 
 import os
+import uuid
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -21,10 +22,11 @@ def fsync_path(path: Path) -> None:
 
 
 def write_local_atomic(path: Path, save: Callable[[BinaryIO], object], durable: bool = True) -> None:
-    """`save` writes a local file's bytes under a temporary name (unique per process), which is renamed
+    """`save` writes a local file's bytes under a temporary name (unique per process and call: writers on
+    several machines may share a folder), which is renamed
     into place (with `durable`, flushed to disk first, and the folder's entry after); the temporary file
     never outlives a failure."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with tmp.open("wb") as f:
             save(f)

@@ -201,3 +201,27 @@ def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_pat
 def test_a_run_builds_its_cache_on_a_running_ray_cluster(ray_env, ray_head, tmp_path):
     runs, output = cache_run(tmp_path, ray_env, f"--ray_address={ray_head}")
     assert "note: tokenizing text into" in output and any("loss" in r for r in runs)
+
+
+def test_an_array_task_killed_with_minus_9_and_the_array_run_again_finishes_the_same(slurm, tmp_path):
+    """One task of a running array SIGKILLed (`scancel --full --signal=KILL`), then the same sbatch again."""
+    raw, tok = tmp_path / "raw", word_tokenizer(tmp_path / "tok")
+    write_corpus(raw, lines=20000, words=40)
+    flags = [f"--tokenizer={tok}", f"--piece_bytes={PIECE * 4}", "--shard_tokens=5000"]
+    prepare(raw, tmp_path / "one" / "ds", *flags, "--workers=2")
+    out, env = tmp_path / "array" / "ds", {**slurm, "PYTHON": sys.executable}
+    args = ["--array=0-1", "--cpus-per-task=1", "--time=10", f"--output={tmp_path / 'task-%a.out'}"]
+    args += ["scripts/prepare_data.slurm", f"--input={raw}", f"--output={out}", *flags]
+    job = submit(env, *args)
+    wait_for("the tasks' first pieces", lambda: markers(out) >= 4, 120)
+    subprocess.run(["scancel", "--full", "--signal=KILL", f"{job}_1"], env=slurm, check=True)
+    ended = ("COMPLETED", "FAILED", "CANCELLED")
+    wait_for("the array to end", lambda: all(job_state(slurm, f"{job}_{i}") in ended for i in (0, 1)), 180)
+    assert job_state(slurm, f"{job}_1") != "COMPLETED", "the kill came after task 1 ended"
+    assert not (out.parent / "meta").exists()
+    done = markers(out)
+    again = submit(env, *args)
+    wait_for("the array again", lambda: all(job_state(slurm, f"{again}_{i}") in ended for i in (0, 1)), 180)
+    assert all(job_state(slurm, f"{again}_{i}") == "COMPLETED" for i in (0, 1))
+    assert done < markers(out)
+    assert dataset_bytes(out.parent) == dataset_bytes(tmp_path / "one")

@@ -98,13 +98,9 @@ class ShardWriter:
 
 
 def write_text(path: Path, text: str) -> None:
-    """A small file, whole or not at all (renamed into place locally; one upload to object storage); one
-    that already says the same is left untouched."""
-    if path.is_file() and path.read_text() == text:
-        return
-    if is_remote(path):
-        path.write_text(text)
-    else:
+    """A small file, whole or not at all (atomic.write_text_atomic); one that already says the same is
+    left untouched."""
+    if not (path.is_file() and path.read_text() == text):
         write_text_atomic(path, text)
 
 

@@ -270,10 +270,8 @@ def write_counts(path: Path, entries: list[FileEntry]) -> None:
     text = counts_text(entries)
     if path.is_file() and path.read_text() == text:
         return
-    if is_remote(path):
-        path.write_text(text)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not is_remote(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text)
 
 
