@@ -816,6 +816,12 @@ ERRORS: list[E] = [
     ),
     E(
         "training",
+        "--dry_run: a rehearsal process died (out of memory, or killed); run it again, with fewer cores busy",
+        "a process rehearsing a rank's start was killed (the machine ran out of memory, or a signal)",
+        "run the dry run again; on a busy machine, when fewer processes hold memory",
+    ),
+    E(
+        "training",
         "--dry_run: these flags fail at the start of rank 3 of 1024, where the model is parallelised: <what torch raised>",
         "a setting only the real wrapping (FSDP2, TP, pipeline split, CP) refuses",
         "change the flags the line names; the same flags would fail at the real start",

@@ -4,14 +4,13 @@ optimizer state against the analytic plan (memory.py) on FSDP, HSDP, TP, PP and 
 error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
 ranks, PP 8 x TP 8, in under 5 minutes."""
 
+import os
 import re
-import sys
 import time
 from dataclasses import replace
 
 import pytest
 
-from fms_fsdp.cli import train as main
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import make_config
 from fms_fsdp.memory import AGREEMENT, Planner, State, report
@@ -19,7 +18,7 @@ from fms_fsdp.model.variants import count_params, get_model_config
 from fms_fsdp.run import facts
 from fms_fsdp.train.rehearsal import rehearse
 
-from conftest import launch
+from conftest import ROOT, launch
 
 MESHES = {
     "fsdp": dict(plan_world_size=8),
@@ -86,18 +85,22 @@ def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_st
     ) in text.splitlines()
 
 
-def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(monkeypatch, capsys):
+def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(tmp_path):
     """--float8 needs torchao: a real start checks for it up front; a dry run, which may be planned on
     another machine, meets it only when the rehearsal converts the Linear layers, and ends in the same
-    line and status. (torchao is made unimportable here; the forked ranks inherit that.)"""
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    line and status. (A torchao that cannot be imported shadows the installed one here.)"""
+    shadow = tmp_path / "shadow" / "torchao"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no torchao here', name='torchao')\n")
     flags = ["--dry_run=True", "--model_variant=tiny", "--plan_world_size=8", "--float8=True"]
-    with pytest.raises(SystemExit) as e:
-        main([*flags, "--use_torch_compile=False"])
-    assert e.value.code == 2
-    assert (
-        capsys.readouterr().err == "error: --float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)\n"
+    proc = launch(
+        "main_training.py",
+        [*flags, "--use_torch_compile=False", "--device=cpu"],
+        None,
+        extra_env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), str(ROOT)])},
     )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.endswith("error: --float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)\n")
 
 
 def test_what_torch_raises_while_wrapping_is_one_line_naming_the_rank():

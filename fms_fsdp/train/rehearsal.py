@@ -20,6 +20,8 @@ ConfigError's, or what torch raised and the rank it raised on).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -32,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import fake_store
-from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.memory import State
 from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.mesh import build_mesh
@@ -51,13 +53,22 @@ def rehearsed_ranks(run: Run) -> list[int]:
 def rehearse(run: Run) -> list[State]:
     """Each pipeline rank's state as its real shards hold it, from a rehearsal of its start; rank 0's
     start-up line is logged as a real start logs it. ConfigError (one line) where the wrapping fails.
-    Each rank is rehearsed in a process of its own, forked from this one, as many at once as there are
-    cores: DTensor's caches keep the meshes of a finished world, whose groups the next world lacks."""
+    Each rank is rehearsed in a process of its own, as many at once as there are cores: DTensor's caches
+    keep the meshes of a finished world, whose groups the next world lacks. The processes come from a
+    fork server that imported torch and this package once: clean of this process's threads, whose
+    locks a plain fork could copy held, and a process that dies is said, never waited for."""
     ranks = rehearsed_ranks(run)
-    if run.settings.parallel.compile:  # torch's compiler imported here once, not in every rank's process
-        torch.compile(_state)  # (nothing is compiled until called)
-    with get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
-        return list(pool.imap(partial(_rehearse, run), ranks))  # the first rank's error first
+    context = get_context("forkserver")
+    # torch's compiler imported in the server once, not in every rank's process
+    context.set_forkserver_preload([__name__] + (["torch._dynamo"] if run.settings.parallel.compile else []))
+    workers = min(len(ranks), os.cpu_count() or 1)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
+            return list(pool.map(partial(_rehearse, run), ranks))  # the first rank's error first
+    except BrokenProcessPool:
+        raise TrainingError(
+            "--dry_run: a rehearsal process died (out of memory, or killed); run it again, with fewer cores busy"
+        ) from None
 
 
 @contextmanager
