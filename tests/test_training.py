@@ -162,6 +162,7 @@ def test_each_rank_holds_only_its_shard_and_meta_init_equals_eager(tmp):
     assert not any(r["reduced_per_micro_batch"] for r in ddp)
 
 
+@pytest.mark.slow  # inductor's C++ build on a cold cache: up to 40 s
 @pytest.mark.parametrize("mode", ["op", "block"])
 def test_bf16_mixed_precision_and_compile_with_activation_checkpointing(tmp, one_rank, mode):
     """bf16 trains; the blocks, checkpointed per op or whole, compile whole (fullgraph: a graph break
