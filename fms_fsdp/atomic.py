@@ -49,6 +49,13 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_local_atomic(path, lambda f: f.write(text.encode()))
 
 
+def write_text_if_changed(path: Path, text: str) -> None:
+    """write_text_atomic, unless the file already says the same: then it is left untouched (its
+    modification time too, which caches and re-runs go by)."""
+    if not (path.is_file() and path.read_text() == text):
+        write_text_atomic(path, text)
+
+
 def write_text_keeping_old(path: Path, text: str) -> None:
     """write_text_atomic, but a different file already there is kept as <stem>.<n><suffix> (the lowest
     free n), never overwritten; the same text leaves it as it is."""

@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from fms_fsdp.atomic import write_text_if_changed
 from fms_fsdp.data.engines import ENGINES, run_local, run_ray
 from fms_fsdp.data.pieces import EXTENSIONS, Piece, cut, is_splittable_jsonl, is_supported, records
 from fms_fsdp.data.shard_writer import (
@@ -43,7 +44,6 @@ from fms_fsdp.data.shard_writer import (
     marker_path,
     remove_stale,
     write_dataset_counts,
-    write_text,
 )
 from fms_fsdp.data.sources import expand_braces
 from fms_fsdp.data.text import encode, load_tokenizer, tokenizer_json
@@ -208,7 +208,7 @@ def _tokenize(piece: Piece, output: Path, settings: dict, scratch: Path) -> dict
         "skipped": dict(sorted(skipped.items())),
         "warnings": warnings,
     }
-    write_text(marker_path(output, piece), json.dumps(marker, indent=1) + "\n")
+    write_text_if_changed(marker_path(output, piece), json.dumps(marker, indent=1) + "\n")
     return marker
 
 
@@ -304,7 +304,7 @@ def prepare_files(
         "documents": sum(s["documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
     }
-    write_text(ledger_path(output), json.dumps(ledger, indent=1) + "\n")
+    write_text_if_changed(ledger_path(output), json.dumps(ledger, indent=1) + "\n")
     report(out, len(inputs), pieces, markers, before, counts)
     return True
 

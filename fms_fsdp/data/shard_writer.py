@@ -12,7 +12,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from fms_fsdp.atomic import fsync_path, write_text_atomic
+from fms_fsdp.atomic import fsync_path
 from fms_fsdp.data.pieces import Piece
 from fms_fsdp.data.shards import FileEntry, write_counts
 from fms_fsdp.errors import DataError
@@ -95,13 +95,6 @@ class ShardWriter:
             else:
                 os.replace(tmp, final)
         return self.shards
-
-
-def write_text(path: Path, text: str) -> None:
-    """A small file, whole or not at all (atomic.write_text_atomic); one that already says the same is
-    left untouched."""
-    if not (path.is_file() and path.read_text() == text):
-        write_text_atomic(path, text)
 
 
 def clear_piece(output: Path, piece: Piece) -> None:

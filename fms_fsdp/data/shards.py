@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fms_fsdp.atomic import write_text_atomic
+from fms_fsdp.atomic import write_text_if_changed
 from fms_fsdp.data.arrow import ArrowDocs, ArrowRows, ParquetRows, arrow_reader
 from fms_fsdp.data.cache import IN_DATA, Index, IndexStore, cache_folder, load_index, write_cached
 from fms_fsdp.data.megatron import MegatronFile, idx_path
@@ -267,12 +267,9 @@ def counts_text(entries: list[FileEntry]) -> str:
 def write_counts(path: Path, entries: list[FileEntry]) -> None:
     """Write a counts CSV whole or not at all (renamed into place; in object storage one upload); one
     that already says the same is left untouched."""
-    text = counts_text(entries)
-    if path.is_file() and path.read_text() == text:
-        return
     if not is_remote(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text)
+    write_text_if_changed(path, counts_text(entries))
 
 
 def pair_megatron(files: list[Path]) -> list[Path]:
