@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fms_fsdp.errors import ConfigError
 
@@ -36,7 +37,7 @@ check_torch()
 
 # ----------------------------------------------------------------------------------- private APIs
 # DTensor's placement arithmetic: which rows and columns of a parameter a mesh coordinate holds
-# (models.init_weights draws each rank's own block; checkpoint/fused.py tiles fused tensors)
+# (local_box: init_weights draws each rank's own block, checkpoints read it; checkpoint/fused.py tiles fused tensors)
 # ShardedTensor: fms's fused keys for a model built unfused under tensor parallelism, which DCP saves
 # and loads in place (a DTensor cannot place three pieces of one tensor on a rank)
 # the CUDA allocator's history, for --profiler_memory_snapshot
@@ -140,6 +141,15 @@ def group_members() -> dict[str, list[int]]:
 def muon_orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of one matrix, with its default coefficients and steps."""
     return _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's part of `t` in the whole tensor (FSDP's rows, TP's rows or
+    columns); a tensor that is not a DTensor is all of itself."""
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim(), tuple(t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offset), tuple(shape)
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:
@@ -399,7 +409,6 @@ __all__ = [
     "all_gather_autograd",
     "all_reduce_sum",
     "check_torch",
-    "compute_local_shape_and_global_offset",
     "context_parallel_compiles",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
@@ -411,6 +420,7 @@ __all__ = [
     "group_members",
     "group_named",
     "joined_meshes",
+    "local_box",
     "local_shape_and_offset_at",
     "local_tensor",
     "matmul_and_attention_ops",

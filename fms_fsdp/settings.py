@@ -32,7 +32,7 @@ from fms_fsdp.data.text import TextSpec
 from fms_fsdp.data.token_cache import CacheSettings, RaySettings
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
-from fms_fsdp.memory import MemorySettings, Setting
+from fms_fsdp.memory.plan import MemorySettings, Setting
 from fms_fsdp.metrics import MetricsSettings
 from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
-from fms_fsdp.memory import GIB, Planner
+from fms_fsdp.memory.plan import GIB, Planner
 from fms_fsdp.run import facts, started
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard

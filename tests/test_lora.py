@@ -17,8 +17,9 @@ from fms_fsdp.checkpoint.reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
 from fms_fsdp.flags import make_config
+from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.lora import TARGETS, LoRASpec, add_adapters
-from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.run import facts
 from fms_fsdp.settings import checkpoint_evaluation_of
 

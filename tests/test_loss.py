@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy
-from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.model.variants import build_model, get_model_config
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:

@@ -11,7 +11,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory import MemorySettings, Planner, Setting, fits_or_warning, report
+from fms_fsdp.memory.plan import MemorySettings, Planner, Setting
+from fms_fsdp.memory.report import fits_or_warning, report
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
 from fms_fsdp.parallel.mesh import mesh_shape

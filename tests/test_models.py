@@ -8,7 +8,8 @@ from fms.models.llama import LLaMAConfig
 
 from fms_fsdp import get_model_config, train_config
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.model.variants import ALIASES, VARIANTS, build_model, count_params, flops_per_token, init_weights
+from fms_fsdp.model.initialization import init_weights, trunc_normal_
+from fms_fsdp.model.variants import ALIASES, VARIANTS, build_model, count_params, flops_per_token
 
 # published sizes (Meta's model cards / Hugging Face parameter counts)
 PUBLISHED = {
@@ -117,10 +118,9 @@ def test_the_rotary_cache_covers_the_runs_sequence_length(seq_length):
 
 
 def test_init_draws_are_the_same_on_every_torch_and_never_far_out():
-    """models.trunc_normal_: the values below were drawn on torch 2.13 and equal 2.11's and 2.14.1's
+    """initialization.trunc_normal_: the values below were drawn on torch 2.13 and equal 2.11's and 2.14.1's
     (CI runs this file on all three); 2^25 draws stay within 6 standard deviations (torch's old
     inverse-CDF draws put a rare -1.0 from the uniform at -bound, 100 standard deviations out)."""
-    from fms_fsdp.model.variants import trunc_normal_
 
     first = trunc_normal_(torch.empty(6), 0.02, torch.Generator().manual_seed(0))
     expected = [-0.00018767, 0.01466007, -0.02700381, -0.02233688, -0.01006337, 0.00685351]

@@ -5,7 +5,8 @@ import torch
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.model.initialization import init_weights
+from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.optim import (
     build_optimizer,
     check_optimizer,

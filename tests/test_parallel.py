@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.model.initialization import init_weights
+from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from fms_fsdp.parallel.mesh import check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast

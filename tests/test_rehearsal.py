@@ -1,6 +1,6 @@
 """--dry_run's rehearsal (train/rehearsal.py): the start's own parallelisation under torch's fake process
 group of --plan_world_size ranks, one rank per pipeline stage. Its shards' parameters, gradients and
-optimizer state against the analytic plan (memory.py) on FSDP, HSDP, TP, PP and CP meshes; a config
+optimizer state against the analytic plan (memory/plan.py) on FSDP, HSDP, TP, PP and CP meshes; a config
 error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
 ranks, PP 8 x TP 8, in under 5 minutes."""
 
@@ -13,7 +13,8 @@ import pytest
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory import AGREEMENT, Planner, State, report
+from fms_fsdp.memory.plan import AGREEMENT, Planner, State
+from fms_fsdp.memory.report import report
 from fms_fsdp.model.variants import count_params, get_model_config
 from fms_fsdp.run import facts
 from fms_fsdp.train.rehearsal import rehearse

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.flags import parse_args
-from fms_fsdp.model.variants import build_model, get_model_config, init_weights
+from fms_fsdp.model.initialization import init_weights
+from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.parallelize import apply_fsdp
 from fms_fsdp.run import facts, started
 from fms_fsdp.schedule import build_scheduler

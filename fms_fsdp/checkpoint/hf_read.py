@@ -24,7 +24,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.compat import compute_local_shape_and_global_offset
+from fms_fsdp.compat import local_box
 from fms_fsdp.errors import HFError
 from fms_fsdp.storage import open_random
 
@@ -243,19 +243,12 @@ class SliceReader:
         )
 
 
-def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(this rank's tensor, its offset and shape in the global tensor) of a state-dict value."""
-    if isinstance(value, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return value.to_local(), tuple(offset), tuple(shape)
-    return value, (0,) * value.dim(), tuple(value.shape)
-
-
 def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, Entry], config: LLaMAConfig) -> None:
     """Fill each tensor of a (sharded) model state dict in place with its slice of the folder's tensors."""
     with ExitStack() as stack:
         reader = SliceReader(folder, entries, config, stack)
         for key, value in state.items():
-            local, offset, shape = local_box(value)
+            local = value.to_local() if isinstance(value, DTensor) else value
+            offset, shape = local_box(value)
             if local.numel():
                 local.copy_(reader.box(key, offset, shape))

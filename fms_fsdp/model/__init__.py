@@ -1,2 +1,3 @@
-"""The model: variants, construction, init and FLOPs (variants.py), attention with document masks and
-context parallelism (model/attention.py), the chunked loss (model/loss.py), LoRA (model/lora.py) and float8 (model/float8.py)."""
+"""The model: variants, construction and FLOPs (variants.py), weight init (initialization.py), attention
+with document masks and context parallelism (attention.py), the chunked loss (loss.py), LoRA (lora.py)
+and float8 (float8.py)."""

@@ -34,7 +34,7 @@ class LoRAMixin:
     Why a class swap: a wrapper module (PEFT's `base_layer.weight`) or a parametrization
     (`parametrizations.weight.original`) renames the base weight, so checkpoints, exports and
     --ckpt_load_path would need their keys remapped; and the layer must stay an nn.Linear, which
-    model/variants.py's init rules and optim.py's weight decay test with isinstance. A forward hook would keep
+    model/initialization.py's init rules and optim.py's weight decay test with isinstance. A forward hook would keep
     both too, but then `layer.forward(x)` skips the adapter, and the adapter's place among other hooks
     on the layer (tensor parallelism registers its own) would depend on the order they were registered
     in; here it is part of the layer's forward. The adapted layer keeps its state_dict keys (plus

@@ -1,31 +1,23 @@
-"""Model variants (names -> ibm-fms LLaMAConfig), model construction, weight init and FLOPs.
+"""Model variants (names -> ibm-fms LLaMAConfig), model construction and FLOPs.
 
 The model is ibm-fms's LLaMA; `CausalLM` only gives it a head that, given labels, returns the loss
 without materialising the logits (model/loss.py; under tensor parallelism over each rank's slice of the
-vocabulary). `init_weights` draws the same values fms's `reset_parameters` distributions call for,
-but from generators seeded per parameter and per block of rows, so a parameter initialised whole
-(eager path) and one initialised shard by shard after FSDP2 and tensor parallelism on the meta
-device (low_cpu_fsdp) get bit-identical values, whatever the number of ranks. A model built unfused
-(tensor parallel: q, k, v and gate, up apart) draws the values of the fused weights it is cut from
-(`FUSED`), so it starts from the same weights too.
+vocabulary). A model is built fused as checkpoints hold it, or unfused under tensor parallelism (q, k,
+v and gate, up apart; `FUSED` maps one to the other). Weight init is model/initialization.py's.
 """
 
 from __future__ import annotations
 
-import math
 import re
-import zlib
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fms.models.llama import LLaMA, LLaMAConfig
 from fms.modules.head import LinearClassificationHead
-from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fms_fsdp.compat import compute_local_shape_and_global_offset
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
@@ -137,9 +129,6 @@ for _name, _args in {
     VARIANTS[_name] = dict(_args, max_expected_seq_len=131072)
 
 ALIASES = {"7b": "llama2_7b", "13b": "llama2_13b", "34b": "llama2_34b", "70b": "llama2_70b"}
-
-# Rows of a parameter drawn from one seeded generator: a block of about 4M values.
-_INIT_BLOCK_NUMEL = 1 << 22
 
 # fms fuses q, k, v into one Linear and the FFN's gate and up projections into another; checkpoints
 # and exports hold the fused weights. Tensor parallelism builds them apart (a rank holds its heads of
@@ -372,86 +361,3 @@ def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
     n = count_params(model_config) - model_config.src_vocab_size * model_config.emb_dim * (not model_config.tie_heads)
     head_dim = model_config.emb_dim // model_config.nheads
     return 6 * n + 12 * model_config.nlayers * model_config.nheads * head_dim * seq_length
-
-
-def trunc_normal_(t: torch.Tensor, std: float, g: torch.Generator, bound: float = 2.0) -> torch.Tensor:
-    """nn.init.trunc_normal_(t, 0, std, -bound, bound) drawn by the inverse CDF (uniform, then erfinv),
-    as torch drew it before 2.13: its draws changed between releases (2.11's and 2.13's differ), these
-    are the same on every release, so a seed gives one model on any supported torch. `t` is fp32 (the
-    init draws into fp32 buffers); unlike torch's old draws, never -bound from a uniform draw of -1."""
-    edge = math.erf(bound / std / math.sqrt(2.0))
-    t.uniform_(-edge, edge, generator=g).clamp_(-(1 - 2**-24), 1 - 2**-24)  # erfinv(+-1) is +-inf
-    t.erfinv_()
-    return t.mul_(std * math.sqrt(2.0)).clamp_(-bound, bound)
-
-
-def _init_rules(model: LLaMA) -> dict[str, Callable[[torch.Tensor, torch.Generator], Any]]:
-    """Per parameter name, the fill fms's reset_parameters applies to it."""
-    model_config = model.config
-
-    def trunc_normal(std: float) -> Callable[[torch.Tensor, torch.Generator], Any]:
-        return lambda t, g: trunc_normal_(t, std, g)
-
-    rules: dict[str, Callable[[torch.Tensor, torch.Generator], Any]] = {}
-    for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if p_name in ("lora_A", "lora_B"):  # an adapter starts as nothing: B = 0 (A as PEFT draws it)
-                bound = 1 / math.sqrt(module.in_features)
-                rules[full] = (
-                    (lambda t, g: t.zero_())
-                    if p_name == "lora_B"
-                    else (lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
-                )
-            elif p_name == "bias" or isinstance(module, LayerNormParameterized):
-                rules[full] = (lambda t, g: t.zero_()) if p_name == "bias" else (lambda t, g: t.fill_(1.0))
-            elif module is model.head:
-                std = 1 / math.sqrt(math.sqrt(model_config.emb_dim * model_config.src_vocab_size))
-                rules[full] = lambda t, g, std=std: t.normal_(0.0, std, generator=g)
-            elif isinstance(module, nn.Embedding):
-                rules[full] = trunc_normal(model_config.emb_dim**-0.5)
-            elif isinstance(module, nn.Linear):
-                rules[full] = trunc_normal(0.02)
-            else:
-                raise TypeError(f"no init rule for parameter {full} of {type(module).__name__}")
-    return rules
-
-
-def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, shape) of this rank's part of the full parameter (FSDP's rows, TP's rows or columns)."""
-    if not isinstance(param, DTensor):
-        return (0,) * param.dim(), tuple(param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(offset), tuple(shape)
-
-
-@torch.no_grad()
-def init_weights(model: LLaMA, seed: int) -> None:
-    """Initialise every parameter (whole, FSDP2- or tensor-parallel-sharded, fused or not) identically
-    for a given seed, then set up the rotary embedding cache on the parameters' device."""
-    rules = _init_rules(model)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    origin = {}  # unfused part -> (fused name, its first row there, the fused weight's rows)
-    for fused, members in fused_parts(shapes).items():
-        total = members[-1][1] + shapes[members[-1][0]][0]
-        origin.update({m: (fused, row, total) for m, row in members})
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        offset, shape = local_box(param)
-        if tuple(local.shape) != shape:
-            raise RuntimeError(f"{name}: local shard is {tuple(local.shape)}, expected {shape}")
-        # an unfused part draws the rows of the fused weight it is cut from: the same values at any T
-        seed_name, first, rows = origin.get(name, (name, 0, param.shape[0]))
-        start, stop = first + offset[0], first + offset[0] + shape[0]
-        cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-        row_numel = math.prod(param.shape[1:])
-        block = max(1, _INIT_BLOCK_NUMEL // max(1, row_numel))
-        name_seed = zlib.crc32(seed_name.encode())
-        for b in range(start // block, -(-stop // block)):
-            lo, hi = b * block, min((b + 1) * block, rows)
-            g = torch.Generator().manual_seed((seed * 1_000_003 + name_seed) * 65_537 + b)
-            values = torch.empty((hi - lo, *param.shape[1:]), dtype=torch.float32)
-            rules[name](values, g)
-            s, e = max(lo, start), min(hi, stop)
-            local[s - start : e - start].copy_(values[(slice(s - lo, e - lo), *cols)])
-    model.post_init()

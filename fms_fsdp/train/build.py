@@ -1,6 +1,6 @@
 """The model and optimizer of a run, built as training and evaluation build them: fms's LLaMA (on the
 meta device with --low_cpu_fsdp), LoRA's adapters, parallelised over the run's mesh (parallel/parallelize.py) and
-initialised to the same weights at any mesh (models.init_weights); AdamW and the LR schedule."""
+initialised to the same weights at any mesh (model/initialization.py); AdamW and the LR schedule."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.memory import fits_or_warning
+from fms_fsdp.memory.report import fits_or_warning
 from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.float8 import scale_hook
+from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.lora import add_adapters
-from fms_fsdp.model.variants import CausalLM, build_model, count_params, init_weights
+from fms_fsdp.model.variants import CausalLM, build_model, count_params
 from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.parallel.mesh import sharded

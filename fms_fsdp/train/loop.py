@@ -41,7 +41,7 @@ from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.lifetime import LAUNCHER_DIED
-from fms_fsdp.memory import report as memory_report
+from fms_fsdp.memory.report import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.parallel.pipeline import Pipeline

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import fake_store
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
-from fms_fsdp.memory import State
+from fms_fsdp.memory.plan import State
 from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.mesh import build_mesh
 from fms_fsdp.run import Run

@@ -1,4 +1,4 @@
-"""Activations for the memory plan (memory.py), traced rather than counted from a formula: a 1- and a
+"""Activations for the memory plan (plan.py), traced rather than counted from a formula: a 1- and a
 2-block copy of the model, in the compute dtype, runs forward and backward on fake tensors (no memory,
 no compute) under torch's MemTracker, at micro-batches 1 and 2, for each activation-checkpointing mode;
 what stays alive after forward gives, per block and outside the blocks, what autograd saves, and the

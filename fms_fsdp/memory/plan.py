@@ -8,7 +8,7 @@ plans with its real shards' bytes instead, these figures checked against them (w
 FSDP2 holds whole, in the compute dtype: the block in use and the one prefetched, the last block and
 the final norm with the head (kept from forward to backward), and one block's unsharded gradients
 before their reduce-scatter. Activations are not
-counted from a formula: they are traced on fake tensors under torch's MemTracker (activation_trace.py),
+counted from a formula: they are traced on fake tensors under torch's MemTracker (memory/activations.py),
 per block and outside the blocks, with the loss's working set, for each activation-checkpointing mode.
 Activations grow linearly in the micro-batch, so the plan extends to any batch size and checkpointing
 fraction.
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 from fms.models.llama import LLaMAConfig
 
-from fms_fsdp.activation_trace import Activations, Shape, trace_activations
+from fms_fsdp.memory.activations import Activations, Shape, trace_activations
 from fms_fsdp.model.attention import flex_documents
 from fms_fsdp.model.lora import LoRASpec, add_adapters
 from fms_fsdp.model.variants import build_model
@@ -304,172 +304,3 @@ def device_memory(settings: MemorySettings, local_world_size: int) -> tuple[int,
         return props.total_memory, props.name
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // local_world_size, f"this machine's memory / {local_world_size} ranks"
-
-
-def _gathered_row(planner: Planner, compute: str) -> str:
-    """The report's row of what FSDP holds whole."""
-    if planner.pipeline is not None:
-        return f"stages' weights ({compute}) and fp32 gradients whole between microbatches"
-    return f"blocks gathered in flight ({compute}, prefetch included)"
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:9.2f} GiB"
-
-
-def report(
-    settings: MemorySettings,
-    shape: MeshShape,
-    model_config: LLaMAConfig,
-    pipeline: Optional[PipelinePlan],
-    local_world_size: int,
-    states: Optional[Sequence[State]] = None,
-) -> str:
-    """The plan of the run `settings` describe (on a mesh of `shape`), as printed by --dry_run: a table,
-    suggestions, the PLAN line. `states`: each pipeline rank's parameters, gradients and optimizer state
-    as its real shards hold them (the rehearsal), planned with in place of the analytic figures, which
-    they are checked against."""
-    device_bytes, device_name = device_memory(settings, local_world_size)
-    setting = settings.setting
-    planners = [Planner(settings, shape, model_config, pipeline, device_bytes, r) for r in range(shape.pp)]
-    checks = [] if states is None else _cross_check(planners, states)
-    peaks = [p.plan(setting).peak for p in planners]
-    planner = planners[peaks.index(max(peaks))]  # the pipeline rank with the highest peak (or the one rank)
-    plan = planner.plan(setting)
-    lines = _report_header(planner, setting, peaks)
-    lines += _report_table(planner, plan, device_name)
-    lines += checks
-    lines += _report_suggestions(planner, plan, setting)
-    lines.append(plan.line())
-    return "\n".join(lines)
-
-
-def _cross_check(planners: list[Planner], states: Sequence[State]) -> list[str]:
-    """Plan every pipeline rank with its real shards' state; the report's line on how far the analytic
-    figures are from them, and a warning for each rank where they are more than AGREEMENT apart."""
-    gaps = [planner.state.gap(state) for planner, state in zip(planners, states)]
-    lines = [
-        f"  (parameters, gradients and optimizer state: the rehearsal's real shards; the analytic plan "
-        f"within {max(gaps):.2%} of them)"
-    ]
-    for planner, state, gap in zip(planners, states, gaps):
-        if gap > AGREEMENT:
-            analytic = planner.state
-            lines.append(
-                f"warning: pipeline rank {planner.pp_rank}'s real shards hold {state.params}, {state.grads} and "
-                f"{state.optimizer} bytes of parameters, gradients and optimizer state; the analytic plan "
-                f"{analytic.params}, {analytic.grads} and {analytic.optimizer} ({gap:.1%} apart): the plan "
-                "uses the real ones; please report this"
-            )
-        planner.adopt(state)
-    return lines
-
-
-def _report_header(planner: Planner, setting: Setting, peaks: list[int]) -> list[str]:
-    """The report's first line (model, mesh, micro-batch, precision, checkpointing) and, under pipeline
-    parallelism, the rank planned (the highest peak) and every rank's peak."""
-    settings = planner.settings
-    compute = "bf16" if settings.mixed_precision else "fp32"
-    chosen = sum(checkpointed_blocks(planner.n_blocks, setting.fraction)) if setting.checkpointing else 0
-    dims = planner.mesh.dims()
-    lines = [
-        f"memory plan, per rank: {settings.variant} on {planner.world_size} ranks, mesh "
-        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}, "
-        f"micro-batch {setting.batch} x {settings.seq_length} tokens, "
-        f"{compute}, activation checkpointing: "
-        + (f"{chosen}/{planner.n_blocks} blocks, {setting.mode}" if chosen else "off")
-    ]
-    if planner.pipeline is not None:
-        stages = planner.pipeline.stages_of(planner.pp_rank)
-        blocks = [i for s in stages for i in range(*planner.pipeline.blocks[s])]
-        lines.append(
-            f"  pipeline rank {planner.pp_rank} of {planner.mesh.pp} has the highest peak: stages "
-            f"{', '.join(map(str, stages))} ({len(blocks)} blocks), {microbatches_in_flight(planner.pipeline, planner.pp_rank):g} "
-            f"of {planner.pipeline.microbatches} microbatches of {-(-setting.batch // planner.pipeline.microbatches)} "
-            f"lines in flight; every rank's peak: " + ", ".join(f"{_gib(p).strip()}" for p in peaks)
-        )
-    return lines
-
-
-def _report_table(planner: Planner, plan: Plan, device_name: str) -> list[str]:
-    """The report's table of bytes by kind, its notes on what is estimated, and whether the peak fits."""
-    settings = planner.settings
-    compute = "bf16" if settings.mixed_precision else "fp32"
-    whole = planner.mesh.whole
-    copies = ", bf16 weight copies included" if planner.shape.autocast else ""
-    rows = [
-        ("parameters (fp32)" if whole else "parameters (fp32 master shards)", plan.params),
-        ("gradients (fp32)" if whole else "gradients (fp32 shards)", plan.grads),
-        (
-            "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)" if settings.muon else "optimizer state (AdamW, 2 x fp32)",
-            plan.optimizer,
-        ),
-        *([] if whole else [(_gathered_row(planner, compute), plan.gathered)]),
-        (f"activations saved for backward{copies}", plan.activations),
-        ("loss working set", plan.loss),
-        ("predicted peak", plan.peak),
-        (f"device ({device_name})", plan.device),
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"  {name:<{width}}  {_gib(value)}" for name, value in rows]
-    if planner.mesh.tp > 1 or planner.mesh.cp > 1:
-        lines.append("  (tensor or context parallel: activations and loss estimated from the unsplit model's traces)")
-    if whole:
-        lines.append(
-            f"  (one rank: the module itself, no FSDP{', bf16 through autocast' if settings.mixed_precision else ''})"
-        )
-    verdict = "fits" if plan.fits else "does NOT fit"
-    lines.append(
-        f"  {verdict}: the peak is {plan.peak / plan.device:.0%} of the device (plans keep within {HEADROOM:.0%})"
-    )
-    return lines
-
-
-def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[str]:
-    """The report's suggestions: the largest micro-batch that fits with this checkpointing, and the least
-    checkpointing that fits --batch_size (else a smaller batch, or how many ranks the state needs)."""
-    largest = planner.largest_batch(setting)
-    state = plan.params + plan.grads + plan.optimizer  # divided among the ranks sharing the model
-    room = HEADROOM * plan.device - plan.gathered
-    state_alone = state >= room  # no micro-batch fits, however small
-    sharing = planner.mesh.shard * planner.mesh.tp * planner.mesh.cp
-    need = f"at least {math.ceil(sharing * state / room)} " if room > 0 else ""
-    more_ranks = (
-        f"none: the model's state alone takes {_gib(state).strip()} per rank; shard it over {need}ranks "
-        "(--sharding_strategy=fsdp, a larger --sharding_group_size, or --tensor_parallel_size)"
-    )
-    least = planner.least_checkpointing(setting.batch)
-    return [
-        "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
-        f"least checkpointing that fits --batch_size={setting.batch}: "
-        + (
-            least.flags().split(" ", 1)[1]
-            if least
-            else "none does: lower --batch_size"
-            if setting.batch > 1 and not state_alone
-            else more_ranks
-        ),
-    ]
-
-
-def fits_or_warning(
-    settings: MemorySettings,
-    shape: MeshShape,
-    model_config: LLaMAConfig,
-    pipeline: Optional[PipelinePlan],
-    local_world_size: int,
-) -> Optional[str]:
-    """None when the run's plan fits its device, else the start-up warning."""
-    device_bytes, device_name = device_memory(settings, local_world_size)
-    plans = [
-        Planner(settings, shape, model_config, pipeline, device_bytes, r).plan(settings.setting)
-        for r in range(shape.pp)
-    ]
-    plan = max(plans, key=lambda p: p.peak)
-    if plan.fits:
-        return None
-    return (
-        f"warning: the memory plan predicts a peak of {plan.peak / GIB:.1f} GiB per rank, more than "
-        f"{HEADROOM:.0%} of {device_name}'s {device_bytes / GIB:.1f} GiB: this run will likely run out of "
-        "memory; `python main_training.py --dry_run=True <these flags>` shows the plan and what fits"
-    )
