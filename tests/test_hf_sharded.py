@@ -2,7 +2,8 @@
 files and writes its own files of an export (checkpoint/hf_read.py, hf_write.py). A 2-rank import takes
 the 1-rank step-1 loss; the 2-rank export is fms_to_hf's conversion of the same step's checkpoint, tensor
 for tensor and logit for logit in transformers, reads back bit for bit, and keeps the context of a
-rope-scaled model; a damaged folder ends in one line naming the file, before any step."""
+rope-scaled model; both ranks write the one model file at the end at once; a damaged folder ends in one
+line naming the file, before any step."""
 
 import json
 import os
@@ -52,7 +53,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     run_here([*common, "--batch_size=2", f"--ckpt_save_path={root / 'one'}"])
     proc = launch(
         "main_training.py",
-        [*common, "--batch_size=1", "--export_interval=1", "--export_format=hf", f"--ckpt_save_path={root / 'two'}"],
+        [
+            *common,
+            "--batch_size=1",
+            "--export_interval=1",
+            "--export_format=hf",
+            "--export_model_at_end=True",
+            f"--ckpt_save_path={root / 'two'}",
+        ],
         2,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -95,6 +103,36 @@ def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
     trained = read_model(ckpt)
     back = read_hf_model(str(export), scaled_config())
     assert back.keys() == trained.keys() and all(torch.equal(back[k], trained[k].bfloat16()) for k in back)
+
+
+def test_both_ranks_write_the_model_file_at_the_end_in_place(runs):
+    """--export_model_at_end's one file, each rank writing its run of the tensors into it: the step's
+    checkpoint, bit for bit, and nothing left beside it."""
+    from fms_fsdp.checkpoint.reader import read_model
+
+    trained = read_model(runs["two"] / "checkpoints" / "step_1_ckp")
+    got = load_file(str(runs["two"] / "model_step_1.safetensors"))
+    assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in got)
+    assert not list(runs["two"].glob(".model_step_1*"))
+
+
+def test_writers_of_one_file_give_the_file_one_writer_gives(tmp_path):
+    """write_file's share: 3 writers, in any order, each its run of the tensors in place, make the same
+    bytes as one writer; one folder of 1 file and 2 ranks is written by both (write_part's shared)."""
+    from fms_fsdp.checkpoint.hf_write import Converter, fms_plan, write_file, write_part
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(7 + i, 5, generator=g) for i in range(5)} | {"b": torch.randn(3, generator=g)}
+    plan = fms_plan({k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()})
+    convert = Converter(lambda keys: {k: state[k] for k in keys})
+    write_file(tmp_path / "one.safetensors", plan, convert, {"format": "pt"})
+    for k in (2, 0, 1):
+        write_file(tmp_path / "three.safetensors", plan, convert, {"format": "pt"}, (k, 3))
+    assert (tmp_path / "three.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+    (tmp_path / "folder").mkdir()
+    written = [write_part(tmp_path / "folder", [plan], convert, (r, 2), shared=True) for r in (1, 0)]
+    assert written == [["model.safetensors"]] * 2
+    assert (tmp_path / "folder" / "model.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
 
 
 def damaged(hf: Path, tmp: Path, how: str) -> Path:

@@ -2,8 +2,9 @@
 or from a checkpoint folder (scripts/export_model.py, `fms-export-model`); and every --export_interval
 steps (`PeriodicExporter`, staged and written in the background like an async checkpoint), as a
 Hugging Face folder or that file, under <ckpt_save_path>/exports/step_<N>. Every rank writes its
-shards to a DCP folder first; the files are then streamed from it tensor by tensor (hf_write.py), a
-Hugging Face folder's by every rank in parallel, so no rank ever holds the whole model. Everything is
+shards to a DCP folder first; the files are then streamed from it tensor by tensor (hf_write.py) by
+every rank in parallel (the one file: each rank its run of the tensors, in place), so no rank ever
+holds the whole model. Everything is
 published whole: on disk written under a temporary name and renamed; in object storage uploaded, a
 folder marked COMPLETE last."""
 
@@ -38,7 +39,7 @@ from fms_fsdp.checkpoint.hf_write import (
     write_part,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import model_dtypes, model_reader, root_cause, storage_writer
+from fms_fsdp.checkpoint.reader import TensorReader, model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.settings import ExportSettings
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
@@ -65,53 +66,87 @@ TOKENIZER_FILES = (
 def stream_model_file(folder: Path, target: Path, settings: ExportSettings, meta: dict[str, str]) -> Path:
     """The model of checkpoint folder `folder` as one safetensors file under fms's names (LoRA's adapted
     weights merged), streamed tensor by tensor (hf_write.py) and published whole."""
+    plan, read = _model_file(folder, settings)
+    with publish(target) as tmp:
+        write_file(tmp, plan, Converter(read), meta)
+    return target
+
+
+def _model_file(folder: Path, settings: ExportSettings) -> tuple[list[Planned], TensorReader]:
+    """The plan of the model file of checkpoint folder `folder`, and the reader of its tensors."""
     shapes, read = model_reader(folder)
-    dtypes = model_dtypes(folder)
     model = {k: tuple(v) for k, v in shapes.items() if not is_adapter(k)}
     if settings.lora:
         read = merging(read, shapes, settings.lora)
-    with publish(target) as tmp:
-        write_file(tmp, fms_plan(model, dtypes), Converter(read), meta)
-    return target
+    return fms_plan(model, model_dtypes(folder)), read
 
 
 def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
     """The model at the end of a run as one safetensors file (with LoRA: the merged model, and the PEFT
     adapter folder adapter_step_<N> next to it): every rank writes its shards to a DCP folder, then
-    rank 0 streams the file from it tensor by tensor; no rank holds the whole model. Every rank calls
-    it and waits for the write: a failed one (a full disk) is one CheckpointError on every rank."""
+    every rank writes its run of the file's tensors from it, in place (in object storage rank 0 writes
+    the file alone); no rank holds the whole model. Every rank calls it and waits for the write: a
+    failed one (a full disk) is one CheckpointError on every rank."""
     shards = target.with_name(f".{target.name}.shards")
-    is_main = dist.get_rank() == 0
     kept = "the run's checkpoints are kept: export one with fms-export-model"
-    on_rank0(
-        lambda: _make_room(shards, target, model),
-        CheckpointError,
-        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
-    )
+
+    def failed(message: str) -> CheckpointError:
+        return CheckpointError(f"export to {target} failed: {message}; {kept}")
+
+    on_rank0(lambda: _make_room(shards, target, model), CheckpointError, failed)
     state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
     try:
         dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
     except dcp.CheckpointException as e:  # raised on every rank: a full disk, object storage refusing
-        if is_main:
+        if dist.get_rank() == 0:
             remove_tree(shards)
-        raise CheckpointError(f"export to {target} failed: {first_line(root_cause(e))}; {kept}") from None
-
-    def write() -> None:
-        try:
-            stream_model_file(shards, target, settings, {"step": str(step)})
-            print(f"checkpoint: exported the model to {target}", flush=True)
-            if settings.lora:
-                adapter = write_adapter_folder(shards, model.config, settings, target.with_name(f"adapter_step_{step}"))
-                print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
-        finally:
+        raise failed(first_line(root_cause(e))) from None
+    meta = {"step": str(step)}
+    try:
+        if is_remote(target):
+            on_rank0(lambda: stream_model_file(shards, target, settings, meta), _expected, failed)
+        else:
+            _write_together(shards, target, settings, meta)
+        on_rank0(lambda: _finish_export(model, shards, target, step, settings), _expected, failed)
+    finally:
+        if dist.get_rank() == 0:
             remove_tree(shards)
-
-    on_rank0(
-        write,
-        lambda e: storage_error(e) or isinstance(e, CheckpointError),
-        lambda message: CheckpointError(f"export to {target} failed: {message}; {kept}"),
-    )
     return target
+
+
+def _expected(error: BaseException) -> bool:
+    return storage_error(error) or isinstance(error, CheckpointError)
+
+
+def _write_together(shards: Path, target: Path, settings: ExportSettings, meta: dict[str, str]) -> None:
+    """Every rank writes its run of the file's tensors into target's temporary name at once; a failure
+    anywhere is one CheckpointError on every rank."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    error: Optional[Exception] = None
+    try:
+        plan, read = _model_file(shards, settings)
+        write_file(tmp, plan, Converter(read), meta, (dist.get_rank(), dist.get_world_size()))
+    except Exception as e:
+        error = e
+    first = next((f[1] for f in failures(error) if f is not None), None)
+    if error is not None and not _expected(error):
+        raise error  # a bug: its traceback (the other ranks raise the line below)
+    if first is not None:
+        if dist.get_rank() == 0:
+            remove_tree(tmp)
+        raise CheckpointError(f"export to {target} failed: {first}")
+
+
+def _finish_export(model: CausalLM, shards: Path, target: Path, step: int, settings: ExportSettings) -> None:
+    """Rank 0, once the file is written: renamed into place (written whole already in object storage),
+    the LoRA adapter folder beside it."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    if not is_remote(target):
+        os.replace(tmp, target)
+    print(f"checkpoint: exported the model to {target}", flush=True)
+    if settings.lora:
+        adapter = write_adapter_folder(shards, model.config, settings, target.with_name(f"adapter_step_{step}"))
+        print(f"checkpoint: exported the LoRA adapter (PEFT) to {adapter}", flush=True)
 
 
 def _make_room(shards: Path, target: Path, model: CausalLM) -> None:
@@ -120,6 +155,7 @@ def _make_room(shards: Path, target: Path, model: CausalLM) -> None:
     remove_tree(shards)
     if is_remote(target):
         return
+    remove_tree(target.with_name(f".{target.name}.tmp"))  # an interrupted export's: written in place, never truncated
     meta = build_model(model.config, torch.device("meta"))
     needed = 2 * sum(p.numel() * p.element_size() for p in meta.parameters()) * 1.05
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +213,7 @@ class PeriodicExporter:
     only time training waits, as for an async checkpoint) and writes them in the background as a DCP
     folder (writer.py). Then, still in the background, every rank writes its own files of
     <ckpt_save_path>/exports/step_<N> from that folder, tensor by tensor (hf_write.py: a Hugging Face
-    folder, or with --export_format=fms one model.safetensors that rank 0 writes), and rank 0 adds the
+    folder, or with --export_format=fms one model.safetensors that the ranks write at once), and rank 0 adds the
     index, config and tokenizer, seals the folder and deletes the DCP folder; no rank holds the whole
     model. The latest --export_keep are kept. A failure is raised on every rank at the next export or
     at `finish`. Periodic work of the loop (periodic.Periodic)."""
@@ -266,7 +302,8 @@ class PeriodicExporter:
         try:
             files = self._files(shards, dist.get_world_size(group))
             with part_folder(target) as tmp:
-                write_part(tmp, files, self._converter(shards), (dist.get_rank(group), dist.get_world_size(group)))
+                part = (dist.get_rank(group), dist.get_world_size(group))
+                write_part(tmp, files, self._converter(shards), part, shared=not is_remote(target))
         except Exception as e:
             error = f"{type(e).__name__}: {first_line(e)}"
         every: list[Optional[str]] = [None] * dist.get_world_size(group)

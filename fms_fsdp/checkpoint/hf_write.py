@@ -2,7 +2,8 @@
 planned from its tensors' shapes alone, cut into files, and each file streamed: its header first, then
 each tensor read from a checkpoint folder (`TensorReader`), converted and appended. No process holds
 more than one fms tensor and the one it converts, whatever the model's size; with several ranks each
-writes its own files (`part`), and the one that `finish`es writes the index and the configuration.
+writes its own files (`part`), several ranks one file at once when there are fewer files than ranks
+(an fms export's one file), and rank 0 the index and the configuration.
 The files are those of transformers' `save_pretrained`: `model.safetensors` alone, or
 `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -77,17 +79,23 @@ def fms_plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype])
     return [Planned(k, k, 0, tuple(s), dtypes[k]) for k, s in shapes.items()]
 
 
+def _runs(plan: list[Planned], n: int) -> list[int]:
+    """For each tensor of the plan, which of `n` consecutive runs of about equal bytes it falls in."""
+    total = max(1, sum(p.nbytes for p in plan))
+    runs, done = [], 0
+    for p in plan:
+        runs.append(min(n - 1, done * n // total))
+        done += p.nbytes
+    return runs
+
+
 def split(plan: list[Planned], files: int, max_bytes: int = SHARD_BYTES) -> list[list[Planned]]:
     """The plan cut into consecutive files of about equal bytes: at least `files` (one per writing rank)
     and as many as keep each under max_bytes (a tensor larger than that is a file of its own)."""
-    size = [p.nbytes for p in plan]
-    total = sum(size)
-    n = max(1, min(len(plan), max(files, math.ceil(total / max_bytes))))
+    n = max(1, min(len(plan), max(files, math.ceil(sum(p.nbytes for p in plan) / max_bytes))))
     out: list[list[Planned]] = [[] for _ in range(n)]
-    done = 0
-    for p, s in zip(plan, size):
-        out[min(n - 1, done * n // max(total, 1))].append(p)
-        done += s
+    for p, run in zip(plan, _runs(plan, n)):
+        out[run].append(p)
     return [f for f in out if f]
 
 
@@ -119,19 +127,35 @@ class Converter:
         return t
 
 
-def write_file(path: Path, plan: list[Planned], convert: Callable[[Planned], torch.Tensor], meta: dict) -> None:
-    """One safetensors file, streamed: the header from the plan, then each tensor as it is converted."""
+def write_file(
+    path: Path,
+    plan: list[Planned],
+    convert: Callable[[Planned], torch.Tensor],
+    meta: dict,
+    share: tuple[int, int] = (0, 1),
+) -> None:
+    """One safetensors file, streamed: the header from the plan, then each tensor as it is converted.
+    share=(k, m): m writers (ranks on one file system) write the file at once, each in place: writer k
+    its k-th consecutive run of the tensors by bytes, writer 0 the header too; the file must not exist
+    before (nothing truncates it)."""
     header: dict = {"__metadata__": meta} if meta else {}
+    offsets = []
     offset = 0
     for p in plan:
         header[p.name] = {"dtype": _NAMES[p.dtype], "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
+        offsets.append(offset)
         offset += p.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for p in plan:
+    k, m = share
+    mine = [(p, at) for p, at, run in zip(plan, offsets, _runs(plan, m)) if run == k]
+    f = open(path, "wb") if m == 1 else os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb")
+    with f:
+        if k == 0:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+        for p, at in mine:
+            f.seek(8 + len(raw) + at)
             t = convert(p)
             assert tuple(t.shape) == p.shape, (p.name, t.shape, p.shape)
             rows = max(1, _CHUNK // max(1, t[0].numel() * p.dtype.itemsize)) if t.dim() else 1
@@ -145,10 +169,20 @@ def write_part(
     convert: Callable[[Planned], torch.Tensor],
     part: tuple[int, int] = (0, 1),
     meta: Optional[dict] = None,
+    shared: bool = False,
 ) -> list[str]:
-    """Rank part[0] of part[1]'s files of the export into `folder` (which exists): every part[1]-th file."""
+    """Rank part[0] of part[1]'s files of the export into `folder` (which exists): every part[1]-th file.
+    `shared`: every rank writes into this one folder (a local or shared file system), so when there
+    are fewer files than ranks (an fms export's one file), each file is written by several ranks at
+    once (write_file's `share`)."""
     names = file_names(len(files))
-    mine = list(range(part[0], len(files), part[1]))
+    rank, ranks = part
+    if shared and len(files) < ranks:
+        i = rank % len(files)
+        writers = len(range(i, ranks, len(files)))
+        write_file(folder / names[i], files[i], convert, meta or {"format": "pt"}, (rank // len(files), writers))
+        return [names[i]]
+    mine = list(range(rank, len(files), ranks))
     for i in mine:
         write_file(folder / names[i], files[i], convert, meta or {"format": "pt"})
     return [names[i] for i in mine]
