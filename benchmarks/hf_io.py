@@ -18,7 +18,6 @@ RSS above that of a bare `import torch, fms_fsdp` and the model's fp32 bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import shutil
 import subprocess
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.hf import write_hf_folder  # noqa: E402
+from fms_fsdp.checkpoint.reader import Tensors  # noqa: E402
 from fms_fsdp.checkpoint.weights import load_weights  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.compat import local_tensor  # noqa: E402
@@ -69,8 +69,10 @@ def make(argv: list[str]) -> None:
     model = build_model(config, torch.device("cpu"))
     state = {k: v.detach() for k, v in model.state_dict().items()}
     shutil.rmtree(folder, ignore_errors=True)
-    write_hf_folder(config, lambda keys: {k: state[k] for k in keys}, {k: tuple(v.shape) for k, v in state.items()},
-                    str(folder), torch.bfloat16, None, None)  # fmt: skip
+    tensors = Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
+    write_hf_folder(
+        config, tensors, {k: tuple(v.shape) for k, v in state.items()}, str(folder), torch.bfloat16, None, None
+    )
     print(f"wrote {folder}: {sum(p.stat().st_size for p in folder.iterdir()) / 2**30:.2f} GiB")
 
 
@@ -78,7 +80,9 @@ def run(argv: list[str]) -> None:
     """Import and export on every rank; rank 0 prints the figures."""
     folder, out = flag(argv, "folder"), Path(flag(argv, "out"))
     rest = [a for a in argv if not a.startswith(("--folder=", "--out="))]
-    cfg = parse_args(["--use_dummy_dataset=True", f"--ckpt_save_path={out}", *rest])
+    cfg = parse_args(
+        ["--use_dummy_dataset=True", f"--ckpt_save_path={out}", "--export_interval=1", "--export_format=hf", *rest]
+    )
     quiet_library_noise()
     with started(facts(cfg)) as r:
         if r.info.is_main:
@@ -91,7 +95,7 @@ def run(argv: list[str]) -> None:
         load_weights(model, folder, cfg.model_variant)
         dist.barrier()
         import_s, imported = time.perf_counter() - start, status_mib("VmHWM")
-        exporter = PeriodicExporter(dataclasses.replace(r, cfg=dataclasses.replace(cfg, export_interval=1)), model)
+        exporter = PeriodicExporter(r, model)
         staged = reset_peak()
         start = time.perf_counter()
         stall = exporter.export(1)

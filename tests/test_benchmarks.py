@@ -1,5 +1,6 @@
 """benchmarks/throughput.py: settings of a sweep, and a sweep run whose failing setting is one line;
-benchmarks/gpu_check.py's table of goals from real BENCH lines, and its one line without a GPU."""
+benchmarks/gpu_check.py's table of goals from real BENCH lines, and its one line without a GPU;
+benchmarks/hf_io.py runs and prints its figures."""
 
 import importlib.util
 import subprocess
@@ -10,7 +11,7 @@ import torch
 
 from fms_fsdp.errors import ConfigError
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, launch
 
 
 def load(name: str):
@@ -91,3 +92,25 @@ def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu():
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == "", proc
     assert proc.stderr.startswith("gpu_check: no CUDA GPU is visible to torch") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_the_hugging_face_io_benchmark_runs_and_prints_its_figures(tmp_path):
+    """benchmarks/hf_io.py on `tiny`: a folder made, imported and exported by 2 ranks, converted offline."""
+    folder, script = tmp_path / "hf", "benchmarks/hf_io.py"
+    made = subprocess.run(
+        [sys.executable, script, "make", "--model_variant=tiny", f"--folder={folder}"], cwd=ROOT, capture_output=True
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    flags = ["--device=cpu", "--mixed_precision=False", "--use_torch_compile=False"]
+    ran = launch(script, ["run", "--model_variant=tiny", f"--folder={folder}", f"--out={tmp_path / 'out'}", *flags], 2)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "BENCH variant=tiny world=2 import_s=" in ran.stdout
+    offline = subprocess.run(
+        [sys.executable, script, "offline", "--model_variant=tiny", f"--out={tmp_path / 'offline'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    assert "BENCH offline variant=tiny" in offline.stdout

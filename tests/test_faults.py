@@ -366,6 +366,7 @@ def _hf_folder(b: Bench, name: str = "hf", **changes: Any) -> Path:
     import torch
 
     from fms_fsdp.checkpoint.hf import write_hf_config, write_hf_folder
+    from fms_fsdp.checkpoint.reader import Tensors
     from fms_fsdp.model.variants import build_model, get_model_config
 
     factor = changes.pop("rope_scaling_factor", None)
@@ -373,8 +374,9 @@ def _hf_folder(b: Bench, name: str = "hf", **changes: Any) -> Path:
     state = build_model(config.updated(**changes), torch.device("cpu")).state_dict()
     folder = b.tmp / name
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    write_hf_folder(config.updated(**changes), lambda keys: {k: state[k] for k in keys}, shapes, str(folder),
-                    torch.float32, None, None, max_shard_bytes=2**20)  # fmt: skip
+    tensors = Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
+    write_hf_folder(config.updated(**changes), tensors, shapes, str(folder), torch.float32, None, None,
+                    max_shard_bytes=2**20)  # fmt: skip
     write_hf_config(folder, config, torch.float32, None, None)
     return folder
 

@@ -265,11 +265,11 @@ def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     from fms_fsdp.checkpoint.hf import write_hf_folder
 
     variant, ckpt = trained
-    shapes, read = model_reader(ckpt)
+    tensors = model_reader(ckpt)
     write_hf_folder(
         get_model_config(variant, 512),
-        read,
-        {k: tuple(s) for k, s in shapes.items()},
+        tensors,
+        {k: tuple(s) for k, s in tensors.shapes.items()},
         str(tmp_path / "hf"),
         torch.float32,
         None,

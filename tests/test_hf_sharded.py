@@ -116,15 +116,38 @@ def test_both_ranks_write_the_model_file_at_the_end_in_place(runs):
     assert not list(runs["two"].glob(".model_step_1*"))
 
 
+def test_rows_of_a_two_rank_checkpoint_are_read_by_byte_ranges(runs):
+    """checkpoint/items.py: any run of rows of a tensor that 2 ranks saved in two chunks, across the
+    chunk boundary too, equals DCP's own read of it, and was read from its byte range, not the item whole."""
+    import torch.distributed.checkpoint as dcp
+
+    from fms_fsdp.checkpoint.items import ItemRows
+    from fms_fsdp.checkpoint.reader import safe_reader
+
+    ckpt = runs["two"] / "checkpoints" / "step_1_ckp"
+    metadata = safe_reader(str(ckpt)).read_metadata()
+    items = ItemRows(ckpt, metadata)
+    for key in ("base_model.embedding.weight", "base_model.layers.0.attn.in_proj.qkv_fused.weight", "head.weight"):
+        meta = metadata.state_dict_metadata[f"model_state.{key}"]
+        assert len(meta.chunks) == 2
+        want = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+        dcp.load({"model_state": want}, storage_reader=safe_reader(str(ckpt)), no_dist=True)
+        rows, middle = meta.size[0], meta.chunks[1].offsets[0]
+        for a, b in ((0, rows), (middle - 3, middle + 5), (1, 2), (rows - 7, rows)):
+            assert torch.equal(items.rows(f"model_state.{key}", a, b), want[key][a:b]), (key, a, b)
+    assert items.places and None not in items.places.values()
+
+
 def test_writers_of_one_file_give_the_file_one_writer_gives(tmp_path):
     """write_file's share: 3 writers, in any order, each its run of the tensors in place, make the same
     bytes as one writer; one folder of 1 file and 2 ranks is written by both (write_part's shared)."""
     from fms_fsdp.checkpoint.hf_write import Converter, fms_plan, write_file, write_part
+    from fms_fsdp.checkpoint.reader import Tensors
 
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(7 + i, 5, generator=g) for i in range(5)} | {"b": torch.randn(3, generator=g)}
     plan = fms_plan({k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()})
-    convert = Converter(lambda keys: {k: state[k] for k in keys})
+    convert = Converter(Tensors({k: v.shape for k, v in state.items()}, lambda k, a, b: state[k][a:b]))
     write_file(tmp_path / "one.safetensors", plan, convert, {"format": "pt"})
     for k in (2, 0, 1):
         write_file(tmp_path / "three.safetensors", plan, convert, {"format": "pt"}, (k, 3))

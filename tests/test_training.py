@@ -32,6 +32,7 @@ from fms_fsdp.storage import umask
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.step import out_of_memory_error, train_step
+from fms_fsdp.train.triggers import AGREE_SECONDS
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
 
@@ -318,8 +319,8 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
 
 def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective_of_their_own(tmp):
     """3 profiled steps of 7, one trace per rank with --profiler_rank0_only=False. In those steps (no
-    report, no clipping) every collective is FSDP's, but for at most one agreement on stop requests,
-    which the ranks take only every AGREE_SECONDS of steps."""
+    report, no clipping) every collective is FSDP's, but for the agreements on stop requests, which the
+    ranks take only every AGREE_SECONDS of steps (counted from the trace's own step times)."""
     train(
         tmp,
         [
@@ -344,10 +345,12 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
         collectives = [e for e in events if e["name"].startswith("c10d::")]
         ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
         assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
-        # the agreement (train/triggers.py): a handful of figures in one all-reduce, in a step that comes due on a
-        # slow machine
+        # the agreement (train/triggers.py): a handful of figures in one all-reduce, at most one per AGREE_SECONDS
+        # of the profiled steps (none, one or more, by how loaded the machine is: never one per step)
         tensors = [e["args"]["Input Dims"][0] for e in ours]  # [[figures]]: one 1-D tensor
-        assert len(ours) <= 1 and all(len(t) == 1 and len(t[0]) == 1 and t[0][0] <= 8 for t in tensors), ours
+        assert all(len(t) == 1 and len(t[0]) == 1 and t[0][0] <= 8 for t in tensors), ours
+        profiled_s = sum(e["dur"] for e in steps) / 1e6
+        assert len(ours) <= profiled_s // AGREE_SECONDS + 1, (len(ours), profiled_s)
 
 
 def inside(e: dict, outer: dict) -> bool:

@@ -11,10 +11,11 @@
 - writer.py   the background writer of async checkpoints and periodic exports
 - fused.py    fms's fused keys for a model built unfused (tensor parallel)
 - reader.py   reading weights outside training (folders, .safetensors, .pth), never running code
-- export.py   the whole model as one safetensors file; periodic exports (every rank its files)
+- items.py    a checkpoint folder's tensors read a run of rows at a time, from their byte ranges
+- export.py   the whole model as one safetensors file or a Hugging Face folder, every rank its part
 - hf.py       fms <-> Hugging Face LlamaForCausalLM folders; PEFT adapter folders
 - hf_read.py  a Hugging Face folder read into a sharded model, each rank only its slices
-- hf_write.py safetensors files planned from shapes and streamed tensor by tensor
+- hf_write.py safetensors files planned from shapes and streamed 16 MB of rows at a time
 
 A save is written under a hidden temporary name and renamed, with a COMPLETE marker inside, only after
 every rank has finished; old checkpoints are deleted only after a newer one is complete.

@@ -39,7 +39,7 @@ from fms_fsdp.checkpoint.hf_write import (
     write_part,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import TensorReader, model_dtypes, model_reader, root_cause, storage_writer
+from fms_fsdp.checkpoint.reader import Tensors, model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.settings import ExportSettings
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
@@ -72,13 +72,13 @@ def stream_model_file(folder: Path, target: Path, settings: ExportSettings, meta
     return target
 
 
-def _model_file(folder: Path, settings: ExportSettings) -> tuple[list[Planned], TensorReader]:
+def _model_file(folder: Path, settings: ExportSettings) -> tuple[list[Planned], Tensors]:
     """The plan of the model file of checkpoint folder `folder`, and the reader of its tensors."""
-    shapes, read = model_reader(folder)
-    model = {k: tuple(v) for k, v in shapes.items() if not is_adapter(k)}
+    tensors = model_reader(folder)
+    model = {k: tuple(v) for k, v in tensors.shapes.items() if not is_adapter(k)}
     if settings.lora:
-        read = merging(read, shapes, settings.lora)
-    return fms_plan(model, model_dtypes(folder)), read
+        tensors = merging(tensors, settings.lora)
+    return fms_plan(model, model_dtypes(folder)), tensors
 
 
 def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
@@ -170,8 +170,8 @@ def _make_room(shards: Path, target: Path, model: CausalLM) -> None:
 def write_adapter_folder(folder: Path, config: Any, settings: ExportSettings, target: Path) -> Path:
     """The PEFT adapter folder of a LoRA checkpoint folder's adapters, published whole."""
     assert settings.lora is not None and settings.base is not None
-    shapes, read = model_reader(folder)
-    adapters = read([k for k in shapes if is_adapter(k)])
+    tensors = model_reader(folder)
+    adapters = tensors.read([k for k in tensors.shapes if is_adapter(k)])
     with publish(target) as tmp:
         write_peft_adapter(adapters, config, settings.lora, settings.base, tmp)
     return target
@@ -329,16 +329,16 @@ class PeriodicExporter:
 
     def _files(self, shards: Path, writers: int) -> list[list[Planned]]:
         """The export's files: a Hugging Face folder's, at least one per rank; fms's one model.safetensors."""
-        shapes = {k: tuple(v) for k, v in model_reader(shards)[0].items() if not is_adapter(k)}
+        shapes = {k: tuple(v) for k, v in model_reader(shards).shapes.items() if not is_adapter(k)}
         if self.settings.format == "hf":
             return split(hf_plan(self.model.config, shapes, torch.bfloat16), writers)
         return [fms_plan(shapes, model_dtypes(shards))]
 
     def _converter(self, shards: Path) -> Converter:
-        shapes, read = model_reader(shards)
+        tensors = model_reader(shards)
         if self.settings.lora:
-            read = merging(read, shapes, self.settings.lora)
-        return Converter(read, self.model.config)
+            tensors = merging(tensors, self.settings.lora)
+        return Converter(tensors, self.model.config)
 
     def _copy_tokenizer(self, tmp: Path) -> None:
         tokenizer = Path(self.settings.tokenizer_path) if self.settings.tokenizer_path else None
@@ -359,7 +359,7 @@ def export_checkpoint(load_path: str, save_path: str) -> str:
         raise CheckpointError(f"--save_path: {save_path or '(missing)'} must end in .safetensors")
     folder = location(load_path, "load_path")
     try:
-        shapes, _ = model_reader(folder)
+        shapes = model_reader(folder).shapes
     except CheckpointError as e:  # names the folder and what is wrong with it
         raise CheckpointError(f"--load_path: {e}") from None
     except (RuntimeError, OSError, dcp.CheckpointException) as e:

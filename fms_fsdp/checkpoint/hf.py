@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
 from fms_fsdp.checkpoint.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
-from fms_fsdp.checkpoint.reader import TensorReader, model_reader
+from fms_fsdp.checkpoint.reader import Tensors, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.variants import build_model, context_length, get_model_config, hidden_dim
@@ -90,7 +90,7 @@ def projection_to_hf(model_config: LLaMAConfig, fms_name: str, rows: torch.Tenso
 
 def write_hf_folder(
     model_config: LLaMAConfig,
-    read: TensorReader,
+    tensors: Tensors,
     shapes: dict[str, tuple[int, ...]],
     out: str,
     dtype: torch.dtype,
@@ -106,7 +106,7 @@ def write_hf_folder(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     files = split(hf_plan(model_config, shapes, dtype), 1, max_shard_bytes)
-    write_part(tmp, files, Converter(read, model_config))
+    write_part(tmp, files, Converter(tensors, model_config))
     write_index(tmp, files)
     write_hf_config(tmp, model_config, dtype, bos_token_id, eos_token_id)
     if target.exists():  # an empty folder (callers refuse anything else)
@@ -267,9 +267,9 @@ def _convert(
     tokenizer_name_or_path: Optional[str],
     dtype: str,
 ) -> Path:
-    keys, read = model_reader(src)
+    tensors = model_reader(src)
     expected = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
-    found = {k: tuple(s) for k, s in keys.items()}
+    found = {k: tuple(s) for k, s in tensors.shapes.items()}
     for key, shape in expected.items():
         if found.get(key) != shape:
             raise HFError(
@@ -285,7 +285,7 @@ def _convert(
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos
     with publish(target) as tmp:  # object storage too: uploaded, COMPLETE last
-        write_hf_folder(model_config, read, expected, str(tmp), DTYPES[dtype], bos, eos)
+        write_hf_folder(model_config, tensors, expected, str(tmp), DTYPES[dtype], bos, eos)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return target

@@ -1,7 +1,7 @@
 """Writing safetensors files tensor by tensor: a model's export (Hugging Face names, or fms's own) is
 planned from its tensors' shapes alone, cut into files, and each file streamed: its header first, then
-each tensor read from a checkpoint folder (`TensorReader`), converted and appended. No process holds
-more than one fms tensor and the one it converts, whatever the model's size; with several ranks each
+each tensor read from a checkpoint folder a few MB of rows at a time (`Tensors.rows`), converted and
+appended. No process holds more than those rows, whatever the model's size; with several ranks each
 writes its own files (`part`), several ranks one file at once when there are fewer files than ranks
 (an fms export's one file), and rank 0 the index and the configuration.
 The files are those of transformers' `save_pretrained`: `model.safetensors` alone, or
@@ -15,18 +15,19 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.checkpoint.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
-from fms_fsdp.checkpoint.reader import TensorReader
+from fms_fsdp.checkpoint.reader import Tensors
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.variants import hidden_dim
 
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
-_CHUNK = 64 * 2**20  # bytes cast and written at a time
+_CHUNK = 16 * 2**20  # bytes of source rows read, cast and written at a time
+_SOURCE_BYTES = 4  # a source row's bytes per element, at most (fp32)
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -106,31 +107,30 @@ def file_names(files: int) -> list[str]:
 
 
 class Converter:
-    """The tensors of a plan from a reader of fms tensors, each cut out (and its rotary rows reordered)
-    as it is needed, in the reader's dtype (write_file casts it a chunk at a time); the last fms tensor
-    read is kept for its other parts (q, k and v come from one)."""
+    """The tensors of a plan, each a few MB of rows at a time, cut out of the fms tensor they come from
+    (`Tensors.rows`) and their rotary rows put in Hugging Face's order (q, k: whole heads at a time),
+    in the reader's dtype (write_file casts each run); nothing is held beyond one run of rows."""
 
-    def __init__(self, read: TensorReader, config: Optional[LLaMAConfig] = None):
-        self.read, self.config = read, config
-        self.last: tuple[str, Optional[torch.Tensor]] = ("", None)
+    def __init__(self, tensors: Tensors, config: Optional[LLaMAConfig] = None):
+        self.tensors, self.config = tensors, config
 
-    def __call__(self, p: Planned) -> torch.Tensor:
-        if self.last[0] != p.key:
-            self.last = ("", None)  # free it before reading the next
-            self.last = (p.key, self.read([p.key])[p.key])
-        whole = self.last[1]
-        assert whole is not None
-        t = whole[p.start : p.start + p.shape[0]]
+    def __call__(self, p: Planned) -> Iterator[torch.Tensor]:
+        rows = p.shape[0] if p.shape else 1
+        step = max(1, _CHUNK // max(1, math.prod(p.shape[1:]) * _SOURCE_BYTES))
+        head = 1
         if p.rope:
             assert self.config is not None
-            t = rope_fms_to_hf(t, self.config.emb_dim // self.config.nheads)
-        return t
+            head = self.config.emb_dim // self.config.nheads
+            step = max(head, step // head * head)
+        for lo in range(0, rows, step):
+            t = self.tensors.rows(p.key, p.start + lo, p.start + min(rows, lo + step))
+            yield rope_fms_to_hf(t, head) if p.rope else t
 
 
 def write_file(
     path: Path,
     plan: list[Planned],
-    convert: Callable[[Planned], torch.Tensor],
+    convert: Callable[[Planned], Iterable[torch.Tensor]],
     meta: dict,
     share: tuple[int, int] = (0, 1),
 ) -> None:
@@ -156,17 +156,17 @@ def write_file(
             f.write(raw)
         for p, at in mine:
             f.seek(8 + len(raw) + at)
-            t = convert(p)
-            assert tuple(t.shape) == p.shape, (p.name, t.shape, p.shape)
-            rows = max(1, _CHUNK // max(1, t[0].numel() * p.dtype.itemsize)) if t.dim() else 1
-            for chunk in t.split(rows) if t.dim() else [t]:  # cast a few MB at a time
-                f.write(memoryview(chunk.to(p.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
+            written = 0
+            for rows in convert(p):  # a few MB at a time, cast as written
+                f.write(memoryview(rows.to(p.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
+                written += rows.numel() * p.dtype.itemsize
+            assert written == p.nbytes, (p.name, written, p.nbytes)
 
 
 def write_part(
     folder: Path,
     files: list[list[Planned]],
-    convert: Callable[[Planned], torch.Tensor],
+    convert: Callable[[Planned], Iterable[torch.Tensor]],
     part: tuple[int, int] = (0, 1),
     meta: Optional[dict] = None,
     shared: bool = False,
@@ -199,18 +199,17 @@ def write_index(folder: Path, files: list[list[Planned]]) -> None:
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def merging(read: TensorReader, keys: Iterable[str], spec: LoRASpec) -> TensorReader:
-    """A reader of a LoRA model's tensors that gives each adapted weight merged, W + (alpha / r) B A."""
-    adapted = {k.removesuffix(".lora_A") for k in keys if k.endswith(".lora_A")}
+def merging(tensors: Tensors, spec: LoRASpec) -> Tensors:
+    """A LoRA model's tensors with each adapted weight's rows merged, W + (alpha / r) B A."""
+    adapted = {k.removesuffix(".lora_A") for k in tensors.shapes if k.endswith(".lora_A")}
 
-    def read_merged(wanted: list[str]) -> dict[str, torch.Tensor]:
-        out = read(wanted)
-        for key in wanted:
-            layer = key.removesuffix(".weight")
-            if layer in adapted:
-                ab = read([f"{layer}.lora_A", f"{layer}.lora_B"])
-                delta = (spec.alpha / spec.rank) * ab[f"{layer}.lora_B"].float() @ ab[f"{layer}.lora_A"].float()
-                out[key] = (out[key].float() + delta).to(out[key].dtype)
-        return out
+    def rows(key: str, a: int, b: int) -> torch.Tensor:
+        out = tensors.rows(key, a, b)
+        layer = key.removesuffix(".weight")
+        if layer not in adapted:
+            return out
+        lora_a = tensors.read([f"{layer}.lora_A"])[f"{layer}.lora_A"]
+        lora_b = tensors.rows(f"{layer}.lora_B", a, b)
+        return (out.float() + (spec.alpha / spec.rank) * lora_b.float() @ lora_a.float()).to(out.dtype)
 
-    return read_merged
+    return Tensors(tensors.shapes, rows)

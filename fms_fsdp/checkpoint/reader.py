@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pickle
 import warnings
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -18,12 +20,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from fms_fsdp.checkpoint.items import ItemRows
 from fms_fsdp.compat import fsspec_storage
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.storage import is_remote
 
-# reads the named tensors: {name: tensor}
-TensorReader = Callable[[list[str]], dict[str, torch.Tensor]]
+
+@dataclass(frozen=True)
+class Tensors:
+    """A model's tensors by name: their shapes, and `rows(name, a, b)`, rows [a, b) of one (its elements,
+    for a 1-D tensor), read without the rest of it."""
+
+    shapes: dict[str, torch.Size]
+    rows: Callable[[str, int, int], torch.Tensor]
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, whole."""
+        return {k: self.rows(k, 0, self.shapes[k][0] if self.shapes[k] else 1) for k in keys}
 
 
 class RefusedPickle(pickle.UnpicklingError):
@@ -103,10 +116,11 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
     return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 
-def _folder_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
+def _folder_reader(path: Path) -> Tensors:
     folder = str(path)
     try:
-        metadata = safe_reader(folder).read_metadata().state_dict_metadata
+        whole = safe_reader(folder).read_metadata()
+        metadata = whole.state_dict_metadata
     except RefusedPickle:
         raise
     except (EOFError, pickle.UnpicklingError) as e:
@@ -126,31 +140,54 @@ def _folder_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
             "run's exports (model_step_<N>.safetensors, exports/step_<N>)"
         )
 
-    def read(keys: list[str]) -> dict[str, torch.Tensor]:
-        state = {k: torch.empty(shapes[k], dtype=metadata[f"model_state.{k}"].properties.dtype) for k in keys}
-        if state:
+    if any(getattr(info, "transform_descriptors", None) for info in whole.storage_data.values()):
+        return Tensors(shapes, _dcp_rows(path, metadata))  # stored transformed (compressed): DCP reads them
+    items = ItemRows(path, whole)
+
+    def rows(key: str, a: int, b: int) -> torch.Tensor:
+        try:
+            return items.rows(f"model_state.{key}", a, b)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+            if not unreadable(e):
+                raise
+            raise CheckpointError(f"{folder}: {damage(e, path)}") from None
+
+    return Tensors(shapes, rows)
+
+
+def _dcp_rows(path: Path, metadata: dict[str, Any]) -> Callable[[str, int, int], torch.Tensor]:
+    """Rows of a checkpoint folder's model tensors through DCP's own read: each tensor read whole (the
+    last one kept for its next rows)."""
+    last: dict[str, torch.Tensor] = {}
+
+    def rows(key: str, a: int, b: int) -> torch.Tensor:
+        if key not in last:
+            last.clear()
+            meta = metadata[f"model_state.{key}"]
+            state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 try:
-                    dcp.load({"model_state": state}, storage_reader=safe_reader(folder), no_dist=True)
+                    dcp.load({"model_state": state}, storage_reader=safe_reader(str(path)), no_dist=True)
                 except dcp.CheckpointException as e:
-                    raise CheckpointError(f"{folder}: {damage(e, path)}") from None
-        return state
+                    raise CheckpointError(f"{path}: {damage(e, path)}") from None
+            last.update(state)
+        return last[key][a:b]
 
-    return shapes, read
+    return rows
 
 
-def _safetensors_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
+def _safetensors_reader(path: Path) -> Tensors:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
 
-    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+    def rows(key: str, a: int, b: int) -> torch.Tensor:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in keys}
+            return f.get_slice(key)[a:b]
 
-    return shapes, read
+    return Tensors(shapes, rows)
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -165,7 +202,10 @@ def unreadable(error: BaseException) -> bool:
     shard, a file that cannot be opened), rather than a checkpoint of another model."""
     cause = root_cause(error)
     return (
-        (isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) and not isinstance(cause, RefusedPickle))
+        (
+            isinstance(cause, (OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile))
+            and not isinstance(cause, RefusedPickle)
+        )
         or (isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause))
         or type(cause).__module__.startswith("safetensors")  # a truncated or corrupt header
     )
@@ -205,16 +245,16 @@ def short_files(folder: Path) -> list[str]:
     return found
 
 
-def model_reader(path: Path) -> tuple[dict[str, torch.Size], TensorReader]:
-    """(tensor names and shapes, reader of some tensors) of a checkpoint folder or a .safetensors / .pth
-    model file. Folders and .safetensors files are read lazily; a .pth file is mapped whole."""
+def model_reader(path: Path) -> Tensors:
+    """The model tensors of a checkpoint folder or a .safetensors / .pth model file, read when asked for,
+    a run of rows at a time; a .pth file is mapped into memory whole."""
     if path.is_dir():
         return _folder_reader(path)
     if path.suffix == ".safetensors":
         return _safetensors_reader(path)
     obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     state = obj.get("model_state", obj)
-    return {k: v.shape for k, v in state.items()}, lambda keys: {k: state[k] for k in keys}
+    return Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
 
 
 def model_dtypes(path: Path) -> dict[str, torch.dtype]:
@@ -229,5 +269,5 @@ def model_dtypes(path: Path) -> dict[str, torch.dtype]:
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint folder or a model file, whole, on the CPU."""
-    shapes, read = model_reader(Path(path) if isinstance(path, str) else path)
-    return read(list(shapes))
+    tensors = model_reader(Path(path) if isinstance(path, str) else path)
+    return tensors.read(list(tensors.shapes))
