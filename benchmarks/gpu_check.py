@@ -133,6 +133,11 @@ def figures(results: dict[str, dict[str, str]], plans: list[float]) -> list[Opti
     ]
 
 
+def figure_text(value: float) -> str:
+    """A goal's figure as the table shows it: whole above 100, else to 3 decimals."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3f}"
+
+
 def table(results: dict[str, dict[str, str]], failed: dict[str, str], plans: list[float], device: str) -> str:
     """The markdown the command prints: every setting's figures, then every goal beside its figure."""
     rows = [
@@ -152,7 +157,7 @@ def table(results: dict[str, dict[str, str]], failed: dict[str, str], plans: lis
             rows.append(f"| {bench.name} | {failed.get(bench.name, 'not run')} | | | |")
     rows += ["", "| goal | figure | bar | met |", "|---|---|---|---|"]
     for goal, value in zip(GOALS, figures(results, plans)):
-        shown = "no figure" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.3f}"
+        shown = "no figure" if value is None else figure_text(value)
         met = "?" if value is None else "yes" if goal.met(value) else "NO"
         bar = ("<= " if goal.at_most else ">= ") + (f"{goal.bar:,.0f}" if goal.bar >= 100 else f"{goal.bar}")
         note = f" ({goal.note})" if goal.note else ""

@@ -13,14 +13,10 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
+from fms_fsdp.parallel.process_group import free_port
+
 SBIN = "/usr/sbin:/sbin"
 NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _slurm_conf(folder: Path, host: str) -> str:
@@ -28,8 +24,8 @@ def _slurm_conf(folder: Path, host: str) -> str:
         [
             "ClusterName=test",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",

@@ -76,7 +76,7 @@ def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint
     text = gpu_check.table(results, {}, gpu_check.plan_errors(log), "cpu")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert rows["tokens/s/GPU, llama3_1.8b_4k bs 2 compile (torchtitan 0.2.2: 38,592; before: 30,553)"].endswith(
-        f"| {tps:,.0f} | >= 41,000 | NO |"
+        f"| {gpu_check.figure_text(tps)} | >= 41,000 | NO |"  # a loaded machine's tokens/s can be under 100
     )
     assert rows["best llama3_1.8b_4k MFU"].endswith("| 0.600 | >= 0.55 | yes |")
     assert rows["float8 / bf16 tokens/s, llama3_3.2b_4k op AC"].endswith("| 1.300 | >= 1.25 | yes |")

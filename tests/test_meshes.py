@@ -405,9 +405,9 @@ def test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size
 
 
 def test_a_model_file_or_checkpoint_initialises_a_tensor_parallel_run(runs):
-    """--ckpt_load_path of a whole-model file (read on rank 0, q/k/v and gate/up cut apart, then each
-    rank's shards sent) or of a checkpoint folder (read into the fused views): one step at learning
-    rate 0 exports the same weights."""
+    """--ckpt_load_path of a whole-model file (each rank reading its rows of the fused q/k/v and gate/up
+    tensors) or of a checkpoint folder (read into the fused views): one step at learning rate 0 exports
+    the same weights."""
     for name, want in (
         ("from_file", load_file(str(runs["tp2"] / "model_step_8.safetensors"))),
         ("from_folder", read_model(runs["tp2"] / "checkpoints" / "step_3_ckp")),

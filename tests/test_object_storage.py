@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert
@@ -365,7 +365,8 @@ def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3,
 def test_a_hugging_face_folder_in_a_bucket_is_read_by_ranges_and_exported_to_one(s3, tmp_path):
     """--ckpt_load_path of a sharded Hugging Face folder in a bucket, read slice by slice by byte ranges
     (nothing downloaded whole), then one step at learning rate 0 exported as a Hugging Face folder to a
-    bucket by every rank (2), marked COMPLETE: the folder's weights, in bf16."""
+    bucket by every rank (2), marked COMPLETE: the folder's weights, in bf16. A model file in the bucket,
+    read the same way."""
     import s3fs
     from test_hf_sharded import save_hf, scaled_config
 
@@ -397,3 +398,21 @@ def test_a_hugging_face_folder_in_a_bucket_is_read_by_ranges_and_exported_to_one
     fs.get("runs/hf_out/exports/step_1/", str(tmp_path / "out"), recursive=True)
     want, got = read_hf_model(str(hf), scaled_config()), read_hf_model(str(tmp_path / "out"), scaled_config())
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].bfloat16()) for k in want)
+    # a model file in the bucket: each rank reads its rows of it by byte ranges
+    save_file(want, str(tmp_path / "m.safetensors"))
+    fs.put(str(tmp_path / "m.safetensors"), "runs/m.safetensors")
+    common = [*TINY, "--rope_scaling_factor=4", "--vocab_size=512", "--num_steps=1", "--learning_rate=0"]
+    proc = launch(
+        "main_training.py",
+        [
+            *common,
+            "--checkpoint_interval=0",
+            "--export_model_at_end=True",
+            "--ckpt_load_path=s3://runs/m.safetensors",
+            f"--ckpt_save_path={tmp_path / 'from_file'}",
+        ],
+        2,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    end = load_file(str(tmp_path / "from_file" / "model_step_1.safetensors"))
+    assert end.keys() == want.keys() and all(torch.equal(end[k], want[k]) for k in want)

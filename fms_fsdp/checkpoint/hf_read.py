@@ -115,11 +115,11 @@ def index_folder(folder: Path) -> dict[str, Entry]:
         raise HFError(f"{folder}: no .safetensors weights")
     entries: dict[str, Entry] = {}
     for name in files:
-        entries.update(_header(folder / name, name))
+        entries.update(file_entries(folder / name, name))
     return entries
 
 
-def _header(path: Path, name: str) -> dict[str, Entry]:
+def file_entries(path: Path, name: str) -> dict[str, Entry]:
     """The tensors of one safetensors file, from its header (8 bytes of length, then JSON)."""
     size = path.stat().st_size
     with open_random(path) as f:
@@ -181,10 +181,7 @@ def check_shapes(
                 raise HFError(f"{folder}: no tensor {s.name} in its safetensors files")
             entry = entries[s.name]
             if entry.dtype not in DTYPES:
-                raise HFError(
-                    f"{folder}/{entry.file}: {s.name} is {entry.dtype}, a safetensors dtype this reader does not "
-                    f"read (it reads {', '.join(DTYPES)}); convert the weights to BF16, F16 or F32 first"
-                )
+                raise unknown_dtype(f"{folder}/{entry.file}", s.name, entry.dtype)
         rows = sum(entries[s.name].shape[0] for s in found)
         columns = {entries[s.name].shape[1:] for s in found}
         if rows != shape[0] or columns != {tuple(shape[1:])}:
@@ -193,6 +190,14 @@ def check_shapes(
                 f"{folder}/{entries[s.name].file}: {s.name} is {list(entries[s.name].shape)}, which does not fit "
                 f"the model's {key} {list(shape)}; choose the matching --model_variant (and --vocab_size)"
             )
+
+
+def unknown_dtype(file: str, name: str, dtype: str) -> HFError:
+    """The error for tensor `name` of safetensors `file`, of a dtype this module does not read."""
+    return HFError(
+        f"{file}: {name} is {dtype}, a safetensors dtype this reader does not read (it reads {', '.join(DTYPES)}); "
+        "convert the weights to BF16, F16 or F32 first"
+    )
 
 
 class SliceReader:
@@ -225,22 +230,22 @@ class SliceReader:
 
     def _rows(self, name: str, a: int, b: int) -> torch.Tensor:
         entry = self.entries[name]
-        inner = math.prod(entry.shape[1:])
-        dtype = DTYPES[entry.dtype]
-        width = inner * torch.empty((), dtype=dtype).element_size()
-        buffer = bytearray((b - a) * width)
-        if buffer:
-            if entry.file not in self.files:
-                self.files[entry.file] = self.stack.enter_context(open_random(self.folder / entry.file))
-            f = self.files[entry.file]
-            f.seek(entry.start + a * width)
-            if f.readinto(buffer) != len(buffer):
-                raise HFError(f"{self.folder / entry.file} is truncated (reading {name})")
-        return (
-            torch.frombuffer(buffer, dtype=dtype).view(b - a, *entry.shape[1:])
-            if buffer
-            else torch.empty((0, *entry.shape[1:]), dtype=dtype)
-        )
+        if entry.file not in self.files:
+            self.files[entry.file] = self.stack.enter_context(open_random(self.folder / entry.file))
+        return entry_rows(self.files[entry.file], entry, a, b, self.folder / entry.file, name)
+
+
+def entry_rows(f: Any, entry: Entry, a: int, b: int, path: Path, name: str) -> torch.Tensor:
+    """Rows [a, b) of a safetensors tensor (`entry` of the open file `f`, at `path`)."""
+    dtype = DTYPES[entry.dtype]
+    width = math.prod(entry.shape[1:]) * dtype.itemsize
+    buffer = bytearray((b - a) * width)
+    if not buffer:
+        return torch.empty((b - a, *entry.shape[1:]), dtype=dtype)
+    f.seek(entry.start + a * width)
+    if f.readinto(buffer) != len(buffer):
+        raise HFError(f"{path} is truncated (reading {name})")
+    return torch.frombuffer(buffer, dtype=dtype).view(b - a, *entry.shape[1:])
 
 
 def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, Entry], config: LLaMAConfig) -> None:

@@ -20,10 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from fms_fsdp.checkpoint.hf_read import DTYPES, entry_rows, file_entries, unknown_dtype
 from fms_fsdp.checkpoint.items import ItemRows
 from fms_fsdp.compat import fsspec_storage
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.storage import is_remote
+from fms_fsdp.storage import is_remote, open_random
 
 
 @dataclass(frozen=True)
@@ -178,16 +179,21 @@ def _dcp_rows(path: Path, metadata: dict[str, Any]) -> Callable[[str, int, int],
 
 
 def _safetensors_reader(path: Path) -> Tensors:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
+    """A safetensors file's tensors, each run of rows read from its byte range (memory-mapped when
+    local, by ranges from object storage)."""
+    entries = file_entries(path, path.name)
+    for name, entry in entries.items():
+        if entry.dtype not in DTYPES:
+            raise unknown_dtype(str(path), name, entry.dtype)
 
     def rows(key: str, a: int, b: int) -> torch.Tensor:
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_slice(key)[a:b]
+        if not entries[key].shape:
+            a, b = 0, 1
+        with open_random(path) as f:
+            found = entry_rows(f, entries[key], a, b, path, key)
+        return found if entries[key].shape else found.view(())
 
-    return Tensors(shapes, rows)
+    return Tensors({k: torch.Size(e.shape) for k, e in entries.items()}, rows)
 
 
 def root_cause(error: BaseException) -> BaseException:

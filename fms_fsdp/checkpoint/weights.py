@@ -1,7 +1,7 @@
 """Initialising a model's weights from --ckpt_load_path (not restoring a run: that is io.py's): a
 checkpoint folder (this project's or fms-fsdp's), a Hugging Face Llama folder, or a .pth /
-.safetensors file holding the model. Single files are read on rank 0 and broadcast; checkpoint
-folders and Hugging Face folders are read by every rank, each its own shards. Every rank calls it."""
+.safetensors file holding the model. Every rank reads only its own shards' rows (but for a .pth file
+in object storage, which rank 0 downloads, reads whole and sends). Every rank calls it."""
 
 from __future__ import annotations
 
@@ -14,16 +14,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from fms.models.llama import LLaMAConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from fms_fsdp.checkpoint.fused import fuse, plain_tensor
 from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
 from fms_fsdp.checkpoint.hf_read import check_shapes, index_folder, read_into
 from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
+from fms_fsdp.compat import local_box
 from fms_fsdp.errors import CheckpointError, ConfigError, HFError, first_line
 from fms_fsdp.model.lora import is_adapter
-from fms_fsdp.model.variants import split_full
+from fms_fsdp.model.variants import fused_parts, split_full
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
-from fms_fsdp.storage import local_copy, location, storage_error
+from fms_fsdp.storage import is_remote, local_copy, location, storage_error
 
 # a whole model from one file: read on rank 0 only, each rank receives its shards
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -91,7 +93,9 @@ def load_weights(model: torch.nn.Module, path: str, model_variant: str) -> None:
             own = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
             dcp.load(fuse({"model_state": own}), storage_reader=safe_reader(p), process_group=agreement_group())
             _set(model, own, StateDictOptions())
-        else:
+        elif p.suffix == ".safetensors" or not is_remote(p):
+            _read_file(model, p, path, model_variant)
+        else:  # a .pth file in object storage: downloaded and read whole on rank 0, which sends the shards
             _set(model, _read_on_main(p, path, read_model), _FROM_RANK0)
     except CheckpointError:  # already one line naming the path (read on rank 0)
         raise
@@ -150,6 +154,50 @@ def _read_hf(model: torch.nn.Module, p: Path, path: str) -> None:
     if first is not None:
         raise CheckpointError(f"--ckpt_load_path: {first}")
     _set(model, own, StateDictOptions())
+
+
+def _read_file(model: torch.nn.Module, p: Path, path: str, variant: str) -> None:
+    """Each rank reads only the rows of its shards from the model file `p` (a .safetensors file by byte
+    ranges, local or remote; a local .pth file memory-mapped), a model built unfused (tensor parallel)
+    from the rows of the fused tensors. A failure on any rank is one CheckpointError on every rank."""
+    own = {k: plain_tensor(v) for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+    shapes = {k: t.shape for k, t in model.named_parameters()}
+    origin = {  # a part of a fused tensor: (the fused tensor, its first row there, the fused tensor's rows)
+        member: (fused, row, members[-1][1] + shapes[members[-1][0]][0])
+        for fused, members in fused_parts(shapes).items()
+        for member, row in members
+    }
+    error: Optional[Exception] = None
+    try:
+        tensors = model_reader(p)
+        for key, value in own.items():
+            name, first, rows = origin.get(key, (key, 0, value.shape[0]))
+            if name not in tensors.shapes or tuple(tensors.shapes[name]) != (rows, *value.shape[1:]):
+                held = list(tensors.shapes[name]) if name in tensors.shapes else "missing"
+                raise _Misfit(f"{name} is {held} there, the model's {key} {list(value.shape)}")
+            local = value.to_local() if isinstance(value, DTensor) else value
+            offset, shape = local_box(value)
+            if local.numel():
+                mine = tensors.rows(name, first + offset[0], first + offset[0] + shape[0])
+                local.copy_(mine if len(shape) == 1 else mine[:, offset[1] : offset[1] + shape[1]])
+    except Exception as e:
+        error = e
+    every = failures(error, lambda e: "misfit" if isinstance(e, _Misfit) else "error")
+    found = next((f for f in every if f is not None), None)
+    if error is not None and not isinstance(error, (HFError, CheckpointError, ValueError, OSError)):
+        raise error  # the same on every rank (a damaged .pth): load_weights says so in one line
+    if found is not None and found[0] == "misfit":
+        raise CheckpointError(
+            f"--ckpt_load_path: {path} does not fit --model_variant={variant} (vocab {model.config.src_vocab_size}): "
+            f"{found[1]}"
+        )
+    if found is not None:  # a reader's error names the file
+        raise CheckpointError(f"--ckpt_load_path: {found[1]}")
+    _set(model, own, StateDictOptions())
+
+
+class _Misfit(ValueError):
+    """A model file's tensor that does not hold the model's."""
 
 
 def _set(model: torch.nn.Module, state: dict[str, torch.Tensor], options: StateDictOptions) -> None:

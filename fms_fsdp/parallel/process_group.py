@@ -9,9 +9,11 @@ and rank 0's file work travel over gloo groups of their own, one per wait they a
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
@@ -90,10 +92,28 @@ class DistInfo:
 
 
 def free_port() -> int:
-    """A TCP port free on localhost now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on localhost now, chosen below the kernel's ephemeral range: the kernel hands
+    ports from that range to outgoing connections (gloo opens many), so one found free there can be
+    taken again before its server binds it."""
+    low = _ephemeral_low()
+    picks = random.SystemRandom()
+    for _ in range(100):
+        port = picks.randrange(10_000, low) if low > 10_001 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port found in [10000, {low})")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def resolve_device(flag: str, local_rank: int) -> torch.device:
