@@ -2,10 +2,9 @@
 or from a checkpoint folder (scripts/export_model.py, `fms-export-model`); and every --export_interval
 steps (`PeriodicExporter`, staged and written in the background like an async checkpoint), as a
 Hugging Face folder or that file, under <ckpt_save_path>/exports/step_<N>. Every rank writes its
-shards to a DCP folder first; the files are then streamed from it tensor by tensor (hf_write.py) by
-every rank in parallel (the one file: each rank its run of the tensors, in place), so no rank ever
-holds the whole model. Everything is
-published whole: on disk written under a temporary name and renamed; in object storage uploaded, a
+shards to a DCP folder first; the files are then streamed from it a few MB of rows at a time
+(hf_write.py) by every rank in parallel (the one file: each rank its run of the tensors, in place), so
+no rank ever holds the whole model. Everything is published whole: on disk written under a temporary name and renamed; in object storage uploaded, a
 folder marked COMPLETE last."""
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ TOKENIZER_FILES = (
 
 def stream_model_file(folder: Path, target: Path, settings: ExportSettings, meta: dict[str, str]) -> Path:
     """The model of checkpoint folder `folder` as one safetensors file under fms's names (LoRA's adapted
-    weights merged), streamed tensor by tensor (hf_write.py) and published whole."""
+    weights merged), streamed a few MB of rows at a time (hf_write.py) and published whole."""
     plan, read = _model_file(folder, settings)
     with publish(target) as tmp:
         write_file(tmp, plan, Converter(read), meta)
@@ -212,7 +211,7 @@ class PeriodicExporter:
     """--export_interval: every N steps each rank copies its shards of the model to CPU buffers (the
     only time training waits, as for an async checkpoint) and writes them in the background as a DCP
     folder (writer.py). Then, still in the background, every rank writes its own files of
-    <ckpt_save_path>/exports/step_<N> from that folder, tensor by tensor (hf_write.py: a Hugging Face
+    <ckpt_save_path>/exports/step_<N> from that folder, rows by rows (hf_write.py: a Hugging Face
     folder, or with --export_format=fms one model.safetensors that the ranks write at once), and rank 0 adds the
     index, config and tokenizer, seals the folder and deletes the DCP folder; no rank holds the whole
     model. The latest --export_keep are kept. A failure is raised on every rank at the next export or
@@ -352,7 +351,7 @@ class PeriodicExporter:
 
 def export_checkpoint(load_path: str, save_path: str) -> str:
     """The model of a checkpoint folder (this project's or fms-fsdp's, local or in object storage) as one
-    safetensors file, streamed tensor by tensor; no GPU, no process group. Returns a summary line."""
+    safetensors file, streamed a few MB of rows at a time; no GPU, no process group. Returns a summary line."""
     if not load_path or not location(load_path, "load_path").is_dir():
         raise CheckpointError(f"--load_path: {load_path or '(missing)'} is not a checkpoint folder")
     if not save_path.endswith(".safetensors"):
