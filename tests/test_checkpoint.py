@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import fms_fsdp.train.step
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.reader import model_reader, read_model
 from fms_fsdp.checkpoint.save import write_failure
 from fms_fsdp.errors import CheckpointError, ConfigError
 
@@ -290,6 +290,20 @@ def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninte
         for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
         if r["step"] in (6, 12)
     )
+
+
+def test_a_model_file_is_read_by_rows_in_every_format(tmp_path):
+    """checkpoint/reader.model_reader: rows of a .safetensors file and of a .pth file, in torch's zip
+    format (memory-mapped) and its legacy one (read whole), are the tensor's rows."""
+    state = {"w": torch.arange(12.0).view(4, 3), "b": torch.arange(5.0).bfloat16()}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    torch.save({"model_state": state}, tmp_path / "zip.pth")
+    torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    for name in ("m.safetensors", "zip.pth", "legacy.pth"):
+        tensors = model_reader(tmp_path / name)
+        assert {k: tuple(v) for k, v in tensors.shapes.items()} == {"w": (4, 3), "b": (5,)}, name
+        assert torch.equal(tensors.rows("w", 1, 3), state["w"][1:3]), name
+        assert torch.equal(tensors.rows("b", 2, 5), state["b"][2:5]), name
 
 
 def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):

@@ -253,12 +253,18 @@ def short_files(folder: Path) -> list[str]:
 
 def model_reader(path: Path) -> Tensors:
     """The model tensors of a checkpoint folder or a .safetensors / .pth model file, read when asked for,
-    a run of rows at a time; a .pth file is mapped into memory whole."""
+    a run of rows at a time; a .pth file is mapped into memory whole (read whole, in torch's legacy
+    format)."""
     if path.is_dir():
         return _folder_reader(path)
     if path.suffix == ".safetensors":
         return _safetensors_reader(path)
-    obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    try:
+        obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except RuntimeError as e:
+        if "_use_new_zipfile_serialization" not in str(e):
+            raise
+        obj = torch.load(path, weights_only=True, map_location="cpu")  # torch's legacy format cannot be mapped
     state = obj.get("model_state", obj)
     return Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
 
