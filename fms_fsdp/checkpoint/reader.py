@@ -1,10 +1,11 @@
 """Reading model weights outside a training run (no process group): a checkpoint folder of this
-project or of fms-fsdp, or a single .safetensors / .pth file, tensor by tensor, without ever running
-code from the file.
+project or of fms-fsdp, or a single .safetensors / .pth file, a run of rows at a time (`Tensors`),
+without ever running code from the file.
 
 DCP reads a folder's .metadata with plain pickle; `safe_reader` reads it through an unpickler that
-admits only the plain data types it holds. .pth files are read with weights_only=True. Folders in
-object storage are read and written through DCP's fsspec reader and writer.
+admits only the plain data types it holds. A folder's rows are read from their byte ranges
+(items.py), .safetensors files' from theirs, .pth files with weights_only=True. Folders in object
+storage are written through DCP's fsspec writer and read by ranges.
 """
 
 from __future__ import annotations
