@@ -25,6 +25,9 @@ from fms_fsdp.config import is_object_storage
 from fms_fsdp.errors import DataError, first_line
 
 COMPLETE = "COMPLETE"
+# the environment variables by which the filesystems' standard chains are set (S3, Google Cloud Storage,
+# Azure, fsspec itself): what a process on another machine needs to reach the same storage
+_SETTINGS = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "FSSPEC_")
 # the client libraries of object storage raise their own errors (botocore's are not OSErrors)
 _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "adlfs", "azure", "fsspec")
 
@@ -38,6 +41,12 @@ def storage_error(error: BaseException) -> bool:
     """Whether an exception is a failure to read or write storage: an OSError, or an error of an object
     storage client (no endpoint, refused credentials, a throttled request)."""
     return isinstance(error, OSError) or type(error).__module__.split(".")[0] in _CLIENT_MODULES
+
+
+def storage_settings() -> dict[str, str]:
+    """This process's object-storage settings (AWS_*, GOOGLE_*, GCS_*, AZURE_*, FSSPEC_* variables), for
+    workers started elsewhere (Ray's) to reach the storage as this process does."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_SETTINGS)}
 
 
 def location(path: str, flag: str) -> Path:

@@ -1,7 +1,7 @@
 """fms-prepare-data on a cluster's engines: a real Ray cluster (`ray start --head`, the command joining it
 by --ray_address), a local Ray the command starts and stops, and a real Slurm job array
-(scripts/prepare_data.slurm). Each writes what one machine writes, byte for byte; a Ray worker or the
-driver killed with -9 costs nothing but time."""
+(scripts/prepare_data.slurm). Each writes what one machine writes, byte for byte, also from a bucket to a
+bucket on Ray; a Ray worker or the driver killed with -9 costs nothing but time."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 from slurm_cluster import job_state, submit, wait_for
+from test_object_storage import SECRET, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
 
 from fms_fsdp.parallel.process_group import free_port
@@ -118,7 +119,8 @@ def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(r
 def ray_head(ray_env) -> Iterator[str]:
     """A Ray cluster started as a user starts one (`ray start --head`, 2 CPUs); its address."""
     port = free_port()
-    env = {**os.environ, **ray_env, "PYTHONPATH": str(ROOT)}
+    own = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # the cluster knows no bucket
+    env = {**own, **ray_env, "PYTHONPATH": str(ROOT)}
     start = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
     subprocess.run([*start, "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
     try:
@@ -163,6 +165,47 @@ def test_a_ray_cluster_writes_what_one_machine_writes_despite_a_killed_worker(co
     assert proc.returncode == 0, output
     assert killed, "the run ended before a worker could be killed"
     assert dataset_bytes(tmp_path) == corpus["bytes"]
+
+
+def test_a_ray_cluster_reads_and_writes_a_bucket_with_the_drivers_settings(corpus, ray_env, ray_head, tmp_path):
+    """The input and the output in a bucket (moto's S3 server) that the cluster was started without: the
+    command's AWS_* settings travel with its tasks, and the files are what one machine writes on disk."""
+    import s3fs
+
+    port = free_port()
+    server = start_server(port)
+    aws = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret=SECRET, endpoint_url=aws["AWS_ENDPOINT_URL"])
+        fs.mkdir("raw")
+        fs.mkdir("out")
+        fs.put(f"{corpus['raw']}/", "raw/corpus/", recursive=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "scripts/prepare_data.py",
+                "--input=s3://raw/corpus",
+                "--output=s3://out/ds",
+                *corpus["flags"],
+                "--engine=ray",
+                f"--ray_address={ray_head}",
+            ],
+            cwd=ROOT,
+            env={**os.environ, **ray_env, **aws},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        fs.get("out/", f"{tmp_path / 'got'}/", recursive=True)
+    finally:
+        server.kill()
+    assert dataset_bytes(tmp_path / "got") == corpus["bytes"]
 
 
 def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ray_env, ray_head, tmp_path):

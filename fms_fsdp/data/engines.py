@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from fms_fsdp.errors import ConfigError, DataError, first_line
 from fms_fsdp.lifetime import pool_worker
+from fms_fsdp.storage import storage_settings
 
 ENGINES = ("local", "ray")
 Result = tuple[Any, dict]  # (the piece, its marker)
@@ -46,13 +47,14 @@ def run_ray(
     workers: int,
 ) -> Iterator[Result]:
     """work(job, tokenizer) for every job as a Ray task (retried when its worker dies), in order of
-    completion; this package travels to the workers with the tasks."""
+    completion; this package and this process's object-storage settings travel to the workers with the
+    tasks."""
     ray = _import_ray()
     package = Path(__file__).resolve().parents[1]
     runtime_env = {
         "py_modules": [str(package)],
         "excludes": ["__pycache__"],
-        "env_vars": {"TOKENIZERS_PARALLELISM": "false"},
+        "env_vars": {"TOKENIZERS_PARALLELISM": "false", **storage_settings()},  # a bucket's endpoint, keys
     }
     try:
         if address:

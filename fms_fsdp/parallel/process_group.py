@@ -91,21 +91,24 @@ class DistInfo:
         return self.first_stage and self.rank % (self.tp * self.cp) == 0
 
 
+_LOWEST = 20_000  # ports below are other tools' defaults (Ray's workers take 10002-19999)
+
+
 def free_port() -> int:
-    """A TCP port free on localhost now, chosen below the kernel's ephemeral range: the kernel hands
-    ports from that range to outgoing connections (gloo opens many), so one found free there can be
-    taken again before its server binds it."""
+    """A TCP port free on localhost now, chosen from 20000 up to the kernel's ephemeral range: the
+    kernel hands ports from that range to outgoing connections (gloo opens many), so one found free
+    there can be taken again before its server binds it; below 20000 lie Ray's worker ports."""
     low = _ephemeral_low()
     picks = random.SystemRandom()
     for _ in range(100):
-        port = picks.randrange(10_000, low) if low > 10_001 else 0
+        port = picks.randrange(_LOWEST, low) if low > _LOWEST + 1 else 0
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return s.getsockname()[1]
-    raise OSError(f"no free TCP port found in [10000, {low})")
+    raise OSError(f"no free TCP port found in [{_LOWEST}, {low})")
 
 
 def _ephemeral_low() -> int:
