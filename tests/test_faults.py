@@ -346,7 +346,7 @@ def _load_zero_metadata(b: Bench) -> Job:
 
 @fault(
     "--ckpt_load_path: a truncated .safetensors",
-    "error: --ckpt_load_path: {path}: a file is damaged or truncated (SafetensorError: {why})",
+    "error: --ckpt_load_path: {path} is truncated ({n} of {m} bytes)",
     1,
 )
 def _load_truncated_safetensors(b: Bench) -> Job:

@@ -261,13 +261,24 @@ def model_reader(path: Path) -> Tensors:
     if path.suffix == ".safetensors":
         return _safetensors_reader(path)
     try:
-        obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        obj = _load_pth(path)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        if not unreadable(e):
+            raise
+        raise CheckpointError(f"{path}: {damage(e)}") from None
+    state = obj.get("model_state", obj)
+    return Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
+
+
+def _load_pth(path: Path) -> Any:
+    """A .pth file's object, its tensors memory-mapped (read whole in torch's legacy format, which
+    cannot be mapped)."""
+    try:
+        return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except RuntimeError as e:
         if "_use_new_zipfile_serialization" not in str(e):
             raise
-        obj = torch.load(path, weights_only=True, map_location="cpu")  # torch's legacy format cannot be mapped
-    state = obj.get("model_state", obj)
-    return Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
+        return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def model_dtypes(path: Path) -> dict[str, torch.dtype]:
