@@ -53,11 +53,14 @@ def ray_processes(name: str) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
-def test_a_local_ray_writes_what_one_machine_writes_and_is_stopped(corpus, ray_env, tmp_path):
+def test_a_local_ray_writes_what_one_machine_writes_and_is_stopped(corpus, ray_env, ray_head, tmp_path):
+    """Without --ray_address the command starts a Ray of its own, also beside a cluster running on the
+    machine (ray_head), and stops it."""
+    running = ray_processes("raylet")
     proc = prepare(corpus["raw"], tmp_path / "ds", *corpus["flags"], "--engine=ray", "--workers=2", env=ray_env)
     assert dataset_bytes(tmp_path) == corpus["bytes"]
     assert "pieces (0 done before)" in proc.stdout
-    assert not ray_processes("raylet"), "the local Ray outlived the command"
+    assert ray_processes("raylet") == running, "the local Ray outlived the command"
 
 
 def cache_run(tmp_path: Path, ray_env: dict, *ray_flags: str) -> tuple[list[dict], str]:

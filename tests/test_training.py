@@ -32,7 +32,6 @@ from fms_fsdp.storage import umask
 from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.step import out_of_memory_error, train_step
-from fms_fsdp.train.triggers import AGREE_SECONDS
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
 
@@ -319,8 +318,8 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
 
 def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective_of_their_own(tmp):
     """3 profiled steps of 7, one trace per rank with --profiler_rank0_only=False. In those steps (no
-    report, no clipping) every collective is FSDP's, but for the agreements on stop requests, which the
-    ranks take only every AGREE_SECONDS of steps (counted from the trace's own step times)."""
+    report, no clipping) every collective is FSDP's, but for the agreements on stop requests: a small
+    all-reduce, at most one a step, which the ranks take only every AGREE_SECONDS of steps."""
     train(
         tmp,
         [
@@ -345,12 +344,12 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
         collectives = [e for e in events if e["name"].startswith("c10d::")]
         ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
         assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
-        # the agreement (train/triggers.py): a handful of figures in one all-reduce, at most one per AGREE_SECONDS
-        # of the profiled steps (none, one or more, by how loaded the machine is: never one per step)
+        # the agreement (train/triggers.py): a handful of figures in one all-reduce, at most one a step. How many
+        # fall in the profiled steps depends on the machine: the ranks agree every AGREE_SECONDS of steps as the
+        # steps before measured them, so every step on a machine loaded enough that a step takes that long
         tensors = [e["args"]["Input Dims"][0] for e in ours]  # [[figures]]: one 1-D tensor
         assert all(len(t) == 1 and len(t[0]) == 1 and t[0][0] <= 8 for t in tensors), ours
-        profiled_s = sum(e["dur"] for e in steps) / 1e6
-        assert len(ours) <= profiled_s // AGREE_SECONDS + 1, (len(ours), profiled_s)
+        assert len(ours) <= len(steps), ours
 
 
 def inside(e: dict, outer: dict) -> bool:

@@ -60,7 +60,8 @@ def run_ray(
         if address:
             ray.init(address=address, runtime_env=runtime_env, logging_level=logging.ERROR, log_to_driver=False)
         else:
-            ray.init(
+            ray.init(  # a Ray of its own, even beside a cluster running on this machine
+                address="local",
                 num_cpus=workers,
                 runtime_env=runtime_env,
                 include_dashboard=False,
