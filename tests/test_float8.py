@@ -2,6 +2,7 @@
 close to the plain one, FSDP2's float8 all-gather works, and checkpoints and exports keep their format:
 a float8 run resumes without float8 and the reverse."""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -44,6 +45,7 @@ def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
     assert max(rel) > 1e-4, rel  # and not the plain run: the matmuls really are in float8
 
 
+@pytest.mark.slow  # three 2-rank runs (about 30 s): the slow tier
 def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
     """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors; the
     last run splits each line over the two ranks (--context_parallel_size=2), float8 all-gathered over

@@ -278,6 +278,7 @@ def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3,
     )
 
 
+@pytest.mark.slow  # runs to and from a bucket with exports (about 30 s): the slow tier
 def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
     import s3fs
 
