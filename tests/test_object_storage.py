@@ -54,18 +54,23 @@ def start_server(port: int, **env: str) -> subprocess.Popen:
     raise RuntimeError("moto's S3 server did not start")
 
 
+def s3_settings(port: int) -> dict[str, str]:
+    """The AWS variables that reach moto's S3 server on `port`."""
+    return {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory) -> Iterator[tuple[dict, Path]]:
     """(the AWS variables of a running S3 server whose bucket `data` holds a corpus, the same corpus on
     disk): Arrow shards, Parquet rows and gzipped JSON lines with their tokenizer."""
     port = free_port()
     server = start_server(port)
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
+    env = s3_settings(port)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     local = tmp_path_factory.mktemp("corpus")

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 from slurm_cluster import job_state, submit, wait_for
-from test_object_storage import SECRET, start_server
+from test_object_storage import SECRET, s3_settings, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
 
 from fms_fsdp.parallel.process_group import free_port
@@ -177,12 +177,7 @@ def test_a_ray_cluster_reads_and_writes_a_bucket_with_the_drivers_settings(corpu
 
     port = free_port()
     server = start_server(port)
-    aws = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
+    aws = s3_settings(port)
     try:
         fs = s3fs.S3FileSystem(key="testing", secret=SECRET, endpoint_url=aws["AWS_ENDPOINT_URL"])
         fs.mkdir("raw")
