@@ -184,7 +184,9 @@ def _read_file(model: torch.nn.Module, p: Path, path: str, variant: str) -> None
         error = e
     every = failures(error, lambda e: "misfit" if isinstance(e, _Misfit) else "error")
     found = next((f for f in every if f is not None), None)
-    if error is not None and not isinstance(error, (HFError, CheckpointError, ValueError, OSError)):
+    if error is not None and not (
+        isinstance(error, (HFError, CheckpointError, ValueError, OSError)) or storage_error(error)
+    ):
         raise error  # the same on every rank (a damaged .pth): load_weights says so in one line
     if found is not None and found[0] == "misfit":
         raise CheckpointError(
