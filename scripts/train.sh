@@ -48,8 +48,9 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(gpu_count)}}
 [ "${NPROC_PER_NODE:-0}" -gt 0 ] || NPROC_PER_NODE=1  # no GPU: one CPU process unless NPROC_PER_NODE says more
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     RDZV_HOST=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-    # below Linux's ephemeral ports (32768+); two jobs sharing a first host get different ports
-    RDZV_PORT=${RDZV_PORT:-$((10000 + SLURM_JOB_ID % 20000))}
+    # 20000-29999: above Ray's default ports (Ray Client's 10001, its workers' 10002-19999), below Linux's
+    # ephemeral ones (32768+); two jobs sharing a first host get different ports
+    RDZV_PORT=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
     RENDEZVOUS=(--rdzv_backend=c10d --rdzv_endpoint="${RDZV_HOST}:${RDZV_PORT}" --rdzv_id="${SLURM_JOB_ID}")
 else
     RENDEZVOUS=(--standalone)  # this machine only, on a free port

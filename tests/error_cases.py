@@ -431,7 +431,7 @@ ERRORS: list[E] = [
     E("data", "--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'"),
     E(
         "data",
-        "--ray_start_workers: `ray <args>` failed (<why>)",
+        "--ray_start_workers: `ray start <args>` failed (<why>)",
         "Ray could not start its head beside rank 0 or join it from another node (a port taken, Ray's token authentication without a token)",
         "as Ray's last line says; with token authentication, give every node the token (`RAY_AUTH_TOKEN`) as Ray's docs say",
     ),

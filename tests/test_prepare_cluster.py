@@ -17,6 +17,7 @@ from slurm_cluster import job_state, submit, wait_for
 from test_object_storage import SECRET, s3_settings, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
 
+from fms_fsdp.data.token_cache import JobCluster, ray_start, stop_job_cluster
 from fms_fsdp.parallel.process_group import free_port
 
 from conftest import TINY, launch, records
@@ -86,12 +87,14 @@ def cache_run(tmp_path: Path, ray_env: dict, *ray_flags: str) -> tuple[list[dict
     return records(out), proc.stdout + proc.stderr
 
 
-def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray_env, tmp_path):
+def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray_env, ray_head, tmp_path):
     """--ray_start_workers (Levanter's start_workers): the head beside rank 0, a worker per other node
-    (none on one node), stopped once the cache is built; training then reads the cache."""
+    (none on one node), stopped once the cache is built, and no other Ray on the node (ray_head's);
+    training then reads the cache."""
+    running = ray_processes("raylet")
     runs, output = cache_run(tmp_path, ray_env, "--ray_start_workers=True")
     assert "note: tokenizing text into" in output and any("loss" in r for r in runs)
-    assert not ray_processes("raylet"), "the job's Ray outlived the cache"
+    assert ray_processes("raylet") == running, "the job's Ray outlived the cache, or stopped another"
 
 
 def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(ray_env, slurm, tmp_path):
@@ -100,6 +103,7 @@ def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(r
 
     data, log, run = tmp_path / "raw", tmp_path / "job.out", tmp_path / "run"
     write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
+    running = ray_processes("raylet")
     env = {**slurm, **ray_env, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{slurm['PATH']}"}
     flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096", "--num_steps=2"]
     job = submit(
@@ -115,21 +119,24 @@ def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(r
         "note: tokenizing text into" in output and (tmp_path / "cache" / "text" / ".done" / "complete.json").is_file()
     )
     assert [r["step"] for r in records(run) if "loss" in r] == [1, 2]
-    assert not ray_processes("raylet"), "the job's Ray outlived the cache"
+    assert ray_processes("raylet") == running, "the job's Ray outlived the cache"
 
 
 @pytest.fixture(scope="module")
 def ray_head(ray_env) -> Iterator[str]:
-    """A Ray cluster started as a user starts one (`ray start --head`, 2 CPUs); its address."""
+    """A Ray cluster started as a user starts one (`ray start --head`, 2 CPUs, no bucket settings); its
+    address. Ended, it stops its own processes only."""
     port = free_port()
-    own = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # the cluster knows no bucket
-    env = {**own, **ray_env, "PYTHONPATH": str(ROOT)}
-    start = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
-    subprocess.run([*start, "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+    with pytest.MonkeyPatch.context() as env:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            env.delenv(name)
+        for name, value in {**ray_env, "PYTHONPATH": str(ROOT)}.items():
+            env.setenv(name, value)
+        head = ray_start("--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false")
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_job_cluster(JobCluster(f"127.0.0.1:{port}", head))
 
 
 def start(corpus: dict, out: Path, env: dict, *args: str) -> subprocess.Popen:

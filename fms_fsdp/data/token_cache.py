@@ -16,6 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +58,8 @@ class CacheSettings:
 def cached_sources(sources: list[Source], layout: Layout, settings: CacheSettings) -> list[Source]:
     """The datasets to read: each raw-text one as its folder in the cache, tokenized there first where the
     cache is not complete (every rank calls this; rank 0 tokenizes)."""
-    head = start_job_cluster() if settings.ray.start_workers else None
+    cluster = start_job_cluster() if settings.ray.start_workers else None
+    head = cluster.address if cluster is not None else None
     try:
         return on_rank0(
             lambda: [_cached(s, layout, settings, head) for s in sources],
@@ -65,8 +68,8 @@ def cached_sources(sources: list[Source], layout: Layout, settings: CacheSetting
             timeout=BUILD_TIMEOUT,
         )
     finally:
-        if head is not None:
-            stop_job_cluster()
+        if cluster is not None:
+            stop_job_cluster(cluster)
 
 
 def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optional[str]) -> Source:
@@ -118,46 +121,69 @@ def engine_of(ray: RaySettings, head: Optional[str]) -> Engine:
 
 # ---------------------------------------------------------------- a Ray cluster over the job's nodes
 
+READY = "block forever"  # what `ray start --block` prints once its processes are up
 
-def ray_command(*args: str) -> None:
-    """`ray <args>` (the ray beside this Python, else on PATH); ConfigError when it fails."""
+
+@dataclass(frozen=True)
+class JobCluster:
+    """The job's own Ray cluster: its address, and this rank's `ray start --block` where it started one
+    (rank 0 the head, each other node's first rank a worker)."""
+
+    address: str
+    node: Optional[subprocess.Popen] = None
+
+
+def ray_start(*args: str) -> subprocess.Popen:
+    """`ray start --block <args>` (the ray beside this Python, else on PATH), once its processes are up;
+    ConfigError when it fails. Ending it stops the Ray processes it started, and no other Ray."""
     beside = Path(sys.executable).parent / "ray"
     ray = str(beside) if beside.exists() else shutil.which("ray")
     if ray is None:
         raise ConfigError("--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'")
-    done = subprocess.run([ray, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConfigError(f"--ray_start_workers: `ray {' '.join(args)}` failed ({why})")
+    command = [ray, "start", *args, "--block", "--disable-usage-stats", "--log-style=record", "--log-color=false"]
+    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # nothing to drain when it ends
+    node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert node.stdout is not None
+    last = "no output"
+    for line in node.stdout:
+        if READY in line:
+            threading.Thread(target=deque, args=(node.stdout, 0), daemon=True).start()  # keep its pipe read
+            return node
+        last = line.strip() or last
+    node.wait()
+    raise ConfigError(f"--ray_start_workers: `ray start {' '.join(args)}` failed ({last})")
 
 
-def start_job_cluster() -> str:
-    """Start Ray's head beside rank 0 and a worker on each other node (its first rank); its address."""
+def start_job_cluster() -> JobCluster:
+    """Start Ray's head beside rank 0 and a worker on each other node (its first rank)."""
+    nodes: list[subprocess.Popen] = []
 
     def head() -> str:
         address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{free_port()}"
-        ray_command(
-            "start",
-            "--head",
-            f"--port={address.rsplit(':', 1)[1]}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
+        port, client = address.rsplit(":", 1)[1], free_port()  # Ray Client's 10001 is torchrun's in train.slurm
+        nodes.append(
+            ray_start("--head", f"--port={port}", f"--ray-client-server-port={client}", "--include-dashboard=false")
         )
         return address
 
     address = on_rank0(head, ConfigError, lambda message: ConfigError(message))
     if dist.is_initialized() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        ray_command("start", f"--address={address}", "--disable-usage-stats")
+        nodes.append(ray_start(f"--address={address}"))
     group = agreement_group()
     if group is not None:
         dist.barrier(group=group)
-    return address
+    return JobCluster(address, nodes[0] if nodes else None)
 
 
-def stop_job_cluster() -> None:
-    """Stop the job's Ray processes on every node (each node's first rank), once the cache is built."""
+def stop_job_cluster(cluster: JobCluster) -> None:
+    """Stop the job's Ray once the cache is built: each `ray start --block` of it ends with its processes."""
     group = agreement_group()
     if group is not None:
         dist.barrier(group=group)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        ray_command("stop")
+    if cluster.node is not None:
+        cluster.node.terminate()
+        try:
+            cluster.node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            cluster.node.kill()
+            cluster.node.wait()

@@ -91,13 +91,14 @@ class DistInfo:
         return self.first_stage and self.rank % (self.tp * self.cp) == 0
 
 
-_LOWEST = 20_000  # ports below are other tools' defaults (Ray's workers take 10002-19999)
+_LOWEST = 30_000  # ports below are other tools' defaults: Ray's (10001-19999), train.sh's rendezvous (20000-29999)
 
 
 def free_port() -> int:
-    """A TCP port free on localhost now, chosen from 20000 up to the kernel's ephemeral range: the
+    """A TCP port free on localhost now, chosen from 30000 up to the kernel's ephemeral range: the
     kernel hands ports from that range to outgoing connections (gloo opens many), so one found free
-    there can be taken again before its server binds it; below 20000 lie Ray's worker ports."""
+    there can be taken again before its server binds it; below 30000 lie Ray's default ports and
+    train.sh's rendezvous ports."""
     low = _ephemeral_low()
     picks = random.SystemRandom()
     for _ in range(100):
