@@ -1,5 +1,5 @@
 """Loss curves from metrics.jsonl: training (and, when recorded, eval) loss, learning rate and
-tokens/s/GPU against steps or tokens, for one run or several side by side (`scripts/plot_metrics.py`,
+tokens/s/rank against steps or tokens, for one run or several side by side (`scripts/plot_metrics.py`,
 `fms-plot-metrics`; matplotlib is the optional extra `plot`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.storage import location
 
 # (panel title, metrics.jsonl keys drawn in it)
-PANELS = [("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("tokens/s/GPU", ("tokens_per_sec_per_gpu",))]
+PANELS = [("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("tokens/s/rank", ("tokens_per_sec_per_gpu",))]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

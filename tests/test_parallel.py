@@ -18,7 +18,7 @@ from fms_fsdp.settings import mesh_of
 
 T, F = True, False
 
-# fms-fsdp's table for 15 blocks (../shared/REFERENCE.md)
+# fms-fsdp's selective-checkpointing table for 15 blocks
 PATTERNS = {
     "0": [F] * 15,
     "-1": [F] * 15,
