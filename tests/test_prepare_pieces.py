@@ -167,3 +167,49 @@ def test_killed_with_minus_9_and_run_again_it_finishes_the_same_and_redoes_only_
     assert {p.name: p.stat().st_mtime_ns for p in (out / ".done").glob("*.json") if p.name in done} == done
     assert dataset_bytes(out.parent) == dataset_bytes(tmp_path / "reference")
     assert not list(out.glob(".*.tmp"))
+
+
+def test_a_terminal_sees_one_progress_line_that_ends_at_the_summarys_counts(tmp_path):
+    """On a terminal (a pty here) one line, redrawn in place: input bytes with rate and ETA, documents and
+    tokens; it ends at 100% with the summary's counts. Without a terminal there is none."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    raw = tmp_path / "raw"
+    write_corpus(raw, lines=120)
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    command = [sys.executable, "scripts/prepare_data.py", f"--input={raw}", f"--output={tmp_path / 'ds'}"]
+    proc = subprocess.run(
+        [*command, "--tokenizer=byte", f"--piece_bytes={PIECE}", "--workers=2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        text=True,
+        timeout=180,
+    )
+    os.close(secondary)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the other side is closed and all was read
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    os.close(primary)
+    assert proc.returncode == 0, proc.stdout + terminal.decode()
+    drawn = terminal.decode()
+    bars = [d for d in re.split(r"[\r\n]+", drawn) if d.startswith("tokenizing")]
+    assert len(bars) >= 2 and "\n" not in drawn[drawn.index("tokenizing") : drawn.rindex("tokenizing")], drawn
+    documents, tokens = re.search(r"(\d+) documents, (\d+) tokens, ", proc.stdout).groups()
+    last = bars[-1]
+    assert "100%" in last and "B/s" in last and re.search(r"<\d\d:\d\d", last), last
+    assert f"{documents} documents, {tokens} tokens" in last, (last, proc.stdout)
+
+    quiet = prepare(raw, tmp_path / "again" / "ds", "--tokenizer=byte", f"--piece_bytes={PIECE}")
+    assert "tokenizing" not in quiet.stderr
