@@ -26,6 +26,7 @@ import re
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, cast
 
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
@@ -119,7 +120,8 @@ def quiet_library_noise() -> None:
     # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
     logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
     # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
-    # traceback; train/ft.py says what happened in one line. A live transfer's tensors come from a read-only buffer
+    # traceback; train/ft.py says what happened in one line, and the group's torchft.log keeps torchft's lines
+    # (file_torchft_log). A live transfer's tensors come from a read-only buffer
     os.environ.setdefault("RUST_LOG", "warn")
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -158,6 +160,21 @@ def label_groups(ft: Any) -> None:
         sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {ft.index}] "))
 
 
+def file_torchft_log(path: Optional[Path]) -> None:
+    """torchft's own log (its quorums, live transfers, handled failures with their tracebacks) appended to
+    `path` by every rank of the replica group, each line with its rank, never on the console (train/ft.py
+    says what happened in one line); dropped where `path` is None (object storage)."""
+    if path is None:
+        return
+    rank = os.environ.get("RANK", "0")
+    handler = logging.FileHandler(path, mode="a", delay=True)  # opened at its first line, in the run's folder
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
+    torchft = logging.getLogger("torchft")
+    torchft.propagate = False
+    torchft.addHandler(handler)
+    torchft.setLevel(logging.INFO)
+
+
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
     return list(sys.argv[1:] if argv is None else argv)
 
@@ -193,7 +210,7 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
         quiet_library_noise()
         from fms_fsdp.lifetime import LAUNCHER_DIED, exit_with_parent
-        from fms_fsdp.run import facts
+        from fms_fsdp.run import Paths, facts
         from fms_fsdp.settings import ft_of
         from fms_fsdp.train.loop import dry_run, run_training
 
@@ -201,6 +218,8 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
             exit_with_parent(LAUNCHER_DIED)
         ft = ft_of(cfg)  # built once, here: every line is labelled with the replica group from the start
         label_groups(ft)
+        if ft is not None and not cfg.dry_run:
+            file_torchft_log(Paths.of(cfg.ckpt_save_path, ft.index).torchft_log)
         if cfg.dry_run:
             dry_run(facts(cfg, ft=ft))
         else:

@@ -93,6 +93,11 @@ class Paths:
         return self.root / "diagnostics"
 
     @property
+    def torchft_log(self) -> Optional[Path]:
+        """torchft's own log lines under --fault_tolerance (None in object storage)."""
+        return None if is_remote(self.root) else self.root / "torchft.log"
+
+    @property
     def nccl_traces(self) -> Optional[str]:
         """The file-name prefix of NCCL's own Flight Recorder dumps at a timeout, rank appended (None
         in object storage, where torch cannot write)."""

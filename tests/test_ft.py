@@ -155,6 +155,9 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
         r"^\[group 0\] ft: step (\d+): group 1 dropped( \(([a-z' ]+)\))?: 1 of 2 groups train on$", log, re.M
     )
     assert drop and "GLHF" not in log and ".cpp" not in log and "HTTP/1.1" not in log, log[-3000:]
+    torchft = (out / "group_0" / "torchft.log").read_text()  # torchft's own lines, each with its rank
+    assert {"rank 0", "rank 1"} <= set(re.findall(r"rank \d", torchft)) and "torchft.manager" in torchft, torchft
+    assert "torchft.manager" not in log, log[-3000:]
     dropped = int(drop.group(1))
     ours = [line for line in log.splitlines() if re.search(r"\| loss |ft: |checkpoint: |^model ", line)]
     assert ours and all(line.startswith("[group 0] ") for line in ours), ours
