@@ -6,6 +6,7 @@ goes on exactly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,9 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
 def test_the_cache_is_built_once_and_read_as_the_same_text_prepared_by_the_command(corpus, tmp_path, capsys):
     cache = tmp_path / "cache"
     first = take(data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096), 0, 1), 8)
-    assert f"note: tokenizing text into {cache / 'text'}" in capsys.readouterr().out
+    assert f"note: tokenizing text into {cache / 'text'} with {len(os.sched_getaffinity(0))} processes" in (
+        capsys.readouterr().out
+    )
     assert (cache / "meta" / "counts_text.csv").is_file() and list((cache / "text").glob("part-*.arrow"))
     assert not (cache / "web").exists()  # token files are read where they are
 

@@ -223,6 +223,14 @@ class Engine:
     workers: int = 1
     ray_address: Optional[str] = None
 
+    def __str__(self) -> str:
+        """Where the pieces are tokenized, for the log."""
+        if self.name == "local":
+            return f"with {self.workers} processes"
+        return (
+            f"on the Ray cluster at {self.ray_address}" if self.ray_address else f"on a local Ray ({self.workers} CPUs)"
+        )
+
 
 @dataclass(frozen=True)
 class Recipe:

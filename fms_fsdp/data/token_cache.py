@@ -87,8 +87,9 @@ def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optio
     recipe = recipe_of(settings.tokenizer_path, settings.text_field)
     ledger = read_ledger(output)
     if ledger is None:
-        print(f"note: tokenizing {source.name} into {output} (once: later runs read it)", flush=True)
-        prepare_files(text, output, recipe, engine_of(settings.ray, head))
+        engine = engine_of(settings.ray, head)
+        print(f"note: tokenizing {source.name} into {output} {engine} (once: later runs read it)", flush=True)
+        prepare_files(text, output, recipe, engine)
     else:
         check_made_with(ledger, output, recipe)
         print(f"note: {source.name}: reading the tokenized cache {output}", flush=True)
@@ -141,6 +142,7 @@ def ray_start(*args: str) -> subprocess.Popen:
     if ray is None:
         raise ConfigError("--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'")
     command = [ray, "start", *args, "--block", "--disable-usage-stats", "--log-style=record", "--log-color=false"]
+    command.append(f"--dashboard-agent-listen-port={free_port()}")  # not 52365, which another Ray here may hold
     env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # nothing to drain when it ends
     node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert node.stdout is not None
@@ -159,12 +161,9 @@ def start_job_cluster() -> JobCluster:
     nodes: list[subprocess.Popen] = []
 
     def head() -> str:
-        address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{free_port()}"
-        port, client = address.rsplit(":", 1)[1], free_port()  # Ray Client's 10001 is torchrun's in train.slurm
-        nodes.append(
-            ray_start("--head", f"--port={port}", f"--ray-client-server-port={client}", "--include-dashboard=false")
-        )
-        return address
+        port, client = free_port(), f"--ray-client-server-port={free_port()}"  # not 10001: another Ray's, torchrun's
+        nodes.append(ray_start("--head", f"--port={port}", client, "--include-dashboard=false"))
+        return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
 
     address = on_rank0(head, ConfigError, lambda message: ConfigError(message))
     if dist.is_initialized() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
