@@ -1,12 +1,14 @@
 """Data as other projects write it, written by their own code: Hugging Face `datasets` (save_to_disk
 folders of several shards, cache files: Arrow streams), OLMo's raw token memmaps and np.save arrays,
-Dolma's metadata, and Megatron-Core's IndexedDatasetBuilder (.bin/.idx; the slow tier: importing
-megatron-core alone takes about 20 s here). Every document read with its exact tokens, no document
-twice within an epoch on 2 ranks, exact resume and 2 -> 3 rescaling with every layout in one run, the
-caches, and each bad file as one line at start-up."""
+Dolma's metadata, and Megatron-Core's IndexedDatasetBuilder (.bin/.idx: importing megatron-core alone
+takes about 20 s here, so the slow tier writes them and checks that tests/data/megatron, which the other
+tests read, is what it writes). Every document read with its exact tokens, no document twice within an
+epoch on 2 ranks, exact resume and 2 -> 3 rescaling with every layout in one run, the caches, and each
+bad file as one line at start-up."""
 
 import gzip
 import pickle
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -25,6 +27,12 @@ from conftest import data_loader
 from test_data import EOS, cfg, consumed_from_states, doc_starts, lines_of, make_docs, take, write_dataset
 
 LAYOUTS = ("hf_save_to_disk", "hf_cache", "olmo", "olmo_uint32", "olmo_flag", "dolma", "npy")
+MEGATRON = Path(__file__).parent / "data" / "megatron"  # MEGATRON_DOCS as megatron-core writes them (uint16)
+MEGATRON_DOCS = make_docs(500, 60, 7)
+
+
+def write_megatron(folder: Path) -> None:
+    shutil.copytree(MEGATRON, folder)
 
 
 def write_hf(folder: Path, docs: list[list[int]], shards: int = 3) -> None:
@@ -118,13 +126,14 @@ def mixed(root: Path) -> dict:
     write_olmo(root / "olmo", make_docs(2000, 60, 3))
     write_olmo(root / "dolma", make_docs(3000, 60, 4), metadata=True)
     write_npy(root / "npy", make_docs(4000, 60, 5))
+    write_megatron(root / "megatron")
     return dict(logical_shards=6, batch_size=4, seq_length=32)
 
 
 def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
     """With a mixture schedule (dolma and hf rest from step 2) and worker processes for the resume."""
     flags = mixed(tmp_path)
-    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1;2:0,1,0,1,1", num_workers=2)
+    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1,1;2:0,1,0,1,1,1", num_workers=2)
     full = take(data_loader(c, 0, 2), 9)
     first = data_loader(c, 0, 2)
     it = iter(first)
@@ -150,7 +159,7 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
         new.append(loader.state_dict())
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
-    assert {t // 1000 for t in seen} == {0, 1, 2, 3, 4}  # every layout was read
+    assert {t // 500 for t in seen} == {0, 1, 2, 4, 6, 8}  # every layout was read (ids from 10, 500, 1000, ...)
 
 
 def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):
@@ -159,11 +168,15 @@ def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_
 
     docs = make_docs(10, 30, 9)
     write_dataset(tmp_path, "fms", docs, files=2)
-    for layout in ("hf_save_to_disk", "olmo", "dolma", "npy"):
+    layouts = ("hf_save_to_disk", "olmo", "dolma", "npy")
+    for layout in layouts:
         write_layout(tmp_path, layout, docs, layout)
+    write_dataset(tmp_path, "fms_of_megatron", MEGATRON_DOCS, files=2)
+    write_megatron(tmp_path / "megatron")
     c = cfg(tmp_path)
     lines = {ds.name: eval_lines(ds, packing_of(c, 4096), None) for ds in data_loader(c, 0, 1).datasets}
-    assert len(lines) == 5 and all(np.array_equal(lines["fms"], other) for other in lines.values())
+    assert len(lines) == 7 and all(np.array_equal(lines["fms"], lines[layout]) for layout in layouts)
+    assert np.array_equal(lines["fms_of_megatron"], lines["megatron"])
 
 
 def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every_layout(tmp_path, capsys):
@@ -180,12 +193,13 @@ def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every
     only = data_loader(cfg(tmp_path, file_type="numpy", datasets=["olmo", "npy"], **flags), 0, 1)  # as configs say
     assert [d.documents for d in only.datasets] == [60, 60]
     assert "hf: no .npy files (--file_type=numpy)" in error(tmp_path, file_type="numpy", datasets=["hf"])
-    inspect_data(str(tmp_path), ["hf", "olmo", "dolma", "npy"], 4096, EOS, None, "tokens")
+    inspect_data(str(tmp_path), ["hf", "olmo", "dolma", "npy", "megatron"], 4096, EOS, None, "tokens")
     report = capsys.readouterr().out
     rows = [line.split() for line in report.splitlines()]
     assert ["hf", "hf/data-00000-of-00003.arrow", "20", "383", "1019"] in rows  # relative: no leading slash
     assert ["npy", "npy/tokens.npy", "60", "1212", "4059"] in rows
-    assert ["all", "total", "(4", "datasets)", "240", "5032", "4059"] in rows
+    megatron = ["megatron", "megatron/corpus_text_document.bin", "60", str(sum(map(len, MEGATRON_DOCS))), "559"]
+    assert megatron in rows and ["all", "total", "(5", "datasets)", "300", "6345", "4059"] in rows
     assert "doubled separators (documents beginning or ending with eos 0; the loader adds one, so they get two): 0" in (
         report
     )  # a token array's documents end at eos by design
@@ -247,12 +261,34 @@ def test_bad_files_are_one_line_at_start_up(tmp_path):
         assert f"{lone}: no {other} beside it (a Megatron dataset is a .bin and .idx pair)" in error(
             tmp_path, datasets=[folder.name]
         )
+    write_megatron(tmp_path / "megatron")
+    idx, data = (tmp_path / "megatron" / f"corpus_text_document.{end}" for end in ("idx", "bin"))
+    good = idx.read_bytes()
+    for bad, message in (
+        (b"MMIDIDY" + good[7:], "corpus_text_document.idx: not a Megatron index (no MMIDIDX header)"),
+        (good[:9] + (2).to_bytes(8, "little") + good[17:], "Megatron index version 2, this reader knows version 1"),
+        (
+            good[:17] + bytes([9]) + good[18:],
+            "corpus_text_document.idx: unknown Megatron dtype code 9 (known: 1 (uint8)",
+        ),
+        (good[:-20], f"corpus_text_document.idx: cut off: {len(good) - 20} bytes, its header says {len(good)}"),
+    ):
+        idx.write_bytes(bad)
+        assert message in error(tmp_path, datasets=["megatron"])
+    idx.write_bytes(good)
+    data.write_bytes(data.read_bytes()[:-10])
+    message = error(tmp_path, datasets=["megatron"])
+    assert "megatron/corpus_text_document.bin:" in message and "shorter than its .idx says" in message
 
 
 MEGATRON_WRITER = """
 import sys, numpy as np, torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-root, docs = sys.argv[1], eval(open(sys.argv[2]).read())
+root, docs, fixture = sys.argv[1], eval(open(sys.argv[2]).read()), eval(open(sys.argv[3]).read())
+builder = IndexedDatasetBuilder(f"{root}/fixture/corpus_text_document.bin", dtype=np.uint16)
+for d in fixture:  # tests/data/megatron, as preprocess_data.py writes a small vocabulary's
+    builder.add_document(torch.tensor(d), [len(d)])
+builder.finalize(f"{root}/fixture/corpus_text_document.idx")
 names = ["uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"]
 for name in names:
     builder = IndexedDatasetBuilder(f"{root}/{name}/part.bin", dtype=getattr(np, name))
@@ -272,15 +308,20 @@ for f in range(2):  # documents of several sequences (preprocess_data.py --split
 @pytest.mark.slow
 def test_megatron_indexed_datasets_as_megatron_core_writes_them(tmp_path):
     """Every dtype code, documents of one and of several sequences: exact tokens, none twice within an
-    epoch on 2 ranks, exact resume, 2 -> 3 rescaling, and the bad files."""
+    epoch on 2 ranks, exact resume, 2 -> 3 rescaling, and the bad files; tests/data/megatron is what
+    megatron-core writes."""
     docs = make_docs(10, 40, seed=8)  # ids 10..49: every dtype holds them
     (tmp_path / "docs.txt").write_text(repr(docs))
-    for name in ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16", "sentences"):
+    (tmp_path / "fixture.txt").write_text(repr(MEGATRON_DOCS))
+    for name in ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16", "sentences", "fixture"):
         (tmp_path / name).mkdir()
-    subprocess.run(
-        [sys.executable, "-c", MEGATRON_WRITER, str(tmp_path), str(tmp_path / "docs.txt")], check=True, timeout=300
-    )
-    (tmp_path / "docs.txt").unlink()
+    texts = [str(tmp_path / "docs.txt"), str(tmp_path / "fixture.txt")]
+    subprocess.run([sys.executable, "-c", MEGATRON_WRITER, str(tmp_path), *texts], check=True, timeout=300)
+    for text in texts:
+        Path(text).unlink()
+    for name in ("corpus_text_document.bin", "corpus_text_document.idx"):
+        assert (tmp_path / "fixture" / name).read_bytes() == (MEGATRON / name).read_bytes(), name
+    shutil.rmtree(tmp_path / "fixture")
     for name in ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"):
         assert read_all(data_loader(cfg(tmp_path, datasets=[name]), 0, 1)) == docs, name
     sentences = data_loader(cfg(tmp_path, datasets=["sentences"]), 0, 1)
@@ -312,14 +353,3 @@ def test_megatron_indexed_datasets_as_megatron_core_writes_them(tmp_path):
         new.append(loader.state_dict())
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
-    idx = tmp_path / "int32" / "part.idx"
-    good = idx.read_bytes()
-    idx.write_bytes(good[:9] + (2).to_bytes(8, "little") + good[17:])
-    assert "part.idx: Megatron index version 2, this reader knows version 1" in error(tmp_path, datasets=["int32"])
-    idx.write_bytes(good[:17] + bytes([9]) + good[18:])
-    assert "part.idx: unknown Megatron dtype code 9 (known: 1 (uint8)" in error(tmp_path, datasets=["int32"])
-    idx.write_bytes(good)
-    data = tmp_path / "int32" / "part.bin"
-    data.write_bytes(data.read_bytes()[:-10])
-    message = error(tmp_path, datasets=["int32"])
-    assert "int32/part.bin:" in message and "shorter than its .idx says" in message

@@ -110,7 +110,8 @@ def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
 
 
 def test_every_layout_is_read_from_a_bucket_as_from_the_disk(s3, tmp_path):
-    """datasets' streams, OLMo's and Dolma's token arrays, np.save, fms-fsdp's Arrow: by byte ranges."""
+    """datasets' streams, OLMo's and Dolma's token arrays, np.save, Megatron's .bin/.idx, fms-fsdp's Arrow:
+    by byte ranges."""
     import s3fs
     from test_data_layouts import mixed
 
