@@ -24,6 +24,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.tensor import DTensor
 
+from fms_fsdp.checkpoint.items import read_rows
 from fms_fsdp.compat import local_box
 from fms_fsdp.errors import HFError
 from fms_fsdp.storage import open_random
@@ -237,15 +238,10 @@ class SliceReader:
 
 def entry_rows(f: Any, entry: Entry, a: int, b: int, path: Path, name: str) -> torch.Tensor:
     """Rows [a, b) of a safetensors tensor (`entry` of the open file `f`, at `path`)."""
-    dtype = DTYPES[entry.dtype]
-    width = math.prod(entry.shape[1:]) * dtype.itemsize
-    buffer = bytearray((b - a) * width)
-    if not buffer:
-        return torch.empty((b - a, *entry.shape[1:]), dtype=dtype)
-    f.seek(entry.start + a * width)
-    if f.readinto(buffer) != len(buffer):
+    out = read_rows(f, entry.start, entry.shape[1:], DTYPES[entry.dtype], a, b)
+    if out is None:
         raise HFError(f"{path} is truncated (reading {name})")
-    return torch.frombuffer(buffer, dtype=dtype).view(b - a, *entry.shape[1:])
+    return out
 
 
 def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, Entry], config: LLaMAConfig) -> None:

@@ -62,13 +62,10 @@ class ItemRows:
         if at is None:
             return self._load(name, offsets)[a:b]
         info = self.storage[dcp.metadata.MetadataIndex(name, offsets)]
-        width = math.prod(sizes[1:]) * dtype.itemsize
-        out = torch.empty((b - a, *sizes[1:]), dtype=dtype)
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
         with (self.folder / info.relative_path).open("rb") as f:
-            f.seek(at + a * width)
-            if f.readinto(buffer) != len(buffer):
-                raise EOFError(f"{self.folder / info.relative_path} ends inside {name}")
+            out = read_rows(f, at, sizes[1:], dtype, a, b)
+        if out is None:
+            raise EOFError(f"{self.folder / info.relative_path} ends inside {name}")
         return out
 
     def _place(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> Optional[int]:
@@ -87,6 +84,18 @@ class ItemRows:
         info = self.storage[dcp.metadata.MetadataIndex(name, offsets)]
         with (self.folder / info.relative_path).open("rb") as f:
             return torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+
+
+def read_rows(f: Any, start: int, row: tuple[int, ...], dtype: torch.dtype, a: int, b: int) -> Optional[torch.Tensor]:
+    """Rows [a, b) of a row-major tensor whose bytes begin at `start` of the open file `f` (a local or an
+    object-storage file), each row of shape `row`: one read into a fresh tensor; None when the file ends first."""
+    out = torch.empty((b - a, *row), dtype=dtype)
+    if out.numel():
+        f.seek(start + a * math.prod(row) * dtype.itemsize)
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        if f.readinto(buffer) != len(buffer):
+            return None
+    return out
 
 
 def _data_start(item: "_Window", sizes: tuple[int, ...], dtype: torch.dtype) -> Optional[int]:
