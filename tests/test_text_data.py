@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import ConfigError
@@ -138,6 +139,20 @@ def test_text_index_is_cached_until_a_file_changes(tmp_path):
     assert os.stat(cache).st_mtime_ns == before  # nothing indexed again
     write_text(tmp_path / "web" / "part1.jsonl", make_docs(100, 40, 6))
     assert data_loader(cfg(tmp_path, data_cache_dir="meta"), 0, 1).datasets[0].documents == 15 + 40
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "arrow"])
+def test_a_data_cache_that_cannot_be_written_is_one_note_and_the_data_is_read(tmp_path, capsys, layout):
+    """--data_cache_dir where no folder can be made (under a file): raw text's index and token files'
+    counts alike, one note naming the folder and why, and the same batches as with a cache."""
+    write_dataset(tmp_path / "data", "web", make_docs(10, 30, 5), layout, files=2)
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    blocked = take(data_loader(cfg(tmp_path / "data", data_cache_dir=str(tmp_path / "blocked")), 0, 1), 4)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "cannot write the data cache" in line]
+    assert len(notes) == 1 and str(tmp_path / "blocked") in notes[0] and "--data_cache_dir" in notes[0], notes
+    cached = take(data_loader(cfg(tmp_path / "data", data_cache_dir=str(tmp_path / "cache")), 0, 1), 4)
+    assert "cannot write" not in capsys.readouterr().out
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(blocked, cached))
 
 
 def test_training_and_evaluation_on_raw_text(tmp_path):

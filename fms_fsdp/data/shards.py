@@ -374,9 +374,9 @@ class _RootScan:
         return FileEntry(rel, entry.documents, entry.tokens, None, kind.__name__, index)
 
     def save(self, result: dict[str, list[FileEntry]]) -> None:
-        if self.texts is not None:
-            self.texts.save()
         failure = self.indexes.failure
+        if self.texts is not None:
+            failure = self.texts.save() or failure
         if self.computed and self.cache is not None:
             text = counts_text([e for es in result.values() for e in es if e.text is None]).encode()
             failure = write_cached(self.cache / CACHED_COUNTS, lambda f: f.write(text)) or failure

@@ -287,13 +287,13 @@ class IndexCache:
         self.changed = True
         return index
 
-    def save(self) -> None:
-        """Write the cache whole or not at all (data/cache.py); a read-only folder is left alone (indexed
-        again next time)."""
+    def save(self) -> Optional[str]:
+        """Write the cache whole or not at all (data/cache.py): None, or why it could not be written (the
+        files are indexed again next time)."""
         if not self.changed or self.path is None:
-            return
+            return None
         text = json.dumps({"version": INDEX_VERSION, "files": self.files})
-        write_cached(self.path, lambda f: f.write(text.encode()))
+        return write_cached(self.path, lambda f: f.write(text.encode()))
 
 
 # ---------------------------------------------------------------- reading
