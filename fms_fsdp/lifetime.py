@@ -25,6 +25,20 @@ def exit_with_parent(sig: signal.Signals) -> None:
         os.kill(os.getpid(), sig)
 
 
+def dying_with_parent(argv: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
+    """A command line that runs `argv` (another program, such as `ray start --block`) so that it gets `sig`
+    when the process that starts it dies, even by SIGKILL (exit_with_parent, then exec). Linux only;
+    elsewhere `argv` itself."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    code = (
+        "import ctypes, os, sys; sig, parent = int(sys.argv[1]), int(sys.argv[2]); "
+        f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, sig, 0, 0, 0); "
+        "os.getppid() == parent or os.kill(os.getpid(), sig); os.execvp(sys.argv[3], sys.argv[3:])"
+    )
+    return [sys.executable, "-c", code, str(int(sig)), str(os.getpid()), *argv]
+
+
 def pool_worker() -> None:
     """Set up a worker of a process pool (fms-prepare-data's, also inside a training rank): it ends on
     its pool's SIGTERM (multiprocessing's terminate) even where the rank handles the stop signals,

@@ -99,6 +99,54 @@ def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray
     assert ray_processes("raylet") == running, "the job's Ray outlived the cache, or stopped another"
 
 
+def children(pid: int) -> list[int]:
+    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat") if _parent(stat) == pid]
+
+
+def _parent(stat: Path) -> int:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_env, tmp_path):
+    """--ray_start_workers: torchrun and the ranks SIGKILLed mid-build (a node's processes killed outright)
+    end the job's Ray too."""
+    from test_data import make_docs, write_dataset
+
+    data = tmp_path / "raw"
+    write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
+    running, nodes = ray_processes("raylet"), ray_processes("ray start")
+    flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096"]
+    flags += [f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={tmp_path / 'run'}"]
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(ROOT / "main_training.py"), *TINY, "--use_dummy_dataset=False", *flags],
+        cwd=ROOT,
+        env={**os.environ, **ray_env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(
+            "the job's Ray", lambda: len(ray_processes("raylet")) > len(running) or torchrun.poll() is not None, 120
+        )
+        for pid in [torchrun.pid, *children(torchrun.pid)]:  # all at once: no one is left to stop the rest
+            os.kill(pid, signal.SIGKILL)
+        torchrun.wait(timeout=120)
+        assert not (tmp_path / "cache" / "text" / ".done" / "complete.json").exists()  # killed mid-build
+        wait_for(
+            "the job's Ray to end",
+            lambda: (ray_processes("raylet"), ray_processes("ray start")) == (running, nodes),
+            60,
+        )
+    finally:
+        torchrun.kill()
+        for pid in set(ray_processes("ray start")) - set(nodes):  # none, unless the test failed
+            os.kill(pid, signal.SIGTERM)
+
+
 def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(ray_env, slurm, tmp_path):
     """scripts/train.slurm with --cache_dir --ray_start_workers=True, as its header shows."""
     from test_data import make_docs, write_dataset

@@ -30,6 +30,7 @@ from fms_fsdp.data.shard_writer import read_ledger
 from fms_fsdp.data.shards import Layout, dataset_files, is_text
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError, DataError
+from fms_fsdp.lifetime import dying_with_parent
 from fms_fsdp.parallel.process_group import agreement_group, free_port, on_rank0
 from fms_fsdp.storage import location
 
@@ -144,7 +145,9 @@ def ray_start(*args: str) -> subprocess.Popen:
     command = [ray, "start", *args, "--block", "--disable-usage-stats", "--log-style=record", "--log-color=false"]
     command.append(f"--dashboard-agent-listen-port={free_port()}")  # not 52365, which another Ray here may hold
     env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # nothing to drain when it ends
-    node = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    node = subprocess.Popen(  # a rank killed outright leaves no Ray running
+        dying_with_parent(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     assert node.stdout is not None
     last = "no output"
     for line in node.stdout:
