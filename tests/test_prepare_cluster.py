@@ -5,6 +5,7 @@ bucket on Ray; a Ray worker or the driver killed with -9 costs nothing but time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -117,23 +118,26 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
 
     data = tmp_path / "raw"
     write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
-    running, nodes = ray_processes("raylet"), ray_processes("ray start")
+    running, nodes, log = ray_processes("raylet"), ray_processes("ray start"), tmp_path / "run.log"
     flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096"]
     flags += [f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={tmp_path / 'run'}"]
-    torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(ROOT / "main_training.py"), *TINY, "--use_dummy_dataset=False", *flags],
-        cwd=ROOT,
-        env={**os.environ, **ray_env, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("w") as out:
+        torchrun = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            + [str(ROOT / "main_training.py"), *TINY, "--use_dummy_dataset=False", *flags],
+            cwd=ROOT,
+            env={**os.environ, **ray_env, "OMP_NUM_THREADS": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(
             "the job's Ray", lambda: len(ray_processes("raylet")) > len(running) or torchrun.poll() is not None, 120
         )
+        assert torchrun.poll() is None, log.read_text()[-3000:]
         for pid in [torchrun.pid, *children(torchrun.pid)]:  # all at once: no one is left to stop the rest
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a child that has just ended
+                os.kill(pid, signal.SIGKILL)
         torchrun.wait(timeout=120)
         assert not (tmp_path / "cache" / "text" / ".done" / "complete.json").exists()  # killed mid-build
         wait_for(
