@@ -61,8 +61,8 @@ def start(args: list[str], nproc=2) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def kill_tree(pid: int, sig: signal.Signals) -> None:
-    """Signal a process and all its descendants (torchrun's workers run in sessions of their own)."""
+def process_children() -> dict[int, list[int]]:
+    """Every process's children now, by parent pid (from /proc)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -70,6 +70,12 @@ def kill_tree(pid: int, sig: signal.Signals) -> None:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return children
+
+
+def kill_tree(pid: int, sig: signal.Signals) -> None:
+    """Signal a process and all its descendants (torchrun's workers run in sessions of their own)."""
+    children = process_children()
     todo = [pid]
     while todo:
         p = todo.pop()

@@ -23,6 +23,7 @@ from fms_fsdp.data.token_cache import JobCluster, ray_start, stop_job_cluster
 from fms_fsdp.parallel.process_group import free_port
 
 from conftest import TINY, launch, records
+from test_checkpoint import process_children
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -100,17 +101,6 @@ def test_a_run_starts_ray_over_its_own_nodes_to_build_its_cache_and_stops_it(ray
     assert ray_processes("raylet") == running, "the job's Ray outlived the cache, or stopped another"
 
 
-def children(pid: int) -> list[int]:
-    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat") if _parent(stat) == pid]
-
-
-def _parent(stat: Path) -> int:
-    try:
-        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
 def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_env, tmp_path):
     """--ray_start_workers: torchrun and the ranks SIGKILLed mid-build (a node's processes killed outright)
     end the job's Ray too."""
@@ -135,7 +125,10 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
             "the job's Ray", lambda: len(ray_processes("raylet")) > len(running) or torchrun.poll() is not None, 120
         )
         assert torchrun.poll() is None, log.read_text()[-3000:]
-        for pid in [torchrun.pid, *children(torchrun.pid)]:  # all at once: no one is left to stop the rest
+        for pid in [
+            torchrun.pid,
+            *process_children().get(torchrun.pid, []),
+        ]:  # all at once: no one is left to stop the rest
             with contextlib.suppress(ProcessLookupError):  # a child that has just ended
                 os.kill(pid, signal.SIGKILL)
         torchrun.wait(timeout=120)
