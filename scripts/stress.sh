@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Hunt flaky outcomes: the fault matrix N times in a row, then the whole suite (both tiers) M times on 3 pytest-xdist
 # workers (more load than CI's 2 on a 2-core machine), on one torch release; prints each run's result
-# and ends non-zero if any run failed.
-#   bash scripts/stress.sh [torch version, default: .venv's] [N, default 10] [M, default 3]
+# and ends non-zero if any run failed. Arguments after M choose the suite's tests instead of both tiers whole:
+#   bash scripts/stress.sh [torch version, default: .venv's] [N, default 10] [M, default 3] [pytest arguments]
+#   bash scripts/stress.sh 2.14.1 0 5 -m slow tests/test_prepare_cluster.py   # one file's slow tests, 5 times
 # A version other than .venv's runs in .venv-torch<V> (made by scripts/test_torch.sh if missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-}"
 matrix_runs="${2:-10}"
 suite_runs="${3:-3}"
+shift $(($# < 3 ? $# : 3))
+chosen=("$@")
+[ ${#chosen[@]} -gt 0 ] || chosen=(-m "")
 python=.venv/bin/python
 if [ -n "$version" ]; then
   python=".venv-torch${version}/bin/python"
@@ -32,7 +36,7 @@ for i in $(seq 1 "$matrix_runs"); do
   run "matrix$i" -q -m slow tests/test_faults.py -k test_every_fault
 done
 for i in $(seq 1 "$suite_runs"); do
-  run "suite$i" -q -n 3 --dist loadfile -m ""
+  run "suite$i" -q -n 3 --dist loadfile "${chosen[@]}"
 done
 echo "$failed failed of $((matrix_runs + suite_runs)) runs"
 [ "$failed" = 0 ]

@@ -20,6 +20,9 @@ from slurm_cluster import slurm  # noqa: F401  (the fixture: a one-node Slurm cl
 
 from fms_fsdp.parallel.process_group import free_port
 
+# no_silent_skip: under CI=true a skip fails (tests/no_silent_skip.py); pytester: pytest run inside a test
+pytest_plugins = ("no_silent_skip", "pytester")
+
 ROOT = Path(__file__).resolve().parents[1]
 # the files whose runs take longest (seconds on 2 cores), started first so that neither of
 # scripts/test.sh's two workers is left with one of them at the end

@@ -117,6 +117,8 @@ def test_only_the_door_and_the_listed_modules_name_the_flat_config():
     """A component receives its settings (run.settings), not train_config."""
     naming = {module_name(p) for p in PACKAGE.rglob("*.py") if "train_config" in p.read_text()}
     assert naming <= SEES_THE_CONFIG, f"build settings for these in fms_fsdp/settings.py: {naming - SEES_THE_CONFIG}"
+    assert naming == SEES_THE_CONFIG, f"these no longer name it: take them off the list {SEES_THE_CONFIG - naming}"
+    assert len(SEES_THE_CONFIG) == 6  # exactly: the list only shrinks, and this number with it
 
 
 # the modules that read the flat config's fields (`cfg.<field>`, `run.cfg.<field>`): where it is declared
@@ -148,7 +150,8 @@ def test_only_the_door_and_the_listed_modules_read_the_flat_configs_fields():
     assert reading <= READS_THE_CONFIG, (
         f"build settings for these in fms_fsdp/settings.py: {reading - READS_THE_CONFIG}"
     )
-    assert len(READS_THE_CONFIG) <= 6
+    assert reading == READS_THE_CONFIG, f"these no longer read it: take them off the list {READS_THE_CONFIG - reading}"
+    assert len(READS_THE_CONFIG) == 4  # exactly: the list only shrinks, and this number with it
 
 
 # config.py is the field table: one entry per flag (help, choices, bounds, fault tolerance's `shared`),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ from fms_fsdp.checkpoint.save import write_failure
 from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
+
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
 
 def run(args: list[str], nproc=2, ok=True) -> subprocess.CompletedProcess:
@@ -47,18 +50,30 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return read_model(folder)
 
 
-def start(args: list[str], nproc=2) -> subprocess.Popen:
+def start(args: list[str], nproc=2, held: Optional[tuple[Path, str]] = None) -> subprocess.Popen:
+    """main_training.py under torchrun; `held`: (folder, point), its ranks held there (tests/held_at.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    hold = [str(ROOT / "tests" / "held_at.py"), str(held[0]), held[1]] if held else []
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        *hold,
         str(ROOT / "main_training.py"),
         *args,
     ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_held(folder: Path, ranks: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until `ranks` processes of `proc` wait at their point (tests/held_at.py's held-<rank> files)."""
+    deadline = time.time() + timeout
+    while len(list(folder.glob("held-*"))) < ranks:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, f"{ranks} ranks were not held in {folder}"
+        time.sleep(0.05)
 
 
 def process_children() -> dict[int, list[int]]:
@@ -86,20 +101,13 @@ def kill_tree(pid: int, sig: signal.Signals) -> None:
             pass
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
-
-
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted, tmp_path):
-    out = tmp_path / "run"
-    proc = start(flags(data, out, "--checkpoint_interval=6"))
-    wait_for(out / "checkpoints" / "step_6_ckp" / "COMPLETE", proc)
+    out, held = tmp_path / "run", tmp_path / "held"
+    proc = start(flags(data, out, "--checkpoint_interval=6"), held=(held, "step:7"))
+    wait_held(held, 2, proc)  # both ranks before step 7: step 6 is saved and committed, its record written
     kill_tree(proc.pid, signal.SIGKILL)  # a hard stop of every process, six steps before the next checkpoint
     proc.wait()
+    assert max(losses(out)) == 6
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [6]
     proc = run(flags(data, out, "--checkpoint_interval=6"))  # the same command resumes
     assert "step_6_ckp at step 6" in proc.stdout

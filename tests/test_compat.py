@@ -13,6 +13,8 @@ from fms_fsdp.errors import ConfigError
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 
 def test_every_private_torch_api_is_where_compat_takes_it_from():
     for name in compat.__all__:

@@ -2,9 +2,10 @@
 folders of several shards, cache files: Arrow streams), OLMo's raw token memmaps and np.save arrays,
 Dolma's metadata, and Megatron-Core's IndexedDatasetBuilder (.bin/.idx: importing megatron-core alone
 takes about 20 s here, so the slow tier writes them and checks that tests/data/megatron, which the other
-tests read, is what it writes). Every document read with its exact tokens, no document twice within an
-epoch on 2 ranks, exact resume and 2 -> 3 rescaling with every layout in one run, the caches, and each
-bad file as one line at start-up."""
+tests read, is what it writes). Every layout (and the package's Arrow shards, raw text on the fly and
+through --cache_dir) read with its exact tokens, every document exactly once in an epoch of 2 ranks,
+exact resume and 2 -> 3 rescaling with every layout in one run, the caches, and each bad file as one
+line at start-up."""
 
 import gzip
 import pickle
@@ -27,6 +28,8 @@ from conftest import data_loader
 from test_data import EOS, cfg, consumed_from_states, doc_starts, lines_of, make_docs, take, write_dataset
 
 LAYOUTS = ("hf_save_to_disk", "hf_cache", "olmo", "olmo_uint32", "olmo_flag", "dolma", "npy")
+# and the package's own Arrow shards, raw text tokenized on the fly or once into --cache_dir
+EPOCH_LAYOUTS = (*LAYOUTS, "megatron", "arrow", "jsonl", "jsonl_cache_dir")
 MEGATRON = Path(__file__).parent / "data" / "megatron"  # MEGATRON_DOCS as megatron-core writes them (uint16)
 MEGATRON_DOCS = make_docs(500, 60, 7)
 
@@ -78,7 +81,8 @@ def write_npy(folder: Path, docs: list[list[int]]) -> None:
 
 
 def write_layout(root: Path, name: str, docs: list[list[int]], layout: str) -> dict:
-    """Write docs as `layout`; returns the flags it needs."""
+    """Write docs as `layout` (megatron: the fixture, whose documents are MEGATRON_DOCS); returns the
+    flags it needs."""
     folder = root / name
     if layout == "hf_save_to_disk":
         write_hf(folder, docs)
@@ -92,6 +96,14 @@ def write_layout(root: Path, name: str, docs: list[list[int]], layout: str) -> d
     elif layout == "olmo_flag":
         write_olmo(folder, docs, np.uint32)
         return {"token_dtype": "uint32"}
+    elif layout == "megatron":
+        assert docs == MEGATRON_DOCS
+        write_megatron(folder)
+    elif layout in ("arrow", "jsonl"):  # the package's own shards; raw text tokenized on the fly
+        write_dataset(root, name, docs, layout, files=2)  # files in the documents' order
+    elif layout == "jsonl_cache_dir":  # raw text tokenized once into --cache_dir, then read from there
+        write_dataset(root, name, docs, "jsonl", files=2)
+        return {"cache_dir": str(root.with_name(root.name + ".cache"))}
     else:
         write_olmo(folder, docs, metadata=layout == "dolma")
     return {}
@@ -103,37 +115,77 @@ def read_all(loader) -> list[list[int]]:
     return [ds.read(f, j).tolist() for f, e in enumerate(ds.entries) for j in range(e.documents)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_document_exactly_and_none_twice_within_an_epoch_on_two_ranks(tmp_path, layout):
-    docs = make_docs(10, 48, seed=3)
+def epochs(loader, n: int, cap: int) -> list[tuple[list[list[int]], int]]:
+    """A reader's first n epochs, each as the documents (their tokens) it gives before it gives one of
+    them again, and that document, which starts the next: its epochs when it neither drops nor
+    repeats a document. Read batch by batch (a document's first token names it); more than `cap`
+    tokens without n of them fail."""
+    it, stream = iter(loader), np.empty(0, np.int64)
+    while len(stream) <= cap:
+        stream = np.concatenate([stream, lines_of([next(it)]).reshape(-1)])
+        starts = np.flatnonzero((stream != EOS) & np.concatenate([[True], stream[:-1] == EOS])).tolist()
+        out, first, seen = [], 0, set()
+        for i in starts:
+            if int(stream[i]) in seen:  # the end of an epoch
+                docs = np.split(stream[first:i], np.flatnonzero(stream[first:i] == EOS) + 1)[:-1]
+                out.append(([d[:-1].tolist() for d in docs], int(stream[i])))
+                if len(out) == n:
+                    return out
+                first, seen = i, set()
+            seen.add(int(stream[i]))
+    raise AssertionError(f"{len(stream)} tokens and not {n} epochs: more than every document")
+
+
+@pytest.mark.parametrize("layout", EPOCH_LAYOUTS)
+def test_every_document_exactly_once_in_an_epoch_of_two_ranks(tmp_path, layout):
+    """Both ranks' first epochs (what each reads before it reads a document again) together are the
+    documents, each exactly once with its exact tokens: none dropped, none twice, none read by both
+    ranks; and each rank's second epoch reads the documents of its first (none repeated at the turn)."""
+    docs = MEGATRON_DOCS if layout == "megatron" else make_docs(10, 48, seed=3)
     flags = write_layout(tmp_path, "web", docs, layout)
     c = cfg(tmp_path, seq_length=31, **flags)
     loaders = [data_loader(c, rank, 2) for rank in (0, 1)]
     ends_with_eos = layout.startswith("olmo") or layout == "npy"
     assert read_all(loaders[0]) == [d + [EOS] if ends_with_eos else d for d in docs]
-    total = sum(len(d) + 1 for d in docs)
-    starts = Counter()
-    for loader in loaders:  # most of each rank's half of the epoch
-        starts.update(doc_starts(lines_of(take(loader, int(0.35 * total / 64))).reshape(-1)))
-    assert max(starts.values()) == 1 and len(starts) > 0.5 * len(docs)
-    assert set(starts) <= {d[0] for d in docs}
+    assert str(loaders[0].datasets[0].root) == flags.get("cache_dir", str(tmp_path))  # jsonl_cache_dir: the cache
+    ranks = [epochs(loader, 2, 2 * sum(len(d) + 1 for d in docs)) for loader in loaders]
+    (rank0, again0), (rank1, again1) = (first for first, _ in ranks)  # each rank's first epoch
+    read = Counter(d[0] if d else None for d in rank0 + rank1)  # a document's first token names it
+    dropped, twice = sorted({d[0] for d in docs} - set(read)), sorted(k for k, n in read.items() if n > 1)
+    assert sorted(rank0 + rank1) == sorted(docs), (
+        f"documents missing: {dropped}, read by both ranks: {twice}; the ranks read {len(rank0)} and "
+        f"{len(rank1)} of {len(docs)} documents before reading one again ({again0} and {again1})"
+    )
+    assert min(len(rank0), len(rank1)) > len(docs) / 4  # the ranks share the documents
+    for rank, ((first, _), (second, again)) in enumerate(ranks):
+        assert sorted(second) == sorted(first), (
+            f"rank {rank} read {len(second)} documents in its second epoch before reading {again} again, "
+            f"not the {len(first)} of its first"
+        )
 
 
-def mixed(root: Path) -> dict:
-    """One run's datasets, one per layout."""
+def mixed(root: Path, dtype=np.uint16) -> dict:
+    """One run's datasets, one per layout (OLMo's and Dolma's headerless arrays of `dtype`)."""
     write_dataset(root, "fms", make_docs(10, 60, 1))
     write_hf(root / "hf", make_docs(1000, 60, 2))
-    write_olmo(root / "olmo", make_docs(2000, 60, 3))
-    write_olmo(root / "dolma", make_docs(3000, 60, 4), metadata=True)
+    write_olmo(root / "olmo", make_docs(2000, 60, 3), dtype)
+    write_olmo(root / "dolma", make_docs(3000, 60, 4), dtype, metadata=True)
     write_npy(root / "npy", make_docs(4000, 60, 5))
     write_megatron(root / "megatron")
     return dict(logical_shards=6, batch_size=4, seq_length=32)
 
 
-def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
-    """With a mixture schedule (dolma and hf rest from step 2) and worker processes for the resume."""
-    flags = mixed(tmp_path)
-    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1,1;2:0,1,0,1,1,1", num_workers=2)
+@pytest.mark.parametrize("arrays", ["uint16", "uint32"])
+def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path, arrays):
+    """Every layout in one run, with a mixture schedule (dolma and hf rest from step 2) and worker
+    processes for the resume. A run's headerless token arrays have one dtype (OLMo's rule for its
+    vocabulary): uint16, or uint32 (olmo_uint32) in the run that reads its raw text through --cache_dir."""
+    flags = mixed(tmp_path, np.dtype(arrays))
+    write_hf_cache(tmp_path / "hf_cache", make_docs(1500, 60, 6))
+    write_dataset(tmp_path, "text", make_docs(3500, 60, 7), "jsonl")  # with tmp_path/tokenizer.json
+    if arrays == "uint32":
+        flags.update(vocab_size=70000, cache_dir=str(tmp_path.with_name(tmp_path.name + ".cache")))
+    c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1,1,1,1;2:0,1,0,1,1,1,1,1", num_workers=2)
     full = take(data_loader(c, 0, 2), 9)
     first = data_loader(c, 0, 2)
     it = iter(first)
@@ -145,6 +197,10 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
     late = lines_of(full[2:]).reshape(-1)
     assert not np.isin(late, np.arange(1000, 1060)).any() and not np.isin(late, np.arange(3000, 3060)).any()
     c = cfg(tmp_path, **flags)
+    loader = data_loader(c, 0, 1)  # the weights' order; raw text from --cache_dir, arrays read as `arrays`
+    assert [ds.name for ds in loader.datasets] == ["dolma", "fms", "hf", "hf_cache", "megatron", "npy", "olmo", "text"]
+    assert [ds.file(0).dtype for ds in loader.datasets[0::6]] == [np.dtype(arrays)] * 2  # dolma, olmo
+    assert str(loader.datasets[-1].root) == flags.get("cache_dir", str(tmp_path))
     seen: Counter = Counter()
     old = []
     for rank in range(2):
@@ -159,7 +215,8 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path):
         new.append(loader.state_dict())
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
-    assert {t // 500 for t in seen} == {0, 1, 2, 4, 6, 8}  # every layout was read (ids from 10, 500, 1000, ...)
+    # every layout was read (ids from 10, 500, 1000, 1500, 2000, 3000, 3500, 4000)
+    assert {t // 500 for t in seen} == {0, 1, 2, 3, 4, 6, 7, 8}
 
 
 def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):

@@ -37,6 +37,8 @@ from test_commands import BIN, COMMANDS
 
 from conftest import ROOT, TINY, flags
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 DUMMY = [*TINY, "--num_steps=4"]  # a run on synthetic data
 LONG = [*TINY, "--num_steps=60", "--checkpoint_interval=2", "--checkpoint_keep=100"]  # stopped before its end
 
@@ -51,6 +53,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     torchrun: bool = False
     during: Optional[Callable[[list["Proc"]], bool]] = None  # polled until it returns True
+    held: Optional[tuple[Path, str]] = None  # (folder, point): its processes held there (tests/held_at.py)
     values: dict[str, str] = field(default_factory=dict)  # the template's known values
     keep: list[Path] = field(default_factory=list)  # folders whose files must be byte-identical after
     prelude: Optional["Job"] = None  # run (to its end, any status) before this one
@@ -107,16 +110,53 @@ class Bench:
         mount = self.tmp / name
         mount.mkdir()
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+        if proc.returncode != 0:  # an error, not pytest.skip: the cases run in threads whose handler catches Exception
+            raise MountError(f"cannot mount a tmpfs at {mount}: {proc.stderr.decode().strip()}")
         return mount
 
 
-def when(ready: Callable[[], bool], act: Callable[[list["Proc"]], None]) -> Callable[[list["Proc"]], bool]:
+class MountError(Exception):
+    """A case's tmpfs could not be mounted (test_every_fault... checks once, before the cases, that one can)."""
+
+
+def can_mount_tmpfs(folder: Path) -> Optional[str]:
+    """None where a tmpfs can be mounted here (root), else why not."""
+    folder.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        return f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}"
+    subprocess.run(["umount", str(folder)], check=True)
+    return None
+
+
+def chosen_faults() -> list[int]:
+    """The cases FMS_FAULTS=<text> picks (every case without it); a text that picks none is an error."""
+    wanted = os.environ.get("FMS_FAULTS", "")
+    chosen = [k for k, f in enumerate(FAULTS) if wanted in f.what]
+    if not chosen:
+        raise pytest.UsageError(f"FMS_FAULTS={wanted!r} matches none of the {len(FAULTS)} fault cases' names")
+    return chosen
+
+
+def when_held(
+    folder: Path, processes: int, act: Callable[[list["Proc"]], Any], signalled: int = 0
+) -> Callable[[list["Proc"]], bool]:
+    """Once `processes` processes wait at their point (a Job's `held`), act on them; once `signalled` of
+    them took a stop signal there (tests/held_at.py), let them go on."""
+    acted = False
+
     def poll(procs: list[Proc]) -> bool:
-        if not ready():
+        nonlocal acted
+        if not acted:
+            if len(list(folder.glob("held-*"))) < processes:
+                return False
+            act(procs)
+            acted = True
+        if len(list(folder.glob("signalled-*"))) < signalled:
             return False
-        act(procs)
+        (folder / "release").touch()
         return True
 
     return poll
@@ -565,10 +605,11 @@ def _zero_shard(b: Bench) -> Job:
 def _data_gone(b: Bench) -> Job:
     data = b.tmp / "data"
     shutil.copytree(b.data, data)
-    out = b.tmp / "run"
+    out, held = b.tmp / "run", b.tmp / "held"
     return Job(
         ["fms-train", *flags(data, out, "--num_steps=8", "--num_workers=2", "--checkpoint_interval=2")],
-        during=when(lambda: (out / "checkpoints" / "step_2_ckp").exists(), lambda procs: shutil.rmtree(data)),
+        held=(held, "step:3"),  # deleted after step 2's checkpoint, before step 3: mid-run every time
+        during=when_held(held, 1, lambda procs: shutil.rmtree(data)),
         keep=[out / "checkpoints" / "step_2_ckp"],
     )
 
@@ -624,15 +665,13 @@ def _full_disk_export(b: Bench) -> Job:
 )
 def _read_only_mid_run(b: Bench) -> Job:
     mount = b.mount("disk", "200m")
-    out = mount / "run"
+    out, held = mount / "run", b.tmp / "held"
     return Job(
         ["fms-train", *LONG, f"--ckpt_save_path={out}"],
         nproc=2,
         values={"ckpts": str(out / "checkpoints")},
-        during=when(
-            lambda: (out / "checkpoints" / "step_2_ckp").exists(),
-            lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True),
-        ),
+        held=(held, "step:3"),  # step 2 saved and committed: step 4's save is the one that fails
+        during=when_held(held, 2, lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)),
         cleanup=unmount(mount),
     )
 
@@ -645,15 +684,13 @@ def _read_only_mid_run(b: Bench) -> Job:
 )
 def _read_only_warn(b: Bench) -> Job:
     mount = b.mount("disk", "200m")
-    out = mount / "run"
+    out, held = mount / "run", b.tmp / "held"
     return Job(
         ["fms-train", *LONG, "--num_steps=6", "--on_checkpoint_error=warn", f"--ckpt_save_path={out}"],
         nproc=2,
         values={"ckpts": str(out / "checkpoints")},
-        during=when(
-            lambda: (out / "checkpoints" / "step_2_ckp").exists(),
-            lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True),
-        ),
+        held=(held, "step:3"),  # step 2 saved and committed; read-only before step 4's save, every time
+        during=when_held(held, 2, lambda procs: subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)),
         keep=[out / "checkpoints" / "step_2_ckp"],
         cleanup=unmount(mount),
     )
@@ -668,21 +705,23 @@ def _read_only_warn(b: Bench) -> Job:
     0,
 )
 def _sigterm_in_save(b: Bench) -> Job:
-    out = b.tmp / "run"
+    out, held = b.tmp / "run", b.tmp / "held"
     ckpts = out / "checkpoints"
     return Job(
         ["fms-train", *LONG, f"--ckpt_save_path={out}"],
         nproc=2,
-        during=when(lambda: (ckpts / ".step_4_ckp.tmp").exists(), signal_all(signal.SIGTERM)),
+        held=(held, "save:4"),  # in step 4's save, .step_4_ckp.tmp made: each rank takes the signal there
+        during=when_held(held, 2, signal_all(signal.SIGTERM), signalled=2),
         after=lambda: _resumable(ckpts),
     )
 
 
 def _resumable(ckpts: Path) -> None:
+    """The save the signal came in finished, as did the stop's; nothing unfinished is left."""
     from fms_fsdp.checkpoint.layout import complete_checkpoints
 
     steps = [s for s, _ in complete_checkpoints(ckpts)]
-    assert steps and steps[-1] >= 4 and not list(ckpts.glob(".*.tmp")), sorted(p.name for p in ckpts.iterdir())
+    assert 4 in steps and steps[-1] >= 4 and not list(ckpts.glob(".*.tmp")), sorted(p.name for p in ckpts.iterdir())
 
 
 @fault(
@@ -691,12 +730,13 @@ def _resumable(ckpts: Path) -> None:
     0,
 )
 def _kill_in_async_save(b: Bench) -> Job:
-    out = b.tmp / "run"
+    out, held = b.tmp / "run", b.tmp / "held"
     ckpts = out / "checkpoints"
     argv = ["fms-train", *LONG, "--async_checkpoint=True", f"--ckpt_save_path={out}"]
-    killed = Job(argv, nproc=2, during=when(lambda: (ckpts / ".step_4_ckp.tmp").exists(), signal_all(signal.SIGKILL)))
+    # killed while each rank's background write of step 4 has written nothing: step 2 is the last checkpoint
+    killed = Job(argv, nproc=2, held=(held, "write:4"), during=when_held(held, 2, signal_all(signal.SIGKILL)))
     resume = [*argv[:-1], "--num_steps=5", f"--ckpt_save_path={out}"]
-    return Job(resume, nproc=2, prelude=killed, values={"ckpts": str(ckpts)})
+    return Job(resume, nproc=2, prelude=killed, values={"ckpts": str(ckpts), "n": "2"})
 
 
 # ------------------------------------------------------------------------------- the run lease
@@ -709,17 +749,23 @@ def _kill_in_async_save(b: Bench) -> Job:
     2,
 )
 def _second_run(b: Bench) -> Job:
-    out = b.tmp / "run"
+    out, held = b.tmp / "run", b.tmp / "held"
     ckpts = out / "checkpoints"
-    first = start(["fms-train", *LONG, f"--ckpt_save_path={out}"], None, b.tmp)
+    # the first run waits before step 3 (step 2 saved) until the second has ended: it is running throughout
+    first = start(["fms-train", *LONG, f"--ckpt_save_path={out}"], None, b.tmp, held=(held, "step:3"))
     deadline = time.monotonic() + 120
-    while not (ckpts / "step_2_ckp").exists():
+    while not (held / "held-0").exists():
         assert first[0].poll() is None and time.monotonic() < deadline, "the first run did not save"
         time.sleep(0.05)
 
     def stop_first() -> None:
         signal_all(signal.SIGTERM)(first)
+        while not (held / "signalled-0").exists():  # taken while still held
+            assert first[0].poll() is None and time.monotonic() < deadline + 60, first[0].output()
+            time.sleep(0.02)
+        (held / "release").touch()
         assert first[0].wait(60) == 0
+        assert "on SIGTERM: the checkpoint is saved" in first[0].output()[0]
 
     return Job(
         ["fms-train", *LONG, "--learning_rate=1e-4", f"--ckpt_save_path={out}"],
@@ -821,10 +867,13 @@ SERVER_LOCK = threading.Lock()
 ENTRY_POINTS = {e.name: e.value for e in entry_points(group="console_scripts") if e.value.startswith("fms_fsdp.")}
 
 
-def _command(name: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """A command's process: its environment, stdout and stderr, then its console script's function.
-    Its loader workers start as a console script's would (the platform's default start method), not
-    from the forkserver it inherited (on 3.11 that one's start fails now and then, unexpected EOF)."""
+def _command(
+    name: str, args: list[str], env: dict[str, str], out: str, err: str, held: Optional[tuple[Path, str]] = None
+) -> None:
+    """A command's process: its environment, stdout and stderr, then its console script's function
+    (`held`: held at that point, tests/held_at.py). Its loader workers start as a console script's would
+    (the platform's default start method), not from the forkserver it inherited (on 3.11 that one's
+    start fails now and then, unexpected EOF)."""
     multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(env)
@@ -833,6 +882,10 @@ def _command(name: str, args: list[str], env: dict[str, str], out: str, err: str
     import torch
 
     torch.set_num_threads(1)
+    if held is not None:
+        from held_at import install
+
+        install(*held)
     module, function = ENTRY_POINTS[name].split(":")
     getattr(importlib.import_module(module), function)(args)
 
@@ -840,7 +893,14 @@ def _command(name: str, args: list[str], env: dict[str, str], out: str, err: str
 class Proc:
     """One process of a launch: a forked command, or torchrun."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], folder: Path, torchrun: Optional[int] = None):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        folder: Path,
+        torchrun: Optional[int] = None,
+        held: Optional[tuple[Path, str]] = None,
+    ):
         self.out = folder / f"{next(LAUNCHED)}.out"
         self.err = self.out.with_suffix(".err")
         if torchrun:
@@ -852,7 +912,9 @@ class Proc:
             self.pid = self.popen.pid
             return
         self.popen = None
-        self.process = SERVER.Process(target=_command, args=(argv[0], argv[1:], env, str(self.out), str(self.err)))
+        self.process = SERVER.Process(
+            target=_command, args=(argv[0], argv[1:], env, str(self.out), str(self.err), held)
+        )
         with SERVER_LOCK:
             self.process.start()
         self.pid = self.process.pid
@@ -883,28 +945,37 @@ class Proc:
 
 
 def start(
-    argv: list[str], nproc: Optional[int], folder: Path, env: Optional[dict[str, str]] = None, torchrun: bool = False
+    argv: list[str],
+    nproc: Optional[int],
+    folder: Path,
+    env: Optional[dict[str, str]] = None,
+    torchrun: bool = False,
+    held: Optional[tuple[Path, str]] = None,
 ) -> list[Proc]:
-    """The processes of a launch: one, or `nproc` ranks started as torchrun starts them (or torchrun)."""
+    """The processes of a launch: one, or `nproc` ranks started as torchrun starts them (or torchrun);
+    `held`: (folder, point), each held there (tests/held_at.py; not under torchrun)."""
     from fms_fsdp.parallel.process_group import free_port
 
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         base.pop(name, None)
     if nproc is None or torchrun:
-        return [Proc(argv, base, folder, torchrun=nproc if torchrun else None)]
+        assert held is None or not torchrun
+        return [Proc(argv, base, folder, torchrun=nproc if torchrun else None, held=held)]
     world = {
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }
-    return [Proc(argv, {**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, folder) for r in range(nproc)]
+    return [
+        Proc(argv, {**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, folder, held=held) for r in range(nproc)
+    ]
 
 
 def finish(job: Job, folder: Path, timeout: float = 90) -> tuple[int, str, str]:
     """Run a job to its end: (status, stdout, stderr); a failed rank ends the others, as torchrun does."""
-    procs = start(job.argv, job.nproc, folder, job.env, job.torchrun)
+    procs = start(job.argv, job.nproc, folder, job.env, job.torchrun, job.held)
     deadline, acted, failed_at = time.monotonic() + timeout, job.during is None, None
     while any(p.poll() is None for p in procs):
         if not acted:
@@ -916,6 +987,7 @@ def finish(job: Job, folder: Path, timeout: float = 90) -> tuple[int, str, str]:
                 p.kill()
         time.sleep(0.02)
     codes = [p.wait() for p in procs]
+    assert acted, f"the job ended (status {codes}) before what happens to it while it runs was done"
     status = next((c for c in codes if c != 0), 0)
     outputs = [p.output() for p in procs]
     return status, "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
@@ -989,6 +1061,8 @@ def server():
 def test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint(server, data, uninterrupted, tmp_path):
     assert {p.name for p in BIN.iterdir()} >= set(COMMANDS), "the package's commands are installed (scripts/setup.sh)"
     assert len(FAULTS) >= 25
+    if (why := can_mount_tmpfs(tmp_path / "can-mount")) is not None:  # here, not in a case's thread
+        pytest.skip(why)
 
     def one(k: int) -> Optional[str]:
         folder = tmp_path / f"case{k}"
@@ -1001,7 +1075,7 @@ def test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint(
         finally:
             print(f"{time.monotonic() - t:6.1f}s  {FAULTS[k].what}", flush=True)
 
-    chosen = [k for k, f in enumerate(FAULTS) if os.environ.get("FMS_FAULTS", "") in f.what]  # FMS_FAULTS=<text>: some
+    chosen = chosen_faults()
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(one, chosen))
     failed = [f"{FAULTS[k].what}: {r}" for k, r in zip(chosen, results) if r is not None]

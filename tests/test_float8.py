@@ -14,6 +14,8 @@ from fms_fsdp.settings import float8_of
 from conftest import TINY, run_here, train_here
 from test_checkpoint import losses, run, weights
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 FLOAT8 = ["--float8=True", "--float8_min_size=16"]
 
 

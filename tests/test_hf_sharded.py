@@ -1,5 +1,6 @@
 """Hugging Face folders read and written in shards: each rank reads only its slices of the safetensors
-files and writes its own files of an export (checkpoint/hf_read.py, hf_write.py). A 2-rank import takes
+files and writes its own files of an export (checkpoint/hf_read.py, hf_write.py): counted in the ranks,
+each reads and writes its share of the bytes, not more. A 2-rank import takes
 the 1-rank step-1 loss; the 2-rank export is fms_to_hf's conversion of the same step's checkpoint, tensor
 for tensor and logit for logit in transformers, reads back bit for bit, and keeps the context of a
 rope-scaled model; both ranks write the one model file at the end at once; a damaged folder ends in one
@@ -52,8 +53,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     common = [*TINY, *SCALED, "--num_steps=1", f"--ckpt_load_path={hf}"]
     run_here([*common, "--batch_size=2", f"--ckpt_save_path={root / 'one'}"])
     proc = launch(
-        "main_training.py",
+        "tests/io_counter.py",  # main_training.py, each rank's bytes read and written counted (see the file)
         [
+            "main_training.py",
             *common,
             "--batch_size=1",
             "--export_interval=1",
@@ -62,9 +64,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             f"--ckpt_save_path={root / 'two'}",
         ],
         2,
+        extra_env={"IO_COUNTS": str(root / "io")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"hf": hf, "one": root / "one", "two": root / "two", "log": proc.stdout, "root": root}
+    return {"hf": hf, "one": root / "one", "two": root / "two", "log": proc.stdout, "root": root, "io": root / "io"}
 
 
 def test_two_ranks_import_their_slices_with_the_loss_of_one(runs):
@@ -136,6 +139,98 @@ def test_rows_of_a_two_rank_checkpoint_are_read_by_byte_ranges(runs):
         for a, b in ((0, rows), (middle - 3, middle + 5), (1, 2), (rows - 7, rows)):
             assert torch.equal(items.rows(f"model_state.{key}", a, b), want[key][a:b]), (key, a, b)
     assert items.places and None not in items.places.values()
+
+
+# What each rank of the 2-rank run of `runs` may read or write beyond its share (half the files' tensor
+# bytes), counted in the real ranks by tests/io_counter.py (their file openers wrapped):
+# - HEADERS: safetensors headers, besides the tensors' bytes: rank 0 reads every file's (it indexes the
+#   folder: 22 files, ~5 KiB in all), each writer writes its file's;
+# - ITEMS: each DCP item's zip directory and pickle, read to find where its rows start (~2.7 KiB an item,
+#   ~50 items a rank: ~140 KiB an export);
+# - TENSOR: an export's files, and each rank's run of the model file at the end, hold whole tensors, so a
+#   rank may have up to one tensor more (or less) than half: tiny's largest, ff_sub_layer.wg1_fused,
+#   1408 x 256 fp32 (FSDP's shards, read from the Hugging Face folder, are exact halves of each tensor).
+# A rank that read or wrote everything would be off by half the bytes: ~6 MiB (the export: ~3 MiB).
+HEADERS = 64 * 2**10
+ITEMS = 256 * 2**10
+TENSOR = 1408 * 256 * 4
+
+
+def counted(runs: dict) -> list[dict[str, dict[str, int]]]:
+    """Each rank's bytes read and written, per file (tests/io_counter.py)."""
+    return [json.loads((runs["io"] / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def tensor_bytes(entries: dict) -> int:
+    return sum(e.end - e.start for e in entries.values())
+
+
+def near(got: int, share: float, slack: int) -> bool:
+    return share - slack <= got <= share + slack
+
+
+def test_each_rank_reads_only_its_share_of_the_files(runs):
+    """Of the Hugging Face folder (hf_read.py, read_rows by byte ranges) each rank reads its half of the
+    tensors' bytes, and of each export's DCP folder (items.py: the staged shards, read back to write the
+    export) its half of the model's, exactly the rows of the tensors it writes: not whole files or items,
+    not every rank everything."""
+    from fms_fsdp.checkpoint.hf_read import file_entries, index_folder
+
+    export = runs["two"] / "exports" / "step_1"
+    model_file = runs["two"] / "model_step_1.safetensors"
+    hf_total, export_total = tensor_bytes(index_folder(runs["hf"])), tensor_bytes(index_folder(export))
+    model_entries = file_entries(model_file, model_file.name)
+    model_total = tensor_bytes(model_entries)
+    # the two exports (--export_interval=1, --export_model_at_end), each from a DCP folder of its own
+    shards = {
+        "export": str(export.with_name(".step_1.shards")),
+        "model": str(model_file.with_name(f".{model_file.name}.shards")),
+    }
+    for rank, files in enumerate(counted(runs)):
+        read: dict[str, int] = {}
+        for path, n in files.items():
+            if n["read"]:
+                read[os.path.dirname(path)] = read.get(os.path.dirname(path), 0) + n["read"]
+        hf = read.pop(str(runs["hf"]))
+        assert near(hf, hf_total / 2, HEADERS), f"rank {rank} read {hf:,} bytes of the folder's {hf_total:,}"
+        assert sorted(read) == sorted(shards.values()), (rank, read)
+        for folder, n in read.items():
+            said = f"rank {rank} read {n:,} bytes of {folder}'s {model_total:,}"
+            assert near(n, model_total / 2, TENSOR + ITEMS), said
+        # the source rows of what it wrote (fp32 into the export's bf16), each once, and the items' directories
+        mine = [export / os.path.basename(p) for p, n in files.items() if n["written"] and "/exports/" in p]
+        wrote = sum(tensor_bytes(file_entries(f, f.name)) for f in mine) * model_total // export_total
+        said = f"rank {rank} read {read[shards['export']]:,} bytes to write {wrote:,} of the export (in fp32)"
+        assert wrote <= read[shards["export"]] <= wrote + ITEMS, said
+        wrote = files[str(model_file.with_name(f".{model_file.name}.tmp"))]["written"]
+        wrote -= min(e.start for e in model_entries.values()) if rank == 0 else 0  # writer 0: the header too
+        said = f"rank {rank} read {read[shards['model']]:,} bytes to write {wrote:,} of the model file"
+        assert wrote <= read[shards["model"]] <= wrote + ITEMS, said
+
+
+def test_each_rank_writes_only_its_share_of_an_export(runs):
+    """Of the Hugging Face export (hf_write.py: a file per rank) and of the model file at the end (every
+    rank its run of it, in place) each rank writes half the bytes, and the two ranks together the files
+    whole: the export is not gathered to rank 0."""
+    from fms_fsdp.checkpoint.hf_read import file_entries, index_folder
+
+    export = runs["two"] / "exports" / "step_1"
+    model_file = runs["two"] / "model_step_1.safetensors"
+    export_total = tensor_bytes(index_folder(export))
+    model_total = tensor_bytes(file_entries(model_file, model_file.name))
+    ranks = counted(runs)
+    exported, model = [], []
+    for rank, files in enumerate(ranks):
+        written = {path: n["written"] for path, n in files.items() if n["written"]}
+        exported.append(sum(n for path, n in written.items() if os.path.dirname(path).endswith("/exports/.step_1.tmp")))
+        model.append(written.get(str(model_file.with_name(f".{model_file.name}.tmp")), 0))
+        assert sum(written.values()) == exported[-1] + model[-1], (rank, written)  # nothing else
+        said = f"rank {rank} wrote {exported[-1]:,} bytes of the export's {export_total:,}"
+        assert near(exported[-1], export_total / 2, TENSOR + HEADERS), said
+        said = f"rank {rank} wrote {model[-1]:,} bytes of the model file's {model_total:,}"
+        assert near(model[-1], model_total / 2, TENSOR + HEADERS), said
+    assert sum(exported) == sum(p.stat().st_size for p in export.glob("*.safetensors"))
+    assert sum(model) == model_file.stat().st_size
 
 
 def test_writers_of_one_file_give_the_file_one_writer_gives(tmp_path):

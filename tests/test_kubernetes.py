@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 import yaml
@@ -159,23 +159,28 @@ RANK = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.e
 
 
 def test_a_sigterm_before_the_ranks_start_reaches_them(tmp_path):
-    """SIGTERM while torchrun (here a stand-in that starts its two ranks after a second) has no ranks
-    yet: the entry point sends it on once they exist, and they stop (no 60 s wait)."""
-    torchrun = tmp_path / "torchrun"
+    """SIGTERM while torchrun (here a stand-in that starts its two ranks only once the test lets it) has
+    no ranks yet: the entry point sends it on once they exist, and they stop (no 60 s wait)."""
+    torchrun, release = tmp_path / "torchrun", tmp_path / "release"
     torchrun.write_text(
-        f"#!{sys.executable}\nimport subprocess, sys, time\ntime.sleep(1)\n"
+        f"#!{sys.executable}\nimport os, subprocess, sys, time\n"
+        f"t = time.time()\nwhile not os.path.exists({str(release)!r}) and time.time() < t + 30:\n    time.sleep(0.02)\n"
         f"ranks = [subprocess.Popen([sys.executable, '-c', {RANK!r}], start_new_session=True) for _ in range(2)]\n"
         "codes = [r.wait() for r in ranks]\nprint('ranks:', codes)\nsys.exit(1 if any(codes) else 0)\n"
     )
     torchrun.chmod(0o755)
     env = _pod_env(tmp_path)
     proc = subprocess.Popen(["bash", "scripts/train_k8s.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    assert "torchrun node 0 of 1 x 2 process(es)" in proc.stdout.readline()  # torchrun is starting
-    start = time.time()
-    proc.send_signal(signal.SIGTERM)
+    try:
+        assert "torchrun node 0 of 1 x 2 process(es)" in proc.stdout.readline()  # torchrun is starting
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        # the entry point took it while torchrun has started no rank (it waits for `release`)
+        assert proc.stdout.readline() == "SIGTERM: every rank saves a checkpoint and stops\n"
+    finally:
+        release.touch()
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 1 and time.time() - start < 20, output
-    assert "SIGTERM: every rank saves a checkpoint and stops" in output
     codes = output.split("ranks: ")[1].splitlines()[0]
     assert set(eval(codes)) <= {143, -signal.SIGTERM}, codes
 
@@ -308,9 +313,22 @@ def network() -> Iterator[list[tuple[str, str]]]:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
-def _start(pods: list[dict], network: list[tuple[str, str]], args: list[str]) -> list[subprocess.Popen]:
+def _held_torchrun(folder: Path, held: Path, point: str) -> Path:
+    """`folder`, holding a `torchrun` that execs the real one with the training script held at `point`
+    (tests/held_at.py, its files in `held`): put first on a pod's PATH."""
+    folder.mkdir()
+    real, wrapper = Path(sys.executable).parent / "torchrun", ROOT / "tests" / "held_at.py"
+    (folder / "torchrun").write_text(f'#!/bin/sh\nexec {real} {wrapper} {held} {point} "$@"\n')
+    (folder / "torchrun").chmod(0o755)
+    return folder
+
+
+def _start(
+    pods: list[dict], network: list[tuple[str, str]], args: list[str], bin_dir: Optional[Path] = None
+) -> list[subprocess.Popen]:
     """Each pod in its namespace, its host name set, the cluster's names in its /etc/hosts; the pod's
-    main process, scripts/train_k8s.sh, is the Popen's (ip netns exec, unshare and sh exec one another)."""
+    main process, scripts/train_k8s.sh, is the Popen's (ip netns exec, unshare and sh exec one another).
+    `bin_dir`: first on the pods' PATH."""
     names = []
     for pod, (_, addr) in zip(pods, network):
         full = f"{pod['host']}.{pod['subdomain']}" if "subdomain" in pod else pod["host"]
@@ -323,6 +341,8 @@ def _start(pods: list[dict], network: list[tuple[str, str]], args: list[str]) ->
         Path(f"/etc/netns/{ns}/hosts").write_text("127.0.0.1 localhost\n" + "\n".join(names) + "\n")
         # the image's environment: its PATH (python and torchrun) and HOME; one thread per rank on 2 cores
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/root", "OMP_NUM_THREADS": "1"}
+        if bin_dir is not None:
+            env["PATH"] = f"{bin_dir}:{env['PATH']}"
         cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', pod["host"]]
         procs.append(
             subprocess.Popen(
@@ -364,19 +384,29 @@ def test_pods_train_save_on_sigterm_fail_for_a_restart_and_resume(manifest, netw
     out = tmp_path / "run"  # the checkpoint volume every pod mounts
     args = [*TINY, f"--ckpt_save_path={out}", "--num_steps=40", "--checkpoint_interval=1000", "--batch_size=2"]
     pods = (_pytorchjob_pods if manifest == "pytorchjob" else _jobset_pods)(len(network))
-    procs = _start(pods, network, args)
+    # every rank waits at the ranks' first agreement on stop signals (tests/held_at.py), where the SIGTERM
+    # reaches it and is agreed: step 1's, as the later ones fall every ~2 s of measured steps
+    # (train/triggers.py), which on a fast machine can be the run's last step
+    held = tmp_path / "held"
+    procs = _start(pods, network, args, _held_torchrun(tmp_path / "bin", held, "agree:1"))
+    signalled = procs[1:] if manifest == "pytorchjob" else procs
+    ranks = {f"signalled-{NPROC * procs.index(p) + r}" for p in signalled for r in range(NPROC)}
     deadline = time.time() + 240
-    while max((r["step"] for r in _records(out)), default=0) < 3:
+    while len(list(held.glob("held-*"))) < NPROC * len(procs):
         assert all(p.poll() is None for p in procs) and time.time() < deadline, _wait(procs, 5)
         time.sleep(0.1)
-    signalled = procs[1:] if manifest == "pytorchjob" else procs
     for p in signalled:
         p.send_signal(signal.SIGTERM)  # the kubelet's, to the container's main process alone
+    while len(list(held.glob("signalled-*"))) < len(ranks):  # sent on by the pods' entry points
+        assert all(p.poll() is None for p in procs) and time.time() < deadline, _wait(procs, 5)
+        time.sleep(0.1)
+    assert {f.name for f in held.glob("signalled-*")} == ranks
+    (held / "release").touch()
     outputs = _wait(procs, 120)
     assert all(("SIGTERM: every rank saves" in o) == (p in signalled) for p, o in zip(procs, outputs))
     assert [p.returncode for p in procs] == [1, 1], outputs  # failed: the controller restarts them
     saved = complete_checkpoints(out / "checkpoints")[-1][0]
-    assert 3 <= saved < 40
+    assert saved == 1  # the agreement the signal came in: every rank stopped there
     stop_line = (
         f"stopping after step {saved} on SIGTERM: the checkpoint is saved, resume by running the same command "
         "(exit status 143, --stop_exit_status)"

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -63,9 +64,12 @@ def two_nodes():
             sh("ip", "netns", "del", name)
 
 
-def start_node(node: str, two_nodes: dict, args: list[str]) -> subprocess.Popen:
+def start_node(
+    node: str, two_nodes: dict, args: list[str], held: Optional[tuple[Path, str]] = None
+) -> subprocess.Popen:
     """torchrun of one node: 2 ranks, rendezvous at node a's address (node a hosts the store: the
-    address is not its hostname's, so torchrun would not guess it), gloo on the node's veth."""
+    address is not its hostname's, so torchrun would not guess it), gloo on the node's veth; `held`:
+    (folder, point), its ranks held there (tests/held_at.py)."""
     ns, device = two_nodes[node]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": device}
     cmd = [
@@ -84,6 +88,7 @@ def start_node(node: str, two_nodes: dict, args: list[str]) -> subprocess.Popen:
         f"--rdzv_conf=is_host={int(node == 'a')}",
         f"--local_addr={NODES[node]}",
         "--monitor_interval=0.2",
+        *([str(ROOT / "tests" / "held_at.py"), str(held[0]), held[1]] if held else []),
         str(ROOT / "main_training.py"),
         *args,
     ]
@@ -93,6 +98,16 @@ def start_node(node: str, two_nodes: dict, args: list[str]) -> subprocess.Popen:
 def records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_held(held: Path, ranks: int, nodes: dict) -> None:
+    """Until `ranks` ranks wait at their point (tests/held_at.py's held-<rank> files)."""
+    deadline = time.time() + 180
+    while len(list(held.glob("held-*"))) < ranks:
+        assert all(p.poll() is None for p in nodes.values()) and time.time() < deadline, "".join(
+            p.stdout.read()[-2000:] for p in nodes.values() if p.poll() is not None
+        )
+        time.sleep(0.1)
 
 
 def wait_for_step(out: Path, step: int, nodes: dict) -> None:
@@ -126,8 +141,9 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
         "--num_workers=1",
         f"--collective_timeout_minutes={TIMEOUT_S / 60}",
     ]
-    nodes = {n: start_node(n, two_nodes, args) for n in NODES}
-    wait_for_step(out, 4, nodes)  # a checkpoint at step 3, a step trained after it
+    held = tmp_path / "held"  # every rank waits before step 5 (tests/held_at.py): the network goes then
+    nodes = {n: start_node(n, two_nodes, args, (held, "step:5")) for n in NODES}
+    wait_held(held, 4, nodes)  # a checkpoint at step 3, a step trained after it, no save under way
     # node b drops off the network (no connection is closed, as when a machine dies): node a's ranks
     # give up after --collective_timeout_minutes, in one line
     ns_b, device_b = two_nodes["b"]
@@ -136,6 +152,7 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
     for pid in [nodes["b"].pid, *descendants(nodes["b"].pid)]:
         os.kill(pid, signal.SIGSTOP)  # node b is gone: it neither trains nor notices
     started = time.time()
+    (held / "release").touch()  # node a's ranks go into step 5's collectives
     outputs = {"a": ended_within({"a": nodes["a"]}, node_a, TIMEOUT_S + 40)["a"]}
     assert time.time() - started >= TIMEOUT_S * 0.8 and nodes["a"].returncode != 0
     assert "mesh (replicate, shard) = (2, 2)" in outputs["a"]
@@ -149,6 +166,7 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
     sh("ip", "-n", ns_b, "link", "set", device_b, "up")
     first = {r["step"]: r["loss"] for r in records(out)}
     saved = complete_checkpoints(out / "checkpoints")[-1][0]
+    assert (max(first), saved) == (4, 3)
     # the same command on both nodes resumes; then only node b's launcher dies: every rank saves and fails
     nodes = {n: start_node(n, two_nodes, args) for n in NODES}
     wait_for_step(out, max(first) + 1, nodes)

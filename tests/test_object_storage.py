@@ -30,7 +30,7 @@ from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
 from conftest import STEPS, TINY, data_loader, flags, launch, run_here, train_here
-from test_checkpoint import kill_tree, start
+from test_checkpoint import kill_tree, start, wait_held
 from test_data import cfg, make_docs, take, write_dataset
 from test_lora import LORA
 
@@ -245,20 +245,14 @@ def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3,
     fs.put(f"{data}/", "data/checkpointed/", recursive=True)
     out = "s3://runs/killed"
     args = flags("s3://data/checkpointed", out, "--checkpoint_interval=6", "--checkpoint_keep=1")  # type: ignore[arg-type]
-    proc = start(args)
-    deadline = time.time() + 240
-    while True:  # frozen (SIGSTOP) while the bucket is looked at, so that a loaded machine's slow looks lose no step
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        if fs.exists("runs/killed/checkpoints/step_6_ckp/COMPLETE"):
-            kill_tree(proc.pid, signal.SIGSTOP)
-            if 6 in bucket_losses(out):  # the log is uploaded with the report that follows a checkpoint
-                break
-            kill_tree(proc.pid, signal.SIGCONT)
-        time.sleep(0.1)
+    held = tmp_path / "held"
+    proc = start(args, held=(held, "step:7"))
+    wait_held(held, 2, proc)  # both ranks before step 7: step 6 is saved and committed, its record written
     kill_tree(proc.pid, signal.SIGKILL)  # every process, six steps before the next checkpoint
     proc.wait()
     root = location(out, "ckpt_save_path") / "checkpoints"
     assert [s for s, _ in complete_checkpoints(root)] == [6]
+    assert max(bucket_losses(out)) == 6  # the log is uploaded with the report that follows a checkpoint
     for name in (".metadata", "SAVING"):  # a save killed half-way, and a folder of another tool
         fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", f"runs/killed/checkpoints/step_9_ckp/{name}")
     fs.put(f"{uninterrupted}/checkpoints/step_6_ckp/.metadata", "runs/killed/checkpoints/step_3_ckp/.metadata")

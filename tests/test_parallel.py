@@ -16,6 +16,8 @@ from fms_fsdp.parallel.mesh import check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast
 from fms_fsdp.settings import mesh_of
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 T, F = True, False
 
 # fms-fsdp's selective-checkpointing table for 15 blocks

@@ -16,6 +16,8 @@ from fms_fsdp.settings import mesh_of, pipeline_of
 
 from conftest import TINY
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 
 def plan(*args: str, variant: str = "tiny") -> PipelinePlan:
     cfg = parse_args([*TINY, f"--model_variant={variant}", *args])

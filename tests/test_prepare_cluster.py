@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from held_pieces import alive
 from slurm_cluster import job_state, submit, wait_for
 from test_object_storage import SECRET, s3_settings, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
@@ -109,11 +110,13 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
     data = tmp_path / "raw"
     write_dataset(data, "text", make_docs(400, 200, 3), layout="jsonl")
     running, nodes, log = ray_processes("raylet"), ray_processes("ray start"), tmp_path / "run.log"
+    tickets = tmp_path / "tickets"  # every piece held (tests/held_pieces.py): the kill lands mid-build
     flags = [f"--data_path={data}", f"--tokenizer_path={data / 'tokenizer.json'}", "--vocab_size=4096"]
     flags += [f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={tmp_path / 'run'}"]
     with log.open("w") as out:
         torchrun = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            + [str(ROOT / "tests" / "held_pieces.py"), str(tickets), "0"]
             + [str(ROOT / "main_training.py"), *TINY, "--use_dummy_dataset=False", *flags],
             cwd=ROOT,
             env={**os.environ, **ray_env, "OMP_NUM_THREADS": "1"},
@@ -121,10 +124,9 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(
-            "the job's Ray", lambda: len(ray_processes("raylet")) > len(running) or torchrun.poll() is not None, 120
-        )
+        wait_for("a piece held on the job's Ray", lambda: bool(held(tickets)) or torchrun.poll() is not None, 120)
         assert torchrun.poll() is None, log.read_text()[-3000:]
+        assert len(ray_processes("raylet")) > len(running)
         for pid in [
             torchrun.pid,
             *process_children().get(torchrun.pid, []),
@@ -185,10 +187,14 @@ def ray_head(ray_env) -> Iterator[str]:
         stop_job_cluster(JobCluster(f"127.0.0.1:{port}", head))
 
 
-def start(corpus: dict, out: Path, env: dict, *args: str) -> subprocess.Popen:
+def start(corpus: dict, out: Path, env: dict, *args: str, held: tuple = ()) -> subprocess.Popen:
+    """fms-prepare-data on the corpus, in the background; `held`: (tickets folder, first held ticket), its
+    pieces held as tests/held_pieces.py says."""
+    hold = [str(ROOT / "tests" / "held_pieces.py"), str(held[0]), str(held[1])] if held else []
     return subprocess.Popen(
         [
             sys.executable,
+            *hold,
             "scripts/prepare_data.py",
             f"--input={corpus['raw']}",
             f"--output={out}",
@@ -204,22 +210,23 @@ def start(corpus: dict, out: Path, env: dict, *args: str) -> subprocess.Popen:
 
 
 def markers(out: Path) -> int:
+    """The finished pieces' markers in .done, and the ledger (complete.json) once the dataset is whole."""
     return len(list((out / ".done").glob("*.json")))
 
 
 def test_a_ray_cluster_writes_what_one_machine_writes_despite_a_killed_worker(corpus, ray_env, ray_head, tmp_path):
-    out = tmp_path / "ds"
-    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}")
-    killed = []
-    wait_for(
-        "a Ray worker tokenizing", lambda: bool(ray_processes("ray::process_piece_with")) or proc.poll() is not None, 60
-    )
-    for pid in ray_processes("ray::process_piece_with")[:1]:
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
+    """The first piece's worker is held until it is SIGKILLed, then every piece is let go: Ray retries it."""
+    out, tickets = tmp_path / "ds", tmp_path / "tickets"
+    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}", held=(tickets, 0))
+    wait_for("a Ray worker holding a piece", lambda: (tickets / "held-0").exists() or proc.poll() is not None, 60)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    os.kill(int((tickets / "held-0").read_text().split()[0]), signal.SIGKILL)
+    (tickets / "release").touch()
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, output
-    assert killed, "the run ended before a worker could be killed"
+    assert len(list(tickets.glob("ticket-*"))) == markers(out), (
+        "the killed piece was not run again"
+    )  # 1 more: the ledger
     assert dataset_bytes(tmp_path) == corpus["bytes"]
 
 
@@ -260,16 +267,31 @@ def test_a_ray_cluster_reads_and_writes_a_bucket_with_the_drivers_settings(corpu
 
 
 def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ray_env, ray_head, tmp_path):
-    out = tmp_path / "ds"
-    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}")
-    wait_for("the first pieces", lambda: markers(out) >= 2 or proc.poll() is not None, 60)
+    """Two pieces finish, the rest are held; the driver is SIGKILLed then, and the run again does the rest."""
+    out, tickets = tmp_path / "ds", tmp_path / "tickets"
+    proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}", held=(tickets, 2))
+    wait_for(
+        "two pieces and a held one",
+        lambda: (markers(out) == 2 and (tickets / "held-2").exists()) or proc.poll() is not None,
+        60,
+    )
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = markers(out)
+    wait_for("the held tasks to end", lambda: not any(alive(p) for p in held_pids(tickets)), 60)
+    assert markers(out) == 2
     again = prepare(corpus["raw"], out, *corpus["flags"], "--engine=ray", f"--ray_address={ray_head}", env=ray_env)
-    assert 2 <= done < markers(out), "the kill came after the last piece"
-    assert dataset_bytes(tmp_path) == corpus["bytes"]
-    assert "done before)" in again.stdout
+    assert markers(out) > 2 and dataset_bytes(tmp_path) == corpus["bytes"]
+    assert "(2 done before)" in again.stdout, again.stdout
+
+
+def held(tickets: Path) -> list[Path]:
+    """The `held-<ticket>` files of tests/held_pieces.py: a held piece's pid and Slurm array task."""
+    return list(tickets.glob("held-*"))
+
+
+def held_pids(tickets: Path) -> list[int]:
+    return [int(f.read_text().split()[0]) for f in held(tickets)]
 
 
 def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_path):
@@ -307,21 +329,28 @@ def test_a_run_builds_its_cache_on_a_local_ray_it_starts_and_stops(ray_env, ray_
 
 
 def test_an_array_task_killed_with_minus_9_and_the_array_run_again_finishes_the_same(slurm, tmp_path):
-    """One task of a running array SIGKILLed (`scancel --full --signal=KILL`), then the same sbatch again."""
+    """One task of a running array SIGKILLed (`scancel --full --signal=KILL`) while it holds a piece (four
+    pieces finish, the rest are held), then the same sbatch again."""
     raw, tok = tmp_path / "raw", word_tokenizer(tmp_path / "tok")
-    write_corpus(raw, lines=20000, words=40)
+    write_corpus(raw, lines=3000, words=40)
     flags = [f"--tokenizer={tok}", f"--piece_bytes={PIECE * 4}", "--shard_tokens=5000"]
     prepare(raw, tmp_path / "one" / "ds", *flags, "--workers=2")
-    out, env = tmp_path / "array" / "ds", {**slurm, "PYTHON": sys.executable}
+    tickets, held_python = tmp_path / "tickets", tmp_path / "held-python"
+    held_python.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "held_pieces.py"} {tickets} 4 "$@"\n')
+    held_python.chmod(0o755)
+    out = tmp_path / "array" / "ds"
     args = ["--array=0-1", "--cpus-per-task=1", "--time=10", f"--output={tmp_path / 'task-%a.out'}"]
     args += ["scripts/prepare_data.slurm", f"--input={raw}", f"--output={out}", *flags]
-    job = submit(env, *args)
-    wait_for("the tasks' first pieces", lambda: markers(out) >= 4, 120)
+    job = submit({**slurm, "PYTHON": str(held_python)}, *args)
+    wait_for("task 1 holding a piece", lambda: any(f.read_text().split()[1:] == ["1"] for f in held(tickets)), 120)
     subprocess.run(["scancel", "--full", "--signal=KILL", f"{job}_1"], env=slurm, check=True)
     ended = ("COMPLETED", "FAILED", "CANCELLED")
-    wait_for("the array to end", lambda: all(job_state(slurm, f"{job}_{i}") in ended for i in (0, 1)), 180)
-    assert job_state(slurm, f"{job}_1") != "COMPLETED", "the kill came after task 1 ended"
+    wait_for("task 1 to end", lambda: job_state(slurm, f"{job}_1") in ended, 60)
+    (tickets / "release").touch()
+    wait_for("the array to end", lambda: job_state(slurm, f"{job}_0") in ended, 180)
+    assert job_state(slurm, f"{job}_1") != "COMPLETED"
     assert not (out.parent / "meta").exists()
+    env = {**slurm, "PYTHON": sys.executable}
     done = markers(out)
     again = submit(env, *args)
     wait_for("the array again", lambda: all(job_state(slurm, f"{again}_{i}") in ended for i in (0, 1)), 180)

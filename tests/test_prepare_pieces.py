@@ -143,26 +143,32 @@ def test_killed_with_minus_9_and_run_again_it_finishes_the_same_and_redoes_only_
     write_corpus(raw, lines=3000, words=40)
     flags = [f"--tokenizer={tok}", f"--piece_bytes={PIECE * 4}", "--shard_tokens=5000", "--workers=1"]
     prepare(raw, tmp_path / "reference" / "ds", *flags)
-    out = tmp_path / "data" / "ds"
+    out, held = tmp_path / "data" / "ds", tmp_path / "held"
+    # the fourth piece waits once it began its shard (tests/held_at.py): the kill lands mid-build, mid-piece
+    hold = [str(ROOT / "tests" / "held_at.py"), str(held), "piece:3"]
     proc = subprocess.Popen(
-        [sys.executable, "scripts/prepare_data.py", f"--input={raw}", f"--output={out}", *flags],
+        [sys.executable, *hold, "scripts/prepare_data.py", f"--input={raw}", f"--output={out}", *flags],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while len(list((out / ".done").glob("*.json"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while not (held / "held-0").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no piece held (status {proc.poll()})"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     done = {p.name: p.stat().st_mtime_ns for p in (out / ".done").glob("*.json")}
+    assert len(done) == 3 and len(list(out.glob(".part-*.tmp"))) == 1  # three pieces, and half of the fourth
     for shard in out.glob("part-*.arrow"):  # whatever has a final name is whole
         pa.ipc.open_file(pa.memory_map(str(shard))).read_all()
     assert not (out.parent / "meta").exists()
 
     again = prepare(raw, out, *flags)
     total = len(list((out / ".done").glob("*.json")))
-    assert 3 <= len(done) < total, "the kill came after the last piece"
+    assert len(done) < total
     assert f"({len(done)} done before)" in again.stdout
     assert {p.name: p.stat().st_mtime_ns for p in (out / ".done").glob("*.json") if p.name in done} == done
     assert dataset_bytes(out.parent) == dataset_bytes(tmp_path / "reference")

@@ -13,13 +13,17 @@ import pytest
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory.plan import AGREEMENT, Planner, State
+from fms_fsdp.memory.plan import Planner, State
 from fms_fsdp.memory.report import report
 from fms_fsdp.model.variants import count_params, get_model_config
 from fms_fsdp.run import facts
 from fms_fsdp.train.rehearsal import rehearse
 
 from conftest import ROOT, launch
+
+# the analytic plan within 1% of the real shards' bytes: this test's own bound, not the package's AGREEMENT (which
+# only decides when the report warns)
+AGREE = 0.01
 
 MESHES = {
     "fsdp": dict(plan_world_size=8),
@@ -51,7 +55,7 @@ def test_the_real_shards_agree_with_the_analytic_plan(mesh):
     assert len(states) == run.shape.pp
     for pp_rank, state in enumerate(states):
         analytic = Planner(run.settings.memory, run.shape, run.model_config, run.pipeline, 1 << 40, pp_rank).state
-        assert state.gap(analytic) <= AGREEMENT, (state, analytic)
+        assert state.gap(analytic) <= AGREE, (state, analytic)
         assert state.grads == state.params  # every parameter trained, its gradient shard fp32 like it
         if cfg.optimizer == "adamw":
             assert state.optimizer == 2 * state.params

@@ -35,6 +35,8 @@ from fms_fsdp.train.step import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
 
+pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+
 STEPS = 10
 FIELDS = {
     "step",
