@@ -24,15 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
+from fms_fsdp.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
-from fms_fsdp.checkpoint.io import Checkpointer  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.run import Run, facts, started  # noqa: E402
-from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.train.guard import StepGuard  # noqa: E402
+from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.train.step import train_step  # noqa: E402
 
 
@@ -53,13 +53,13 @@ def bench(run: Run) -> None:
     model = build_sharded_model(run)
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     train_step(
-        model,
-        optimizer,
-        StepGuard(0, None, optimizer, info.device),
-        1,
-        iter(loader),
-        run.settings.step,
-        info.device,
+        model=model,
+        optimizer=optimizer,
+        guard=StepGuard(0, None, optimizer, info.device),
+        step=1,
+        batches=iter(loader),
+        settings=run.settings.step,
+        device=info.device,
         global_norm=False,
     )
     figures = {}
@@ -68,11 +68,17 @@ def bench(run: Run) -> None:
     }
     for mode in ("sync", "async"):
         ckpt = Checkpointer(
-            dataclasses.replace(run, settings=dataclasses.replace(run.settings, checkpoint=checkpointing[mode])),
-            model,
-            optimizer,
-            scheduler,
-            loader,
+            settings=checkpointing[mode],
+            root=run.paths.checkpoints,
+            metrics=run.paths.metrics,
+            variant=run.variant,
+            info=info,
+            config=run.flags,
+            log=run.log,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=loader,
         )
         stalls, totals = [], []
         for step in (1, 2) if mode == "sync" else (3, 4, 5):
@@ -88,9 +94,7 @@ def bench(run: Run) -> None:
         ckpt.close()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
         exporting = dataclasses.replace(run.settings.export, interval=1, format=fmt)
-        exporter = PeriodicExporter(
-            dataclasses.replace(run, settings=dataclasses.replace(run.settings, export=exporting)), model
-        )
+        exporter = PeriodicExporter(settings=exporting, root=run.paths.exports, info=info, model=model)
         start = time.perf_counter()
         exporter.export(6)
         figures[f"export_{fmt}_stall_s"] = round(time.perf_counter() - start, 3)

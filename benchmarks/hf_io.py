@@ -33,14 +33,14 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.hf import write_hf_folder  # noqa: E402
-from fms_fsdp.checkpoint.reader import Tensors  # noqa: E402
 from fms_fsdp.checkpoint.weights import load_weights  # noqa: E402
+from fms_fsdp.checkpoint.weights_reader import Tensors  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.compat import local_tensor  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
 from fms_fsdp.run import facts, started  # noqa: E402
-from fms_fsdp.train.build import build_sharded_model  # noqa: E402
+from fms_fsdp.train.make_model import build_sharded_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def run(argv: list[str]) -> None:
         load_weights(model, folder, cfg.model_variant)
         dist.barrier()
         import_s, imported = time.perf_counter() - start, status_mib("VmHWM")
-        exporter = PeriodicExporter(r, model)
+        exporter = PeriodicExporter(settings=r.settings.export, root=r.paths.exports, info=r.info, model=model)
         staged = reset_peak()
         start = time.perf_counter()
         stall = exporter.export(1)

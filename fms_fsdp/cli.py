@@ -3,9 +3,9 @@
 | command (console script)      | script                    | what runs                                  |
 |-------------------------------|---------------------------|--------------------------------------------|
 | fms-train                     | main_training.py          | train/loop.run_training (dry_run)          |
-| fms-evaluate                  | scripts/evaluate.py       | evaluation/evaluate.evaluate_checkpoint    |
+| fms-evaluate                  | scripts/evaluate.py       | cli._evaluate_checkpoint                   |
 | fms-prepare-data              | scripts/prepare_data.py   | data/prepare.prepare_data                  |
-| fms-inspect-data              | scripts/inspect_data.py   | data/inspect.inspect_data                  |
+| fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data               |
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
 | fms-to-hf                     | fms_to_hf.py              | checkpoint/hf.convert                      |
@@ -120,7 +120,7 @@ def quiet_library_noise() -> None:
     # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
     logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
     # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
-    # traceback; train/ft.py says what happened in one line, and the group's torchft.log keeps torchft's lines
+    # traceback; resilience/ft.py says what happened in one line, and the group's torchft.log keeps torchft's lines
     # (file_torchft_log). A live transfer's tensors come from a read-only buffer
     os.environ.setdefault("RUST_LOG", "warn")
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
@@ -162,7 +162,7 @@ def label_groups(ft: Any) -> None:
 
 def file_torchft_log(path: Optional[Path]) -> None:
     """torchft's own log (its quorums, live transfers, handled failures with their tracebacks) appended to
-    `path` by every rank of the replica group, each line with its rank, never on the console (train/ft.py
+    `path` by every rank of the replica group, each line with its rank, never on the console (resilience/ft.py
     says what happened in one line); dropped where `path` is None (object storage)."""
     if path is None:
         return
@@ -238,14 +238,36 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
 
     def work() -> None:
         quiet_library_noise()
-        from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation, evaluate_checkpoint
+        from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
         from fms_fsdp.run import facts
         from fms_fsdp.settings import checkpoint_evaluation_of
 
         check_checkpoint_evaluation(checkpoint_evaluation_of(cfg))
-        evaluate_checkpoint(facts(cfg, run_cache=False))
+        _evaluate_checkpoint(facts(cfg, run_cache=False))  # no data cache kept under --ckpt_save_path
 
     guarded(work)
+
+
+def _evaluate_checkpoint(run: Any) -> None:
+    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
+    folder), built as training builds it, evaluated by every rank of the launch; rank 0 prints the lines
+    of evaluation.evaluate.evaluation_lines."""
+    from fms_fsdp.checkpoint.weights import load_weights
+    from fms_fsdp.evaluation.evaluate import Evaluator, evaluate_once, evaluation_lines
+    from fms_fsdp.evaluation.harness import HarnessEvaluator
+    from fms_fsdp.run import started
+    from fms_fsdp.train.make_model import build_sharded_model
+
+    load_path = run.settings.checkpoint.load_path
+    assert load_path is not None, "check_checkpoint_evaluation: --ckpt_load_path is given"
+    with started(run) as run:
+        evaluator = Evaluator(run.settings.evaluation, run.info)
+        harness = HarnessEvaluator(run.settings.harness, run.info)
+        model = build_sharded_model(run)
+        load_weights(model, load_path, run.variant)
+        record = evaluate_once(model, evaluator, harness)
+    for line in evaluation_lines(record):
+        run.log(line)
 
 
 # ------------------------------------------------------------------------------------ tools
@@ -302,7 +324,7 @@ def _prepare_data(
                     the task that finishes the last piece writes the counts
     --finalize      tokenize nothing: write the counts once every piece is finished (or say what is left)
     """
-    from fms_fsdp.data.prepare import prepare_data
+    from fms_fsdp.data.prepare.build import prepare_data
 
     prepare_data(
         input,
@@ -339,7 +361,7 @@ def _inspect_data(
     --col_name    the column holding the token ids (Arrow, Parquet)
     --token_dtype the dtype of headerless .npy token arrays (auto: uint16 when --vocab_size <= 65536, else uint32)
     """
-    from fms_fsdp.data.inspect import inspect_data
+    from fms_fsdp.data.inspection import inspect_data
 
     inspect_data(data_path, datasets, vocab_size, eos_token, bos_token, col_name, token_dtype)
 

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from fms_fsdp.errors import ConfigError, first_line
 from fms_fsdp.parallel.process_group import DistInfo
+from fms_fsdp.periodic import Report
 from fms_fsdp.storage import is_remote, storage_error
 from fms_fsdp.trackers import Trackers
-from fms_fsdp.train.periodic import Report
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
@@ -50,7 +50,7 @@ def peak_flops(device: torch.device, override_tflops: Optional[float]) -> Option
     return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in name), None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MetricsSettings:
     """The flags the reports read (built once: settings.py)."""
 

@@ -60,7 +60,7 @@ def adamw_kernels(impl: str, device: torch.device, skip_bad_steps: int) -> str:
     return impl
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerSettings:
     """The flags of AdamW: learning rate, weight decay (and whether norms and embeddings decay), betas,
     epsilon, kernels, and --skip_bad_steps (which needs the fused kernels)."""

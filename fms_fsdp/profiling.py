@@ -17,14 +17,14 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from fms_fsdp.compat import cuda_memory_snapshot, record_cuda_memory_history
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.parallel.process_group import DistInfo
-from fms_fsdp.train.periodic import Report
+from fms_fsdp.periodic import Report
 
 # skip 1 step, warm up 2, record 3: past compilation and FSDP's first all-gathers, bounded in size
 WAIT, WARMUP, ACTIVE = 1, 2, 3
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfilerSettings:
     """--use_profiler, --profiler_rank0_only, --profiler_dir and --profiler_memory_snapshot."""
 

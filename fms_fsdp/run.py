@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -32,8 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.checkpoint.weights import check_load_path
 from fms_fsdp.compat import check_torch
-from fms_fsdp.config import to_yaml, train_config
-from fms_fsdp.data.build import check_tokenizer
+from fms_fsdp.config import to_dict, to_yaml, train_config
+from fms_fsdp.data.make_loader import check_tokenizer
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
@@ -50,9 +50,9 @@ from fms_fsdp.parallel.process_group import (
     world_from_env,
 )
 from fms_fsdp.profiling import check_profiler
+from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, location, make_folder
-from fms_fsdp.train.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
 RECORDED_ENV = ("NCCL_", "TORCH_", "CUDA_")  # environment variables a run record keeps
@@ -89,7 +89,7 @@ class Paths:
 
     @property
     def diagnostics(self) -> Path:
-        """What a hang leaves (train/hangs.py)."""
+        """What a hang leaves (resilience/hangs.py)."""
         return self.root / "diagnostics"
 
     @property
@@ -141,6 +141,11 @@ class Run:
     def variant(self) -> str:
         """--model_variant."""
         return self.cfg.model_variant
+
+    @property
+    def flags(self) -> dict[str, Any]:
+        """The run's flags as a plain dict (each checkpoint's metadata.pth records them)."""
+        return to_dict(self.cfg)
 
     @property
     def vocab_size(self) -> int:
@@ -293,7 +298,7 @@ def write_config(run: Run) -> None:
 
 
 def summary(run: Run, start: int) -> list[str]:
-    """The end of a training run's start-up lines, after the model's (model, mesh; train/build.py): the
+    """The end of a training run's start-up lines, after the model's (model, mesh; train/make_model.py): the
     data, the steps, and where the config went."""
     cfg = run.cfg
     if cfg.use_dummy_dataset:

@@ -34,7 +34,7 @@ def default_warmup(num_steps: int) -> int:
     return min(2000, num_steps // 20)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleSettings:
     """The learning-rate flags: --training_stage, --lr_schedule, --num_steps, the cycles (--lr_cycles,
     --lr_cycle_length or --lr_cycle_ends, as the steps they start at), --warmup_steps, --lr_rewarmup,

@@ -22,36 +22,36 @@ from typing import Optional
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
 from fms_fsdp.config import parse_fraction, to_dict, train_config
-from fms_fsdp.data.cache import IN_DATA
+from fms_fsdp.data.data_cache_dir import IN_DATA
+from fms_fsdp.data.file_reader import Options
 from fms_fsdp.data.mixture import MixtureSchedule
-from fms_fsdp.data.reader import Options
+from fms_fsdp.data.prepare.settings import CacheSettings, RaySettings
 from fms_fsdp.data.settings import DataSettings
 from fms_fsdp.data.shards import Layout
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec
-from fms_fsdp.data.token_cache import CacheSettings, RaySettings
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.memory.plan import MemorySettings, Setting
 from fms_fsdp.metrics import MetricsSettings
-from fms_fsdp.model.attention import AttentionSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
+from fms_fsdp.parallel.attention import AttentionSettings
 from fms_fsdp.parallel.mesh import MeshSettings
 from fms_fsdp.parallel.parallelize import ParallelSettings
 from fms_fsdp.parallel.pipeline import PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
+from fms_fsdp.resilience.ft_settings import FTSettings
+from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.storage import is_remote, location
 from fms_fsdp.trackers import TrackerSettings
-from fms_fsdp.train.ft_settings import FTSettings
 from fms_fsdp.train.settings import LoopSettings, ModelSettings
 from fms_fsdp.train.step import StepSettings
-from fms_fsdp.train.triggers import TriggerSettings
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """The settings of the run's components, one object each."""
 
@@ -86,54 +86,81 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         optimizer=optimizer_of(cfg),
         parallel=parallel,
         lora=lora,
-        profiler=ProfilerSettings(
-            cfg.use_profiler,
-            cfg.profiler_rank0_only,
-            cfg.profiler_dir,
-            cfg.use_profiler and cfg.profiler_memory_snapshot,
-        ),
-        triggers=TriggerSettings(
-            cfg.num_steps,
-            cfg.checkpoint_interval,
-            cfg.checkpoint_minutes,
-            cfg.expected_hours_between_failures,
-            cfg.collective_timeout_minutes,
-            cfg.max_run_minutes,
-        ),
-        checkpoint=CheckpointSettings(
-            KeepPolicy.parse(
-                cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
-            ),
-            cfg.async_checkpoint,
-            cfg.on_checkpoint_error,
-            cfg.ckpt_load_path,
-            bool(cfg.lora_rank),
-        ),
-        export=ExportSettings(
-            cfg.export_interval,
-            cfg.export_format,
-            cfg.export_keep,
-            cfg.tokenizer_path,
-            cfg.bos_token,
-            cfg.eos_token,
-            lora,
-            cfg.ckpt_load_path,
-        ),
+        profiler=profiler_of(cfg),
+        triggers=triggers_of(cfg),
+        checkpoint=checkpoint_of(cfg),
+        export=export_of(cfg, lora),
         evaluation=evaluation_of(cfg, layout, packing),
         harness=harness_of(cfg),
         memory=memory_of(cfg, parallel, lora),
         attention=AttentionSettings(
-            cfg.eos_token if cfg.document_masking else None,
-            cfg.document_positions == "document",
-            cfg.use_torch_compile,
-            cfg.cp_attention == "ring",
+            eos=cfg.eos_token if cfg.document_masking else None,
+            restart_positions=cfg.document_positions == "document",
+            compile=cfg.use_torch_compile,
+            ring=cfg.cp_attention == "ring",
         ),
         trackers=trackers_of(cfg),
         loop=loop_of(cfg),
-        step=StepSettings(cfg.grad_accum_steps, cfg.grad_clip_thresh),
-        metrics=MetricsSettings(cfg.batch_size, cfg.seq_length, cfg.grad_accum_steps, cfg.peak_tflops, cfg.num_steps),
-        model=ModelSettings(cfg.low_cpu_fsdp, cfg.seed, cfg.z_loss_weight),
+        step=StepSettings(grad_accum_steps=cfg.grad_accum_steps, grad_clip_thresh=cfg.grad_clip_thresh),
+        metrics=metrics_of(cfg),
+        model=ModelSettings(low_cpu=cfg.low_cpu_fsdp, seed=cfg.seed, z_loss_weight=cfg.z_loss_weight),
         data=data_of(cfg, layout, packing),
+    )
+
+
+def profiler_of(cfg: train_config) -> ProfilerSettings:
+    return ProfilerSettings(
+        enabled=cfg.use_profiler,
+        rank0_only=cfg.profiler_rank0_only,
+        folder=cfg.profiler_dir,
+        memory_snapshot=cfg.use_profiler and cfg.profiler_memory_snapshot,
+    )
+
+
+def triggers_of(cfg: train_config) -> TriggerSettings:
+    return TriggerSettings(
+        num_steps=cfg.num_steps,
+        interval=cfg.checkpoint_interval,
+        minutes=cfg.checkpoint_minutes,
+        hours_between_failures=cfg.expected_hours_between_failures,
+        timeout_minutes=cfg.collective_timeout_minutes,
+        max_run_minutes=cfg.max_run_minutes,
+    )
+
+
+def checkpoint_of(cfg: train_config) -> CheckpointSettings:
+    """--checkpoint_keep* parsed once (ConfigError naming the flag)."""
+    return CheckpointSettings(
+        policy=KeepPolicy.parse(
+            cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
+        ),
+        background=cfg.async_checkpoint,
+        on_error=cfg.on_checkpoint_error,
+        load_path=cfg.ckpt_load_path,
+        lora=bool(cfg.lora_rank),
+    )
+
+
+def export_of(cfg: train_config, lora: Optional[LoRASpec]) -> ExportSettings:
+    return ExportSettings(
+        interval=cfg.export_interval,
+        format=cfg.export_format,
+        keep=cfg.export_keep,
+        tokenizer_path=cfg.tokenizer_path,
+        bos=cfg.bos_token,
+        eos=cfg.eos_token,
+        lora=lora,
+        base=cfg.ckpt_load_path,
+    )
+
+
+def metrics_of(cfg: train_config) -> MetricsSettings:
+    return MetricsSettings(
+        batch_size=cfg.batch_size,
+        seq_length=cfg.seq_length,
+        grad_accum_steps=cfg.grad_accum_steps,
+        peak_tflops=cfg.peak_tflops,
+        num_steps=cfg.num_steps,
     )
 
 
@@ -141,29 +168,31 @@ def data_of(cfg: train_config, layout: Layout, packing: Packing) -> DataSettings
     """The training data's settings: --weights_schedule parsed once (ConfigError naming it), --cache_dir's."""
     schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
     return DataSettings(
-        cfg.use_dummy_dataset,
-        cfg.batch_size,
-        cfg.seed,
-        cfg.data_path,
-        cfg.datasets,
-        cfg.weights,
-        schedule,
-        layout,
-        packing,
-        cfg.logical_shards,
-        cfg.num_workers,
-        cfg.grad_accum_steps,
-        cache_of(cfg),
+        use_dummy_dataset=cfg.use_dummy_dataset,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        data_path=cfg.data_path,
+        datasets=cfg.datasets,
+        weights=cfg.weights,
+        schedule=schedule,
+        layout=layout,
+        packing=packing,
+        logical_shards=cfg.logical_shards,
+        num_workers=cfg.num_workers,
+        grad_accum_steps=cfg.grad_accum_steps,
+        cache=cache_of(cfg),
     )
 
 
 def cache_of(cfg: train_config) -> Optional[CacheSettings]:
-    """--cache_dir and how it is tokenized (data/token_cache.py); None without it."""
+    """--cache_dir and how it is tokenized (data/prepare/cache_dir.py); None without it."""
     if cfg.cache_dir is None:
         return None
     assert cfg.tokenizer_path is not None  # config.validate: --cache_dir needs --tokenizer_path
-    ray = RaySettings(cfg.ray_address, cfg.ray_start_workers, cfg.ray_auto_start_cluster)
-    return CacheSettings(cfg.cache_dir, cfg.tokenizer_path, cfg.text_field, ray)
+    ray = RaySettings(
+        address=cfg.ray_address, start_workers=cfg.ray_start_workers, auto_start_cluster=cfg.ray_auto_start_cluster
+    )
+    return CacheSettings(cache_dir=cfg.cache_dir, tokenizer_path=cfg.tokenizer_path, text_field=cfg.text_field, ray=ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:
@@ -177,7 +206,7 @@ def packing_of(cfg: train_config, vocab_size: int) -> Packing:
 def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = True) -> Layout:
     """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
     cache folder is --data_cache_dir, else (`run_cache`: a training run's) <ckpt_save_path>/data_cache
-    (data/cache.py), else none."""
+    (data/data_cache_dir.py), else none."""
     text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
     options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
     cache = cfg.data_cache_dir
@@ -196,27 +225,33 @@ def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = Tr
 def loop_of(cfg: train_config) -> LoopSettings:
     """The flags the training loop reads itself."""
     return LoopSettings(
-        cfg.num_steps,
-        cfg.report_interval,
-        cfg.seed,
-        cfg.skip_bad_steps,
-        cfg.spike_sigma,
-        cfg.grad_clip_thresh,
-        cfg.straggler_threshold,
-        cfg.straggler_reports,
-        cfg.batch_size,
-        cfg.seq_length,
-        cfg.mixed_precision,
-        cfg.checkpoint_interval,
-        cfg.stop_exit_status,
-        cfg.export_model_at_end,
+        num_steps=cfg.num_steps,
+        report_interval=cfg.report_interval,
+        seed=cfg.seed,
+        skip_bad_steps=cfg.skip_bad_steps,
+        spike_sigma=cfg.spike_sigma,
+        grad_clip_thresh=cfg.grad_clip_thresh,
+        straggler_threshold=cfg.straggler_threshold,
+        straggler_reports=cfg.straggler_reports,
+        batch_size=cfg.batch_size,
+        seq_length=cfg.seq_length,
+        mixed_precision=cfg.mixed_precision,
+        checkpoint_interval=cfg.checkpoint_interval,
+        stop_exit_status=cfg.stop_exit_status,
+        export_model_at_end=cfg.export_model_at_end,
     )
 
 
 def trackers_of(cfg: train_config) -> TrackerSettings:
     """--tracker's settings, with every flag's value for the trackers' hyper-parameters."""
     names = tuple(cfg.tracker or ())
-    return TrackerSettings(names, cfg.tracker_project_name, cfg.tracker_dir, cfg.tracker_run_id, to_dict(cfg))
+    return TrackerSettings(
+        names=names,
+        project=cfg.tracker_project_name,
+        folder=cfg.tracker_dir,
+        run_id=cfg.tracker_run_id,
+        config=to_dict(cfg),
+    )
 
 
 def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:
@@ -224,62 +259,62 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
     its adapters `lora`'s."""
     fraction = parallel.checkpointing
     return MemorySettings(
-        Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
-        cfg.model_variant,
-        cfg.vocab_size,
-        cfg.seq_length,
-        cfg.mixed_precision,
-        cfg.device,
-        cfg.use_torch_compile,
-        cfg.document_masking,
-        cfg.cp_attention,
-        cfg.optimizer == "muon",
-        lora,
-        cfg.plan_device_memory_gib,
+        setting=Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
+        variant=cfg.model_variant,
+        vocab_size=cfg.vocab_size,
+        seq_length=cfg.seq_length,
+        mixed_precision=cfg.mixed_precision,
+        device=cfg.device,
+        compile=cfg.use_torch_compile,
+        document_masking=cfg.document_masking,
+        cp_attention=cfg.cp_attention,
+        muon=cfg.optimizer == "muon",
+        lora=lora,
+        device_gib=cfg.plan_device_memory_gib,
     )
 
 
 def evaluation_of(cfg: train_config, layout: Layout, packing: Packing) -> EvalSettings:
     """--eval_data_path's evaluation, its datasets read and framed as training's (`layout`, `packing`)."""
     return EvalSettings(
-        cfg.eval_interval,
-        cfg.num_steps,
-        cfg.eval_data_path,
-        cfg.eval_datasets,
-        cfg.eval_batch_size or cfg.batch_size,
-        cfg.eval_batches,
-        cfg.pipeline_parallel_size > 1,
-        layout if cfg.eval_interval else None,
-        packing,
+        interval=cfg.eval_interval,
+        num_steps=cfg.num_steps,
+        data_path=cfg.eval_data_path,
+        datasets=cfg.eval_datasets,
+        batch=cfg.eval_batch_size or cfg.batch_size,
+        batches=cfg.eval_batches,
+        pipelined=cfg.pipeline_parallel_size > 1,
+        layout=layout if cfg.eval_interval else None,
+        packing=packing,
     )
 
 
 def checkpoint_evaluation_of(cfg: train_config) -> CheckpointEvalSettings:
     """What `fms-evaluate` is asked to evaluate (checked before the run's facts)."""
     return CheckpointEvalSettings(
-        cfg.ckpt_load_path,
-        bool(cfg.eval_data_path),
-        bool(cfg.eval_harness_tasks),
-        cfg.pipeline_parallel_size,
-        bool(cfg.lora_rank),
+        load_path=cfg.ckpt_load_path,
+        data=bool(cfg.eval_data_path),
+        tasks=bool(cfg.eval_harness_tasks),
+        pipeline_parallel_size=cfg.pipeline_parallel_size,
+        lora=bool(cfg.lora_rank),
     )
 
 
 def harness_of(cfg: train_config) -> HarnessSettings:
     """--eval_harness_tasks's settings, the task names parsed once."""
     return HarnessSettings(
-        task_names(cfg.eval_harness_tasks),
-        cfg.eval_harness_include_path,
-        cfg.tokenizer_path,
-        cfg.eval_harness_interval,
-        cfg.eval_harness_limit or None,
-        cfg.num_steps,
-        cfg.seq_length,
-        cfg.eval_batch_size or cfg.batch_size,
-        cfg.eos_token,
-        cfg.bos_token if cfg.bos_token is not None else cfg.eos_token,
-        cfg.context_parallel_size,
-        cfg.tensor_parallel_size,
+        tasks=task_names(cfg.eval_harness_tasks),
+        include_path=cfg.eval_harness_include_path,
+        tokenizer_path=cfg.tokenizer_path,
+        interval=cfg.eval_harness_interval,
+        limit=cfg.eval_harness_limit or None,
+        num_steps=cfg.num_steps,
+        seq_length=cfg.seq_length,
+        batch=cfg.eval_batch_size or cfg.batch_size,
+        eos=cfg.eos_token,
+        prefix=cfg.bos_token if cfg.bos_token is not None else cfg.eos_token,
+        cp=cfg.context_parallel_size,
+        tp=cfg.tensor_parallel_size,
     )
 
 
@@ -287,30 +322,30 @@ def schedule_of(cfg: train_config) -> ScheduleSettings:
     """The learning-rate schedule's settings (ConfigError for cycles or a decay that cannot be)."""
     starts = cycle_starts(cfg.num_steps, cfg.lr_cycles, cfg.lr_cycle_length, cfg.lr_cycle_ends)
     return ScheduleSettings(
-        cfg.training_stage,
-        cfg.lr_schedule,
-        cfg.num_steps,
-        starts,
-        cfg.warmup_steps,
-        cfg.lr_rewarmup,
-        cfg.decay_steps,
-        cfg.min_lr_ratio,
+        stage=cfg.training_stage,
+        schedule=cfg.lr_schedule,
+        steps=cfg.num_steps,
+        starts=starts,
+        warmup=cfg.warmup_steps,
+        rewarmup=cfg.lr_rewarmup,
+        decay=cfg.decay_steps,
+        min_ratio=cfg.min_lr_ratio,
     )
 
 
 def optimizer_of(cfg: train_config) -> OptimizerSettings:
     """The optimizer's settings (AdamW, or Muon for the blocks' matrices)."""
     return OptimizerSettings(
-        cfg.learning_rate,
-        cfg.weight_decay,
-        cfg.weight_decay_norms_and_embeddings,
-        (cfg.adam_beta1, cfg.adam_beta2),
-        cfg.adam_eps,
-        cfg.optimizer_impl,
-        cfg.skip_bad_steps,
-        cfg.optimizer == "muon",
-        cfg.muon_momentum,
-        cfg.muon_adjust_lr,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        decay_all=cfg.weight_decay_norms_and_embeddings,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        impl=cfg.optimizer_impl,
+        skip_bad_steps=cfg.skip_bad_steps,
+        muon=cfg.optimizer == "muon",
+        muon_momentum=cfg.muon_momentum,
+        muon_adjust_lr=cfg.muon_adjust_lr,
     )
 
 
@@ -321,7 +356,7 @@ def lora_of(cfg: train_config) -> Optional[LoRASpec]:
 
 def float8_of(cfg: train_config) -> Optional[Float8Settings]:
     """--float8's settings, or None without it."""
-    return Float8Settings(cfg.float8_recipe, cfg.float8_min_size) if cfg.float8 else None
+    return Float8Settings(recipe=cfg.float8_recipe, min_size=cfg.float8_min_size) if cfg.float8 else None
 
 
 def parallel_of(cfg: train_config) -> ParallelSettings:
@@ -329,11 +364,11 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
     bf16 and float8."""
     fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
     return ParallelSettings(
-        fraction if cfg.fsdp_activation_checkpointing else None,
-        cfg.ac_mode,
-        cfg.use_torch_compile,
-        cfg.mixed_precision,
-        float8_of(cfg),
+        checkpointing=fraction if cfg.fsdp_activation_checkpointing else None,
+        ac_mode=cfg.ac_mode,
+        compile=cfg.use_torch_compile,
+        mixed_precision=cfg.mixed_precision,
+        float8=float8_of(cfg),
     )
 
 
@@ -341,34 +376,34 @@ def mesh_of(cfg: train_config) -> MeshSettings:
     """The mesh's flags (run.facts lays out the mesh from them before the other settings are built, and
     keeps its shape: run.shape)."""
     return MeshSettings(
-        cfg.pipeline_parallel_size,
-        cfg.tensor_parallel_size,
-        cfg.context_parallel_size,
-        cfg.sharding_strategy,
-        cfg.sharding_group_size,
-        cfg.seq_length,
-        cfg.cp_attention,
-        cfg.document_masking,
-        cfg.mixed_precision,
-        cfg.use_torch_compile,
-        cfg.float8,
-        bool(cfg.lora_rank),
+        pp=cfg.pipeline_parallel_size,
+        tp=cfg.tensor_parallel_size,
+        cp=cfg.context_parallel_size,
+        sharding_strategy=cfg.sharding_strategy,
+        sharding_group_size=cfg.sharding_group_size,
+        seq_length=cfg.seq_length,
+        cp_attention=cfg.cp_attention,
+        document_masking=cfg.document_masking,
+        mixed_precision=cfg.mixed_precision,
+        compile=cfg.use_torch_compile,
+        float8=cfg.float8,
+        lora=bool(cfg.lora_rank),
     )
 
 
 def pipeline_of(cfg: train_config) -> PipelineSettings:
     """The pipeline's flags (run.facts plans the stages from them, and keeps the plan: run.pipeline)."""
     return PipelineSettings(
-        cfg.pipeline_parallel_size,
-        cfg.pipeline_schedule,
-        cfg.pipeline_stages_per_rank,
-        cfg.pipeline_microbatches,
-        cfg.pipeline_split,
-        cfg.batch_size,
-        cfg.model_variant,
-        cfg.grad_accum_steps,
-        bool(cfg.eval_harness_tasks),
-        cfg.eval_batch_size,
+        size=cfg.pipeline_parallel_size,
+        schedule=cfg.pipeline_schedule,
+        stages_per_rank=cfg.pipeline_stages_per_rank,
+        microbatches=cfg.pipeline_microbatches,
+        split=cfg.pipeline_split,
+        batch_size=cfg.batch_size,
+        variant=cfg.model_variant,
+        grad_accum_steps=cfg.grad_accum_steps,
+        harness=bool(cfg.eval_harness_tasks),
+        eval_batch_size=cfg.eval_batch_size,
     )
 
 
@@ -380,7 +415,7 @@ SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metad
 
 
 def shared_of(cfg: train_config) -> str:
-    """The values of SHARED_FLAGS, as --fault_tolerance's fingerprint holds them (train/ft_settings.py)."""
+    """The values of SHARED_FLAGS, as --fault_tolerance's fingerprint holds them (resilience/ft_settings.py)."""
     return "|".join(f"{f}={getattr(cfg, f)!r}" for f in SHARED_FLAGS)
 
 

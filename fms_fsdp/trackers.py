@@ -25,7 +25,7 @@ from fms_fsdp.parallel.process_group import on_rank0
 RUN_IDS_FILE = "tracker_runs.json"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrackerSettings:
     """--tracker and its flags, and the resolved config the trackers record as hyper-parameters (built
     once: settings.py)."""

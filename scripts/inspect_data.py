@@ -1,4 +1,4 @@
-"""Report what the loader will read from a data folder, and what looks wrong in it (the logic: fms_fsdp/data/inspect.py, behind fms_fsdp/cli.py; installed as `fms-inspect-data`)."""
+"""Report what the loader will read from a data folder, and what looks wrong in it (the logic: fms_fsdp/data/inspection.py, behind fms_fsdp/cli.py; installed as `fms-inspect-data`)."""
 
 import sys
 from pathlib import Path

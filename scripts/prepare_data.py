@@ -1,4 +1,4 @@
-"""Tokenize raw text into training shards (the logic: fms_fsdp/data/prepare.py, behind fms_fsdp/cli.py; installed as `fms-prepare-data`)."""
+"""Tokenize raw text into training shards (the logic: fms_fsdp/data/prepare/build.py, behind fms_fsdp/cli.py; installed as `fms-prepare-data`)."""
 
 import sys
 from pathlib import Path

@@ -12,7 +12,7 @@ command's function itself. <point>, optionally limited to one rank (`step:5@1`):
   write:N   --async_checkpoint: in step N's background write, before DCP writes its files (the ranks'
             loader and run state are in the folder); training goes on until it waits for that write
             (at the next save)
-  agree:N   before the first agreement of the ranks (train/triggers.py) at step N or later, so that a
+  agree:N   before the first agreement of the ranks (resilience/triggers.py) at step N or later, so that a
             stop signal sent meanwhile is agreed at that step
   piece:N   fms-prepare-data's piece N (counted from 0, in the order it runs them: --workers=1), once its
             first document went into its shard's temporary file
@@ -138,7 +138,7 @@ def install(folder: Path, point: str) -> None:
 
         writer.storage_writer = held_storage_writer
     elif where == "agree":
-        from fms_fsdp.train.triggers import StepTriggers
+        from fms_fsdp.resilience.triggers import StepTriggers
 
         poll = StepTriggers.poll
 
@@ -150,7 +150,7 @@ def install(folder: Path, point: str) -> None:
 
         StepTriggers.poll = held_poll  # type: ignore[method-assign]
     else:
-        from fms_fsdp.data import prepare
+        from fms_fsdp.data.prepare import build as prepare
 
         pieces = itertools.count()
 

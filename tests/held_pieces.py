@@ -66,7 +66,7 @@ def held_on_ray(tickets: Path, first_held: int, driver: int):
 
     def held_task(job, tokenizer):
         hold(tickets, first_held, driver)
-        from fms_fsdp.data import prepare
+        from fms_fsdp.data.prepare import build as prepare
 
         return prepare.process_piece_with(job, tokenizer)
 
@@ -76,7 +76,7 @@ def held_on_ray(tickets: Path, first_held: int, driver: int):
 def main() -> None:
     tickets, first_held, script = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     tickets.mkdir(parents=True, exist_ok=True)
-    from fms_fsdp.data import prepare
+    from fms_fsdp.data.prepare import build as prepare
 
     driver = os.getpid()
     prepare.process_piece = held_locally(prepare.process_piece, tickets, first_held, driver)

@@ -19,7 +19,7 @@ from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
 from fms_fsdp.run import facts, with_mesh
-from fms_fsdp.train.build import build_sharded_model
+from fms_fsdp.train.make_model import build_sharded_model
 
 
 def peak_rss_mb() -> float:

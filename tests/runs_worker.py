@@ -9,9 +9,9 @@ import os
 
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
+from fms_fsdp.resilience.triggers import StopRequest
 from fms_fsdp.run import facts, with_mesh
 from fms_fsdp.train.loop import train_run
-from fms_fsdp.train.triggers import StopRequest
 
 # every run's flags before any process group; each run's facts just before it (a run may load what an
 # earlier one wrote)

@@ -177,3 +177,108 @@ def test_modules_functions_and_folders_stay_small():
     assert not long_functions, long_functions
     top = [p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= 22, f"{len(top)} modules directly in fms_fsdp/: group them in folders by concern"
+
+
+# the calls that must name their arguments: a settings class, the loop, a training step, a loader (two ints
+# swapped in a positional call is a bug neither mypy nor a reader sees)
+KEYWORD_CALLS = ("Loop", "train_step", "StatefulLoader", "DummyDataLoader")
+
+
+def called_name(node: ast.Call) -> str:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def test_settings_the_loop_its_step_and_the_loaders_are_called_by_keyword():
+    """At most 3 positional arguments to any of them; settings classes take keywords only."""
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    positional = [
+        f"{p.relative_to(ROOT)}:{node.lineno} {called_name(node)} ({len(node.args)} positional)"
+        for p in files
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Call)
+        and (called_name(node).endswith("Settings") or called_name(node) in KEYWORD_CALLS)
+        and len(node.args) > 3
+    ]
+    assert not positional, positional
+    import dataclasses
+
+    classes = [
+        getattr(importlib.import_module(module_name(p)), node.name)
+        for p in PACKAGE.rglob("*.py")
+        for node in ast.parse(p.read_text()).body
+        if isinstance(node, ast.ClassDef) and (node.name.endswith("Settings") or node.name == "Loop")
+    ]
+    assert len(classes) >= 25
+    by_position = [c.__qualname__ for c in classes if not all(f.kw_only for f in dataclasses.fields(c) if f.init)]
+    assert not by_position, f"make these @dataclass(kw_only=True): {by_position}"
+
+
+# the flags read at start-up rather than turned into a component's settings (fms_fsdp/run.py, cli.py)
+READ_AT_START_UP = {"dry_run", "plan_world_size", "rope_scaling_factor", "rope_theta"}
+
+
+def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
+    """Each field of the flat config is read in settings.py, or is one of READ_AT_START_UP: a flag that no
+    component sees would be accepted and do nothing."""
+    import dataclasses
+
+    from fms_fsdp.config import train_config
+
+    def read_in(path) -> set[str]:
+        return {n.attr for n in ast.walk(ast.parse(path.read_text())) if reads_a_field(n)}
+
+    flags = {f.name for f in dataclasses.fields(train_config)}
+    settings = read_in(PACKAGE / "settings.py")
+    start_up = set().union(*(read_in(PACKAGE / name) for name in ("run.py", "cli.py")))
+    assert flags - settings - start_up == set(), "flags that nothing reads"
+    assert flags - settings == READ_AT_START_UP
+    assert READ_AT_START_UP <= start_up
+
+
+def test_no_module_shadows_the_standard_library_and_base_names_are_unique():
+    """`inspect.py`, `io.py` beside the standard library's, or two `reader.py`s, make a reader (and a
+    traceback) ask which one is meant; only `settings.py` is one per folder by design."""
+    import collections
+    import sys
+
+    stems = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert not [s for s in stems if s in sys.stdlib_module_names]
+    shared = sorted(s for s, n in collections.Counter(stems).items() if n > 1)
+    assert shared == ["settings"], shared
+
+
+def room(module: str) -> str:
+    """The folder (or top module) a module is in: fms_fsdp.checkpoint.save -> checkpoint."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_components_do_not_import_the_run_and_every_arrow_points_down():
+    """The components take their settings, paths and a log function, not the run (fms_fsdp/run.py, whose
+    `cfg` is the flat config); and no two folders or top modules import each other (what they share
+    sits below both: periodic.py, resilience/, small protocols a caller passes in)."""
+    graph = package_imports()
+    components = ("checkpoint", "evaluation", "data", "model", "parallel", "memory")
+    taking_the_run = sorted(m for m, deps in graph.items() if room(m) in components and "fms_fsdp.run" in deps)
+    assert not taking_the_run, taking_the_run
+    arrows = {(room(m), room(d)) for m, deps in graph.items() for d in deps if room(m) and room(d) != room(m)}
+    both_ways = sorted({tuple(sorted(a)) for a in arrows if a[::-1] in arrows})
+    assert not both_ways, both_ways
+
+
+def test_the_training_folder_holds_the_loop_only():
+    """train/: the loop and its step, guard, settings, model build and rehearsal; resilience/ the rest."""
+    assert len([p for p in (PACKAGE / "train").glob("*.py") if p.name != "__init__.py"]) <= 7
+
+
+def test_the_loader_imports_without_the_preparation_or_ray():
+    """A run without --cache_dir loads neither fms-prepare-data's code (data/prepare/) nor Ray."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fms_fsdp.data.make_loader; "
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('fms_fsdp.data.prepare.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['fms_fsdp.data.prepare.settings']", out

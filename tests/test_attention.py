@@ -1,4 +1,4 @@
-"""Document masking (--document_masking, --document_positions; fms_fsdp/model/attention.py): a packed line's
+"""Document masking (--document_masking, --document_positions; fms_fsdp/parallel/attention.py): a packed line's
 documents are scored as if each were alone, by FlexAttention and by SDPA with a mask alike."""
 
 import functools
@@ -11,8 +11,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.parallel.attention import LinePlan
 from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.settings import mesh_of
 

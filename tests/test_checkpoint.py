@@ -20,11 +20,10 @@ from safetensors.torch import load_file, save_file
 
 import fms_fsdp.train.step
 from fms_fsdp.checkpoint.export import export_checkpoint
-from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import model_reader, read_model
-from fms_fsdp.checkpoint.save import write_failure
+from fms_fsdp.checkpoint.save import CheckpointSaver, write_failure
+from fms_fsdp.checkpoint.weights_reader import model_reader, read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
@@ -250,8 +249,8 @@ def test_on_checkpoint_error_warn_skips_write_failures_only(small_disk, tmp_path
     with pytest.raises(dcp.CheckpointException) as bug:
         dcp.save({"f": lambda: 0}, checkpoint_id=str(tmp_path / "bug"), no_dist=True)
     assert not write_failure(bug.value)
-    own_state = Checkpointer._own_state
-    monkeypatch.setattr(Checkpointer, "_own_state", lambda self: {**own_state(self), "bug": lambda: 0})
+    own_state = CheckpointSaver.own_state
+    monkeypatch.setattr(CheckpointSaver, "own_state", lambda self: {**own_state(self), "bug": lambda: 0})
     out = tmp_path / "run"
     with pytest.raises(CheckpointError, match="checkpoint save to .* failed: .*Error: .*pickle") as e:
         run_here(["--num_steps=2", "--checkpoint_interval=1", f"--ckpt_save_path={out}", "--on_checkpoint_error=warn"])
@@ -396,13 +395,13 @@ def test_auto_checkpoint_interval_follows_the_measured_save_stall(tmp_path, monk
         "--report_interval=8",
     ]
     fast = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'fast'}"]))
-    write_run_state = Checkpointer._write_run_state
+    write_run_state = CheckpointSaver._write_run_state
 
     def slow_write(self, *args):
         time.sleep(sleep)
         write_run_state(self, *args)
 
-    monkeypatch.setattr(Checkpointer, "_write_run_state", slow_write)
+    monkeypatch.setattr(CheckpointSaver, "_write_run_state", slow_write)
     slow = auto_intervals(run_here([*args, f"--ckpt_save_path={tmp_path / 'slow'}"]))
 
     def young(stall: float) -> float:

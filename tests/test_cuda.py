@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
 from fms_fsdp.memory.plan import GIB, Planner
 from fms_fsdp.run import facts, started
-from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.step import train_step
 
 from conftest import here, launch, records, run_here
@@ -69,14 +69,28 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         total = torch.zeros((), device=info.device)
         train_step(
-            model, optimizer, guard, 1, batches, run.settings.step, info.device, global_norm=True
+            model=model,
+            optimizer=optimizer,
+            guard=guard,
+            step=1,
+            batches=batches,
+            settings=run.settings.step,
+            device=info.device,
+            global_norm=True,
         )  # first step: lazy state
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(2, 6):
                 done = train_step(
-                    model, optimizer, guard, step, batches, run.settings.step, info.device, global_norm=False
+                    model=model,
+                    optimizer=optimizer,
+                    guard=guard,
+                    step=step,
+                    batches=batches,
+                    settings=run.settings.step,
+                    device=info.device,
+                    global_norm=False,
                 )
                 scheduler.step()
                 total += done.loss
@@ -239,8 +253,8 @@ def test_batches_are_copied_from_pinned_memory_without_blocking_the_host_and_the
 def test_compiled_flex_attention_masks_documents_as_sdpa_does():
     """--document_masking on CUDA and compiled: FlexAttention under a BlockMask built each batch; its
     logits and gradients equal SDPA's under the boolean mask, and a second batch compiles nothing new."""
-    from fms_fsdp.model.attention import LinePlan
     from fms_fsdp.model.variants import build_model, get_model_config
+    from fms_fsdp.parallel.attention import LinePlan
 
     torch.manual_seed(0)
     model = build_model(get_model_config("tiny", 512, 512), torch.device("cuda"))

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from fms_fsdp.data import DataError
-from fms_fsdp.data.inspect import inspect_data
-from fms_fsdp.data.reader import Options
+from fms_fsdp.data.file_reader import Options
+from fms_fsdp.data.inspection import inspect_data
 from fms_fsdp.data.shards import CACHED_COUNTS, Layout, dataset_sources, scan
 
 from conftest import data_loader

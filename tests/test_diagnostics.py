@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fms_fsdp.train.hangs import analyse, read_summaries
+from fms_fsdp.resilience.hangs import analyse, read_summaries
 
 from conftest import ROOT, TINY, rank_env, records, start_ranks
 from test_checkpoint import alive, descendants

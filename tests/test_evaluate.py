@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fms_fsdp.cli import evaluate as evaluate_main
-from fms_fsdp.data.reader import Options
+from fms_fsdp.data.file_reader import Options
 from fms_fsdp.data.shards import Dataset, Layout, scan
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError

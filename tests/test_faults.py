@@ -392,7 +392,7 @@ def _load_zero_metadata(b: Bench) -> Job:
 def _load_truncated_safetensors(b: Bench) -> Job:
     from safetensors.torch import save_file
 
-    from fms_fsdp.checkpoint.reader import read_model
+    from fms_fsdp.checkpoint.weights_reader import read_model
 
     path = b.tmp / "model.safetensors"
     save_file(read_model(b.good), str(path))
@@ -406,7 +406,7 @@ def _hf_folder(b: Bench, name: str = "hf", **changes: Any) -> Path:
     import torch
 
     from fms_fsdp.checkpoint.hf import write_hf_config, write_hf_folder
-    from fms_fsdp.checkpoint.reader import Tensors
+    from fms_fsdp.checkpoint.weights_reader import Tensors
     from fms_fsdp.model.variants import build_model, get_model_config
 
     factor = changes.pop("rope_scaling_factor", None)
@@ -477,7 +477,7 @@ def _hf_other_rope(b: Bench) -> Job:
 def _load_truncated_pth(b: Bench) -> Job:
     import torch
 
-    from fms_fsdp.checkpoint.reader import read_model
+    from fms_fsdp.checkpoint.weights_reader import read_model
 
     path = b.tmp / "model.pth"
     torch.save({"model_state": read_model(b.good)}, path)

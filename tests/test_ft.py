@@ -19,9 +19,9 @@ import torch
 
 from fms_fsdp.cli import Labelled
 from fms_fsdp.parallel.process_group import free_port
+from fms_fsdp.resilience.ft import Watchdog, short_cause
+from fms_fsdp.resilience.ft_settings import fingerprint
 from fms_fsdp.settings import SHARED_FLAGS, shared_of
-from fms_fsdp.train.ft import Watchdog, short_cause
-from fms_fsdp.train.ft_settings import fingerprint
 
 from conftest import ROOT, TINY, records, run_here
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
 from fms_fsdp.checkpoint.hf import convert as hf_convert
 from fms_fsdp.checkpoint.hf_read import DTYPES, check_shapes, index_folder, read_into, sources
-from fms_fsdp.checkpoint.reader import model_reader, read_model
+from fms_fsdp.checkpoint.weights_reader import model_reader, read_model
 from fms_fsdp.cli import to_hf as to_hf_command
 from fms_fsdp.errors import HFError
 from fms_fsdp.model.variants import build_model, get_model_config

@@ -101,7 +101,7 @@ def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
     with torch.no_grad():
         a, b = (AutoModelForCausalLM.from_pretrained(f, local_files_only=True).eval() for f in (export, offline))
         assert torch.equal(a(tokens).logits, b(tokens).logits)
-    from fms_fsdp.checkpoint.reader import read_model
+    from fms_fsdp.checkpoint.weights_reader import read_model
 
     trained = read_model(ckpt)
     back = read_hf_model(str(export), scaled_config())
@@ -111,7 +111,7 @@ def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
 def test_both_ranks_write_the_model_file_at_the_end_in_place(runs):
     """--export_model_at_end's one file, each rank writing its run of the tensors into it: the step's
     checkpoint, bit for bit, and nothing left beside it."""
-    from fms_fsdp.checkpoint.reader import read_model
+    from fms_fsdp.checkpoint.weights_reader import read_model
 
     trained = read_model(runs["two"] / "checkpoints" / "step_1_ckp")
     got = load_file(str(runs["two"] / "model_step_1.safetensors"))
@@ -125,7 +125,7 @@ def test_rows_of_a_two_rank_checkpoint_are_read_by_byte_ranges(runs):
     import torch.distributed.checkpoint as dcp
 
     from fms_fsdp.checkpoint.items import ItemRows
-    from fms_fsdp.checkpoint.reader import safe_reader
+    from fms_fsdp.checkpoint.weights_reader import safe_reader
 
     ckpt = runs["two"] / "checkpoints" / "step_1_ckp"
     metadata = safe_reader(str(ckpt)).read_metadata()
@@ -237,7 +237,7 @@ def test_writers_of_one_file_give_the_file_one_writer_gives(tmp_path):
     """write_file's share: 3 writers, in any order, each its run of the tensors in place, make the same
     bytes as one writer; one folder of 1 file and 2 ranks is written by both (write_part's shared)."""
     from fms_fsdp.checkpoint.hf_write import Converter, fms_plan, write_file, write_part
-    from fms_fsdp.checkpoint.reader import Tensors
+    from fms_fsdp.checkpoint.weights_reader import Tensors
 
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(7 + i, 5, generator=g) for i in range(5)} | {"b": torch.randn(3, generator=g)}

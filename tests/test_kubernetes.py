@@ -386,7 +386,7 @@ def test_pods_train_save_on_sigterm_fail_for_a_restart_and_resume(manifest, netw
     pods = (_pytorchjob_pods if manifest == "pytorchjob" else _jobset_pods)(len(network))
     # every rank waits at the ranks' first agreement on stop signals (tests/held_at.py), where the SIGTERM
     # reaches it and is agreed: step 1's, as the later ones fall every ~2 s of measured steps
-    # (train/triggers.py), which on a fast machine can be the run's last step
+    # (resilience/triggers.py), which on a fast machine can be the run's last step
     held = tmp_path / "held"
     procs = _start(pods, network, args, _held_torchrun(tmp_path / "bin", held, "agree:1"))
     signalled = procs[1:] if manifest == "pytorchjob" else procs

@@ -13,7 +13,7 @@ from torch import nn
 
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
 from fms_fsdp.flags import make_config

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.compat import context_parallel_compiles, v_shaped_schedules_run
 from fms_fsdp.model.variants import flops_per_token, get_model_config
 

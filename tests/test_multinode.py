@@ -156,7 +156,7 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
     outputs = {"a": ended_within({"a": nodes["a"]}, node_a, TIMEOUT_S + 40)["a"]}
     assert time.time() - started >= TIMEOUT_S * 0.8 and nodes["a"].returncode != 0
     assert "mesh (replicate, shard) = (2, 2)" in outputs["a"]
-    # node a's ranks each dump what they were doing; one line names node b's ranks (train/hangs.py)
+    # node a's ranks each dump what they were doing; one line names node b's ranks (resilience/hangs.py)
     assert "error: a collective did not complete within --collective_timeout_minutes=" in outputs["a"], outputs["a"]
     assert "ranks 2 (host " in outputs["a"] and "did not reach" in outputs["a"]
     assert sorted(p.name for p in next((out / "diagnostics").iterdir()).iterdir()) == ["rank0.txt", "rank1.txt"]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.hf import convert
 from fms_fsdp.checkpoint.layout import complete_checkpoints
-from fms_fsdp.checkpoint.reader import read_model
+from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args

@@ -20,7 +20,7 @@ from slurm_cluster import job_state, submit, wait_for
 from test_object_storage import SECRET, s3_settings, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
 
-from fms_fsdp.data.token_cache import JobCluster, ray_start, stop_job_cluster
+from fms_fsdp.data.prepare.cache_dir import JobCluster, ray_start, stop_job_cluster
 from fms_fsdp.parallel.process_group import free_port
 
 from conftest import TINY, launch, records

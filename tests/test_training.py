@@ -29,8 +29,8 @@ from fms_fsdp.run import facts, started
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.settings import schedule_of
 from fms_fsdp.storage import umask
-from fms_fsdp.train.build import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.step import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
@@ -211,10 +211,28 @@ def test_one_rank_trains_the_module_itself_with_the_losses_of_fsdp(bf16):
                 apply_fsdp(model, run.mesh, bf16)
             optimizer, scheduler = build_optimizer_and_schedule(run, model)
             guard = StepGuard(0, None, optimizer, run.device)
-            batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
+            batches = iter(
+                DummyDataLoader(
+                    batch_size=cfg.batch_size,
+                    seq_length=cfg.seq_length,
+                    vocab_size=cfg.vocab_size,
+                    seed=cfg.seed,
+                    rank=0,
+                    world_size=1,
+                )
+            )
             curves.append([])
             for step in range(1, 7):
-                done = train_step(model, optimizer, guard, step, batches, run.settings.step, run.device, True)
+                done = train_step(
+                    model=model,
+                    optimizer=optimizer,
+                    guard=guard,
+                    step=step,
+                    batches=batches,
+                    settings=run.settings.step,
+                    device=run.device,
+                    global_norm=True,
+                )
                 scheduler.step()
                 curves[-1].append((done.loss.item(), done.grad_norm.item()))
     plain, fsdp = curves
@@ -246,7 +264,16 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
             foreach=True,
         )
         scheduler = build_scheduler(optimizer, schedule_of(cfg))
-        batches = iter(DummyDataLoader(cfg.batch_size, cfg.seq_length, cfg.vocab_size, cfg.seed, 0, 1))
+        batches = iter(
+            DummyDataLoader(
+                batch_size=cfg.batch_size,
+                seq_length=cfg.seq_length,
+                vocab_size=cfg.vocab_size,
+                seed=cfg.seed,
+                rank=0,
+                world_size=1,
+            )
+        )
         reference = []
         for _ in range(STEPS):
             inputs, labels = next(batches)
@@ -346,7 +373,7 @@ def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective
         collectives = [e for e in events if e["name"].startswith("c10d::")]
         ours = [e for e in collectives if not any(inside(e, f) for f in fsdp)]
         assert len(collectives) - len(ours) >= 3 * 16  # a step: 10 all-gathers, 6 reduce-scatters (and more)
-        # the agreement (train/triggers.py): a handful of figures in one all-reduce, at most one a step. How many
+        # the agreement (resilience/triggers.py): a handful of figures in one all-reduce, at most one a step. How many
         # fall in the profiled steps depends on the machine: the ranks agree every AGREE_SECONDS of steps as the
         # steps before measured them, so every step on a machine loaded enough that a step takes that long
         tensors = [e["args"]["Input Dims"][0] for e in ours]  # [[figures]]: one 1-D tensor

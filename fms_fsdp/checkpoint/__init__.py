@@ -3,14 +3,14 @@
 - layout.py   step folders under <ckpt_save_path>/checkpoints, discovery, atomic commit and deletion
 - policy.py   which checkpoints are kept (--checkpoint_keep, --checkpoint_keep_policy)
 - disk.py     the free-space guard run before each save
-- io.py       `Checkpointer`: the start of a run (resume, else --ckpt_load_path), resume
+- checkpointer.py `Checkpointer`: the start of a run (resume, else --ckpt_load_path), resume
 - save.py     its saving (`CheckpointSaver`): DCP save (sync or async), commit, failures agreed by
               every rank
 - settings.py the flags of checkpoints and exports (`CheckpointSettings`, `ExportSettings`)
 - weights.py  a model's weights from --ckpt_load_path (checkpoint folder, Hugging Face folder, file)
 - writer.py   the background writer of async checkpoints and periodic exports
 - fused.py    fms's fused keys for a model built unfused (tensor parallel)
-- reader.py   reading weights outside training (folders, .safetensors, .pth), never running code
+- weights_reader.py reading weights outside training (folders, .safetensors, .pth), never running code
 - items.py    a checkpoint folder's tensors read a run of rows at a time, from their byte ranges
 - export.py   the whole model as one safetensors file or a Hugging Face folder, every rank its part
 - hf.py       fms <-> Hugging Face LlamaForCausalLM folders; PEFT adapter folders

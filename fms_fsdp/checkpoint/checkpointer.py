@@ -1,5 +1,5 @@
 """Saving and restoring the whole training state with torch.distributed.checkpoint (DCP): `Checkpointer`
-adds the start of a run and resume to the saving of save.py's `CheckpointSaver`.
+puts together save.py's `CheckpointSaver` and this module's `CheckpointRestorer` (the start of a run, resume).
 
 A checkpoint of step N holds the model and optimizer (DCP's .distcp files and .metadata, keys
 `model_state` and `optimizer_state`), metadata.pth (step, tokens_seen, scheduler, world size, the
@@ -19,7 +19,7 @@ import json
 import pickle
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,12 +27,13 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
-from fms_fsdp.checkpoint.reader import damage, safe_reader, unreadable
-from fms_fsdp.checkpoint.save import CheckpointSaver
+from fms_fsdp.checkpoint.save import CheckpointSaver, GroupState, Lease, on_main
+from fms_fsdp.checkpoint.settings import CheckpointSettings
 from fms_fsdp.checkpoint.weights import load_weights
+from fms_fsdp.checkpoint.weights_reader import damage, safe_reader, unreadable
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
-from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
+from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
 
 _LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
@@ -59,43 +60,119 @@ def earlier_scores(metrics: Path, monitor: str, until: int) -> dict[int, float]:
     return scores
 
 
-class Checkpointer(CheckpointSaver):
-    """Saves the training state under <ckpt_save_path>/checkpoints (CheckpointSaver, save.py) and restores it."""
+class Checkpointer:
+    """The training state's checkpoints under `root` (<ckpt_save_path>/checkpoints): saved by `saver`
+    (CheckpointSaver, save.py), restored at the start by `restorer` (CheckpointRestorer). `metrics` is the
+    run's metrics.jsonl (a resumed run's evaluations rank its kept checkpoints), `variant` its
+    --model_variant (to read --ckpt_load_path's weights); the rest is the saver's."""
 
-    # ---------------------------------------------------------------- start
+    def __init__(
+        self,
+        *,
+        settings: CheckpointSettings,
+        root: Path,
+        metrics: Path,
+        variant: str,
+        info: DistInfo,
+        config: dict[str, Any],
+        log: Callable[[str], None],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loader: Any,
+        lease: Optional[Lease] = None,
+        ft: Optional[GroupState] = None,
+    ):
+        self.saver = CheckpointSaver(
+            settings=settings,
+            root=root,
+            info=info,
+            config=config,
+            log=log,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=loader,
+            lease=lease,
+            ft=ft,
+        )
+        self.restorer = CheckpointRestorer(self.saver, variant)
+        self.metrics = metrics
 
     def start(self) -> tuple[int, int]:
         """(step, tokens_seen) to go on from: the newest checkpoint's, else (0, 0) with the model's
         weights from --ckpt_load_path when given (a LoRA run's base is loaded first, at every start)."""
+        saver = self.saver
+        resumed = self.restorer.start()
+        if resumed is not None and saver.settings.policy.best and saver.info.is_main:
+            saver.scores = earlier_scores(self.metrics, saver.settings.policy.monitor, resumed[0])
+        return resumed or (0, 0)
+
+    def scored(self, step: int, record: dict[str, Any]) -> None:
+        """An evaluation at `step`: its --checkpoint_monitor ranks that step's checkpoint (rank 0)."""
+        saver = self.saver
+        monitor = saver.settings.policy.monitor
+        if not saver.settings.policy.best or not saver.info.is_main:
+            return
+        if monitor not in record:
+            if not saver.scores:
+                names = ", ".join(k for k in record if k.startswith(("eval_loss", "eval_ppl")))
+                saver.log(
+                    f"warning: --checkpoint_monitor={monitor} is not among the evaluation's metrics ({names}): "
+                    "no checkpoint is kept as best"
+                )
+            return
+        saver.scores[step] = float(record[monitor])
+
+    def save(self, step: int, tokens_seen: int) -> float:
+        return self.saver.save(step, tokens_seen)
+
+    def writing(self) -> bool:
+        return self.saver.writing()
+
+    def commit_written(self) -> float:
+        return self.saver.commit_written()
+
+    def commit_pending(self) -> None:
+        self.saver.commit_pending()
+
+    def finish(self) -> None:
+        self.saver.finish()
+
+    def close(self) -> None:
+        self.saver.close()
+
+
+class CheckpointRestorer:
+    """Restores what `saver` saves: the newest readable checkpoint under its root, else the weights of
+    --ckpt_load_path (read for the model variant `variant`)."""
+
+    def __init__(self, saver: CheckpointSaver, variant: str):
+        self.saver, self.variant = saver, variant
+        self.settings, self.root, self.info, self.ft = saver.settings, saver.root, saver.info, saver.ft
+        self.model, self.optimizer, self.scheduler, self.loader = (
+            saver.model,
+            saver.optimizer,
+            saver.scheduler,
+            saver.loader,
+        )
+        self.log: Callable[[str], None] = saver.log
+
+    def start(self) -> Optional[tuple[int, int]]:
+        """The newest checkpoint restored: (step, tokens_seen); else None, with the model's weights from
+        --ckpt_load_path when given (a LoRA run's base is loaded first, at every start)."""
         if self.settings.lora:
             self.load_weights()
         resumed = self.resume()
         if resumed is None and self.settings.load_path and not self.settings.lora:
             self.load_weights()
-        if resumed is not None and self.settings.policy.best and self.info.is_main:
-            self.scores = earlier_scores(self.run.paths.metrics, self.settings.policy.monitor, resumed[0])
-        return resumed or (0, 0)
-
-    def scored(self, step: int, record: dict[str, Any]) -> None:
-        """An evaluation at `step`: its --checkpoint_monitor ranks that step's checkpoint (rank 0)."""
-        monitor = self.settings.policy.monitor
-        if not self.settings.policy.best or not self.info.is_main:
-            return
-        if monitor not in record:
-            if not self.scores:
-                names = ", ".join(k for k in record if k.startswith(("eval_loss", "eval_ppl")))
-                self.run.log(
-                    f"warning: --checkpoint_monitor={monitor} is not among the evaluation's metrics ({names}): "
-                    "no checkpoint is kept as best"
-                )
-            return
-        self.scores[step] = float(record[monitor])
+        return resumed
 
     def load_weights(self) -> None:
         """The model's weights from --ckpt_load_path (weights.py)."""
         assert self.settings.load_path is not None
-        load_weights(self.model, self.settings.load_path, self.run.variant)
-        self.run.log(f"checkpoint: model initialised from {self.settings.load_path}")
+        load_weights(self.model, self.settings.load_path, self.variant)
+        self.log(f"checkpoint: model initialised from {self.settings.load_path}")
 
     # ---------------------------------------------------------------- load
 
@@ -117,11 +194,11 @@ class Checkpointer(CheckpointSaver):
                 error = e
             found = [(rank, f[1]) for rank, f in enumerate(failures(error)) if f is not None]
             if not found:
-                self._on_main(partial(self._set_aside, names[:k]))
+                on_main(self.info, partial(self._set_aside, names[:k]))
                 return result
             last_error = first_line(error) if error is not None else f"rank {found[0][0]}: {found[0][1]}"
             if k + 1 < len(names):
-                self.run.log(f"warning: cannot resume from {path} ({last_error}); trying {self.root / names[k + 1]}")
+                self.log(f"warning: cannot resume from {path} ({last_error}); trying {self.root / names[k + 1]}")
         if names:
             raise CheckpointError(
                 f"no checkpoint under {self.root} can be read (last error: {last_error}); if this "
@@ -138,7 +215,7 @@ class Checkpointer(CheckpointSaver):
                 print(f"checkpoint: {self.root / name} cannot be read: kept as {moved}", flush=True)
 
     def _load(self, path: Path) -> tuple[int, int]:
-        own = self._own_state()
+        own = self.saver.own_state()
         state = fuse(own)
         # the parameter names of this rank's optimizer groups: a checkpoint holds one rank's lists (DCP
         # keeps one copy of what is not a tensor), which under pipeline parallelism name other stages'
@@ -159,7 +236,7 @@ class Checkpointer(CheckpointSaver):
             self.optimizer,
             model_state_dict=own["model_state"],
             optim_state_dict=own["optimizer_state"],
-            options=self._options,
+            options=self.saver.options,
         )
         keep_kernels(self.optimizer, *kernels)
         meta = _load_file(path / "metadata.pth")
@@ -184,7 +261,7 @@ class Checkpointer(CheckpointSaver):
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
-        self.run.log(f"checkpoint: resumed from {path} at step {meta['step']}")
+        self.log(f"checkpoint: resumed from {path} at step {meta['step']}")
         return int(meta["step"]), int(meta["tokens_seen"])
 
 

@@ -38,17 +38,16 @@ from fms_fsdp.checkpoint.hf_write import (
     write_part,
 )
 from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.reader import Tensors, model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.settings import ExportSettings
+from fms_fsdp.checkpoint.weights_reader import Tensors, model_dtypes, model_reader, root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.model.lora import is_adapter
 from fms_fsdp.model.variants import CausalLM, build_model
-from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
-from fms_fsdp.run import Run
+from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
+from fms_fsdp.periodic import Report
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
-from fms_fsdp.train.periodic import Report
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = (
@@ -219,14 +218,14 @@ class PeriodicExporter:
 
     reads_model = True
 
-    def __init__(self, run: Run, model: CausalLM):
-        self.settings, self.info, self.model = run.settings.export, run.info, model
-        self.root = run.paths.exports
+    def __init__(self, *, settings: ExportSettings, root: Path, info: DistInfo, model: CausalLM):
+        """Exports of `model` under `root` (<ckpt_save_path>/exports), as `settings` say."""
+        self.settings, self.info, self.model, self.root = settings, info, model, root
         self.pending: Optional[Future] = None
         enabled = self.settings.interval > 0
-        self.writer = BackgroundWriter(run.device) if enabled else None
+        self.writer = BackgroundWriter(info.device) if enabled else None
         self.converter = ThreadPoolExecutor(1, thread_name_prefix="export") if enabled else None
-        if enabled and run.info.is_main:
+        if enabled and info.is_main:
             self._remove_stale()
 
     def _remove_stale(self) -> None:
@@ -363,7 +362,9 @@ def export_checkpoint(load_path: str, save_path: str) -> str:
         raise CheckpointError(f"--load_path: {e}") from None
     except (RuntimeError, OSError, dcp.CheckpointException) as e:
         raise CheckpointError(f"--load_path: cannot read {load_path}: {first_line(e)}") from None
-    settings = ExportSettings(0, "fms", 0, None, None, None, None, None)
+    settings = ExportSettings(
+        interval=0, format="fms", keep=0, tokenizer_path=None, bos=None, eos=None, lora=None, base=None
+    )
     try:
         target = stream_model_file(folder, location(save_path, "save_path"), settings, {"format": "pt"})
     except CheckpointError as e:

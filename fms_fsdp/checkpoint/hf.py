@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
 from fms_fsdp.checkpoint.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
-from fms_fsdp.checkpoint.reader import Tensors, model_reader
+from fms_fsdp.checkpoint.weights_reader import Tensors, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.variants import build_model, context_length, get_model_config, hidden_dim
@@ -253,7 +253,7 @@ def convert(
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)
-    except CheckpointError as e:  # the checkpoint's files cannot be read (checkpoint/reader.py)
+    except CheckpointError as e:  # the checkpoint's files cannot be read (checkpoint/weights_reader.py)
         raise CheckpointError(f"--load_path: {e}") from None
 
 

@@ -21,7 +21,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.checkpoint.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
-from fms_fsdp.checkpoint.reader import Tensors
+from fms_fsdp.checkpoint.weights_reader import Tensors
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.variants import hidden_dim
 

@@ -1,9 +1,9 @@
 """Saving the whole training state with torch.distributed.checkpoint (DCP): `CheckpointSaver`, the
-save half of io.py's `Checkpointer` (which adds the start of a run and resume), as the run's
+saving part of checkpointer.py's `Checkpointer` (whose other part restores it), as the run's
 `CheckpointSettings` say.
 
 A save of step N is written under a temporary folder (DCP's files of the model and optimizer,
-metadata.pth, one loader_state_<rank>.pth per data-parallel rank; see io.py), synchronously or in the
+metadata.pth, one loader_state_<rank>.pth per data-parallel rank; see checkpointer.py), synchronously or in the
 background (--async_checkpoint), after the free-space guard; it is committed (marked complete, renamed
 into place, the keep policy applied) only once every rank has written its part. A failure on any rank
 is raised on every rank, of the same kind (`agree`), and the unfinished folder is removed; only a
@@ -16,7 +16,7 @@ import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -34,18 +34,13 @@ from fms_fsdp.checkpoint.layout import (
     step_folder,
     temp_folder,
 )
-from fms_fsdp.checkpoint.reader import root_cause, storage_writer
+from fms_fsdp.checkpoint.settings import CheckpointSettings
+from fms_fsdp.checkpoint.weights_reader import root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
-from fms_fsdp.config import to_dict
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
-from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
-from fms_fsdp.run import Run
+from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
-from fms_fsdp.train.lease import RunLease
-
-if TYPE_CHECKING:
-    from fms_fsdp.train.ft import FaultTolerance
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)
@@ -53,36 +48,54 @@ _SAVE_ERRORS = (Exception, dcp.CheckpointException)
 _TORCH_WRITER_FAILURES = ("inline_container.cc", "PytorchStreamWriter failed")
 
 
+class Lease(Protocol):
+    """The run's hold on its folder, confirmed on rank 0 before each save (resilience/lease.py's RunLease)."""
+
+    def confirm(self) -> None: ...
+
+
+class GroupState(Protocol):
+    """State kept beside each rank's data position (--fault_tolerance's replica group: resilience/ft.py)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class CheckpointSaver:
-    """Saves the training state under <ckpt_save_path>/checkpoints: the save half of io.Checkpointer,
-    which restores it too."""
+    """Saves the training state (model, optimizer, scheduler, data loader) under `root`, as `settings` say;
+    `config` (the run's flags) goes into each checkpoint's metadata.pth, `log` takes rank 0's lines."""
 
     def __init__(
         self,
-        run: Run,
+        *,
+        settings: CheckpointSettings,
+        root: Path,
+        info: DistInfo,
+        config: dict[str, Any],
+        log: Callable[[str], None],
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         loader: Any,
-        lease: Optional[RunLease] = None,
-        ft: Optional[FaultTolerance] = None,
+        lease: Optional[Lease] = None,
+        ft: Optional[GroupState] = None,
     ):
-        self.run, self.info, self.settings = run, run.info, run.settings.checkpoint
+        self.settings, self.root, self.info, self.config, self.log = settings, root, info, config, log
         self.lease = lease  # confirmed (on rank 0) before each save
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.ft = ft  # --fault_tolerance: every group's data position is kept with this rank's
-        self.root = run.paths.checkpoints
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.scores: dict[int, float] = {}  # --checkpoint_monitor by step (rank 0; --checkpoint_keep_best)
         if is_remote(self.root):
-            run.log(
+            log(
                 f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
                 "free space to measure); unfinished saves are removed and --checkpoint_keep deletes old steps"
             )
-        self.writer = BackgroundWriter(run.device) if self.settings.background else None
+        self.writer = BackgroundWriter(info.device) if self.settings.background else None
         # with LoRA the frozen base is not saved: it comes from --ckpt_load_path at every start
         # (the loaded state then lacks the frozen keys: DCP's load already refused a checkpoint lacking others)
-        self._options = StateDictOptions(ignore_frozen_params=self.settings.lora, strict=not self.settings.lora)
+        self.options = StateDictOptions(ignore_frozen_params=self.settings.lora, strict=not self.settings.lora)
 
     # ---------------------------------------------------------------- save
 
@@ -98,15 +111,15 @@ class CheckpointSaver:
         tmp = temp_folder(self.root, step)
         try:
             needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
-            free = self._on_main(lambda: prune_for(self.root, needed, self.settings.policy, self.scores))
+            free = on_main(self.info, lambda: prune_for(self.root, needed, self.settings.policy, self.scores))
             if free < needed:
                 raise CheckpointError(
                     f"not enough space in {self.root} for a checkpoint: {free / 2**30:.2f} GiB free, "
                     f"about {needed / 2**30:.2f} GiB needed; free space or set --ckpt_save_path"
                 )
-            self._on_main(lambda: start_save(tmp))
+            on_main(self.info, lambda: start_save(tmp))
             self._write_run_state(tmp, step, tokens_seen)
-            own = self._own_state()
+            own = self.own_state()
             if self.writer is not None:  # staged under the model's own names, then fused (fused.FusingStager)
                 self.pending = (step, tmp, self.writer.write(own, tmp))
             else:
@@ -157,10 +170,10 @@ class CheckpointSaver:
         except _SAVE_ERRORS as e:
             self._failed(tmp, e)
 
-    def _own_state(self) -> dict[str, Any]:
+    def own_state(self) -> dict[str, Any]:
         """What a checkpoint holds of the model and optimizer (what trains: with LoRA, the adapters), under
         the model's own names; checkpoints hold it under fms's fused names (fused.fuse)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
@@ -182,7 +195,7 @@ class CheckpointSaver:
                         "tokens_seen": tokens_seen,
                         "scheduler": self.scheduler.state_dict(),
                         "world_size": self.info.world_size,
-                        "config": to_dict(self.run.cfg),
+                        "config": self.config,
                     },
                     tmp / "metadata.pth",
                 )
@@ -210,7 +223,7 @@ class CheckpointSaver:
                     flush=True,
                 )
 
-        self._on_main(files)
+        on_main(self.info, files)
 
     def _failed(self, tmp: Path, error: BaseException) -> None:
         """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn when the
@@ -229,22 +242,23 @@ class CheckpointSaver:
             + (first_line(cause) if write_failure(error) else f"{type(cause).__name__}: {first_line(cause)}")
         )
         if self.settings.on_error == "warn" and write_failure(error):
-            self.run.log(f"warning: {message}; training goes on (--on_checkpoint_error=warn)")
+            self.log(f"warning: {message}; training goes on (--on_checkpoint_error=warn)")
             return
         raise CheckpointError(message) from None
 
-    def _on_main(self, work: Callable[[], Any]) -> float:
-        """work() on rank 0 (file work: one writer), its numeric result on every rank; a failure there
-        is raised on every rank, of its kind (agree: a storage error is a write failure)."""
-        result, error = torch.zeros(1, dtype=torch.float64), None
-        if self.info.is_main:
-            try:
-                result[0] = float(work() or 0)
-            except Exception as e:
-                error = e
-        agree(error)
-        dist.broadcast(result, src=0, group=agreement_group())
-        return float(result[0])
+
+def on_main(info: DistInfo, work: Callable[[], Any]) -> float:
+    """work() on rank 0 (file work: one writer), its numeric result on every rank; a failure there is
+    raised on every rank, of its kind (agree: a storage error is a write failure)."""
+    result, error = torch.zeros(1, dtype=torch.float64), None
+    if info.is_main:
+        try:
+            result[0] = float(work() or 0)
+        except Exception as e:
+            error = e
+    agree(error)
+    dist.broadcast(result, src=0, group=agreement_group())
+    return float(result[0])
 
 
 def agree(error: Optional[BaseException]) -> None:

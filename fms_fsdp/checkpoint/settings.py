@@ -9,7 +9,7 @@ from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.model.lora import LoRASpec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSettings:
     """The flags of checkpoints: the keep policy, background saves, what a failed save does, and the
     weights a run starts from (--ckpt_load_path; with --lora_rank the base, loaded at every start)."""
@@ -21,7 +21,7 @@ class CheckpointSettings:
     lora: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportSettings:
     """The flags of exports: --export_interval, --export_format, --export_keep; the tokenizer and the
     bos/eos tokens a Hugging Face folder records; a LoRA run's adapters and the base they adapt."""

@@ -1,4 +1,4 @@
-"""Initialising a model's weights from --ckpt_load_path (not restoring a run: that is io.py's): a
+"""Initialising a model's weights from --ckpt_load_path (not restoring a run: that is checkpointer.py's): a
 checkpoint folder (this project's or fms-fsdp's), a Hugging Face Llama folder, or a .pth /
 .safetensors file holding the model. Every rank reads only its own shards' rows (but for a .pth file
 in object storage, which rank 0 downloads, reads whole and sends). Every rank calls it."""
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.checkpoint.fused import fuse, plain_tensor
 from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
 from fms_fsdp.checkpoint.hf_read import check_shapes, index_folder, read_into
-from fms_fsdp.checkpoint.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
+from fms_fsdp.checkpoint.weights_reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
 from fms_fsdp.compat import local_box
 from fms_fsdp.errors import CheckpointError, ConfigError, HFError, first_line
 from fms_fsdp.model.lora import is_adapter

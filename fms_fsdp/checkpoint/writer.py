@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fms_fsdp.checkpoint.fused import FusingStager, fused_groups
-from fms_fsdp.checkpoint.reader import storage_writer
+from fms_fsdp.checkpoint.weights_reader import storage_writer
 from fms_fsdp.compat import reusable_stager
 
 

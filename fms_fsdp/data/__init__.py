@@ -10,7 +10,7 @@ __all__ = ["DataError", "get_data_loader"]
 
 def __getattr__(name: str) -> Any:
     if name == "get_data_loader":
-        from fms_fsdp.data.build import get_data_loader
+        from fms_fsdp.data.make_loader import get_data_loader
 
         return get_data_loader
     if name == "DataError":

@@ -1,4 +1,4 @@
-"""Arrow and Parquet shards (data/reader.py's interface):
+"""Arrow and Parquet shards (data/file_reader.py's interface):
 - `ArrowDocs`: fms-fsdp's layout, one record batch per document, one token per row of an integer column;
 - `ArrowRows`: one row per document, a list-of-integers column (Hugging Face `datasets`, pyarrow);
 - `ParquetRows`: the same in Parquet, read a row group at a time.
@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fms_fsdp.data.reader import Bytes, Options, Reader
+from fms_fsdp.data.file_reader import Bytes, Options, Reader
 from fms_fsdp.errors import DataError, first_line
 from fms_fsdp.storage import open_random
 

@@ -21,7 +21,7 @@ from typing import BinaryIO, Callable, Optional, Union
 import numpy as np
 
 from fms_fsdp.atomic import write_local_atomic
-from fms_fsdp.data.reader import Options, Reader
+from fms_fsdp.data.file_reader import Options, Reader
 from fms_fsdp.data.token_arrays import TokenArray, metadata_path
 from fms_fsdp.errors import first_line
 from fms_fsdp.storage import is_remote, location, mtime_ns, storage_error

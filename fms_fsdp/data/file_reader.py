@@ -12,7 +12,7 @@ A reader gives the documents of one file by index, [0, documents):
 
 What a reader learns by reading a whole file once (an Arrow stream's record-batch offsets, a token
 array's document boundaries) is its `index`: `index_of(path, options)` computes it (and checks the
-file, raising DataError naming it), the loader caches it beside the counts (data/cache.py), and the
+file, raising DataError naming it), the loader caches it beside the counts (data/data_cache_dir.py), and the
 reader is then built from it without reading the file again.
 """
 

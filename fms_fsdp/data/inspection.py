@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from fms_fsdp.data.reader import TOKEN_DTYPES, Options
+from fms_fsdp.data.file_reader import TOKEN_DTYPES, Options
 from fms_fsdp.data.shards import list_datasets, read_counts, reader_of, shard_paths
 from fms_fsdp.data.token_arrays import TokenArray
 from fms_fsdp.errors import ConfigError, DataError, first_line

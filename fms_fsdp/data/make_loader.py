@@ -15,7 +15,6 @@ from fms_fsdp.data.shards import Dataset, FileEntry, Layout, dataset_sources, sc
 from fms_fsdp.data.sources import Source
 from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import added_tokens, load_tokenizer
-from fms_fsdp.data.token_cache import cached_sources
 from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.parallel.process_group import on_rank0
 from fms_fsdp.storage import location
@@ -28,7 +27,12 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
     packing = settings.packing
     if settings.use_dummy_dataset:
         return DummyDataLoader(
-            settings.batch_size, packing.seq_length, packing.vocab_size, settings.seed, rank, world_size
+            batch_size=settings.batch_size,
+            seq_length=packing.seq_length,
+            vocab_size=packing.vocab_size,
+            seed=settings.seed,
+            rank=rank,
+            world_size=world_size,
         )
     sources = dataset_sources(settings.data_path, settings.datasets)  # the same on every rank: rank 0 reports errors
     names = [s.name for s in sources]
@@ -44,6 +48,8 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
     layout = settings.layout
     layouts = {s.name: layout for s in sources}
     if settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
+        from fms_fsdp.data.prepare.cache_dir import cached_sources  # the preparation only for --cache_dir
+
         built = cached_sources(sources, layout, settings.cache)
         tokenized = replace(layout, file_type="arrow", text=None)
         layouts.update({b.name: tokenized for s, b in zip(sources, built) if b != s})
@@ -58,17 +64,17 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
     datasets = [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name]) for s in sources]
     weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(
-        datasets,
-        weights,
-        packing,
-        settings.batch_size,
-        settings.logical_shards,
-        settings.seed,
-        rank,
-        world_size,
-        settings.num_workers,
-        schedule,
-        settings.grad_accum_steps,
+        datasets=datasets,
+        weights=weights,
+        packing=packing,
+        batch_size=settings.batch_size,
+        logical_shards=settings.logical_shards,
+        seed=settings.seed,
+        rank=rank,
+        world_size=world_size,
+        num_workers=settings.num_workers,
+        schedule=schedule,
+        grad_accum=settings.grad_accum_steps,
     )
 
 

@@ -1,5 +1,5 @@
 """Megatron-LM's indexed datasets (also NeMo's and GPT-NeoX's), `<prefix>.bin` + `<prefix>.idx` as
-Megatron's `tools/preprocess_data.py` writes them, read in place (data/reader.py's interface).
+Megatron's `tools/preprocess_data.py` writes them, read in place (data/file_reader.py's interface).
 
 The `.idx` holds, little-endian: the magic `MMIDIDX\\0\\0`, a version (1), a dtype code, the number of
 sequences S and of document indices D, then S int32 sequence lengths, S int64 byte pointers into the
@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from fms_fsdp.data.reader import Bytes, Options, Reader
+from fms_fsdp.data.file_reader import Bytes, Options, Reader
 from fms_fsdp.errors import DataError, first_line
 
 MAGIC = b"MMIDIDX\x00\x00"

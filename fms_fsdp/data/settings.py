@@ -1,5 +1,5 @@
 """The settings of the training data (built from the flags once, in fms_fsdp/settings.py; read by
-get_data_loader, data/build.py)."""
+get_data_loader, data/make_loader.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fms_fsdp.data.mixture import MixtureSchedule
+from fms_fsdp.data.prepare.settings import CacheSettings
 from fms_fsdp.data.shards import Layout
 from fms_fsdp.data.stream import Packing
-from fms_fsdp.data.token_cache import CacheSettings
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataSettings:
     """Which lines the loader reads and in what order: synthetic ones (--use_dummy_dataset), or the
     datasets under --data_path, mixed by --weights or --weights_schedule (parsed once: `schedule`), read

@@ -1,7 +1,7 @@
 """The files of a dataset folder: discovery, recognition of each file's layout, validation, document
 counts (meta/*counts*.csv, computed and cached once when absent) and random access to documents.
 
-Each layout is one small reader class with one interface (data/reader.py), recognised by the files'
+Each layout is one small reader class with one interface (data/file_reader.py), recognised by the files'
 names and first bytes, so a folder needs no flag and one run may mix layouts:
 - Arrow (data/arrow.py): fms-fsdp's one record batch per document; one row per document with a
   list-of-integers column, in IPC files or in the stream files Hugging Face `datasets` writes
@@ -9,7 +9,7 @@ names and first bytes, so a folder needs no flag and one run may mix layouts:
 - Megatron's indexed datasets, `.bin` + `.idx` (data/megatron.py);
 - OLMo's and Dolma's token arrays, `.npy` (data/token_arrays.py);
 - with --tokenizer_path, raw text (data/text.py).
-What a first start learns of each file is cached (data/cache.py).
+What a first start learns of each file is cached (data/data_cache_dir.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import pyarrow.parquet as pq
 
 from fms_fsdp.atomic import write_text_if_changed
 from fms_fsdp.data.arrow import ArrowDocs, ArrowRows, ParquetRows, arrow_reader
-from fms_fsdp.data.cache import IN_DATA, Index, IndexStore, cache_folder, load_index, write_cached
+from fms_fsdp.data.data_cache_dir import IN_DATA, Index, IndexStore, cache_folder, load_index, write_cached
+from fms_fsdp.data.file_reader import Options, Reader
 from fms_fsdp.data.megatron import MegatronFile, idx_path
-from fms_fsdp.data.reader import Options, Reader
 from fms_fsdp.data.sources import Source, absolute, common_folder, matched_files
 from fms_fsdp.data.text import JSONL, IndexCache, TextFile, TextIndex, TextSpec, is_jsonl
 from fms_fsdp.data.token_arrays import TokenArray
@@ -59,7 +59,7 @@ class Layout:
     """How a run reads its dataset folders: --file_type (which files), the token files' options
     (--col_name, --token_dtype, --eos_token, the vocabulary), for raw text --tokenizer_path with
     --text_field (JSON-lines files, and Parquet files without the token column), and the cache folder
-    (data/cache.py; None: no cache)."""
+    (data/data_cache_dir.py; None: no cache)."""
 
     file_type: str
     options: Options = Options()
@@ -82,7 +82,7 @@ class FileEntry:
     tokens: int  # estimated for raw text
     text: Optional[TextIndex] = None  # raw text files: how they are read
     reader: str = ""  # the name of its reader class (READERS); empty: told from the file when opened
-    index: Index = None  # its reader's index (data/cache.py)
+    index: Index = None  # its reader's index (data/data_cache_dir.py)
 
 
 def is_text(path: Path, layout: Layout) -> bool:
@@ -319,7 +319,7 @@ def scan(
 ) -> dict[str, list[FileEntry]]:
     """Every shard of every dataset (a folder under --`flag`, or the files of its patterns) with its
     counts: validated by opening each file; counts from <root>/meta/*counts*.csv where listed and right,
-    computed otherwise and cached (data/cache.py), as are the readers' indexes. Raw text files are
+    computed otherwise and cached (data/data_cache_dir.py), as are the readers' indexes. Raw text files are
     indexed (cached too); their bad records are reported, by file."""
     result: dict[str, list[FileEntry]] = {}
     roots = {s.root for s in sources}

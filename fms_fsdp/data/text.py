@@ -2,7 +2,7 @@
 tokenized document by document in the loader workers with a Hugging Face tokenizer (`tokenizers`,
 loaded offline, special tokens never added: the loader frames documents with --bos_token/--eos_token).
 
-Rank 0 indexes each text file once at start-up (cached in the run's data cache: data/cache.py, keyed by the file's size
+Rank 0 indexes each text file once at start-up (cached in the run's data cache: data/data_cache_dir.py, keyed by the file's size
 and mtime, --text_field and the tokenizer): its documents (one per line or row), the byte offset of
 every BLOCK_DOCS-th line of a plain .jsonl file, its bad records by reason, and its tokens, estimated
 from its first documents. A block of a plain .jsonl file is read by seeking to its offset; a gzipped
@@ -30,8 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fms_fsdp.data.cache import write_cached
-from fms_fsdp.data.reader import Reader
+from fms_fsdp.data.data_cache_dir import write_cached
+from fms_fsdp.data.file_reader import Reader
 from fms_fsdp.errors import ConfigError, DataError, first_line
 from fms_fsdp.storage import mtime_ns, open_random
 
@@ -251,7 +251,7 @@ def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
 
 
 class IndexCache:
-    """text_index_fms_fsdp_cache.json in the run's data cache (data/cache.py; None: none): text indexes of
+    """text_index_fms_fsdp_cache.json in the run's data cache (data/data_cache_dir.py; None: none): text indexes of
     earlier start-ups, valid while the file's size and mtime, --text_field and the tokenizer are the same."""
 
     def __init__(self, path: Optional[Path], spec: TextSpec):
@@ -288,7 +288,7 @@ class IndexCache:
         return index
 
     def save(self) -> Optional[str]:
-        """Write the cache whole or not at all (data/cache.py): None, or why it could not be written (the
+        """Write the cache whole or not at all (data/data_cache_dir.py): None, or why it could not be written (the
         files are indexed again next time)."""
         if not self.changed or self.path is None:
             return None

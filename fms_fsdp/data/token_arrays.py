@@ -1,4 +1,4 @@
-"""OLMo's and Dolma's token arrays (data/reader.py's interface): `.npy` files holding every document's
+"""OLMo's and Dolma's token arrays (data/file_reader.py's interface): `.npy` files holding every document's
 tokens one after the other, as OLMo's numpy datasets read them.
 
 - Dolma and OLMo write them as raw memory maps without a header (`np.memmap(..., mode="w+")`), named
@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from fms_fsdp.data.reader import Bytes, Options, Reader
+from fms_fsdp.data.file_reader import Bytes, Options, Reader
 from fms_fsdp.errors import DataError, first_line
 
 NPY_MAGIC = b"\x93NUMPY"

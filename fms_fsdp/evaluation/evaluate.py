@@ -1,5 +1,5 @@
 """Evaluation on held-out data (--eval_data_path): every --eval_interval steps and at the end of a
-training run, or of any model file or folder (`evaluate_checkpoint`: scripts/evaluate.py, `fms-evaluate`).
+training run, or of any model file or folder (`evaluate_once`: `fms-evaluate`, cli.py).
 
 Each eval dataset's documents are read in file order, framed as in training ([bos] document eos,
 [bol] ... [eol] per line) and cut into lines of seq_length + 1 tokens, the last one padded and masked;
@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.data.shards import Dataset, dataset_sources, scan
 from fms_fsdp.data.stream import Packing, strip_ends
 from fms_fsdp.errors import ConfigError, DataError
@@ -30,10 +29,8 @@ from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.model.loss import IGNORE_INDEX
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import DistInfo, on_rank0
-from fms_fsdp.run import Run, started
+from fms_fsdp.periodic import Report
 from fms_fsdp.storage import location
-from fms_fsdp.train.build import build_sharded_model
-from fms_fsdp.train.periodic import Report
 
 _PAD = -1  # marks the padding of the last line
 
@@ -193,29 +190,23 @@ def check_checkpoint_evaluation(settings: CheckpointEvalSettings) -> None:
         )
 
 
-def evaluate_checkpoint(run: Run) -> dict[str, Any]:
-    """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
-    folder), built as training builds it, evaluated on --eval_data_path and --eval_harness_tasks by
-    every rank of the launch (`fms-evaluate`, after check_checkpoint_evaluation; `run`'s facts keep no
-    data cache under --ckpt_save_path); rank 0 prints one `EVAL dataset=<name> loss=.. ppl=..
-    tokens=..` line per dataset and one for all, and one `HARNESS <task>/<metric>=<value>` line per score."""
-    load_path = run.settings.checkpoint.load_path
-    assert load_path is not None, "check_checkpoint_evaluation: --ckpt_load_path is given"
-    with started(run) as run:
-        evaluator = Evaluator(run.settings.evaluation, run.info)
-        harness = HarnessEvaluator(run.settings.harness, run.info)
-        model = build_sharded_model(run)
-        load_weights(model, load_path, run.variant)
-        record = evaluator.evaluate(model, 0) if evaluator.lines else {"step": 0}
-        if harness.tasks is not None:
-            record.update(harness.evaluate(model, 0))
-    for key, value in record.items():
-        if key.startswith("harness/"):
-            run.log(f"HARNESS {key.split('/', 1)[1]}={value:.6f}")
-    if not evaluator.lines:
-        return record
+def evaluate_once(model: torch.nn.Module, evaluator: Evaluator, harness: HarnessEvaluator) -> dict[str, Any]:
+    """One evaluation of `model` (every rank calls it): the held-out data's losses, then the lm-eval tasks'
+    scores, as one record (`fms-evaluate`: cli.py)."""
+    record = evaluator.evaluate(model, 0) if evaluator.lines else {"step": 0}
+    if harness.tasks is not None:
+        record.update(harness.evaluate(model, 0))
+    return record
+
+
+def evaluation_lines(record: dict[str, Any]) -> list[str]:
+    """What `fms-evaluate` prints of `record`: one `HARNESS <task>/<metric>=<value>` line per score, one
+    `EVAL dataset=<name> loss=.. ppl=.. tokens=..` line per dataset and one for all."""
+    lines = [f"HARNESS {k.split('/', 1)[1]}={v:.6f}" for k, v in record.items() if k.startswith("harness/")]
+    if "eval_loss" not in record:
+        return lines
     names = [k.split("/", 1)[1] for k in record if k.startswith("eval_loss/")]
     rows = [(name, record[f"eval_loss/{name}"], record[f"eval_tokens/{name}"]) for name in names]
     for name, loss, tokens in [*rows, ("all", record["eval_loss"], record["eval_tokens"])]:
-        run.log(f"EVAL dataset={name} loss={loss:.6f} ppl={math.exp(loss):.4f} tokens={tokens}")
-    return record
+        lines.append(f"EVAL dataset={name} loss={loss:.6f} ppl={math.exp(loss):.4f} tokens={tokens}")
+    return lines

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fms_fsdp.data.text import load_tokenizer
 from fms_fsdp.errors import ConfigError, first_line
 from fms_fsdp.parallel.process_group import DistInfo
-from fms_fsdp.train.periodic import Report
+from fms_fsdp.periodic import Report
 
 SCORED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 MIN_TOKENS = 64  # the shortest forward pass: lengths are 2^k from here to seq_length
@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - the class below is then never instanti
     TemplateLM = object
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HarnessSettings:
     """--eval_harness_tasks and what scoring them needs (built once: settings.py)."""
 

@@ -9,7 +9,7 @@ from fms_fsdp.data.shards import Layout
 from fms_fsdp.data.stream import Packing
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalSettings:
     """--eval_data_path's evaluation: when (--eval_interval, and the last step), which datasets, how
     their documents become lines (as training frames them) and how many are scored."""
@@ -25,7 +25,7 @@ class EvalSettings:
     packing: Packing
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointEvalSettings:
     """What `fms-evaluate` evaluates: --ckpt_load_path's model on --eval_data_path and --eval_harness_tasks."""
 

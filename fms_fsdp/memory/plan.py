@@ -35,10 +35,10 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.activations import Activations, Shape, trace_activations
-from fms_fsdp.model.attention import flex_documents
 from fms_fsdp.model.lora import LoRASpec, add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
+from fms_fsdp.parallel.attention import flex_documents
 from fms_fsdp.parallel.mesh import MeshShape
 from fms_fsdp.parallel.pipeline import PipelinePlan, blocks_of, microbatches_in_flight, prune
 from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
@@ -126,7 +126,7 @@ class Setting:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemorySettings:
     """The flags the plan reads (built once: settings.py)."""
 

@@ -1,3 +1,2 @@
-"""The model: variants, construction and FLOPs (variants.py), weight init (initialization.py), attention
-with document masks and context parallelism (attention.py), the chunked loss (loss.py), LoRA (lora.py)
-and float8 (float8.py)."""
+"""The model: variants, construction and FLOPs (variants.py), weight init (initialization.py), the chunked
+loss (loss.py), LoRA (lora.py) and float8 (float8.py)."""

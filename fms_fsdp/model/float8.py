@@ -63,7 +63,7 @@ def float8_filter(min_size: int) -> Callable[[nn.Module, str], bool]:
     return convert
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Float8Settings:
     """--float8_recipe and --float8_min_size of a run with --float8."""
 

@@ -9,7 +9,7 @@ v and gate, up apart; `FUSED` maps one to the other). Weight init is model/initi
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,6 @@ from fms.modules.head import LinearClassificationHead
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
@@ -304,13 +303,25 @@ class LMHead(LinearClassificationHead):
         return loss
 
 
+class Lines(Protocol):
+    """How a batch of packed lines is fed to the blocks (parallel/attention.py's LinePlan): documents kept
+    apart, the line split over a context-parallel group (`context`, None without one)."""
+
+    @property
+    def context(self) -> Any: ...
+
+    def prepare(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, Any]]: ...
+
+
 class CausalLM(LLaMA):
     """fms's LLaMA whose forward also takes `labels` and then returns the loss, not the logits. With a
-    `lines` plan (model/attention.py) the attention stays inside each document of a packed line
+    `lines` plan (parallel/attention.py) the attention stays inside each document of a packed line
     (--document_masking) and the line is split over a context-parallel group: the forward takes whole
     lines, computes on this rank's part, and returns the whole line's logits, or its share of the loss."""
 
-    lines: Optional[LinePlan] = None
+    lines: Optional[Lines] = None
 
     def __init__(self, config: LLaMAConfig):
         super().__init__(config)

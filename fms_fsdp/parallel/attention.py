@@ -46,7 +46,7 @@ CONTEXT = "fms_fsdp_context_parallel"
 RING = "fms_fsdp_ring"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionSettings:
     """The attention flags (built once: settings.py)."""
 

@@ -1,5 +1,5 @@
 """Context parallelism (--context_parallel_size=C): a line split over C ranks, and the attention of
-a rank's queries against the whole line (model/attention.py registers the ops that call these).
+a rank's queries against the whole line (parallel/attention.py registers the ops that call these).
 
 `ContextParallel` is a rank's place in its group (Llama 3's approach): the line is cut into 2C chunks
 and rank i keeps chunks i and 2C-1-i, so every rank does the same causal-attention work; it splits a

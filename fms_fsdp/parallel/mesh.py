@@ -22,7 +22,7 @@ from fms_fsdp.model.variants import hidden_dim
 from fms_fsdp.parallel.process_group import collective_timeout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MeshSettings:
     """The flags that lay out the mesh and what tensor and context parallelism must divide or refuse
     (built once: settings.py)."""

@@ -4,7 +4,7 @@ compiled loss), FSDP2 (fully_shard) with bf16 mixed precision, and gradient sync
 fsdp, hsdp and ddp are all FSDP2 over a (replicate, shard) mesh of different shapes; with
 --tensor_parallel_size=T an innermost dimension 'tp' holds the T ranks (of one node) that split
 every layer, and with --context_parallel_size=C a dimension 'cp' before it the C ranks that split
-every line (model/attention.py); FSDP shards over shard x cp (flattened as 'shard_cp', as torchtitan does),
+every line (parallel/attention.py); FSDP shards over shard x cp (flattened as 'shard_cp', as torchtitan does),
 so the C ranks share the parameters' memory, and data parallelism runs over replicate x shard. With
 --pipeline_parallel_size=P an outermost dimension 'pp' holds the pipeline's stages (parallel/pipeline.py): each
 stage's world / P ranks are laid out as above, its modules wrapped as above with each stage an FSDP
@@ -89,7 +89,7 @@ def apply_compile(model: LLaMA) -> None:
         model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelSettings:
     """The flags `parallelize` reads: activation checkpointing (the fraction of blocks, None when off,
     and --ac_mode), compile, bf16, float8 (None when off)."""

@@ -34,7 +34,7 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineSettings:
     """The pipeline flags, and those it does not combine with yet (built once: settings.py)."""
 

@@ -156,7 +156,7 @@ FR_ENTRIES = 2000  # collectives torch's Flight Recorder keeps per process (torc
 
 def record_collectives(nccl_traces: Optional[str]) -> None:
     """Have torch's Flight Recorder keep the last FR_ENTRIES collectives of this process, gloo's and
-    NCCL's (read by train/hangs.py when a collective times out), and NCCL's watchdog dump them on a
+    NCCL's (read by resilience/hangs.py when a collective times out), and NCCL's watchdog dump them on a
     timeout to `nccl_traces`<rank> (torchtitan's setting); set before the groups are made. What the user
     set is kept (a buffer size of 0: off)."""
     if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:

@@ -20,7 +20,7 @@ step, tokens and the table of every group's last committed data position, from w
 no sample is lost or repeated. A group with no live peer resumes from its own checkpoints
 (<ckpt_save_path>/group_<i>). A watchdog ends a group whose step hangs, so that the lighthouse drops it.
 
-The settings, their start-up checks and the fingerprint are in train/ft_settings.py.
+The settings, their start-up checks and the fingerprint are in resilience/ft_settings.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,11 +44,21 @@ from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.compat import local_tensor, quiet_http_transport, tree_map_only
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import agreement_group
-from fms_fsdp.train.ft_settings import FTSettings
-from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.resilience.ft_settings import FTSettings
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 QUORUM_RETRIES = 3  # torchft's own retries of a quorum request to the lighthouse (a brief network failure)
+
+
+class Guard(Protocol):
+    """The step guard (train/guard.py): its state travels with a healing group's when it skips bad steps."""
+
+    @property
+    def skipping(self) -> bool: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Replay:
@@ -177,7 +187,7 @@ class FaultTolerance:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         loader: Any,
-        guard: StepGuard,
+        guard: Guard,
         fingerprint: str,
         device: torch.device,
         say: Callable[[str], None],

@@ -1,8 +1,8 @@
-"""The settings of --fault_tolerance (train/ft.py) and its start-up checks: the flags with torchft's and
+"""The settings of --fault_tolerance (resilience/ft.py) and its start-up checks: the flags with torchft's and
 torchx's environment filled in (built once, in settings.py), torchft installed, FSDP inside each replica
 group, no pipeline; the wait for a lighthouse that answers (run.started); and the fingerprint of what
 every replica group must share (the model, the mesh and the flags config.py marks `shared`), which
-train/ft.py compares across the live groups at each step.
+resilience/ft.py compares across the live groups at each step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.parallel.mesh import MeshShape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FTSettings:
     """--fault_tolerance's flags, the environment filled in (torchft's and torchx's variables)."""
 
@@ -62,7 +62,13 @@ class FTSettings:
         if not port.isdigit():
             raise ConfigError(f"--ft_lighthouse={lighthouse}: expected host:port (such as head-node:29510)")
         return FTSettings(
-            groups, index, lighthouse, min_replicas, timedelta(seconds=timeout_seconds), step_timeout, shared
+            groups=groups,
+            index=index,
+            lighthouse=lighthouse,
+            min_replicas=min_replicas,
+            timeout=timedelta(seconds=timeout_seconds),
+            step_timeout=step_timeout,
+            shared=shared,
         )
 
 

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from fms_fsdp.atomic import write_text_atomic
 from fms_fsdp.compat import flight_recorder_dump, group_members
 from fms_fsdp.errors import TrainingError, first_line
 from fms_fsdp.parallel.process_group import gather_objects, lost_peer
-from fms_fsdp.run import Run
 from fms_fsdp.storage import make_folder, storage_error
 
 LISTED = 64  # of them, the newest listed in a dump
@@ -57,22 +58,20 @@ class HangDiagnostics:
     timeout_minutes: Optional[float]
 
     @staticmethod
-    def start(run: Run) -> "HangDiagnostics":
+    def start(*, folder: Path, rank: int, timeout_minutes: Optional[float]) -> "HangDiagnostics":
         """Every rank's host and rank 0's start time, gathered (every rank calls it, at start-up, once
-        the run holds its folder)."""
+        the run holds its folder): dumps go to <folder>/<rank 0's start time>."""
         mine = (socket.gethostname(), time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         every = gather_objects(mine)
         hosts = [host for host, _ in every]
-        return HangDiagnostics(
-            run.paths.diagnostics / every[0][1], run.info.rank, hosts, run.settings.triggers.timeout_minutes
-        )
+        return HangDiagnostics(folder / every[0][1], rank, hosts, timeout_minutes)
 
     @staticmethod
-    def started(run: Run) -> None:
-        """On GPUs, the folder NCCL writes its own dumps to, made once the start has succeeded (a failed
-        start leaves no folder behind)."""
-        if run.device.type == "cuda" and run.paths.nccl_traces is not None:
-            make_folder(Path(run.paths.nccl_traces).parent)
+    def started(device: torch.device, nccl_traces: Optional[str]) -> None:
+        """On GPUs, the folder NCCL writes its own dumps to (`nccl_traces`, a file prefix), made once the
+        start has succeeded (a failed start leaves no folder behind)."""
+        if device.type == "cuda" and nccl_traces is not None:
+            make_folder(Path(nccl_traces).parent)
 
     def diagnose(self, error: BaseException) -> TrainingError:
         """Write this rank's dump, wait for the others', and make the run's error line (said by the

@@ -53,7 +53,7 @@ class StopRequest:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TriggerSettings:
     """The flags of step boundaries: --num_steps, --checkpoint_interval (steps, 0 or auto),
     --checkpoint_minutes, --expected_hours_between_failures, --collective_timeout_minutes,

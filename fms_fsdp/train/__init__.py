@@ -1,3 +1,3 @@
-"""The training loop and what serves it: building its parts (build.py), the loop (loop.py), the step
-guard (train/guard.py), stop and save triggers (train/triggers.py), the run lease (train/lease.py), fault-tolerant
-replica groups (train/ft.py, train/ft_settings.py) and the periodic work it runs (train/periodic.py)."""
+"""The training loop: its model and optimizer built (make_model.py), the loop (loop.py), one optimizer step
+(step.py), the step guard (guard.py), their settings (settings.py) and --dry_run's rehearsal
+(rehearsal.py). What keeps a run alive around it is in resilience/."""

@@ -1,24 +1,24 @@
 """The training loop, top to bottom.
 
 `run_training`: the run's facts and start-up checks (run.facts, under the stop signals), the process group
-and mesh, then `train_run`: the run lease on --ckpt_save_path (train/lease.py; before any write there) and
+and mesh, then `train_run`: the run lease on --ckpt_save_path (resilience/lease.py; before any write there) and
 the trackers, the data loader first (bad data fails before the model is built), the model parallelised and its
-optimizer (train/build.py), the start (checkpoint/io.py: resume from the newest checkpoint, else
+optimizer (train/make_model.py), the start (checkpoint/checkpointer.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
-every few seconds the ranks agree on stop requests and time-based saves (train/triggers.py). Bad steps are
+every few seconds the ranks agree on stop requests and time-based saves (resilience/triggers.py). Bad steps are
 judged on the device (train/guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py; train/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
-(train/periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
-take). Under --fault_tolerance (train/ft.py) each step begins with the replica groups' quorum (a group
+(metrics.py, trackers.py; resilience/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
+(periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
+take). Under --fault_tolerance (resilience/ft.py) each step begins with the replica groups' quorum (a group
 behind the others heals there and goes on from the step it got) and commits only when torchft says
 so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
 staging buffers.
 
 A training collective that times out leaves every live rank's stacks and last collectives, and one
-line naming the ranks that did not reach it (train/hangs.py).
+line naming the ranks that did not reach it (resilience/hangs.py).
 
 `_build` makes the loop's collaborators (a `Loop`), `_steps` runs the steps, `_after_step` is the
 order of what follows each (the loop's contract), `_end` says how the run ended.
@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from fms_fsdp.checkpoint.checkpointer import Checkpointer
 from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
-from fms_fsdp.checkpoint.io import Checkpointer
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
@@ -46,20 +46,20 @@ from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import agreement_group, on_rank0
+from fms_fsdp.periodic import Periodic, Report
 from fms_fsdp.profiling import StepProfiler
+from fms_fsdp.resilience.ft import FaultTolerance, Replay
+from fms_fsdp.resilience.ft_settings import fingerprint
+from fms_fsdp.resilience.hangs import HangDiagnostics, timed_out
+from fms_fsdp.resilience.lease import RunLease
+from fms_fsdp.resilience.stragglers import Stragglers
+from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
 from fms_fsdp.run import Run, started, summary, write_config
 from fms_fsdp.trackers import Trackers, start_trackers
-from fms_fsdp.train.build import build_optimizer_and_schedule, build_stages
-from fms_fsdp.train.ft import FaultTolerance, Replay
-from fms_fsdp.train.ft_settings import fingerprint
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.hangs import HangDiagnostics, timed_out
-from fms_fsdp.train.lease import RunLease
-from fms_fsdp.train.periodic import Periodic, Report
+from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_stages
 from fms_fsdp.train.rehearsal import rehearse, rehearsed_ranks
 from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
-from fms_fsdp.train.stragglers import Stragglers
-from fms_fsdp.train.triggers import StepTriggers, StopRequest
 
 
 def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
@@ -131,7 +131,9 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
             run.log(line)
         if run.device.type == "cpu" and settings.mixed_precision:
             run.log("note: bf16 matmuls are slow on most CPUs; --mixed_precision=False is often 10x faster there")
-        hangs = HangDiagnostics.start(run)
+        hangs = HangDiagnostics.start(
+            folder=run.paths.diagnostics, rank=run.info.rank, timeout_minutes=run.settings.triggers.timeout_minutes
+        )
         trackers = start_trackers(run.settings.trackers, run.paths.root)
         failed = True
         try:
@@ -149,7 +151,7 @@ def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
             lease.release()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Loop:
     """The collaborators of one training loop, built once by `_build`."""
 
@@ -201,21 +203,13 @@ def _build(
     optimizer, scheduler = build_optimizer_and_schedule(run, model)
     guard = StepGuard(settings.skip_bad_steps, settings.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
-    checkpointer = Checkpointer(run, model, optimizer, scheduler, loader, lease, ft)
-    stack.callback(checkpointer.close)
-    exporter = PeriodicExporter(run, model)
+    checkpointer = _checkpointer(run, model, optimizer, scheduler, loader, lease, ft, stack)
+    exporter = PeriodicExporter(settings=run.settings.export, root=run.paths.exports, info=info, model=model)
     stack.callback(exporter.close)
     start, tokens_seen = checkpointer.start()
     if ft is not None:
         ft.resumed(start, tokens_seen)
-    on_rank0(lambda: write_config(run), CheckpointError, CheckpointError)
-    run.release_log(summary(run, start))
-    HangDiagnostics.started(run)
-    if start >= settings.num_steps:
-        run.log(
-            f"nothing to train: the checkpoint is at step {start} and --num_steps={settings.num_steps}; "
-            "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
-        )
+    _started(run, start)
     lines = getattr(loader, "lines_by_dataset", None)  # the synthetic loader has no datasets
     flops = flops_per_token(model.config, settings.seq_length)
     reporter = MetricsReporter(
@@ -231,8 +225,66 @@ def _build(
     stack.callback(profiler.close)
     model.train()
     periodic: list[Periodic] = [exporter, evaluator, harness, profiler]
-    parts = (loader, model, pipeline, optimizer, scheduler, guard, ft, checkpointer, reporter, triggers)
-    return Loop(run, *parts, stragglers, periodic), start
+    loop = Loop(
+        run=run,
+        loader=loader,
+        model=model,
+        pipeline=pipeline,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        guard=guard,
+        ft=ft,
+        checkpointer=checkpointer,
+        reporter=reporter,
+        triggers=triggers,
+        stragglers=stragglers,
+        periodic=periodic,
+    )
+    return loop, start
+
+
+def _checkpointer(
+    run: Run,
+    model: CausalLM,
+    optimizer: Any,
+    scheduler: Any,
+    loader: Any,
+    lease: RunLease,
+    ft: Optional[FaultTolerance],
+    stack: ExitStack,
+) -> Checkpointer:
+    """The run's checkpoints (closed by `stack`): the lease confirmed and fault tolerance's state kept at
+    each save."""
+    checkpointer = Checkpointer(
+        settings=run.settings.checkpoint,
+        root=run.paths.checkpoints,
+        metrics=run.paths.metrics,
+        variant=run.variant,
+        info=run.info,
+        config=run.flags,
+        log=run.log,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        lease=lease,
+        ft=ft,
+    )
+    stack.callback(checkpointer.close)
+    return checkpointer
+
+
+def _started(run: Run, start: int) -> None:
+    """The start has succeeded: the config written, the start's lines said, NCCL's dump folder made."""
+    on_rank0(lambda: write_config(run), CheckpointError, CheckpointError)
+    run.release_log(summary(run, start))
+    HangDiagnostics.started(run.device, run.paths.nccl_traces)
+    num_steps = run.settings.loop.num_steps
+    if start >= num_steps:
+        run.log(
+            f"nothing to train: the checkpoint is at step {start} and --num_steps={num_steps}; "
+            "raise --num_steps to go on, or use a new --ckpt_save_path to start afresh"
+        )
 
 
 def _fault_tolerance(
@@ -286,16 +338,16 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
     started_at = time.perf_counter()
     try:
         done = train_step(
-            loop.model,
-            loop.optimizer,
-            loop.guard,
-            step,
-            batches,
-            run.settings.step,
-            run.device,
-            report_step,
-            loop.pipeline,
-            loop.ft,
+            model=loop.model,
+            optimizer=loop.optimizer,
+            guard=loop.guard,
+            step=step,
+            batches=batches,
+            settings=run.settings.step,
+            device=run.device,
+            global_norm=report_step,
+            pipeline=loop.pipeline,
+            ft=loop.ft,
         )
     except torch.OutOfMemoryError as e:  # one line, not a traceback; earlier checkpoints are untouched
         raise out_of_memory_error(

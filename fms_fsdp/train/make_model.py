@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.memory.report import fits_or_warning
-from fms_fsdp.model.attention import LinePlan
 from fms_fsdp.model.float8 import scale_hook
 from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import CausalLM, build_model, count_params
 from fms_fsdp.optim import build_optimizer
+from fms_fsdp.parallel.attention import LinePlan
 from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.parallel.mesh import sharded
 from fms_fsdp.parallel.parallelize import Parallelized, parallelize

@@ -3,7 +3,7 @@ COMM_MODE=fake_backend): for each kind of rank, this process joins torch's fake 
 ranks as that rank (every collective returns at once and moves nothing) and runs the start's own
 code: the mesh, the model built on the meta device (no memory behind it), pruned to the rank's
 pipeline stages, tensor parallelism, float8, activation checkpointing, compile and FSDP2
-(train/build.py `parallelised`), the pipeline's schedule, and the optimizer's first step, which makes
+(train/make_model.py `parallelised`), the pipeline's schedule, and the optimizer's first step, which makes
 its state. The bytes of the parameters, their gradients and the optimizer's state are read from the
 shards it leaves (DTensor local shapes); the memory plan checks its analytic figures against them.
 
@@ -39,7 +39,7 @@ from fms_fsdp.memory.plan import State
 from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.mesh import build_mesh
 from fms_fsdp.run import Run
-from fms_fsdp.train.build import describe, parallelised
+from fms_fsdp.train.make_model import describe, parallelised
 
 REHEARSED_ON = torch.device("cpu")  # the mesh's device type (and the pipeline stages')
 

@@ -1,4 +1,4 @@
-"""The settings of the training loop (train/loop.py) and of the model's build (train/build.py), built from
+"""The settings of the training loop (train/loop.py) and of the model's build (train/make_model.py), built from
 the flags once, in fms_fsdp/settings.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopSettings:
     """The flags the loop reads itself: how far it trains and reports, the bad-step guard, the straggler
     report, and how a run that stops or finishes ends."""
@@ -28,7 +28,7 @@ class LoopSettings:
     export_model_at_end: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSettings:
     """How a run builds its model: on the meta device first (--low_cpu_fsdp), its weights from --seed,
     the head's z-loss weight."""

@@ -17,13 +17,13 @@ from fms_fsdp.model.variants import CausalLM
 from fms_fsdp.optim import clip_gradients
 from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.pipeline import Pipeline
-from fms_fsdp.train.ft import FaultTolerance
+from fms_fsdp.resilience.ft import FaultTolerance
 from fms_fsdp.train.guard import StepGuard
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepSettings:
     """The flags of one optimizer step (built once: settings.py)."""
 

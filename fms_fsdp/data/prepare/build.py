@@ -5,7 +5,7 @@ Run as scripts/prepare_data.py or, installed, `fms-prepare-data`:
     python scripts/prepare_data.py --input='s3://raw/*.jsonl.gz' --output=s3://data/web --tokenizer=byte \
         --engine=ray --ray_address=head:6379
 
-The input is cut into pieces that depend on the files alone (data/pieces.py). Piece p of input file i
+The input is cut into pieces that depend on the files alone (data/prepare/pieces.py). Piece p of input file i
 (in sorted order) becomes <output>/part-<i>-<p>-<j>.arrow, j = 0, 1, ...: Arrow IPC files with one
 uint32 column `tokens` and one record batch per document. A piece's shards are written under temporary
 names (locally; uploaded whole to object storage) and put in place when all are complete; then
@@ -33,9 +33,9 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from fms_fsdp.atomic import write_text_if_changed
-from fms_fsdp.data.engines import ENGINES, run_local, run_ray
-from fms_fsdp.data.pieces import EXTENSIONS, Piece, cut, is_splittable_jsonl, is_supported, records
-from fms_fsdp.data.shard_writer import (
+from fms_fsdp.data.prepare.engines import ENGINES, run_local, run_ray
+from fms_fsdp.data.prepare.pieces import EXTENSIONS, Piece, cut, is_splittable_jsonl, is_supported, records
+from fms_fsdp.data.prepare.shard_writer import (
     ShardWriter,
     clear_piece,
     finished,

@@ -1,5 +1,5 @@
 """Levanter's `cache_dir`: raw-text datasets tokenized once, before the first step, into
-<cache_dir>/<dataset> by fms-prepare-data's code (data/prepare.py: the same pieces, shards, counts and
+<cache_dir>/<dataset> by fms-prepare-data's code (data/prepare/build.py: the same pieces, shards, counts and
 markers), then read as prepared Arrow shards. A complete cache (its ledger, .done/complete.json) is
 reused as it is, read and never rewritten; an unfinished one is finished (its finished pieces kept); one
 made with another tokenizer or text field is refused. Datasets of token files are read where they are.
@@ -25,8 +25,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from fms_fsdp.data.prepare import Engine, Recipe, prepare_files, recipe_of
-from fms_fsdp.data.shard_writer import read_ledger
+from fms_fsdp.data.prepare.build import Engine, Recipe, prepare_files, recipe_of
+from fms_fsdp.data.prepare.settings import CacheSettings, RaySettings
+from fms_fsdp.data.prepare.shard_writer import read_ledger
 from fms_fsdp.data.shards import Layout, dataset_files, is_text
 from fms_fsdp.data.sources import Source
 from fms_fsdp.errors import ConfigError, DataError
@@ -35,25 +36,6 @@ from fms_fsdp.parallel.process_group import agreement_group, free_port, on_rank0
 from fms_fsdp.storage import location
 
 BUILD_TIMEOUT = timedelta(days=7)  # the other ranks wait this long for the cache
-
-
-@dataclass(frozen=True)
-class RaySettings:
-    """--ray_address, --ray_start_workers, --ray_auto_start_cluster (Levanter's names)."""
-
-    address: Optional[str] = None
-    start_workers: bool = False
-    auto_start_cluster: bool = False
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """--cache_dir, and how its raw text is tokenized: --tokenizer_path, --text_field, the Ray settings."""
-
-    cache_dir: str
-    tokenizer_path: str
-    text_field: str = "text"
-    ray: RaySettings = RaySettings()
 
 
 def cached_sources(sources: list[Source], layout: Layout, settings: CacheSettings) -> list[Source]:

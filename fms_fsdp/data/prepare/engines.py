@@ -50,7 +50,7 @@ def run_ray(
     completion; this package and this process's object-storage settings travel to the workers with the
     tasks."""
     ray = _import_ray()
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parents[2]  # fms_fsdp/, shipped whole to the workers
     runtime_env = {
         "py_modules": [str(package)],
         "excludes": ["__pycache__"],

@@ -13,7 +13,7 @@ from typing import Optional
 import pyarrow as pa
 
 from fms_fsdp.atomic import fsync_path
-from fms_fsdp.data.pieces import Piece
+from fms_fsdp.data.prepare.pieces import Piece
 from fms_fsdp.data.shards import FileEntry, write_counts
 from fms_fsdp.errors import DataError
 from fms_fsdp.storage import is_remote, mtime_ns, upload
