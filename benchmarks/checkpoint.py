@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from fms_fsdp.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from fms_fsdp.checkpoint.checkpointer import CheckpointRestorer  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
+from fms_fsdp.checkpoint.save import CheckpointSaver  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
@@ -67,11 +68,9 @@ def bench(run: Run) -> None:
         mode: dataclasses.replace(run.settings.checkpoint, background=mode == "async") for mode in ("sync", "async")
     }
     for mode in ("sync", "async"):
-        ckpt = Checkpointer(
+        saver = CheckpointSaver(
             settings=checkpointing[mode],
             root=run.paths.checkpoints,
-            metrics=run.paths.metrics,
-            variant=run.variant,
             info=info,
             config=run.flags,
             log=run.log,
@@ -83,15 +82,15 @@ def bench(run: Run) -> None:
         stalls, totals = [], []
         for step in (1, 2) if mode == "sync" else (3, 4, 5):
             start = time.perf_counter()
-            stalls.append(ckpt.save(step, 0))
-            ckpt.commit_pending()
+            stalls.append(saver.save(step, 0))
+            saver.commit_pending()
             totals.append(time.perf_counter() - start)
         if mode == "async":
             figures["async_first_stall_s"] = round(stalls.pop(0), 3)
             totals.pop(0)
         figures[f"{mode}_stall_s"] = round(min(stalls), 3)
         figures[f"{mode}_total_s"] = round(min(totals), 3)
-        ckpt.close()
+        saver.close()
     for fmt in ("fms", "hf"):  # a periodic export: the gather stalls training, rank 0 writes in the background
         exporting = dataclasses.replace(run.settings.export, interval=1, format=fmt)
         exporter = PeriodicExporter(settings=exporting, root=run.paths.exports, info=info, model=model)
@@ -102,7 +101,7 @@ def bench(run: Run) -> None:
         exporter.close()
         figures[f"export_{fmt}_total_s"] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
-    ckpt.resume()
+    CheckpointRestorer(saver, run.variant).resume()
     figures["load_s"] = round(time.perf_counter() - start, 3)
     step, path = complete_checkpoints(root / "checkpoints")[-1]
     figures["bytes"] = sum(p.stat().st_size for p in path.iterdir())

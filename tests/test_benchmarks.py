@@ -114,3 +114,14 @@ def test_the_hugging_face_io_benchmark_runs_and_prints_its_figures(tmp_path):
     )
     assert offline.returncode == 0, offline.stderr[-2000:]
     assert "BENCH offline variant=tiny" in offline.stdout
+
+
+def test_the_checkpoint_benchmark_saves_exports_and_loads_and_prints_its_figures(tmp_path):
+    """benchmarks/checkpoint.py on `tiny`, 2 ranks: sync and async saves, both exports, the load back."""
+    flags = ["--model_variant=tiny", "--device=cpu", "--mixed_precision=False", "--use_torch_compile=False"]
+    ran = launch("benchmarks/checkpoint.py", [*flags, "--vocab_size=256", f"--ckpt_save_path={tmp_path}"], 2)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    line = next(line for line in ran.stdout.splitlines() if line.startswith("BENCH "))
+    figures = dict(item.split("=", 1) for item in line.split()[1:])
+    for key in ("sync_stall_s", "async_stall_s", "export_fms_total_s", "export_hf_total_s", "load_s", "bytes"):
+        assert float(figures[key]) > 0, (key, line)

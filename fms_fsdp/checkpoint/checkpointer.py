@@ -27,13 +27,12 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
-from fms_fsdp.checkpoint.save import CheckpointSaver, GroupState, Lease, on_main
-from fms_fsdp.checkpoint.settings import CheckpointSettings
+from fms_fsdp.checkpoint.save import CheckpointSaver, on_main
 from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.checkpoint.weights_reader import damage, safe_reader, unreadable
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
-from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
+from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
 
 _LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
@@ -61,43 +60,14 @@ def earlier_scores(metrics: Path, monitor: str, until: int) -> dict[int, float]:
 
 
 class Checkpointer:
-    """The training state's checkpoints under `root` (<ckpt_save_path>/checkpoints): saved by `saver`
-    (CheckpointSaver, save.py), restored at the start by `restorer` (CheckpointRestorer). `metrics` is the
-    run's metrics.jsonl (a resumed run's evaluations rank its kept checkpoints), `variant` its
-    --model_variant (to read --ckpt_load_path's weights); the rest is the saver's."""
+    """The training state's checkpoints: saved by `saver` (CheckpointSaver, save.py), restored at the start
+    by a CheckpointRestorer of the same state. `metrics` is the run's metrics.jsonl (a resumed run's
+    evaluations rank its kept checkpoints), `variant` its --model_variant (to read --ckpt_load_path's
+    weights)."""
 
-    def __init__(
-        self,
-        *,
-        settings: CheckpointSettings,
-        root: Path,
-        metrics: Path,
-        variant: str,
-        info: DistInfo,
-        config: dict[str, Any],
-        log: Callable[[str], None],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        loader: Any,
-        lease: Optional[Lease] = None,
-        ft: Optional[GroupState] = None,
-    ):
-        self.saver = CheckpointSaver(
-            settings=settings,
-            root=root,
-            info=info,
-            config=config,
-            log=log,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            loader=loader,
-            lease=lease,
-            ft=ft,
-        )
-        self.restorer = CheckpointRestorer(self.saver, variant)
-        self.metrics = metrics
+    def __init__(self, *, saver: CheckpointSaver, metrics: Path, variant: str):
+        self.saver, self.metrics = saver, metrics
+        self.restorer = CheckpointRestorer(saver, variant)
 
     def start(self) -> tuple[int, int]:
         """(step, tokens_seen) to go on from: the newest checkpoint's, else (0, 0) with the model's

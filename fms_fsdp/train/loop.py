@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fms_fsdp.checkpoint.checkpointer import Checkpointer
 from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
+from fms_fsdp.checkpoint.save import CheckpointSaver
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
@@ -255,11 +256,9 @@ def _checkpointer(
 ) -> Checkpointer:
     """The run's checkpoints (closed by `stack`): the lease confirmed and fault tolerance's state kept at
     each save."""
-    checkpointer = Checkpointer(
+    saver = CheckpointSaver(
         settings=run.settings.checkpoint,
         root=run.paths.checkpoints,
-        metrics=run.paths.metrics,
-        variant=run.variant,
         info=run.info,
         config=run.flags,
         log=run.log,
@@ -270,6 +269,7 @@ def _checkpointer(
         lease=lease,
         ft=ft,
     )
+    checkpointer = Checkpointer(saver=saver, metrics=run.paths.metrics, variant=run.variant)
     stack.callback(checkpointer.close)
     return checkpointer
 
