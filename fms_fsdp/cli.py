@@ -103,7 +103,7 @@ def guarded(work: Callable[[], Any]) -> None:
 def quiet_library_noise() -> None:
     """What torch says at every step of a run that is not the user's business (the commands that train
     or evaluate call this, before they import the libraries; library code leaves warnings and loggers
-    alone). Rank 0 speaks: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
+    alone). Only rank 0 prints: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
     if os.environ.get("RANK", "0") != "0":
         warnings.simplefilter("ignore")
         for bars in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):

@@ -1,5 +1,5 @@
-"""How this package's processes end (no torch here: the data tools' worker pools use it too): the
-signals that ask a rank to save and stop, and children that die with their parent."""
+"""How this package's processes end: the signals that ask a rank to save and stop, and children that die
+with their parent (no torch here: the data tools' worker pools use it too)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""torch.profiler traces of a few training steps (use_profiler), and on CUDA an optional memory
-snapshot of the same steps (profiler_memory_snapshot); `StepProfiler` is the loop's periodic work
+"""Profiles of a few training steps: torch.profiler traces (--use_profiler), and on CUDA an optional memory
+snapshot of the same steps (--profiler_memory_snapshot); `StepProfiler` is the loop's periodic work
 (periodic.Periodic) that steps it."""
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class Run:
         return self.info.device
 
     def log(self, message: str) -> None:
-        """Rank 0 speaks (while the run starts, into its held lines: `hold_log`)."""
+        """Print `message` on rank 0 only (while the run starts, into its held lines: `hold_log`)."""
         if not self.info.is_main:
             return
         if self.start_log.lines is not None:

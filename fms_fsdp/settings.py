@@ -1,5 +1,5 @@
-"""Every component's settings, built once from the flags at the door (`run.facts`) and kept on the
-`Run` as `run.settings`: a component receives its own small settings object, never the flat config.
+"""Every component's settings, built from the flags once at start-up (`run.facts`) and kept on the `Run` as
+`run.settings`: a component receives its own small settings object, never the flat config.
 
 Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
 and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's

@@ -1,5 +1,5 @@
 """The package's structure: errors is a leaf, config imports nothing of the package but errors, no
-import cycle anywhere, scripts are entry points, every console script resolves, only the door sees the
+import cycle anywhere, scripts are entry points, every console script resolves, only the command layer, run and settings see the
 flat config, and modules, functions and the top folder stay small."""
 
 import ast

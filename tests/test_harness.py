@@ -193,7 +193,7 @@ def test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same(tra
         extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # rank 0 speaks: lm-eval's progress bar of the one evaluation once, and no rank's deprecation warnings
+    # only rank 0 prints: lm-eval's progress bar of the one evaluation once, and no rank's deprecation warnings
     assert proc.stderr.count("Tokenizing inputs: 100%") == 1, proc.stderr
     assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr
     ours, theirs = harness_records(split)[4], harness_records(out)[4]

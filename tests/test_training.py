@@ -87,7 +87,7 @@ def test_fsdp_two_ranks_matches_one_rank_with_the_same_global_batch(tmp, one_ran
     assert head[0].startswith("# run record") and re.match(r"# fms-fsdp \S+, git [0-9a-f]{40}", head[1]), head
     assert f"torch {torch.__version__}, ibm-fms " in head[2] and "# world 2, mesh (replicate, shard) = (1, 2)" in head
     assert "# NCCL_DEBUG=WARN" in head
-    # rank 0 speaks, rank 1 stays silent
+    # rank 0 prints, rank 1 stays silent
     out0, out1 = (next(logs.rglob(f"attempt_0/{r}/stdout.log")).read_text() for r in (0, 1))
     # a short summary of what runs (the model's line, the data, the steps, where the config went) before step 1
     head = out0.split("step 1 |")[0].splitlines()

@@ -1,4 +1,6 @@
-"""Training data. `from fms_fsdp.data import get_data_loader, DataError`:
+"""The training data, read from every layout users bring into batches that resume exactly.
+
+`from fms_fsdp.data import get_data_loader, DataError`:
 get_data_loader(settings, rank, world_size) -> an iterable of (inputs, labels) batches with
 state_dict()/load_state_dict(). Imported on first use, so fms_fsdp.data.shards stays light for tools.
 """

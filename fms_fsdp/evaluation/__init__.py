@@ -1,1 +1,1 @@
-"""Evaluation: held-out loss on --eval_data_path (evaluation/evaluate.py) and lm-eval-harness tasks (evaluation/harness.py)."""
+"""How well the model does while it trains and afterwards: held-out loss and lm-eval-harness tasks."""

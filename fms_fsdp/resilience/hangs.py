@@ -1,4 +1,5 @@
-"""Hangs: what every rank was doing when a collective did not complete within --collective_timeout_minutes.
+"""A hang explained: what every rank was doing when a collective did not complete within
+--collective_timeout_minutes, and one line naming the ranks that did not arrive.
 
 torch's Flight Recorder keeps each process's last collectives (every process group's, gloo's and
 NCCL's: group, sequence number, operation, sizes, state); process_group.start_process_group turns it
