@@ -4,7 +4,7 @@
 |-------------------------------|---------------------------|--------------------------------------------|
 | fms-train                     | main_training.py          | train/loop.run_training (dry_run)          |
 | fms-evaluate                  | scripts/evaluate.py       | cli._evaluate_checkpoint                   |
-| fms-prepare-data              | scripts/prepare_data.py   | data/prepare.prepare_data                  |
+| fms-prepare-data              | scripts/prepare_data.py   | data/prepare/build.prepare_data            |
 | fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data               |
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |

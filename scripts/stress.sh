@@ -12,7 +12,7 @@ matrix_runs="${2:-10}"
 suite_runs="${3:-3}"
 shift $(($# < 3 ? $# : 3))
 chosen=("$@")
-[ ${#chosen[@]} -gt 0 ] || chosen=(-m "")
+[ ${#chosen[@]} -gt 0 ] || chosen=(-m "not harness")
 python=.venv/bin/python
 if [ -n "$version" ]; then
   python=".venv-torch${version}/bin/python"

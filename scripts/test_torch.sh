@@ -2,7 +2,7 @@
 # The tests that touch what differs between torch releases (`-m torch_api`, both tiers: DCP, FSDP2, the pipeline,
 # torchft, compile, the private APIs of fms_fsdp/compat.py, the fault matrix and a checkpoint resume) on another
 # torch release, in a virtual environment of its own (.venv-torch<V>):
-#   bash scripts/test_torch.sh 2.11.0 [pytest arguments]     (-m "" as an argument: the whole suite)
+#   bash scripts/test_torch.sh 2.11.0 [pytest arguments]     (-m "not harness": the whole suite but the lm-eval tests)
 # The index's build of that release is installed (a CUDA build, which runs on the CPU here), then the
 # test dependencies at constraints-test.txt's versions and this package; torch releases from 2.11 (the floor
 # requirements.txt declares) to 2.14 are tested (docs/troubleshooting.md). It stops if the environment

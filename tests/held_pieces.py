@@ -6,7 +6,8 @@ lands mid-build every time instead of racing the workers:
 Each piece takes the next ticket (a folder made atomically in <tickets folder>, shared by every process and
 Ray worker of the run). A piece whose ticket is below <first held ticket> is tokenized at once; any other
 writes `held-<ticket>` (its pid and Slurm array task) and waits until `<tickets folder>/release` exists, then
-is tokenized, or until the command that started it ends, then its worker exits without writing anything.
+is tokenized, or until the command that started it ends (or GIVE_UP_S pass), then its worker exits without
+writing anything.
 The real piece function runs in every case; only its start is held."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import runpy
 import sys
 import time
 from pathlib import Path
+
+GIVE_UP_S = 300.0
 
 
 def take_ticket(tickets: Path) -> int:
@@ -45,8 +48,9 @@ def hold(tickets: Path, first_held: int, driver: int) -> None:
     task = os.environ.get("SLURM_ARRAY_TASK_ID", "")
     (tickets / f".held-{ticket}").write_text(f"{os.getpid()} {task}\n")
     (tickets / f".held-{ticket}").rename(tickets / f"held-{ticket}")  # whole when seen
+    deadline = time.monotonic() + GIVE_UP_S
     while not (tickets / "release").exists():
-        if not alive(driver):
+        if not alive(driver) or time.monotonic() > deadline:  # a failed test leaves nothing waiting
             os._exit(1)
         time.sleep(0.05)
 

@@ -1,6 +1,6 @@
-"""Under CI=true a skip is a failure, unless the test is one CI is expected to skip (the CUDA tier: CI has
-no GPU). A test that cannot run in CI (Slurm or iproute2 not installed, an optional package missing, a
-tmpfs that cannot be mounted) would otherwise be green without having run. Outside CI skips stay skips,
+"""Under CI=true a skip is a failure, unless the test is one CI is expected to skip (the CUDA tier without a
+GPU; a test of the CPU-only path with one). A test that cannot run in CI (Slurm or iproute2 not installed,
+an optional package missing, a tmpfs that cannot be mounted) would otherwise be green without having run. Outside CI skips stay skips,
 each saying what is missing. Loaded by tests/conftest.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 
 import pytest
 
-EXPECTED_IN_CI = ("cuda",)  # markers of the tests CI skips by design
+EXPECTED_IN_CI = ("cuda", "cpu_only")  # markers of the tests CI skips by design (on a machine with or without a GPU)
 
 
 def in_ci() -> bool:

@@ -87,6 +87,7 @@ def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint
     assert f"| {gpu_check.BENCHES[0].name} | error: out of memory |" in missing and "| no figure |" in missing
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
 def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu():
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)

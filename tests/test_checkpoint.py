@@ -306,7 +306,7 @@ def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninte
 
 
 def test_a_model_file_is_read_by_rows_in_every_format(tmp_path):
-    """checkpoint/reader.model_reader: rows of a .safetensors file and of a .pth file, in torch's zip
+    """checkpoint/weights_reader.model_reader: rows of a .safetensors file and of a .pth file, in torch's zip
     format (memory-mapped) and its legacy one (read whole), are the tensor's rows."""
     state = {"w": torch.arange(12.0).view(4, 3), "b": torch.arange(5.0).bfloat16()}
     save_file(state, str(tmp_path / "m.safetensors"))

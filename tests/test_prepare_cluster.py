@@ -218,11 +218,14 @@ def test_a_ray_cluster_writes_what_one_machine_writes_despite_a_killed_worker(co
     """The first piece's worker is held until it is SIGKILLed, then every piece is let go: Ray retries it."""
     out, tickets = tmp_path / "ds", tmp_path / "tickets"
     proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}", held=(tickets, 0))
-    wait_for("a Ray worker holding a piece", lambda: (tickets / "held-0").exists() or proc.poll() is not None, 60)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    os.kill(int((tickets / "held-0").read_text().split()[0]), signal.SIGKILL)
-    (tickets / "release").touch()
-    output, _ = proc.communicate(timeout=180)
+    try:
+        wait_for("a Ray worker holding a piece", lambda: (tickets / "held-0").exists() or proc.poll() is not None, 60)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        os.kill(int((tickets / "held-0").read_text().split()[0]), signal.SIGKILL)
+        (tickets / "release").touch()
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()  # a failed test leaves no driver (and so no held task) behind
     assert proc.returncode == 0, output
     assert len(list(tickets.glob("ticket-*"))) == markers(out), (
         "the killed piece was not run again"
@@ -270,14 +273,16 @@ def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ra
     """Two pieces finish, the rest are held; the driver is SIGKILLed then, and the run again does the rest."""
     out, tickets = tmp_path / "ds", tmp_path / "tickets"
     proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}", held=(tickets, 2))
-    wait_for(
-        "two pieces and a held one",
-        lambda: (markers(out) == 2 and (tickets / "held-2").exists()) or proc.poll() is not None,
-        60,
-    )
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        wait_for(
+            "two pieces and a held one",
+            lambda: (markers(out) == 2 and (tickets / "held-2").exists()) or proc.poll() is not None,
+            60,
+        )
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+    finally:
+        proc.send_signal(signal.SIGKILL)  # the kill under test (and, on a failure, nothing left behind)
+        proc.wait()
     wait_for("the held tasks to end", lambda: not any(alive(p) for p in held_pids(tickets)), 60)
     assert markers(out) == 2
     again = prepare(corpus["raw"], out, *corpus["flags"], "--engine=ray", f"--ray_address={ray_head}", env=ray_env)
@@ -342,11 +347,13 @@ def test_an_array_task_killed_with_minus_9_and_the_array_run_again_finishes_the_
     args = ["--array=0-1", "--cpus-per-task=1", "--time=10", f"--output={tmp_path / 'task-%a.out'}"]
     args += ["scripts/prepare_data.slurm", f"--input={raw}", f"--output={out}", *flags]
     job = submit({**slurm, "PYTHON": str(held_python)}, *args)
-    wait_for("task 1 holding a piece", lambda: any(f.read_text().split()[1:] == ["1"] for f in held(tickets)), 120)
-    subprocess.run(["scancel", "--full", "--signal=KILL", f"{job}_1"], env=slurm, check=True)
-    ended = ("COMPLETED", "FAILED", "CANCELLED")
-    wait_for("task 1 to end", lambda: job_state(slurm, f"{job}_1") in ended, 60)
-    (tickets / "release").touch()
+    try:
+        wait_for("task 1 holding a piece", lambda: any(f.read_text().split()[1:] == ["1"] for f in held(tickets)), 120)
+        subprocess.run(["scancel", "--full", "--signal=KILL", f"{job}_1"], env=slurm, check=True)
+        ended = ("COMPLETED", "FAILED", "CANCELLED")
+        wait_for("task 1 to end", lambda: job_state(slurm, f"{job}_1") in ended, 60)
+    finally:
+        (tickets / "release").touch()  # task 0 goes on (and, on a failure, nothing waits)
     wait_for("the array to end", lambda: job_state(slurm, f"{job}_0") in ended, 180)
     assert job_state(slurm, f"{job}_1") != "COMPLETED"
     assert not (out.parent / "meta").exists()
