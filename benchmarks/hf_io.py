@@ -19,11 +19,15 @@ RSS above that of a bare `import torch, fms_fsdp` and the model's fp32 bytes.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -115,12 +119,29 @@ def run(argv: list[str]) -> None:
         )
 
 
+def peak_rss(args: list[str], env: Optional[dict] = None, timeout: float = 3600) -> tuple[int, int, str]:
+    """Run `args` in a fresh process (from the repository's root, with `env`); its exit status, its own peak
+    RSS in bytes (the kernel's maximum resident set size of that one child: wait4) and its output. The
+    offline figures here and tests/test_offline_memory.py's bound both measure with it."""
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        output.seek(0)
+        return proc.returncode, usage.ru_maxrss * 1024, output.read().decode(errors="replace")  # KiB on Linux
+
+
 def child_peak(args: list[str]) -> float:
-    """A command's peak RSS in MiB, run in a fresh process (GNU time's maximum resident set size)."""
-    proc = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=3600
-    )
-    return int(proc.stderr.strip().splitlines()[-1]) / 1024
+    """A command's peak RSS in MiB, run in a fresh process (it must succeed)."""
+    status, peak, said = peak_rss(args)
+    if status != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({status}): {said[-2000:]}")
+    return peak / 2**20
 
 
 def offline(argv: list[str]) -> None:

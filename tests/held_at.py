@@ -29,11 +29,12 @@ import os
 import re
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 GIVE_UP_S = 600.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -82,6 +83,28 @@ def hold(folder: Path) -> None:
     finally:
         for sig, handler in replaced.items():
             signal.signal(sig, handler)
+
+
+def wait_held(
+    folder: Path,
+    count: int,
+    procs: Iterable[subprocess.Popen],
+    timeout: float = 240,
+    files: str = "held-*",
+    said: Optional[Callable[[], Any]] = None,
+) -> None:
+    """In a test: until `count` files `files` (held-<rank>, or signalled-<rank>) are in `folder`, while every
+    process of `procs` runs; a failure's message is `said()`, else the ended processes' output."""
+    procs, deadline = list(procs), time.monotonic() + timeout
+    while len(list(folder.glob(files))) < count:
+        ended = [p for p in procs if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            detail = (
+                said() if said is not None else "".join((p.stdout.read() if p.stdout else "")[-3000:] for p in ended)
+            )
+            why = "a process ended" if ended else f"not within {timeout:.0f} s"
+            raise AssertionError(f"{count} {files} in {folder}: {why}; {detail}")
+        time.sleep(0.05)
 
 
 def install(folder: Path, point: str) -> None:

@@ -3,7 +3,11 @@ import cycle anywhere, scripts are entry points, every console script resolves, 
 flat config, and modules, functions and the top folder stay small."""
 
 import ast
+import collections
+import dataclasses
 import importlib
+import subprocess
+import sys
 
 import tomllib
 
@@ -201,8 +205,6 @@ def test_settings_the_loop_its_step_and_the_loaders_are_called_by_keyword():
         and len(node.args) > 3
     ]
     assert not positional, positional
-    import dataclasses
-
     classes = [
         getattr(importlib.import_module(module_name(p)), node.name)
         for p in PACKAGE.rglob("*.py")
@@ -221,8 +223,6 @@ READ_AT_START_UP = {"dry_run", "plan_world_size", "rope_scaling_factor", "rope_t
 def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
     """Each field of the flat config is read in settings.py, or is one of READ_AT_START_UP: a flag that no
     component sees would be accepted and do nothing."""
-    import dataclasses
-
     from fms_fsdp.config import train_config
 
     def read_in(path) -> set[str]:
@@ -239,9 +239,6 @@ def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
 def test_no_module_shadows_the_standard_library_and_base_names_are_unique():
     """`inspect.py`, `io.py` beside the standard library's, or two `reader.py`s, make a reader (and a
     traceback) ask which one is meant; only `settings.py` is one per folder by design."""
-    import collections
-    import sys
-
     stems = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
     assert not [s for s in stems if s in sys.stdlib_module_names]
     shared = sorted(s for s, n in collections.Counter(stems).items() if n > 1)
@@ -273,9 +270,6 @@ def test_the_training_folder_holds_the_loop_only():
 
 def test_the_loader_imports_without_the_preparation_or_ray():
     """A run without --cache_dir loads neither fms-prepare-data's code (data/prepare/) nor Ray."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, fms_fsdp.data.make_loader; "
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('fms_fsdp.data.prepare.')))"

@@ -27,6 +27,7 @@ from fms_fsdp.checkpoint.weights_reader import model_reader, read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
+from held_at import wait_held
 
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
@@ -66,15 +67,6 @@ def start(args: list[str], nproc=2, held: Optional[tuple[Path, str]] = None) -> 
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_held(folder: Path, ranks: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    """Until `ranks` processes of `proc` wait at their point (tests/held_at.py's held-<rank> files)."""
-    deadline = time.time() + timeout
-    while len(list(folder.glob("held-*"))) < ranks:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline, f"{ranks} ranks were not held in {folder}"
-        time.sleep(0.05)
-
-
 def process_children() -> dict[int, list[int]]:
     """Every process's children now, by parent pid (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -103,7 +95,7 @@ def kill_tree(pid: int, sig: signal.Signals) -> None:
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted, tmp_path):
     out, held = tmp_path / "run", tmp_path / "held"
     proc = start(flags(data, out, "--checkpoint_interval=6"), held=(held, "step:7"))
-    wait_held(held, 2, proc)  # both ranks before step 7: step 6 is saved and committed, its record written
+    wait_held(held, 2, [proc])  # both ranks before step 7: step 6 is saved and committed, its record written
     kill_tree(proc.pid, signal.SIGKILL)  # a hard stop of every process, six steps before the next checkpoint
     proc.wait()
     assert max(losses(out)) == 6

@@ -33,6 +33,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 
 from conftest import ROOT, TINY
+from held_at import wait_held
 from test_checkpoint import alive, descendants
 
 PYTORCHJOB, JOBSET = ROOT / "k8s" / "pytorchjob.yaml", ROOT / "k8s" / "jobset.yaml"
@@ -392,14 +393,11 @@ def test_pods_train_save_on_sigterm_fail_for_a_restart_and_resume(manifest, netw
     signalled = procs[1:] if manifest == "pytorchjob" else procs
     ranks = {f"signalled-{NPROC * procs.index(p) + r}" for p in signalled for r in range(NPROC)}
     deadline = time.time() + 240
-    while len(list(held.glob("held-*"))) < NPROC * len(procs):
-        assert all(p.poll() is None for p in procs) and time.time() < deadline, _wait(procs, 5)
-        time.sleep(0.1)
+    wait_held(held, NPROC * len(procs), procs, timeout=240, said=lambda: _wait(procs, 5))
     for p in signalled:
         p.send_signal(signal.SIGTERM)  # the kubelet's, to the container's main process alone
-    while len(list(held.glob("signalled-*"))) < len(ranks):  # sent on by the pods' entry points
-        assert all(p.poll() is None for p in procs) and time.time() < deadline, _wait(procs, 5)
-        time.sleep(0.1)
+    # sent on by the pods' entry points
+    wait_held(held, len(ranks), procs, deadline - time.time(), files="signalled-*", said=lambda: _wait(procs, 5))
     assert {f.name for f in held.glob("signalled-*")} == ranks
     (held / "release").touch()
     outputs = _wait(procs, 120)

@@ -22,6 +22,7 @@ import pytest
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 
 from conftest import ROOT, TINY
+from held_at import wait_held
 from test_checkpoint import alive, descendants
 
 NODES = {"a": "10.77.0.1", "b": "10.77.0.2"}
@@ -100,16 +101,6 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_held(held: Path, ranks: int, nodes: dict) -> None:
-    """Until `ranks` ranks wait at their point (tests/held_at.py's held-<rank> files)."""
-    deadline = time.time() + 180
-    while len(list(held.glob("held-*"))) < ranks:
-        assert all(p.poll() is None for p in nodes.values()) and time.time() < deadline, "".join(
-            p.stdout.read()[-2000:] for p in nodes.values() if p.poll() is not None
-        )
-        time.sleep(0.1)
-
-
 def wait_for_step(out: Path, step: int, nodes: dict) -> None:
     deadline = time.time() + 180
     while max((r["step"] for r in records(out)), default=0) < step:
@@ -143,7 +134,9 @@ def test_hsdp_across_two_nodes_survives_a_lost_node_or_launcher_and_resumes_exac
     ]
     held = tmp_path / "held"  # every rank waits before step 5 (tests/held_at.py): the network goes then
     nodes = {n: start_node(n, two_nodes, args, (held, "step:5")) for n in NODES}
-    wait_held(held, 4, nodes)  # a checkpoint at step 3, a step trained after it, no save under way
+    wait_held(
+        held, 4, nodes.values(), timeout=180
+    )  # a checkpoint at step 3, a step trained after it, no save under way
     # node b drops off the network (no connection is closed, as when a machine dies): node a's ranks
     # give up after --collective_timeout_minutes, in one line
     ns_b, device_b = two_nodes["b"]

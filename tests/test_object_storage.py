@@ -30,7 +30,8 @@ from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 
 from conftest import STEPS, TINY, data_loader, flags, launch, run_here, train_here
-from test_checkpoint import kill_tree, start, wait_held
+from held_at import wait_held
+from test_checkpoint import kill_tree, start
 from test_data import cfg, make_docs, take, write_dataset
 from test_lora import LORA
 
@@ -247,7 +248,7 @@ def test_a_run_checkpoints_to_a_bucket_is_killed_and_resumes_from_it_exactly(s3,
     args = flags("s3://data/checkpointed", out, "--checkpoint_interval=6", "--checkpoint_keep=1")  # type: ignore[arg-type]
     held = tmp_path / "held"
     proc = start(args, held=(held, "step:7"))
-    wait_held(held, 2, proc)  # both ranks before step 7: step 6 is saved and committed, its record written
+    wait_held(held, 2, [proc])  # both ranks before step 7: step 6 is saved and committed, its record written
     kill_tree(proc.pid, signal.SIGKILL)  # every process, six steps before the next checkpoint
     proc.wait()
     root = location(out, "ckpt_save_path") / "checkpoints"

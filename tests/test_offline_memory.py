@@ -11,15 +11,14 @@ whole state dict, or one whole fp32 copy of it, is above 100%.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
-import os
 import re
 import struct
-import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,20 +44,17 @@ BARE = [sys.executable, "-c", "import torch, fms_fsdp.cli"]  # the interpreter, 
 MIB = 2**20
 
 
-def peak_rss(args: list[str], timeout: float = 300) -> tuple[int, int, str]:
-    """Run `args` in a fresh process (this checkout first on the path, one thread, as launched runs);
-    returns its exit status, its peak RSS in bytes (its own: wait4 on that one child) and its output."""
-    with tempfile.TemporaryFile() as output:
-        proc = subprocess.Popen(args, cwd=ROOT, env=rank_env(), stdout=output, stderr=subprocess.STDOUT)
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            killer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-        output.seek(0)
-        return proc.returncode, usage.ru_maxrss * 1024, output.read().decode(errors="replace")  # KiB on Linux
+@functools.cache
+def hf_io() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_io", ROOT / "benchmarks" / "hf_io.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peak_rss(args: list[str]) -> tuple[int, int, str]:
+    """benchmarks/hf_io.py's measure, in a launched run's environment (this checkout first, one thread)."""
+    return hf_io().peak_rss(args, env=rank_env(), timeout=300)
 
 
 def safetensors_header(path: Path) -> dict:

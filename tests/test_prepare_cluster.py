@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from held_pieces import alive
 from slurm_cluster import job_state, submit, wait_for
 from test_object_storage import SECRET, s3_settings, start_server
 from test_prepare_pieces import PIECE, dataset_bytes, prepare, word_tokenizer, write_corpus
@@ -24,7 +23,7 @@ from fms_fsdp.data.prepare.cache_dir import JobCluster, ray_start, stop_job_clus
 from fms_fsdp.parallel.process_group import free_port
 
 from conftest import TINY, launch, records
-from test_checkpoint import process_children
+from test_checkpoint import alive, process_children
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
