@@ -1,4 +1,4 @@
-"""Convert a checkpoint to a Hugging Face LlamaForCausalLM folder (the logic: fms_fsdp/checkpoint/hf.py,
+"""Convert a checkpoint to a Hugging Face LlamaForCausalLM folder (the logic: fms_fsdp/weights/hf.py,
 behind fms_fsdp/cli.py; installed as `fms-to-hf`).
 
     python fms_to_hf.py --load_path=<ckpt_save_path>/checkpoints/step_N_ckp --save_path=out \

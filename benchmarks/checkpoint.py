@@ -29,9 +29,10 @@ from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.checkpoint.save import CheckpointSaver  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
+from fms_fsdp.context import Run
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
-from fms_fsdp.run import Run, facts, started  # noqa: E402
+from fms_fsdp.startup import facts, started
 from fms_fsdp.train.guard import StepGuard  # noqa: E402
 from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.train.step import train_step  # noqa: E402

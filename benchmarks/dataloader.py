@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fms_fsdp.cli import tool  # noqa: E402
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import make_config  # noqa: E402
-from fms_fsdp.run import facts  # noqa: E402
+from fms_fsdp.startup import facts  # noqa: E402
 from fms_fsdp.storage import location  # noqa: E402
 
 

@@ -36,15 +36,15 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
-from fms_fsdp.checkpoint.hf import write_hf_folder  # noqa: E402
-from fms_fsdp.checkpoint.weights import load_weights  # noqa: E402
-from fms_fsdp.checkpoint.weights_reader import Tensors  # noqa: E402
 from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.compat import local_tensor  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
-from fms_fsdp.run import facts, started  # noqa: E402
+from fms_fsdp.startup import facts, started  # noqa: E402
 from fms_fsdp.train.make_model import build_sharded_model  # noqa: E402
+from fms_fsdp.weights.hf import write_hf_folder  # noqa: E402
+from fms_fsdp.weights.load import load_weights  # noqa: E402
+from fms_fsdp.weights.reader import Tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ from fms_fsdp.config import train_config  # noqa: E402
 from fms_fsdp.errors import ConfigError  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import flops_per_token  # noqa: E402
-from fms_fsdp.run import facts  # noqa: E402
+from fms_fsdp.startup import facts  # noqa: E402
 from fms_fsdp.train.loop import run_training  # noqa: E402
 
 FORCED = ["--use_dummy_dataset=True", "--checkpoint_interval=0"]

@@ -8,7 +8,7 @@
 | fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data               |
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
-| fms-to-hf                     | fms_to_hf.py              | checkpoint/hf.convert                      |
+| fms-to-hf                     | fms_to_hf.py              | weights/hf.convert                         |
 
 Every command reads its command line alike (flags.py: `--name=value`, typo suggestions, `--help`),
 imports the heavy modules (torch, fms) only once its flags are read, and ends an error a user can act
@@ -209,9 +209,10 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
 
     def work() -> None:  # imported here: an unsupported torch is one line (compat.check_torch)
         quiet_library_noise()
+        from fms_fsdp.context import Paths
         from fms_fsdp.lifetime import LAUNCHER_DIED, exit_with_parent
-        from fms_fsdp.run import Paths, facts
         from fms_fsdp.settings import ft_of
+        from fms_fsdp.startup import facts
         from fms_fsdp.train.loop import dry_run, run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -239,8 +240,8 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     def work() -> None:
         quiet_library_noise()
         from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
-        from fms_fsdp.run import facts
         from fms_fsdp.settings import checkpoint_evaluation_of
+        from fms_fsdp.startup import facts
 
         check_checkpoint_evaluation(checkpoint_evaluation_of(cfg))
         _evaluate_checkpoint(facts(cfg, run_cache=False))  # no data cache kept under --ckpt_save_path
@@ -252,11 +253,11 @@ def _evaluate_checkpoint(run: Any) -> None:
     """The model of --ckpt_load_path (a checkpoint folder, a safetensors/.pth file or a Hugging Face
     folder), built as training builds it, evaluated by every rank of the launch; rank 0 prints the lines
     of evaluation.evaluate.evaluation_lines."""
-    from fms_fsdp.checkpoint.weights import load_weights
     from fms_fsdp.evaluation.evaluate import Evaluator, evaluate_once, evaluation_lines
     from fms_fsdp.evaluation.harness import HarnessEvaluator
-    from fms_fsdp.run import started
+    from fms_fsdp.startup import started
     from fms_fsdp.train.make_model import build_sharded_model
+    from fms_fsdp.weights.load import load_weights
 
     load_path = run.settings.checkpoint.load_path
     assert load_path is not None, "check_checkpoint_evaluation: --ckpt_load_path is given"
@@ -406,7 +407,7 @@ def _to_hf(
     --tokenizer_name_or_path  a local tokenizer folder, copied in; its bos/eos ids go to the config
     --dtype                   bf16, fp32 or fp16
     """
-    from fms_fsdp.checkpoint.hf import convert
+    from fms_fsdp.weights.hf import convert
 
     print(f"wrote {convert(load_path, save_path, model_variant, vocab_size, tokenizer_name_or_path, dtype)}")
 

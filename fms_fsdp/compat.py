@@ -37,7 +37,7 @@ check_torch()
 
 # ----------------------------------------------------------------------------------- private APIs
 # DTensor's placement arithmetic: which rows and columns of a parameter a mesh coordinate holds
-# (local_box: init_weights draws each rank's own block, checkpoints read it; checkpoint/fused.py tiles fused tensors)
+# (local_box: init_weights draws each rank's own block, checkpoints read it; weights/fused.py tiles fused tensors)
 # ShardedTensor: fms's fused keys for a model built unfused under tensor parallelism, which DCP saves
 # and loads in place (a DTensor cannot place three pieces of one tensor on a rank)
 # the CUDA allocator's history, for --profiler_memory_snapshot

@@ -3,7 +3,7 @@ with its help, choices and bounds; names and meanings are fms-fsdp's) and the ch
 alone decide (`validate`: ranges, choices, flags that go together).
 
 Reading flags and config files is flags.py's; what only a module can judge (the model variant, the
-mesh, the tokenizer, the device) is checked at start-up by run.py's `facts`. This module imports
+mesh, the tokenizer, the device) is checked at start-up by startup.py's `facts`. This module imports
 nothing from the package but its errors.
 """
 

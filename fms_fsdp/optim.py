@@ -18,7 +18,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from fms_fsdp.compat import local_box, muon_adjusted_lr, muon_orthogonalize
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.model.variants import part_rows
+from fms_fsdp.model.shapes import part_rows
 
 # fused AdamW measured 6-15x faster than foreach on CPU (tiny, small) and 18% more tokens/s on an H100
 FUSED_DEVICES = ("cuda", "cpu")

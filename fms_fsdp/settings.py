@@ -1,10 +1,10 @@
-"""Every component's settings, built from the flags once at start-up (`run.facts`) and kept on the `Run` as
+"""Every component's settings, built from the flags once at start-up (`startup.facts`) and kept on the `Run` as
 `run.settings`: a component receives its own small settings object, never the flat config.
 
 Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
 and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's
 layout and framing (for training and evaluation alike), the mixture's schedule and the values of the
-flags replica groups share. Three are built before the others, by `run.facts` or the command line, and
+flags replica groups share. Three are built before the others, by `startup.facts` or the command line, and
 are not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows
 from them, `run.shape` and `run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings
 object that cannot be (a decay longer than a cycle, an unreadable keep policy, an unreadable mixture
@@ -32,23 +32,19 @@ from fms_fsdp.data.stream import Packing
 from fms_fsdp.data.text import TextSpec
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
-from fms_fsdp.memory.plan import MemorySettings, Setting
+from fms_fsdp.memory.settings import MemorySettings, Setting
 from fms_fsdp.metrics import MetricsSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
-from fms_fsdp.parallel.attention import AttentionSettings
-from fms_fsdp.parallel.mesh import MeshSettings
-from fms_fsdp.parallel.parallelize import ParallelSettings
-from fms_fsdp.parallel.pipeline import PipelineSettings
+from fms_fsdp.parallel.settings import AttentionSettings, MeshSettings, ParallelSettings, PipelineSettings
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.resilience.ft_settings import FTSettings
 from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.storage import is_remote, location
 from fms_fsdp.trackers import TrackerSettings
-from fms_fsdp.train.settings import LoopSettings, ModelSettings
-from fms_fsdp.train.step import StepSettings
+from fms_fsdp.train.settings import LoopSettings, ModelSettings, StepSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,7 +369,7 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
 
 
 def mesh_of(cfg: train_config) -> MeshSettings:
-    """The mesh's flags (run.facts lays out the mesh from them before the other settings are built, and
+    """The mesh's flags (startup.facts lays out the mesh from them before the other settings are built, and
     keeps its shape: run.shape)."""
     return MeshSettings(
         pp=cfg.pipeline_parallel_size,
@@ -392,7 +388,7 @@ def mesh_of(cfg: train_config) -> MeshSettings:
 
 
 def pipeline_of(cfg: train_config) -> PipelineSettings:
-    """The pipeline's flags (run.facts plans the stages from them, and keeps the plan: run.pipeline)."""
+    """The pipeline's flags (startup.facts plans the stages from them, and keeps the plan: run.pipeline)."""
     return PipelineSettings(
         size=cfg.pipeline_parallel_size,
         schedule=cfg.pipeline_schedule,
@@ -422,7 +418,7 @@ def shared_of(cfg: train_config) -> str:
 def ft_of(cfg: train_config) -> Optional[FTSettings]:
     """--fault_tolerance's settings, the environment filled in (None without it; ConfigError naming the
     flag when one is missing or wrong). Built once: by the command line, which labels each line with the
-    replica group before the run's facts, else by run.facts."""
+    replica group before the run's facts, else by startup.facts."""
     if not cfg.fault_tolerance:
         return None
     return FTSettings.of(

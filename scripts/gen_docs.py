@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
-from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config, hidden_dim  # noqa: E402
+from fms_fsdp.model.shapes import hidden_dim  # noqa: E402
+from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
 from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.settings import schedule_of  # noqa: E402
 

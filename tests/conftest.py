@@ -176,7 +176,7 @@ def run_here(args: list[str]) -> str:
     """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
     command line is not under test."""
     from fms_fsdp.flags import parse_args
-    from fms_fsdp.run import facts
+    from fms_fsdp.startup import facts
     from fms_fsdp.train.loop import run_training
 
     with here() as out:
@@ -187,7 +187,7 @@ def run_here(args: list[str]) -> str:
 def data_loader(cfg: Any, rank: int, world_size: int) -> Any:
     """get_data_loader for data-parallel rank `rank` of `world_size`, with cfg's data settings (the run's)."""
     from fms_fsdp.data import get_data_loader
-    from fms_fsdp.run import facts
+    from fms_fsdp.startup import facts
 
     return get_data_loader(facts(cfg).settings.data, rank, world_size)
 

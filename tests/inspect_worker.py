@@ -18,7 +18,7 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
-from fms_fsdp.run import facts, with_mesh
+from fms_fsdp.startup import facts, with_mesh
 from fms_fsdp.train.make_model import build_sharded_model
 
 

@@ -112,7 +112,8 @@ SEES_THE_CONFIG = {
     "fms_fsdp.config",
     "fms_fsdp.flags",
     "fms_fsdp.cli",
-    "fms_fsdp.run",
+    "fms_fsdp.context",  # the run's context keeps the flags for start-up (its type only)
+    "fms_fsdp.startup",
     "fms_fsdp.settings",
 }
 
@@ -122,7 +123,7 @@ def test_only_the_door_and_the_listed_modules_name_the_flat_config():
     naming = {module_name(p) for p in PACKAGE.rglob("*.py") if "train_config" in p.read_text()}
     assert naming <= SEES_THE_CONFIG, f"build settings for these in fms_fsdp/settings.py: {naming - SEES_THE_CONFIG}"
     assert naming == SEES_THE_CONFIG, f"these no longer name it: take them off the list {SEES_THE_CONFIG - naming}"
-    assert len(SEES_THE_CONFIG) == 6  # exactly: the list only shrinks, and this number with it
+    assert len(SEES_THE_CONFIG) == 7  # exactly: the list only shrinks, and this number with it
 
 
 # the modules that read the flat config's fields (`cfg.<field>`, `run.cfg.<field>`): where it is declared
@@ -131,7 +132,8 @@ def test_only_the_door_and_the_listed_modules_name_the_flat_config():
 READS_THE_CONFIG = {
     "fms_fsdp.config",
     "fms_fsdp.cli",
-    "fms_fsdp.run",
+    "fms_fsdp.context",  # the run's paths and variant, from --ckpt_save_path and --model_variant
+    "fms_fsdp.startup",
     "fms_fsdp.settings",
 }
 
@@ -155,7 +157,7 @@ def test_only_the_door_and_the_listed_modules_read_the_flat_configs_fields():
         f"build settings for these in fms_fsdp/settings.py: {reading - READS_THE_CONFIG}"
     )
     assert reading == READS_THE_CONFIG, f"these no longer read it: take them off the list {READS_THE_CONFIG - reading}"
-    assert len(READS_THE_CONFIG) == 4  # exactly: the list only shrinks, and this number with it
+    assert len(READS_THE_CONFIG) == 5  # exactly: the list only shrinks, and this number with it
 
 
 # config.py is the field table: one entry per flag (help, choices, bounds, fault tolerance's `shared`),
@@ -216,7 +218,7 @@ def test_settings_the_loop_its_step_and_the_loaders_are_called_by_keyword():
     assert not by_position, f"make these @dataclass(kw_only=True): {by_position}"
 
 
-# the flags read at start-up rather than turned into a component's settings (fms_fsdp/run.py, cli.py)
+# the flags read at start-up rather than turned into a component's settings (fms_fsdp/startup.py, cli.py)
 READ_AT_START_UP = {"dry_run", "plan_world_size", "rope_scaling_factor", "rope_theta"}
 
 
@@ -230,7 +232,7 @@ def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
 
     flags = {f.name for f in dataclasses.fields(train_config)}
     settings = read_in(PACKAGE / "settings.py")
-    start_up = set().union(*(read_in(PACKAGE / name) for name in ("run.py", "cli.py")))
+    start_up = set().union(*(read_in(PACKAGE / name) for name in ("startup.py", "cli.py")))
     assert flags - settings - start_up == set(), "flags that nothing reads"
     assert flags - settings == READ_AT_START_UP
     assert READ_AT_START_UP <= start_up
@@ -250,13 +252,24 @@ def room(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
+RUN = {"fms_fsdp.context", "fms_fsdp.startup"}
+
+
+def test_the_runs_context_imports_no_component():
+    """context.py holds the run's facts and imports only the flags' table and the storage paths it
+    resolves (components' types under TYPE_CHECKING alone), so that anything may hold a `Run`."""
+    code = "import sys, fms_fsdp.context; print(sorted(m for m in sys.modules if m.startswith('fms_fsdp.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['fms_fsdp.config', 'fms_fsdp.context', 'fms_fsdp.errors', 'fms_fsdp.storage']", out
+
+
 def test_components_do_not_import_the_run_and_every_arrow_points_down():
-    """The components take their settings, paths and a log function, not the run (fms_fsdp/run.py, whose
-    `cfg` is the flat config); and no two folders or top modules import each other (what they share
+    """The components take their settings, paths and a log function, not the run (context.py, whose
+    `cfg` is the flat config, and startup.py, which builds it); and no two folders or top modules import each other (what they share
     sits below both: periodic.py, resilience/, small protocols a caller passes in)."""
     graph = package_imports()
-    components = ("checkpoint", "evaluation", "data", "model", "parallel", "memory")
-    taking_the_run = sorted(m for m, deps in graph.items() if room(m) in components and "fms_fsdp.run" in deps)
+    components = ("checkpoint", "weights", "evaluation", "data", "model", "parallel", "memory")
+    taking_the_run = sorted(m for m, deps in graph.items() if room(m) in components and deps & RUN)
     assert not taking_the_run, taking_the_run
     arrows = {(room(m), room(d)) for m, deps in graph.items() for d in deps if room(m) and room(d) != room(m)}
     both_ways = sorted({tuple(sorted(a)) for a in arrows if a[::-1] in arrows})
@@ -276,3 +289,17 @@ def test_the_loader_imports_without_the_preparation_or_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['fms_fsdp.data.prepare.settings']", out
+
+
+def test_the_settings_import_without_the_model_or_the_memory_plan():
+    """A process that builds settings from the flags (a loader, a tool) loads neither fms's models and
+    modules nor the memory plan, the model's assembly or the parallel wrappers: each folder keeps its
+    settings in a light settings.py."""
+    code = (
+        "import sys, fms_fsdp.settings; "
+        "print(sorted(m for m in sys.modules if m == 'fms' or m.startswith(('fms.', 'fms_fsdp.memory.plan', "
+        "'fms_fsdp.model.variants', 'fms_fsdp.parallel.mesh', 'fms_fsdp.parallel.parallelize', "
+        "'fms_fsdp.parallel.pipeline', 'fms_fsdp.train.step'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

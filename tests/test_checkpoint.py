@@ -23,8 +23,8 @@ from fms_fsdp.checkpoint.export import export_checkpoint
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.save import CheckpointSaver, write_failure
-from fms_fsdp.checkpoint.weights_reader import model_reader, read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
+from fms_fsdp.weights.reader import model_reader, read_model
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
 from held_at import wait_held
@@ -298,7 +298,7 @@ def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninte
 
 
 def test_a_model_file_is_read_by_rows_in_every_format(tmp_path):
-    """checkpoint/weights_reader.model_reader: rows of a .safetensors file and of a .pth file, in torch's zip
+    """weights/reader.model_reader: rows of a .safetensors file and of a .pth file, in torch's zip
     format (memory-mapped) and its legacy one (read whole), are the tensor's rows."""
     state = {"w": torch.arange(12.0).view(4, 3), "b": torch.arange(5.0).bfloat16()}
     save_file(state, str(tmp_path / "m.safetensors"))

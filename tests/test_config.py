@@ -14,7 +14,7 @@ from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.config import FIELDS, is_object_storage, to_yaml
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
 from fms_fsdp.storage import is_remote
 
 from conftest import ROOT
@@ -114,7 +114,7 @@ def test_bad_values_name_the_flag(flag, message):
 )
 def test_flags_judged_by_their_modules_fail_at_start_up(flag, message):
     """config.py imports nothing of the package: the modules that use these flags check them, through
-    run.facts, before any process group starts."""
+    startup.facts, before any process group starts."""
     cfg = parse(flag)
     with pytest.raises(ConfigError) as e:
         facts(cfg)
@@ -263,12 +263,12 @@ def test_one_rule_says_which_paths_are_object_storage():
 
 
 def test_the_run_parses_each_fact_of_the_flags_once(monkeypatch):
-    """run.facts builds every component's settings once: the checkpointed fraction of blocks (the
+    """startup.facts builds every component's settings once: the checkpointed fraction of blocks (the
     parallelism's and the memory plan's), the keep policy, the schedule's cycles and the lm-eval tasks
     are each parsed by one call, and --fault_tolerance's settings are built once, by the command line
     where it gives them."""
-    import fms_fsdp.run as run_module
     import fms_fsdp.settings as settings
+    import fms_fsdp.startup as run_module
     from fms_fsdp.checkpoint.policy import KeepPolicy
 
     calls: dict[str, int] = {}

@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
 from fms_fsdp.memory.plan import GIB, Planner
-from fms_fsdp.run import facts, started
+from fms_fsdp.startup import facts, started
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.step import train_step
+from fms_fsdp.weights.reader import read_model
 
 from conftest import here, launch, records, run_here
 

@@ -14,7 +14,7 @@ from test_faults import FAULTS
 
 from fms_fsdp.cli import USER_ERRORS
 from fms_fsdp.flags import parse_args
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
 
 from conftest import ROOT, TINY
 

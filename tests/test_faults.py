@@ -392,7 +392,7 @@ def _load_zero_metadata(b: Bench) -> Job:
 def _load_truncated_safetensors(b: Bench) -> Job:
     from safetensors.torch import save_file
 
-    from fms_fsdp.checkpoint.weights_reader import read_model
+    from fms_fsdp.weights.reader import read_model
 
     path = b.tmp / "model.safetensors"
     save_file(read_model(b.good), str(path))
@@ -405,9 +405,9 @@ def _hf_folder(b: Bench, name: str = "hf", **changes: Any) -> Path:
     its model (its config.json stays tiny's), or to its rotary scaling (rope_scaling_factor)."""
     import torch
 
-    from fms_fsdp.checkpoint.hf import write_hf_config, write_hf_folder
-    from fms_fsdp.checkpoint.weights_reader import Tensors
     from fms_fsdp.model.variants import build_model, get_model_config
+    from fms_fsdp.weights.hf import write_hf_config, write_hf_folder
+    from fms_fsdp.weights.reader import Tensors
 
     factor = changes.pop("rope_scaling_factor", None)
     config = get_model_config("tiny", 256, None, 1, None, factor)
@@ -477,7 +477,7 @@ def _hf_other_rope(b: Bench) -> Job:
 def _load_truncated_pth(b: Bench) -> Job:
     import torch
 
-    from fms_fsdp.checkpoint.weights_reader import read_model
+    from fms_fsdp.weights.reader import read_model
 
     path = b.tmp / "model.pth"
     torch.save({"model_state": read_model(b.good)}, path)
@@ -856,7 +856,7 @@ def _torchrun(b: Bench) -> Job:
 # torchrun case runs the installed command under torchrun itself
 SERVER = multiprocessing.get_context("forkserver")
 SERVER.set_forkserver_preload(
-    ["fms_fsdp.cli", "fms_fsdp.train.loop", "fms_fsdp.evaluation.evaluate", "fms_fsdp.checkpoint.hf"]
+    ["fms_fsdp.cli", "fms_fsdp.train.loop", "fms_fsdp.evaluation.evaluate", "fms_fsdp.weights.hf"]
 )
 LAUNCHED = itertools.count()  # names the processes' output files
 # multiprocessing's forkserver processes are not thread-safe: two threads polling one process (and

@@ -14,7 +14,7 @@ import fms_fsdp.train.step
 from fms_fsdp.errors import ConfigError, TrainingError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.optim import clip_gradients
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
 from fms_fsdp.train.guard import SPIKE_MIN_HISTORY, StepGuard
 
 from conftest import TINY, records, run_here

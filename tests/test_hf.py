@@ -13,13 +13,13 @@ import torch
 from fms.models.llama import LLaMAConfig
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
-from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.hf_read import DTYPES, check_shapes, index_folder, read_into, sources
-from fms_fsdp.checkpoint.weights_reader import model_reader, read_model
 from fms_fsdp.cli import to_hf as to_hf_command
 from fms_fsdp.errors import HFError
 from fms_fsdp.model.variants import build_model, get_model_config
+from fms_fsdp.weights.hf import check_hf_config, read_hf_config
+from fms_fsdp.weights.hf import convert as hf_convert
+from fms_fsdp.weights.hf_read import DTYPES, check_shapes, index_folder, read_into, sources
+from fms_fsdp.weights.reader import model_reader, read_model
 
 from conftest import ROOT, TINY, launch, train_here
 
@@ -30,7 +30,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The fms state dict of a Hugging Face Llama folder in the folder's dtypes, read tensor by tensor (its
     rotary settings those of `model_config` or of `variant`: check_hf_config), for the tests to compare
-    folders and models; training reads its slices in place (fms_fsdp/checkpoint/hf_read.py)."""
+    folders and models; training reads its slices in place (fms_fsdp/weights/hf_read.py)."""
     check_hf_config(read_hf_config(folder), model_config, folder, variant)
     entries = index_folder(Path(folder))
     keys = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
@@ -262,7 +262,7 @@ def test_bad_input_gives_clear_errors(trained, tmp_path, capsys):
 def test_large_models_are_written_in_shards_with_an_index(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fms_fsdp.checkpoint.hf import write_hf_folder
+    from fms_fsdp.weights.hf import write_hf_folder
 
     variant, ckpt = trained
     tensors = model_reader(ckpt)
@@ -290,8 +290,8 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits_past_1
     transformers build that same model; without the scaling the logits differ (what the test catches)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fms_fsdp.checkpoint.hf import hf_config
-    from fms_fsdp.model.variants import hidden_dim
+    from fms_fsdp.model.shapes import hidden_dim
+    from fms_fsdp.weights.hf import hf_config
 
     config = get_model_config("tiny_llama3", 512, 10_240, rope_theta=1e6, rope_scaling_factor=8).updated(nlayers=1)
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)

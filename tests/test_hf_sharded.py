@@ -1,5 +1,5 @@
 """Hugging Face folders read and written in shards: each rank reads only its slices of the safetensors
-files and writes its own files of an export (checkpoint/hf_read.py, hf_write.py): counted in the ranks,
+files and writes its own files of an export (weights/hf_read.py, hf_write.py): counted in the ranks,
 each reads and writes its share of the bytes, not more. A 2-rank import takes
 the 1-rank step-1 loss; the 2-rank export is fms_to_hf's conversion of the same step's checkpoint, tensor
 for tensor and logit for logit in transformers, reads back bit for bit, and keeps the context of a
@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fms_fsdp.checkpoint.hf import convert, hf_config
-from fms_fsdp.checkpoint.weights import load_weights
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.model.variants import build_model, get_model_config
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
+from fms_fsdp.weights.hf import convert, hf_config
+from fms_fsdp.weights.load import load_weights
 
 from conftest import TINY, launch, records, run_here
 from test_hf import read_hf_model
@@ -101,7 +101,7 @@ def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
     with torch.no_grad():
         a, b = (AutoModelForCausalLM.from_pretrained(f, local_files_only=True).eval() for f in (export, offline))
         assert torch.equal(a(tokens).logits, b(tokens).logits)
-    from fms_fsdp.checkpoint.weights_reader import read_model
+    from fms_fsdp.weights.reader import read_model
 
     trained = read_model(ckpt)
     back = read_hf_model(str(export), scaled_config())
@@ -111,7 +111,7 @@ def test_the_parallel_export_is_fms_to_hf_of_the_same_step(runs):
 def test_both_ranks_write_the_model_file_at_the_end_in_place(runs):
     """--export_model_at_end's one file, each rank writing its run of the tensors into it: the step's
     checkpoint, bit for bit, and nothing left beside it."""
-    from fms_fsdp.checkpoint.weights_reader import read_model
+    from fms_fsdp.weights.reader import read_model
 
     trained = read_model(runs["two"] / "checkpoints" / "step_1_ckp")
     got = load_file(str(runs["two"] / "model_step_1.safetensors"))
@@ -120,12 +120,12 @@ def test_both_ranks_write_the_model_file_at_the_end_in_place(runs):
 
 
 def test_rows_of_a_two_rank_checkpoint_are_read_by_byte_ranges(runs):
-    """checkpoint/items.py: any run of rows of a tensor that 2 ranks saved in two chunks, across the
+    """weights/items.py: any run of rows of a tensor that 2 ranks saved in two chunks, across the
     chunk boundary too, equals DCP's own read of it, and was read from its byte range, not the item whole."""
     import torch.distributed.checkpoint as dcp
 
-    from fms_fsdp.checkpoint.items import ItemRows
-    from fms_fsdp.checkpoint.weights_reader import safe_reader
+    from fms_fsdp.weights.items import ItemRows
+    from fms_fsdp.weights.reader import safe_reader
 
     ckpt = runs["two"] / "checkpoints" / "step_1_ckp"
     metadata = safe_reader(str(ckpt)).read_metadata()
@@ -174,7 +174,7 @@ def test_each_rank_reads_only_its_share_of_the_files(runs):
     tensors' bytes, and of each export's DCP folder (items.py: the staged shards, read back to write the
     export) its half of the model's, exactly the rows of the tensors it writes: not whole files or items,
     not every rank everything."""
-    from fms_fsdp.checkpoint.hf_read import file_entries, index_folder
+    from fms_fsdp.weights.hf_read import file_entries, index_folder
 
     export = runs["two"] / "exports" / "step_1"
     model_file = runs["two"] / "model_step_1.safetensors"
@@ -212,7 +212,7 @@ def test_each_rank_writes_only_its_share_of_an_export(runs):
     """Of the Hugging Face export (hf_write.py: a file per rank) and of the model file at the end (every
     rank its run of it, in place) each rank writes half the bytes, and the two ranks together the files
     whole: the export is not gathered to rank 0."""
-    from fms_fsdp.checkpoint.hf_read import file_entries, index_folder
+    from fms_fsdp.weights.hf_read import file_entries, index_folder
 
     export = runs["two"] / "exports" / "step_1"
     model_file = runs["two"] / "model_step_1.safetensors"
@@ -236,8 +236,8 @@ def test_each_rank_writes_only_its_share_of_an_export(runs):
 def test_writers_of_one_file_give_the_file_one_writer_gives(tmp_path):
     """write_file's share: 3 writers, in any order, each its run of the tensors in place, make the same
     bytes as one writer; one folder of 1 file and 2 ranks is written by both (write_part's shared)."""
-    from fms_fsdp.checkpoint.hf_write import Converter, fms_plan, write_file, write_part
-    from fms_fsdp.checkpoint.weights_reader import Tensors
+    from fms_fsdp.weights.hf_write import Converter, fms_plan, write_file, write_part
+    from fms_fsdp.weights.reader import Tensors
 
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(7 + i, 5, generator=g) for i in range(5)} | {"b": torch.randn(3, generator=g)}

@@ -12,16 +12,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fms_fsdp.checkpoint.export import export_checkpoint
-from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.evaluation.evaluate import check_checkpoint_evaluation
 from fms_fsdp.flags import make_config
 from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.lora import TARGETS, LoRASpec, add_adapters
 from fms_fsdp.model.variants import build_model, get_model_config
-from fms_fsdp.run import facts
 from fms_fsdp.settings import checkpoint_evaluation_of
+from fms_fsdp.startup import facts
+from fms_fsdp.weights.hf import convert as hf_convert
+from fms_fsdp.weights.reader import read_model
 
 from conftest import train, train_here
 

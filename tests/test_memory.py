@@ -11,8 +11,9 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory.plan import MemorySettings, Planner, Setting
+from fms_fsdp.memory.plan import Planner
 from fms_fsdp.memory.report import fits_or_warning, report
+from fms_fsdp.memory.settings import MemorySettings, Setting
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
 from fms_fsdp.parallel.mesh import mesh_shape
@@ -63,7 +64,7 @@ NONE, HALF_BLOCKS, ALL_OPS = (
 
 
 def memory_settings(cfg) -> MemorySettings:
-    """The plan's settings as run.facts builds them."""
+    """The plan's settings as startup.facts builds them."""
     return memory_of(cfg, parallel_of(cfg), lora_of(cfg))
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fms_fsdp.checkpoint.hf import convert as hf_convert
-from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.compat import context_parallel_compiles, v_shaped_schedules_run
 from fms_fsdp.model.variants import flops_per_token, get_model_config
+from fms_fsdp.weights.hf import convert as hf_convert
+from fms_fsdp.weights.reader import read_model
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses, weights

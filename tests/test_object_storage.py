@@ -19,15 +19,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fms_fsdp.checkpoint.export import export_checkpoint
-from fms_fsdp.checkpoint.hf import convert
 from fms_fsdp.checkpoint.layout import complete_checkpoints
-from fms_fsdp.checkpoint.weights_reader import read_model
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
+from fms_fsdp.weights.hf import convert
+from fms_fsdp.weights.reader import read_model
 
 from conftest import STEPS, TINY, data_loader, flags, launch, run_here, train_here
 from held_at import wait_held
@@ -336,7 +336,7 @@ def test_a_lora_run_from_a_bucket_saves_and_exports_to_it(s3, tmp_path):
 def test_a_checkpoint_bucket_that_cannot_be_used_is_one_line_before_training(s3, tmp_path, monkeypatch, capsys):
     import s3fs
 
-    from fms_fsdp.run import facts
+    from fms_fsdp.startup import facts
     from fms_fsdp.train.loop import run_training
 
     def error(flag: str, path: str) -> str:

@@ -16,7 +16,7 @@ from fms_fsdp.flags import make_config
 from fms_fsdp.memory.plan import Planner, State
 from fms_fsdp.memory.report import report
 from fms_fsdp.model.variants import count_params, get_model_config
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
 from fms_fsdp.train.rehearsal import rehearse
 
 from conftest import ROOT, launch

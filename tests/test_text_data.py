@@ -16,7 +16,7 @@ import torch
 
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.run import facts
+from fms_fsdp.startup import facts
 
 from conftest import data_loader, train_here
 from test_data import EOS, cfg, lines_of, make_docs, spell, take, write_dataset, write_text, write_tokenizer

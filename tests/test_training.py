@@ -25,9 +25,9 @@ from fms_fsdp.flags import parse_args
 from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.parallelize import apply_fsdp
-from fms_fsdp.run import facts, started
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.settings import schedule_of
+from fms_fsdp.startup import facts, started
 from fms_fsdp.storage import umask
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
@@ -307,7 +307,7 @@ def test_a_run_called_from_python_leaves_the_signal_handlers_as_it_found_them(tm
 def test_sequences_longer_than_the_variants_rotary_cache(tmp):
     """tiny's rotary cache holds 1024 positions: a 2048-token run sizes it to --seq_length, says so at
     start, and its Hugging Face export records the trained length."""
-    from fms_fsdp.checkpoint.hf import convert
+    from fms_fsdp.weights.hf import convert
 
     out = tmp / "run"
     said = run_here(["--num_steps=1", "--batch_size=1", "--seq_length=2048", f"--ckpt_save_path={out}"])

@@ -8,7 +8,7 @@ run's config) and one loader_state_<rank>.pth per data-parallel rank (data posit
 method. Collectives run on the ranks' agreement group (gloo, under NCCL too; background saves on
 the writer's own), and a failure on any rank is raised on every rank, so none is left waiting in a
 collective. `start` owns the order of a run's beginning: the newest checkpoint, else the weights of
---ckpt_load_path (weights.py), which a LoRA run loads at every start (its checkpoints hold only the
+--ckpt_load_path (weights/load.py), which a LoRA run loads at every start (its checkpoints hold only the
 adapters).
 """
 
@@ -25,15 +25,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from fms_fsdp.checkpoint.fused import fuse, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
 from fms_fsdp.checkpoint.save import CheckpointSaver, on_main
-from fms_fsdp.checkpoint.weights import load_weights
-from fms_fsdp.checkpoint.weights_reader import damage, safe_reader, unreadable
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
+from fms_fsdp.weights.fused import fuse, fused_groups, unfuse_loaded_optimizer
+from fms_fsdp.weights.load import load_weights
+from fms_fsdp.weights.reader import damage, safe_reader, unreadable
 
 _LOAD_ERRORS = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, dcp.CheckpointException)
 
@@ -139,7 +139,7 @@ class CheckpointRestorer:
         return resumed
 
     def load_weights(self) -> None:
-        """The model's weights from --ckpt_load_path (weights.py)."""
+        """The model's weights from --ckpt_load_path (weights/load.py)."""
         assert self.settings.load_path is not None
         load_weights(self.model, self.settings.load_path, self.variant)
         self.log(f"checkpoint: model initialised from {self.settings.load_path}")

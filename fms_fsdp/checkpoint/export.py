@@ -24,9 +24,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fms_fsdp.checkpoint.fused import fuse, plain_tensor
-from fms_fsdp.checkpoint.hf import write_hf_config, write_peft_adapter
-from fms_fsdp.checkpoint.hf_write import (
+from fms_fsdp.checkpoint.policy import KeepPolicy
+from fms_fsdp.checkpoint.settings import ExportSettings
+from fms_fsdp.checkpoint.writer import BackgroundWriter
+from fms_fsdp.compat import tree_map_only
+from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.model.lora import is_adapter
+from fms_fsdp.model.variants import CausalLM, build_model
+from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
+from fms_fsdp.periodic import Report
+from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
+from fms_fsdp.weights.fused import fuse, plain_tensor
+from fms_fsdp.weights.hf import write_hf_config, write_peft_adapter
+from fms_fsdp.weights.hf_write import (
     Converter,
     Planned,
     fms_plan,
@@ -37,17 +47,7 @@ from fms_fsdp.checkpoint.hf_write import (
     write_index,
     write_part,
 )
-from fms_fsdp.checkpoint.policy import KeepPolicy
-from fms_fsdp.checkpoint.settings import ExportSettings
-from fms_fsdp.checkpoint.weights_reader import Tensors, model_dtypes, model_reader, root_cause, storage_writer
-from fms_fsdp.checkpoint.writer import BackgroundWriter
-from fms_fsdp.compat import tree_map_only
-from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.model.lora import is_adapter
-from fms_fsdp.model.variants import CausalLM, build_model
-from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
-from fms_fsdp.periodic import Report
-from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
+from fms_fsdp.weights.reader import Tensors, model_dtypes, model_reader, root_cause, storage_writer
 
 # the files of a Hugging Face tokenizer folder that an --export_format=hf export copies
 TOKENIZER_FILES = (

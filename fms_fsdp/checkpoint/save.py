@@ -25,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from fms_fsdp.checkpoint.disk import checkpoint_bytes, prune_for
-from fms_fsdp.checkpoint.fused import fuse, plain_tensor
 from fms_fsdp.checkpoint.layout import (
     commit,
     complete_checkpoints,
@@ -35,12 +34,13 @@ from fms_fsdp.checkpoint.layout import (
     temp_folder,
 )
 from fms_fsdp.checkpoint.settings import CheckpointSettings
-from fms_fsdp.checkpoint.weights_reader import root_cause, storage_writer
 from fms_fsdp.checkpoint.writer import BackgroundWriter
 from fms_fsdp.compat import tree_map_only
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
+from fms_fsdp.weights.fused import fuse, plain_tensor
+from fms_fsdp.weights.reader import root_cause, storage_writer
 
 # any failure of a save removes the unfinished folder and ends in one line on every rank; only write
 # failures are skipped by --on_checkpoint_error=warn (see write_failure)

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from fms_fsdp.checkpoint.fused import FusingStager, fused_groups
-from fms_fsdp.checkpoint.weights_reader import storage_writer
 from fms_fsdp.compat import reusable_stager
+from fms_fsdp.weights.fused import FusingStager, fused_groups
+from fms_fsdp.weights.reader import storage_writer
 
 
 def staging_buffers(device: torch.device) -> DefaultStager:

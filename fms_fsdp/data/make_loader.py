@@ -89,7 +89,7 @@ def scan_each(sources: list[Source], layouts: dict[str, Layout]) -> dict[str, li
 def check_tokenizer(tokenizer_path: str, variant: str, packing: Packing) -> list[str]:
     """--tokenizer_path loads and fits the vocabulary of the model `variant` (`packing`'s: the run's;
     ConfigError otherwise); returns notes on how raw text will be framed under `packing`'s eos and bos
-    tokens, for the log. Run once, at start-up (run.py)."""
+    tokens, for the log. Run once, at start-up (startup.py)."""
     tokenizer = load_tokenizer(tokenizer_path)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > packing.vocab_size:

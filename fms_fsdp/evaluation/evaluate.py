@@ -82,7 +82,7 @@ class Evaluator:
     reads_model = True
 
     def __init__(self, settings: EvalSettings, info: DistInfo):
-        """Counts and indexes are cached where `settings.layout` says (run.facts: a training run's data
+        """Counts and indexes are cached where `settings.layout` says (startup.facts: a training run's data
         cache when --data_cache_dir is not given; `fms-evaluate` caches nothing then)."""
         self.settings, self.info = settings, info
         self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train/loop.py)

@@ -35,12 +35,13 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.activations import Activations, Shape, trace_activations
-from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.memory.settings import MemorySettings, Setting
+from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
 from fms_fsdp.parallel.attention import flex_documents
-from fms_fsdp.parallel.mesh import MeshShape
 from fms_fsdp.parallel.pipeline import PipelinePlan, blocks_of, microbatches_in_flight, prune
+from fms_fsdp.parallel.settings import MeshShape
 from fms_fsdp.parallel.tensor_parallel import TP_COLWISE, TP_ROWWISE
 
 HEADROOM = 0.9  # of the device's memory a plan may use
@@ -106,42 +107,6 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
 def _numel_sharded(shape: Sequence[int], shards: int) -> int:
     """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count."""
     return math.ceil(shape[0] / shards) * math.prod(shape[1:]) if len(shape) else 1
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What the plan varies: the micro-batch and the activation checkpointing."""
-
-    batch: int
-    checkpointing: bool
-    fraction: Fraction
-    mode: str
-
-    def flags(self) -> str:
-        if not self.checkpointing or self.fraction == 0:
-            return f"--batch_size={self.batch} --fsdp_activation_checkpointing=False"
-        return (
-            f"--batch_size={self.batch} --fsdp_activation_checkpointing=True "
-            f"--selective_checkpointing={self.fraction} --ac_mode={self.mode}"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemorySettings:
-    """The flags the plan reads (built once: settings.py)."""
-
-    setting: Setting  # the run's: --batch_size and its activation checkpointing (the fraction parsed once)
-    variant: str
-    vocab_size: Optional[int]  # --vocab_size, None for the variant's
-    seq_length: int
-    mixed_precision: bool
-    device: str  # --device: a plan is for a GPU unless it is "cpu"
-    compile: bool
-    document_masking: bool
-    cp_attention: str
-    muon: bool  # --optimizer=muon
-    lora: Optional[LoRASpec]
-    device_gib: Optional[float]  # --plan_device_memory_gib
 
 
 class Planner:

@@ -136,17 +136,6 @@ FUSED = {"attn.in_proj": ("qkv_fused", ("query", "key", "value")), "ff_sub_layer
 _PART = re.compile(r"^(.*\.)(attn\.in_proj|ff_sub_layer)\.(query|key|value|wg|w1)\.(weight|bias)$")
 
 
-def part_rows(model: LLaMA) -> dict[str, tuple[int, ...]]:
-    """For a model built fused: each fused weight's name -> the rows its parts start at, and its rows
-    (q, k, v; gate, up), so that what works on whole matrices (Muon) treats the parts as the unfused
-    model's separate weights. Empty for a model built unfused."""
-    config = model.config
-    head_dim = config.emb_dim // config.nheads
-    q, kv, ffn = config.nheads * head_dim, config.kvheads * head_dim, hidden_dim(config)
-    rows = {"qkv_fused": (0, q, q + kv, q + 2 * kv), "wg1_fused": (0, ffn, 2 * ffn)}
-    return {name: rows[name.split(".")[-2]] for name, _ in model.named_parameters() if name.split(".")[-2] in rows}
-
-
 def fused_parts(shapes: Mapping[str, Sequence[int]]) -> dict[str, list[tuple[str, int]]]:
     """For the parameters of a model built unfused (name -> global shape), each fused name as
     checkpoints hold it -> its parts' names and their first rows in it, in fms's order (q, k, v;
@@ -237,13 +226,6 @@ def context_length(model_config: LLaMAConfig) -> int:
     if scaling.get("rope_type") == "llama3":
         scaled = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     return max(model_config.max_expected_seq_len, scaled)
-
-
-def hidden_dim(model_config: LLaMAConfig) -> int:
-    """fms GatedLinearUnit's hidden size (the FFN width)."""
-    hidden = int(model_config.hidden_grow_factor * model_config.emb_dim)
-    multiple = model_config.multiple_of
-    return multiple * ((hidden + multiple - 1) // multiple) if multiple else hidden
 
 
 class LMHead(LinearClassificationHead):

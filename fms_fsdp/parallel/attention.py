@@ -40,20 +40,11 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fms_fsdp.parallel.context_parallel import ContextParallel, LineAttention, own_values, ring_attention_op
+from fms_fsdp.parallel.settings import AttentionSettings
 
 FLEX = "fms_fsdp_flex"
 CONTEXT = "fms_fsdp_context_parallel"
 RING = "fms_fsdp_ring"
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttentionSettings:
-    """The attention flags (built once: settings.py)."""
-
-    eos: Optional[int]  # --document_masking: documents end at --eos_token; None: lines are plain causal
-    restart_positions: bool  # --document_positions=document
-    compile: bool  # --use_torch_compile: FlexAttention's kernels are compiled
-    ring: bool  # --cp_attention=ring
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@ sub-meshes (data parallel, a stage's ranks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -18,57 +17,9 @@ from fms_fsdp.compat import (
     set_group_timeout,
 )
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.model.variants import hidden_dim
+from fms_fsdp.model.shapes import hidden_dim
 from fms_fsdp.parallel.process_group import collective_timeout
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeshSettings:
-    """The flags that lay out the mesh and what tensor and context parallelism must divide or refuse
-    (built once: settings.py)."""
-
-    pp: int  # --pipeline_parallel_size
-    tp: int  # --tensor_parallel_size
-    cp: int  # --context_parallel_size
-    sharding_strategy: str
-    sharding_group_size: Optional[int]
-    seq_length: int
-    cp_attention: str
-    document_masking: bool
-    mixed_precision: bool
-    compile: bool  # --use_torch_compile
-    float8: bool
-    lora: bool  # --lora_rank given
-
-
-class MeshShape(NamedTuple):
-    """Sizes of the mesh dimensions: pipeline parallel (pp, outermost), data parallel (replicate x
-    shard), context parallel (cp) and tensor parallel (tp, innermost)."""
-
-    replicate: int
-    shard: int
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.replicate * self.shard
-
-    def dims(self) -> list[tuple[str, int]]:
-        """The mesh's dimensions, outermost first: pp where used, replicate, shard, then cp and tp where
-        used."""
-        return (
-            [("pp", self.pp)] * (self.pp > 1)
-            + [("replicate", self.replicate), ("shard", self.shard)]
-            + [("cp", self.cp)] * (self.cp > 1)
-            + [("tp", self.tp)] * (self.tp > 1)
-        )
-
-    @property
-    def whole(self) -> bool:
-        """One rank per pipeline stage: the plain module (or stage) is trained, without FSDP."""
-        return self.dp * self.tp * self.cp == 1
+from fms_fsdp.parallel.settings import MeshSettings, MeshShape
 
 
 def mesh_shape(settings: MeshSettings, world_size: int, local_world_size: int) -> MeshShape:

@@ -14,8 +14,6 @@ parameter copies in and out, bf16 through autocast over fp32 master weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -24,11 +22,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from fms_fsdp.model.float8 import Float8Settings, convert_to_float8
+from fms_fsdp.model.float8 import convert_to_float8
 from fms_fsdp.model.loss import chunk_loss
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
 from fms_fsdp.parallel.mesh import dp_mesh, sharded, stage_ranks
 from fms_fsdp.parallel.pipeline import blocks_of
+from fms_fsdp.parallel.settings import ParallelSettings
 from fms_fsdp.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -87,18 +86,6 @@ def apply_compile(model: LLaMA) -> None:
         block.compile(fullgraph=True)
     if model.head is not None:
         model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelSettings:
-    """The flags `parallelize` reads: activation checkpointing (the fraction of blocks, None when off,
-    and --ac_mode), compile, bf16, float8 (None when off)."""
-
-    checkpointing: Optional[Fraction]
-    ac_mode: str
-    compile: bool
-    mixed_precision: bool
-    float8: Optional[Float8Settings]
 
 
 class Parallelized(NamedTuple):

@@ -27,27 +27,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from fms_fsdp.compat import v_shaped_schedules_run
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.loss import IGNORE_INDEX
-from fms_fsdp.model.variants import CausalLM, hidden_dim
+from fms_fsdp.model.shapes import hidden_dim
+from fms_fsdp.model.variants import CausalLM
+from fms_fsdp.parallel.settings import PipelineSettings
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2P-1-r
 # schedules that run a stage's backward twice: its inputs' gradients first, its weights' later
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSettings:
-    """The pipeline flags, and those it does not combine with yet (built once: settings.py)."""
-
-    size: int  # --pipeline_parallel_size
-    schedule: str
-    stages_per_rank: int  # --pipeline_stages_per_rank (0: the schedule's default)
-    microbatches: int  # --pipeline_microbatches (0: the fewest that serve)
-    split: Optional[str]  # --pipeline_split
-    batch_size: int
-    variant: str  # --model_variant
-    grad_accum_steps: int
-    harness: bool  # --eval_harness_tasks given
-    eval_batch_size: Optional[int]
 
 
 @dataclass(frozen=True)

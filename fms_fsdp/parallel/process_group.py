@@ -37,7 +37,7 @@ class DistInfo:
     pipeline's `pp` (--pipeline_parallel_size, outermost: world / pp consecutive ranks per stage). The
     tp x cp consecutive ranks of a group, and the same ranks of every other stage, read the same lines
     (the data-parallel rank is the rank within its stage // (tp x cp)); its cp parts each take a part
-    of every line. Made once, by run.py."""
+    of every line. Made once, by startup.py."""
 
     rank: int
     world_size: int

@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.checkpoint.fused import plain_tensor
 from fms_fsdp.compat import local_tensor, quiet_http_transport, tree_map_only
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import agreement_group
 from fms_fsdp.resilience.ft_settings import FTSettings
+from fms_fsdp.weights.fused import plain_tensor
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 QUORUM_RETRIES = 3  # torchft's own retries of a quorum request to the lighthouse (a brief network failure)

@@ -1,6 +1,6 @@
 """The settings of --fault_tolerance (resilience/ft.py) and its start-up checks: the flags with torchft's and
 torchx's environment filled in (built once, in settings.py), torchft installed, FSDP inside each replica
-group, no pipeline; the wait for a lighthouse that answers (run.started); and the fingerprint of what
+group, no pipeline; the wait for a lighthouse that answers (startup.started); and the fingerprint of what
 every replica group must share (the model, the mesh and the flags config.py marks `shared`), which
 resilience/ft.py compares across the live groups at each step.
 """
@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.parallel.mesh import MeshShape
+from fms_fsdp.parallel.settings import MeshShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +89,7 @@ def _flag_or_env(value: Optional[int], flag: str, env: str) -> int:
 
 def check_fault_tolerance(shape: MeshShape, world_size: int, sharding_strategy: str) -> None:
     """--fault_tolerance's start-up checks: torchft installed, FSDP inside the group, no pipeline. It
-    does not wait: run.started waits for the lighthouse (wait_for_lighthouse)."""
+    does not wait: startup.started waits for the lighthouse (wait_for_lighthouse)."""
     try:
         import torchft  # noqa: F401
     except ImportError:

@@ -1,6 +1,6 @@
 """The training loop, top to bottom.
 
-`run_training`: the run's facts and start-up checks (run.facts, under the stop signals), the process group
+`run_training`: the run's facts and start-up checks (startup.facts, under the stop signals), the process group
 and mesh, then `train_run`: the run lease on --ckpt_save_path (resilience/lease.py; before any write there) and
 the trackers, the data loader first (bad data fails before the model is built), the model parallelised and its
 optimizer (train/make_model.py), the start (checkpoint/checkpointer.py: resume from the newest checkpoint, else
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from fms_fsdp.checkpoint.checkpointer import Checkpointer
 from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.save import CheckpointSaver
+from fms_fsdp.context import Run
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
@@ -55,7 +56,7 @@ from fms_fsdp.resilience.hangs import HangDiagnostics, timed_out
 from fms_fsdp.resilience.lease import RunLease
 from fms_fsdp.resilience.stragglers import Stragglers
 from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
-from fms_fsdp.run import Run, started, summary, write_config
+from fms_fsdp.startup import started, summary, write_config
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_stages
@@ -64,7 +65,7 @@ from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
 
 
 def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
-    """Work out the run's facts (`facts_of`: run.facts of the flags, which checks the flags the modules
+    """Work out the run's facts (`facts_of`: startup.facts of the flags, which checks the flags the modules
     judge), start the process group, train, and tear it down; the stop signals are this function's from
     its first line (a signal during start-up stops the run after its first step) to its last. A run
     stopped before --num_steps then exits with --stop_exit_status when it is not 0."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fms_fsdp.context import Run
 from fms_fsdp.memory.report import fits_or_warning
 from fms_fsdp.model.float8 import scale_hook
 from fms_fsdp.model.initialization import init_weights
@@ -21,7 +22,6 @@ from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.parallel.mesh import sharded
 from fms_fsdp.parallel.parallelize import Parallelized, parallelize
 from fms_fsdp.parallel.pipeline import Pipeline, prune
-from fms_fsdp.run import Run
 from fms_fsdp.schedule import build_scheduler
 
 
@@ -73,7 +73,7 @@ def parallelised(run: Run, device: torch.device) -> Stages:
     adapters added, under pipeline parallelism pruned to this rank's stages, and parallelised over the
     run's mesh: what every start does, and what --dry_run rehearses on the meta device."""
     settings = run.settings.model
-    assert run.mesh is not None, "the process group is up (run.started)"
+    assert run.mesh is not None, "the process group is up (startup.started)"
     model = build_model(run.model_config, device)
     n_lora = 0 if run.settings.lora is None else add_adapters(model, run.settings.lora)
     model.head.z_loss_weight = settings.z_loss_weight

@@ -34,11 +34,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import fake_store
+from fms_fsdp.context import Run
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.memory.plan import State
 from fms_fsdp.optim import build_optimizer
 from fms_fsdp.parallel.mesh import build_mesh
-from fms_fsdp.run import Run
 from fms_fsdp.train.make_model import describe, parallelised
 
 REHEARSED_ON = torch.device("cpu")  # the mesh's device type (and the pipeline stages')

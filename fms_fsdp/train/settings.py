@@ -36,3 +36,11 @@ class ModelSettings:
     low_cpu: bool  # --low_cpu_fsdp
     seed: int
     z_loss_weight: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """The flags of one optimizer step (built once: settings.py)."""
+
+    grad_accum_steps: int
+    grad_clip_thresh: float  # 0: no clipping

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterator, NamedTuple, Optional
 
@@ -19,16 +18,9 @@ from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.resilience.ft import FaultTolerance
 from fms_fsdp.train.guard import StepGuard
+from fms_fsdp.train.settings import StepSettings
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepSettings:
-    """The flags of one optimizer step (built once: settings.py)."""
-
-    grad_accum_steps: int
-    grad_clip_thresh: float  # 0: no clipping
 
 
 class StepResult(NamedTuple):

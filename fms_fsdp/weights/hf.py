@@ -4,7 +4,7 @@
 folder; `read_hf_config` and `check_hf_config` check a folder's config.json against the run's model for
 --ckpt_load_path; `write_peft_adapter` writes a LoRA run's adapters for PEFT (exports).
 
-HF -> fms is hf_read.py's, used by weights.py: each rank reads its slices in place, as ibm-fms's own hf
+HF -> fms is hf_read.py's, used by load.py: each rank reads its slices in place, as ibm-fms's own hf
 adapter maps names and rotary rows.
 fms -> HF is written here: ibm-fms 1.13's `convert_to_hf` swaps gate and up projections, applies the
 wrong inverse rotary permutation for head_dim != 4 and misspells max_position_embeddings (checked:
@@ -27,13 +27,14 @@ import torch
 from fms.models.llama import LLaMAConfig
 from safetensors.torch import save_file
 
-from fms_fsdp.checkpoint.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
-from fms_fsdp.checkpoint.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
-from fms_fsdp.checkpoint.weights_reader import Tensors, model_reader
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
-from fms_fsdp.model.variants import build_model, context_length, get_model_config, hidden_dim
+from fms_fsdp.model.shapes import hidden_dim
+from fms_fsdp.model.variants import build_model, context_length, get_model_config
 from fms_fsdp.storage import local_copy, location, publish
+from fms_fsdp.weights.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
+from fms_fsdp.weights.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
+from fms_fsdp.weights.reader import Tensors, model_reader
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -253,7 +254,7 @@ def convert(
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)
-    except CheckpointError as e:  # the checkpoint's files cannot be read (checkpoint/weights_reader.py)
+    except CheckpointError as e:  # the checkpoint's files cannot be read (weights/reader.py)
         raise CheckpointError(f"--load_path: {e}") from None
 
 

@@ -20,10 +20,10 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from fms.models.llama import LLaMAConfig
 
-from fms_fsdp.checkpoint.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
-from fms_fsdp.checkpoint.weights_reader import Tensors
 from fms_fsdp.model.lora import LoRASpec
-from fms_fsdp.model.variants import hidden_dim
+from fms_fsdp.model.shapes import hidden_dim
+from fms_fsdp.weights.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
+from fms_fsdp.weights.reader import Tensors
 
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
 _CHUNK = 16 * 2**20  # bytes of source rows read, cast and written at a time

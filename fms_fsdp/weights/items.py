@@ -6,7 +6,7 @@ DCP stores each chunk of a tensor (one per rank that saved a part of it) as a to
 byte range of a data file (.metadata's storage_data). The archive keeps the chunk's bytes uncompressed
 and contiguous, so rows [a, b) of a chunk are one byte range of the file, found once per chunk from
 the archive's zip directory. A chunk stored otherwise (another byte order, a strided layout) is loaded
-whole, as DCP would; a folder whose items DCP transformed (compressed) is read by DCP (weights_reader.py).
+whole, as DCP would; a folder whose items DCP transformed (compressed) is read by DCP (reader.py).
 """
 
 from __future__ import annotations

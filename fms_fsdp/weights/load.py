@@ -16,16 +16,16 @@ from fms.models.llama import LLaMAConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.checkpoint.fused import fuse, plain_tensor
-from fms_fsdp.checkpoint.hf import check_hf_config, read_hf_config
-from fms_fsdp.checkpoint.hf_read import check_shapes, index_folder, read_into
-from fms_fsdp.checkpoint.weights_reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
 from fms_fsdp.compat import local_box
 from fms_fsdp.errors import CheckpointError, ConfigError, HFError, first_line
 from fms_fsdp.model.lora import is_adapter
 from fms_fsdp.model.variants import fused_parts, split_full
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, local_copy, location, storage_error
+from fms_fsdp.weights.fused import fuse, plain_tensor
+from fms_fsdp.weights.hf import check_hf_config, read_hf_config
+from fms_fsdp.weights.hf_read import check_shapes, index_folder, read_into
+from fms_fsdp.weights.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
 
 # a whole model from one file: read on rank 0 only, each rank receives its shards
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

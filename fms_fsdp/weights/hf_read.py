@@ -24,10 +24,10 @@ import torch
 from fms.models.llama import LLaMAConfig
 from torch.distributed.tensor import DTensor
 
-from fms_fsdp.checkpoint.items import read_rows
 from fms_fsdp.compat import local_box
 from fms_fsdp.errors import HFError
 from fms_fsdp.storage import open_random
+from fms_fsdp.weights.items import read_rows
 
 INDEX = "model.safetensors.index.json"
 # safetensors' dtype names

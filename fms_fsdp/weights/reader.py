@@ -21,11 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from fms_fsdp.checkpoint.hf_read import DTYPES, entry_rows, file_entries, unknown_dtype
-from fms_fsdp.checkpoint.items import ItemRows
 from fms_fsdp.compat import fsspec_storage
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.storage import is_remote, open_random
+from fms_fsdp.weights.hf_read import DTYPES, entry_rows, file_entries, unknown_dtype
+from fms_fsdp.weights.items import ItemRows
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""The memory plan's settings: what it varies (the micro-batch, the activation checkpointing) and the
+flags it reads; light to import (no model, no plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+from fms_fsdp.model.lora import LoRASpec
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the plan varies: the micro-batch and the activation checkpointing."""
+
+    batch: int
+    checkpointing: bool
+    fraction: Fraction
+    mode: str
+
+    def flags(self) -> str:
+        if not self.checkpointing or self.fraction == 0:
+            return f"--batch_size={self.batch} --fsdp_activation_checkpointing=False"
+        return (
+            f"--batch_size={self.batch} --fsdp_activation_checkpointing=True "
+            f"--selective_checkpointing={self.fraction} --ac_mode={self.mode}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """The flags the plan reads (built once: settings.py)."""
+
+    setting: Setting  # the run's: --batch_size and its activation checkpointing (the fraction parsed once)
+    variant: str
+    vocab_size: Optional[int]  # --vocab_size, None for the variant's
+    seq_length: int
+    mixed_precision: bool
+    device: str  # --device: a plan is for a GPU unless it is "cpu"
+    compile: bool
+    document_masking: bool
+    cp_attention: str
+    muon: bool  # --optimizer=muon
+    lora: Optional[LoRASpec]
+    device_gib: Optional[float]  # --plan_device_memory_gib

@@ -1,0 +1,97 @@
+"""The parallelism settings: the mesh's, `parallelize`'s, the pipeline's and the attention's flags, built
+once at start-up (settings.py); light to import (no model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import NamedTuple, Optional
+
+from fms_fsdp.model.float8 import Float8Settings
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshSettings:
+    """The flags that lay out the mesh and what tensor and context parallelism must divide or refuse
+    (built once: settings.py)."""
+
+    pp: int  # --pipeline_parallel_size
+    tp: int  # --tensor_parallel_size
+    cp: int  # --context_parallel_size
+    sharding_strategy: str
+    sharding_group_size: Optional[int]
+    seq_length: int
+    cp_attention: str
+    document_masking: bool
+    mixed_precision: bool
+    compile: bool  # --use_torch_compile
+    float8: bool
+    lora: bool  # --lora_rank given
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSettings:
+    """The flags `parallelize` reads: activation checkpointing (the fraction of blocks, None when off,
+    and --ac_mode), compile, bf16, float8 (None when off)."""
+
+    checkpointing: Optional[Fraction]
+    ac_mode: str
+    compile: bool
+    mixed_precision: bool
+    float8: Optional[Float8Settings]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSettings:
+    """The pipeline flags, and those it does not combine with yet (built once: settings.py)."""
+
+    size: int  # --pipeline_parallel_size
+    schedule: str
+    stages_per_rank: int  # --pipeline_stages_per_rank (0: the schedule's default)
+    microbatches: int  # --pipeline_microbatches (0: the fewest that serve)
+    split: Optional[str]  # --pipeline_split
+    batch_size: int
+    variant: str  # --model_variant
+    grad_accum_steps: int
+    harness: bool  # --eval_harness_tasks given
+    eval_batch_size: Optional[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSettings:
+    """The attention flags (built once: settings.py)."""
+
+    eos: Optional[int]  # --document_masking: documents end at --eos_token; None: lines are plain causal
+    restart_positions: bool  # --document_positions=document
+    compile: bool  # --use_torch_compile: FlexAttention's kernels are compiled
+    ring: bool  # --cp_attention=ring
+
+
+class MeshShape(NamedTuple):
+    """Sizes of the mesh dimensions: pipeline parallel (pp, outermost), data parallel (replicate x
+    shard), context parallel (cp) and tensor parallel (tp, innermost)."""
+
+    replicate: int
+    shard: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    def dims(self) -> list[tuple[str, int]]:
+        """The mesh's dimensions, outermost first: pp where used, replicate, shard, then cp and tp where
+        used."""
+        return (
+            [("pp", self.pp)] * (self.pp > 1)
+            + [("replicate", self.replicate), ("shard", self.shard)]
+            + [("cp", self.cp)] * (self.cp > 1)
+            + [("tp", self.tp)] * (self.tp > 1)
+        )
+
+    @property
+    def whole(self) -> bool:
+        """One rank per pipeline stage: the plain module (or stage) is trained, without FSDP."""
+        return self.dp * self.tp * self.cp == 1
