@@ -43,6 +43,7 @@ EXIT_STATUS: dict[type[Exception], int] = {
     TrainingError: 1,
 }
 USER_ERRORS = tuple(EXIT_STATUS)
+PLAN_DOES_NOT_FIT = 3  # --dry_run: the plan's peak is beyond the device (its PLAN line says fits=false)
 STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
 
 
@@ -222,7 +223,8 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
         if ft is not None and not cfg.dry_run:
             file_torchft_log(Paths.of(cfg.ckpt_save_path, ft.index).torchft_log)
         if cfg.dry_run:
-            dry_run(facts(cfg, ft=ft))
+            if not dry_run(facts(cfg, ft=ft)):
+                raise SystemExit(PLAN_DOES_NOT_FIT)
         else:
             run_training(lambda: facts(cfg, ft=ft))
 

@@ -338,6 +338,41 @@ def test_bad_files_are_one_line_at_start_up(tmp_path):
     assert "megatron/corpus_text_document.bin:" in message and "shorter than its .idx says" in message
 
 
+def test_ids_read_at_half_their_width_are_refused_and_real_narrow_data_is_not(tmp_path):
+    """OLMo's rule reads a headerless token array as uint16 for a vocabulary of up to 65,536: uint32 ids
+    read so leave every other token 0, and the start and fms-inspect-data refuse the file in one line
+    naming it and the --token_dtype to set. uint16 data with a separator in every other token or so
+    is read; and a Megatron .idx whose dtype does not match its offsets is refused."""
+    rng = np.random.default_rng(0)
+    docs = [[int(t) for t in rng.integers(4, 30000, int(rng.integers(1, 40)))] for _ in range(200)]
+    write_olmo(tmp_path / "wide", docs, np.uint32)
+    message = error(tmp_path, datasets=["wide"], vocab_size=32000)
+    assert (
+        "wide/part-0-00000.npy: every other token is 0 read as uint16 by OLMo's rule for --vocab_size=32000" in message
+    )
+    assert message.endswith("set --token_dtype=uint32"), message
+    with pytest.raises(DataError, match="every other token is 0 read as uint16.*set --token_dtype=uint32"):
+        inspect_data(str(tmp_path), ["wide"], 32000, EOS, None, "tokens")
+    message = error(tmp_path, datasets=["wide"], vocab_size=32000, token_dtype="uint16")
+    assert "every other token is 0 read as uint16 by --token_dtype" in message
+    short = [[int(t) for t in rng.integers(4, 30000, int(rng.integers(1, 4)))] for _ in range(300)]
+    write_olmo(tmp_path / "narrow", short, np.uint16, files=1)  # ~40% of the tokens are separators
+    tokens = np.fromfile(tmp_path / "narrow" / "part-0-00000.npy", np.uint16)
+    assert (tokens == EOS).mean() > 0.3
+    loader = data_loader(cfg(tmp_path, datasets=["narrow"], vocab_size=32000), 0, 1)
+    assert next(iter(loader))[0].numel() > 0  # read, not refused
+    write_megatron(tmp_path / "megatron")
+    idx = tmp_path / "megatron" / "corpus_text_document.idx"
+    good = idx.read_bytes()
+    assert good[17] == 8  # uint16
+    idx.write_bytes(good[:17] + bytes([4]) + good[18:])  # says int32
+    message = error(tmp_path, datasets=["megatron"])
+    assert (
+        "corpus_text_document.idx: its dtype is int32 (code 4), but its documents' byte offsets step by 2 bytes"
+        in message
+    )
+
+
 MEGATRON_WRITER = """
 import sys, numpy as np, torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

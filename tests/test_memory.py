@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
+from fms_fsdp.cli import PLAN_DOES_NOT_FIT
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
 from fms_fsdp.memory.plan import Planner
@@ -127,8 +128,11 @@ def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsy
     assert int(fields["optimizer_bytes"]) == 2 * int(fields["params_bytes"])
     assert any(line.strip().startswith("activations saved for backward") for line in out)
     # sharded over a node of 8 only: 16 bytes x 70B / 8 > 80 GiB, whatever the batch
-    main([*flags, "--sharding_strategy=hsdp", "--batch_size=4"])
+    with pytest.raises(SystemExit) as status:
+        main([*flags, "--sharding_strategy=hsdp", "--batch_size=4"])
+    assert status.value.code == PLAN_DOES_NOT_FIT
     out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("PLAN ") and out.splitlines()[-1].endswith("fits=false")
     assert "fits=false" in out and "does NOT fit" in out and "lower --batch_size" not in out
     assert re.search(r"the model's state alone takes [\d.]+ GiB per rank; shard it over at least (\d+) ranks", out)
     assert int(re.search(r"at least (\d+) ranks", out).group(1)) in range(16, 25)  # 1.1 TB / (72 GiB - gathered)
@@ -247,8 +251,35 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
         model_config,
         PipelinePlan.of(pipeline_of(cfg), model_config),
         8,
-    )
+    ).text
     peaks = [p.plan(setting).peak for p in stages("GPipe")]
     highest = peaks.index(max(peaks))
     assert f"pipeline rank {highest} of 2 has the highest peak" in text, text
     assert "8 of 8 microbatches of 1 lines in flight" in text
+
+
+def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_model_line_counts(capfd):
+    """--dry_run's status says whether the plan fits (0, else PLAN_DOES_NOT_FIT = 3), with the PLAN line
+    last either way; under pipeline parallelism the start's model line and the plan both count the
+    checkpointed blocks among the blocks a rank holds (the model line comes from a rehearsal process:
+    capfd)."""
+    assert PLAN_DOES_NOT_FIT == 3  # documented in docs/troubleshooting.md
+    flags = [
+        "--dry_run=True",
+        "--model_variant=small",
+        "--plan_world_size=4",
+        "--pipeline_parallel_size=2",
+        "--fsdp_activation_checkpointing=True",
+        "--selective_checkpointing=0.5",
+        "--batch_size=4",
+    ]
+    with pytest.raises(SystemExit) as status:
+        main([*flags, "--plan_device_memory_gib=1"])
+    assert status.value.code == PLAN_DOES_NOT_FIT
+    out = capfd.readouterr().out.splitlines()
+    assert out[-1].startswith("PLAN ") and out[-1].endswith("fits=false")
+    lines = [next(line for line in out if line.startswith(head)) for head in ("model small:", "memory plan, per rank")]
+    counts = [re.search(r"activation checkpointing: (\d+/\d+) blocks", line).group(1) for line in lines]
+    assert counts == ["3/6", "3/6"], lines  # 12 blocks, 6 on each pipeline rank
+    main([*flags, "--plan_device_memory_gib=80"])  # fits: returns, status 0
+    assert capfd.readouterr().out.splitlines()[-1].endswith("fits=true")

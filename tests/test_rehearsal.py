@@ -71,7 +71,7 @@ def test_the_real_shards_agree_with_the_analytic_plan(mesh):
 
 def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_stray():
     cfg, run, (state,) = rehearsed(plan_world_size=8, plan_device_memory_gib=80)
-    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [state])
+    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [state]).text
     fields = dict(item.split("=") for item in text.splitlines()[-1].split()[1:])
     assert (int(fields["params_bytes"]), int(fields["grads_bytes"]), int(fields["optimizer_bytes"])) == (
         state.params,
@@ -81,7 +81,7 @@ def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_st
     assert "the rehearsal's real shards; the analytic plan within 0.00% of them" in text
     assert "warning" not in text
     strayed = State(2 * state.params, state.grads, state.optimizer)
-    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [strayed])
+    text = report(run.settings.memory, run.shape, run.model_config, run.pipeline, 8, [strayed]).text
     assert f"params_bytes={strayed.params} " in text.splitlines()[-1]
     assert (
         f"warning: pipeline rank 0's real shards hold {strayed.params}, {state.grads} and {state.optimizer} bytes "

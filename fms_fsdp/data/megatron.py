@@ -86,6 +86,16 @@ class MegatronFile(Reader):
     def _check_bin(self) -> None:
         if self.sequences == 0:
             return
+        steps = np.diff(self._pointers)
+        lengths = self._lengths[:-1].astype(np.int64)
+        if len(steps) and np.any(steps != lengths * self.dtype.itemsize):
+            j = int(np.flatnonzero(steps != lengths * self.dtype.itemsize)[0])
+            width = int(steps[j]) / max(int(lengths[j]), 1)
+            code = next(k for k, v in DTYPES.items() if np.dtype(v) == self.dtype)
+            raise DataError(
+                f"{idx_path(self.path)}: its dtype is {self.dtype.name} (code {code}), but its documents' byte offsets "
+                f"step by {width:g} bytes a token; the .idx does not describe this .bin"
+            )
         last = self.sequences - 1
         need = int(self._pointers[last]) + int(self._lengths[last]) * self.dtype.itemsize
         if self._bin.size < need:

@@ -9,8 +9,10 @@ tokens one after the other, as OLMo's numpy datasets read them.
 A document ends at each --eos_token (which it includes; trailing tokens after the last make one more).
 Where Dolma's metadata sits beside the array (`<name>.csv.gz`, one `start,end,...` row per document,
 token offsets), its offsets are the documents instead. Finding the documents reads the file once; the
-boundaries are the file's index, cached with the counts, and every id is checked against the
-vocabulary on the way (a wrong dtype shows as ids beyond it).
+boundaries are the file's index, cached with the counts, and two dtype mistakes are refused on the
+way: ids read at twice their width show as ids beyond the vocabulary, and ids read at half their
+width (uint32 read as uint16, which OLMo's rule does for a vocabulary of up to 65,536) leave every
+other token 0 (`halves_of_wider_ids`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fms_fsdp.errors import DataError, first_line
 
 NPY_MAGIC = b"\x93NUMPY"
 _SCAN = 1 << 26  # tokens read at a time while finding documents
+WIDER_MIN_TOKENS = 64  # below this many tokens a file is not judged for ids read at half their width
 
 
 def olmo_dtype(options: Options) -> np.dtype:
@@ -36,6 +39,18 @@ def olmo_dtype(options: Options) -> np.dtype:
         return np.dtype(options.token_dtype)
     vocab = options.vocab_size or 0
     return np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+
+
+def halves_of_wider_ids(zeros: np.ndarray, tokens: int) -> bool:
+    """Whether ids of twice the width were read as two tokens each: `zeros` counts the zero ids at
+    even and at odd positions. Little-endian ids below 2**(8 x itemsize) read that way leave every
+    high half 0, so the zeros of one parity are all its tokens while the other parity's are few. Real
+    data with many separators (id 0) has zeros at both parities alike, and is not refused."""
+    if tokens < WIDER_MIN_TOKENS:
+        return False
+    per_parity = np.array([(tokens + 1) // 2, tokens // 2])
+    share = zeros / per_parity
+    return bool(share.max() == 1.0 and share.min() < 0.5)
 
 
 def metadata_path(path: Path) -> Path:
@@ -119,17 +134,24 @@ class TokenArray(Reader):
         try:
             dtype, offset, tokens, how = _layout(data, path, options)
             ends: list[np.ndarray] = []
-            top = -1
-            for start in range(0, tokens, _SCAN):
+            top, zeros = -1, np.zeros(2, np.int64)  # zero ids at even and at odd positions
+            for start in range(0, tokens, _SCAN):  # _SCAN is even: a chunk's positions keep their parity
                 chunk = data.array(dtype, offset + start * dtype.itemsize, min(_SCAN, tokens - start))
                 ends.append(np.flatnonzero(chunk == options.eos) + start + 1)
                 top = max(top, int(chunk.max()))
+                zeros += [np.count_nonzero(chunk[0::2] == 0), np.count_nonzero(chunk[1::2] == 0)]
         finally:
             data.close()
         if options.vocab_size is not None and top >= options.vocab_size:
             raise DataError(
                 f"{path}: token id {top} >= vocab_size {options.vocab_size} (read as {how}); the dtype is probably "
                 "wrong: set --token_dtype, or --vocab_size"
+            )
+        if dtype.itemsize < 8 and halves_of_wider_ids(zeros, tokens):
+            wider = np.dtype(f"uint{dtype.itemsize * 16}")
+            raise DataError(
+                f"{path}: every other token is 0 read as {how}: these are {wider.name} ids read as {dtype.name}; "
+                f"set --token_dtype={wider.name}"
             )
         meta = metadata_path(path)
         if meta.is_file():

@@ -4,14 +4,15 @@ when a run's plan does not fit its device."""
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from fms.models.llama import LLaMAConfig
 
-from fms_fsdp.memory.plan import AGREEMENT, GIB, HEADROOM, MemorySettings, Plan, Planner, Setting, State, device_memory
+from fms_fsdp.memory.plan import AGREEMENT, GIB, HEADROOM, Plan, Planner, State, device_memory
+from fms_fsdp.memory.settings import MemorySettings, Setting
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
-from fms_fsdp.parallel.mesh import MeshShape
 from fms_fsdp.parallel.pipeline import PipelinePlan, microbatches_in_flight
+from fms_fsdp.parallel.settings import MeshShape
 
 
 def _gathered_row(planner: Planner, compute: str) -> str:
@@ -25,6 +26,13 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
+class PlanReport(NamedTuple):
+    """--dry_run's printout (its last line the PLAN line) and whether the plan fits."""
+
+    text: str
+    fits: bool
+
+
 def report(
     settings: MemorySettings,
     shape: MeshShape,
@@ -32,7 +40,7 @@ def report(
     pipeline: Optional[PipelinePlan],
     local_world_size: int,
     states: Optional[Sequence[State]] = None,
-) -> str:
+) -> PlanReport:
     """The plan of the run `settings` describe (on a mesh of `shape`), as printed by --dry_run: a table,
     suggestions, the PLAN line. `states`: each pipeline rank's parameters, gradients and optimizer state
     as its real shards hold them (the rehearsal), planned with in place of the analytic figures, which
@@ -49,7 +57,7 @@ def report(
     lines += checks
     lines += _report_suggestions(planner, plan, setting)
     lines.append(plan.line())
-    return "\n".join(lines)
+    return PlanReport(text="\n".join(lines), fits=plan.fits)
 
 
 def _cross_check(planners: list[Planner], states: Sequence[State]) -> list[str]:

@@ -81,12 +81,12 @@ def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
     return records
 
 
-def dry_run(run: Run) -> None:
+def dry_run(run: Run) -> bool:
     """--dry_run of the run's facts: rank 0 rehearses the start at the planned size under a fake process
     group (train/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
-    real process group starts, no GPU memory is touched."""
+    real process group starts, no GPU memory is touched. Whether the plan fits (other ranks: True)."""
     if not run.info.is_main:
-        return
+        return True
     start = time.perf_counter()
     states = rehearse(run)
     dims, ranks = run.shape.dims(), rehearsed_ranks(run)
@@ -96,9 +96,11 @@ def dry_run(run: Run) -> None:
         f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
         f"as at a real start in {time.perf_counter() - start:.1f} s"
     )
-    run.log(
-        memory_report(run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size, states)
+    plan = memory_report(
+        run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size, states
     )
+    run.log(plan.text)
+    return plan.fits
 
 
 def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:

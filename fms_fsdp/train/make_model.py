@@ -21,7 +21,7 @@ from fms_fsdp.parallel.attention import LinePlan
 from fms_fsdp.parallel.context_parallel import ContextParallel
 from fms_fsdp.parallel.mesh import sharded
 from fms_fsdp.parallel.parallelize import Parallelized, parallelize
-from fms_fsdp.parallel.pipeline import Pipeline, prune
+from fms_fsdp.parallel.pipeline import Pipeline, blocks_of, prune
 from fms_fsdp.schedule import build_scheduler
 
 
@@ -106,7 +106,7 @@ def describe(run: Run, model: CausalLM, done: Parallelized, n_lora: int) -> str:
     checkpointing = (
         "off"
         if done.checkpointed is None
-        else f"{done.checkpointed}/{run.model_config.nlayers} blocks, {parallel.ac_mode}"
+        else f"{done.checkpointed}/{len(blocks_of(model))} blocks, {parallel.ac_mode}"
     )
     line = (
         f"model {run.variant}: {count_params(run.model_config):,} parameters ({held:,} held by rank 0), "
