@@ -9,6 +9,7 @@
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
 | fms-to-hf                     | fms_to_hf.py              | weights/hf.convert                         |
+| fms-torchrun                  | scripts/train.sh          | launch.launch (torchrun)                   |
 
 Every command reads its command line alike (flags.py: `--name=value`, typo suggestions, `--help`),
 imports the heavy modules (torch, fms) only once its flags are read, and ends an error a user can act
@@ -44,6 +45,7 @@ EXIT_STATUS: dict[type[Exception], int] = {
 }
 USER_ERRORS = tuple(EXIT_STATUS)
 PLAN_DOES_NOT_FIT = 3  # --dry_run: the plan's peak is beyond the device (its PLAN line says fits=false)
+INTERRUPTED = 130  # Ctrl-C, as a shell reports it (128 + SIGINT)
 STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
 
 
@@ -79,6 +81,9 @@ def guarded(work: Callable[[], Any]) -> None:
         work()
     except USER_ERRORS as e:
         fail(e)
+    except KeyboardInterrupt:  # before the run handles Ctrl-C itself (resilience/triggers.py), or a tool's
+        say("error: interrupted (Ctrl-C)")
+        raise SystemExit(INTERRUPTED) from None
     except Exception as e:
         if "torch" in sys.modules:
             from fms_fsdp.parallel.process_group import lost_peer
@@ -432,3 +437,10 @@ def export_model(argv: Optional[Sequence[str]] = None) -> None:
 
 def to_hf(argv: Optional[Sequence[str]] = None) -> None:
     tool(_to_hf, argv)
+
+
+def torchrun(argv: Optional[Sequence[str]] = None) -> None:
+    """`fms-torchrun`: torchrun's own command line, ending in the ranks' one line and status (launch.py)."""
+    from fms_fsdp.launch import launch
+
+    raise SystemExit(launch(_args(argv)))

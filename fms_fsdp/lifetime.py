@@ -10,8 +10,9 @@ import sys
 
 _PR_SET_PDEATHSIG = 1
 LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (cli.train)
-# what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED)
+# what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank.
+# SIGINT is Ctrl-C, from a terminal or passed on by torchrun: a second one stops the rank at once
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED, signal.SIGINT)
 
 
 def exit_with_parent(sig: signal.Signals) -> None:
@@ -44,6 +45,6 @@ def pool_worker() -> None:
     its pool's SIGTERM (multiprocessing's terminate) even where the rank handles the stop signals,
     leaves Ctrl-C and the other stop signals to its parent, and dies with its parent."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for sig in (signal.SIGINT, *STOP_SIGNALS[1:]):
+    for sig in STOP_SIGNALS[1:]:
         signal.signal(sig, signal.SIG_IGN)
     exit_with_parent(signal.SIGKILL)

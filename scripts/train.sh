@@ -38,8 +38,8 @@ for arg in "$@"; do
 done
 # The flags are read once here, before torchrun starts a rank: a bad one ends in its one line and
 # status 2 (under torchrun every rank would print it, then torchrun its failure summary, status 1).
-PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}" python -c 'from fms_fsdp.cli import check_flags; check_flags()' \
-    ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"
+export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+python -c 'from fms_fsdp.cli import check_flags; check_flags()' ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"
 
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 
@@ -60,11 +60,16 @@ fi
 # time-limit warning on as SIGUSR1 to every process of the job's steps. The training processes
 # answer both by saving a checkpoint and exiting; torchrun must not cut that short, so it ignores
 # both and waits for them (torchrun's --signals_to_handle, through PET_SIGNALS_TO_HANDLE).
+# Ctrl-C reaches torchrun alone (its ranks run in sessions of their own): it passes SIGINT on, and the
+# ranks save and stop as on SIGTERM (a second Ctrl-C stops them at once).
 trap '' TERM USR1
 export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 
 echo "$(hostname -s): torchrun on ${NNODES} node(s) x ${NPROC_PER_NODE} process(es) ${RENDEZVOUS[*]}"
-# ${a[@]+"${a[@]}"}: an empty array under set -u on bash < 4.4
-exec torchrun --nnodes="${NNODES}" --nproc_per_node="${NPROC_PER_NODE}" "${RENDEZVOUS[@]}" \
-    "${REPO}/main_training.py" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"
+# fms-torchrun: torchrun itself, ending in the ranks' one line and status (an error's 2 or 1, Ctrl-C's
+# 130) instead of its traceback and failure summary. ${a[@]+"${a[@]}"}: an empty array under set -u
+# on bash < 4.4
+exec python -c 'from fms_fsdp.cli import torchrun; torchrun()' --nnodes="${NNODES}" \
+    --nproc_per_node="${NPROC_PER_NODE}" "${RENDEZVOUS[@]}" "${REPO}/main_training.py" \
+    ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} "$@"

@@ -78,7 +78,13 @@ echo "$(hostname): torchrun node ${PET_NODE_RANK} of ${PET_NNODES} x ${PET_NPROC
 (
     trap '' TERM USR1
     export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
-    exec torchrun "${REPO}/main_training.py" --stop_exit_status=143 "$@"
+    export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+    # fms-torchrun (or the command in TORCHRUN): torchrun, ending in a rank's one-line error and its
+    # status (2, which the manifests do not restart) instead of its failure summary (scripts/train.sh)
+    if [ -n "${TORCHRUN:-}" ]; then
+        exec "$TORCHRUN" "${REPO}/main_training.py" --stop_exit_status=143 "$@"
+    fi
+    exec python -c 'from fms_fsdp.cli import torchrun; torchrun()' "${REPO}/main_training.py" --stop_exit_status=143 "$@"
 ) &
 pid=$!
 while :; do

@@ -548,6 +548,21 @@ ERRORS: list[E] = [
     ),
     E(
         "data",
+        "data/part-0.npy: every other token is 0 read as uint16 by OLMo's rule for --vocab_size=32000: these are "
+        "uint32 ids read as uint16; set --token_dtype=uint32",
+        "a raw token array of uint32 ids read at half their width (OLMo's rule picks uint16 for a vocabulary of "
+        "up to 65,536): every high half is 0",
+        "set `--token_dtype=uint32`",
+    ),
+    E(
+        "data",
+        "data/corpus.idx: its dtype is int32 (code 4), but its documents' byte offsets step by 2 bytes a token; the "
+        ".idx does not describe this .bin",
+        "a Megatron .idx written for another .bin, or with the wrong dtype code",
+        "write the .idx and .bin again together (Megatron's `tools/preprocess_data.py`)",
+    ),
+    E(
+        "data",
         "data/part-0.npy: 1001 bytes is not a whole number of uint16 tokens (OLMo's rule for --vocab_size=32000); set "
         "--token_dtype to the dtype the file was written with",
         "a raw token array read with the wrong dtype, or cut off",

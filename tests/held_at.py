@@ -18,7 +18,7 @@ command's function itself. <point>, optionally limited to one rank (`step:5@1`):
             first document went into its shard's temporary file
 
 A held process writes `held-<rank>` (RANK, 0 without one) in <folder> and waits until <folder>/release
-exists; a stop signal (SIGTERM, SIGUSR1) that reaches it meanwhile writes `signalled-<rank>`, then goes to
+exists; a stop signal (SIGTERM, SIGUSR1, SIGINT) that reaches it meanwhile writes `signalled-<rank>`, then goes to
 the run's own handler. It gives up (exit status 3) once its parent has ended, or after GIVE_UP_S, so a
 failed test leaves nothing waiting. The real code runs in every case; only when it goes on is held."""
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 GIVE_UP_S = 600.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def rank() -> str:
@@ -51,9 +51,9 @@ def _write(path: Path, text: str) -> None:
     aside.rename(path)
 
 
-def _record_stop_signals(folder: Path) -> dict[int, Any]:
+def _record_stop_signals(folder: Path) -> dict[int, tuple[Any, Any]]:
     """While held: a stop signal writes signalled-<rank>, then goes to the handler it replaced (the run's).
-    The handlers replaced, to put back."""
+    Each signal's (handler replaced, recording handler), to put back where the run changed nothing."""
     replaced = {}
     for sig in STOP_SIGNALS:
         handler = signal.getsignal(sig)
@@ -64,7 +64,7 @@ def _record_stop_signals(folder: Path) -> dict[int, Any]:
             _write(folder / f"signalled-{rank()}", f"{signal.Signals(signum).name}\n")
             handler(signum, frame)
 
-        replaced[sig] = handler
+        replaced[sig] = (handler, recorded)
         signal.signal(sig, recorded)
     return replaced
 
@@ -81,8 +81,9 @@ def hold(folder: Path) -> None:
                 os._exit(3)
             time.sleep(0.02)
     finally:
-        for sig, handler in replaced.items():
-            signal.signal(sig, handler)
+        for sig, (handler, recorded) in replaced.items():
+            if signal.getsignal(sig) is recorded:  # a first Ctrl-C sets SIGINT's default: kept
+                signal.signal(sig, handler)
 
 
 def wait_held(

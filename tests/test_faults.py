@@ -716,6 +716,23 @@ def _sigterm_in_save(b: Bench) -> Job:
     )
 
 
+@fault(
+    "Ctrl-C (SIGINT) during a save",
+    "stopping after step {n} on SIGINT: the checkpoint is saved, resume by running the same command",
+    0,
+)
+def _sigint_in_save(b: Bench) -> Job:
+    out, held = b.tmp / "run", b.tmp / "held"
+    ckpts = out / "checkpoints"
+    return Job(
+        ["fms-train", *LONG, f"--ckpt_save_path={out}"],
+        nproc=2,
+        held=(held, "save:4"),  # as a terminal's Ctrl-C reaches every process of the ranks
+        during=when_held(held, 2, signal_all(signal.SIGINT), signalled=2),
+        after=lambda: _resumable(ckpts),
+    )
+
+
 def _resumable(ckpts: Path) -> None:
     """The save the signal came in finished, as did the stop's; nothing unfinished is left."""
     from fms_fsdp.checkpoint.layout import complete_checkpoints

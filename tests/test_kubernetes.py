@@ -143,7 +143,7 @@ def test_the_entry_point_ends_a_bad_flag_in_its_one_line_before_torchrun(tmp_pat
     proc = subprocess.run(
         ["bash", "scripts/train_k8s.sh", "--lerning_rate=1e-3"],
         cwd=ROOT,
-        env=_pod_env(tmp_path),
+        env={**_pod_env(tmp_path), "TORCHRUN": str(torchrun)},
         capture_output=True,
         text=True,
         timeout=60,
@@ -170,7 +170,7 @@ def test_a_sigterm_before_the_ranks_start_reaches_them(tmp_path):
         "codes = [r.wait() for r in ranks]\nprint('ranks:', codes)\nsys.exit(1 if any(codes) else 0)\n"
     )
     torchrun.chmod(0o755)
-    env = _pod_env(tmp_path)
+    env = {**_pod_env(tmp_path), "TORCHRUN": str(torchrun)}
     proc = subprocess.Popen(["bash", "scripts/train_k8s.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert "torchrun node 0 of 1 x 2 process(es)" in proc.stdout.readline()  # torchrun is starting
@@ -315,10 +315,11 @@ def network() -> Iterator[list[tuple[str, str]]]:
 
 
 def _held_torchrun(folder: Path, held: Path, point: str) -> Path:
-    """`folder`, holding a `torchrun` that execs the real one with the training script held at `point`
-    (tests/held_at.py, its files in `held`): put first on a pod's PATH."""
+    """`folder`, holding a `torchrun` that execs the scripts' own (fms-torchrun) with the training script
+    held at `point` (tests/held_at.py, its files in `held`): a pod's TORCHRUN."""
     folder.mkdir()
-    real, wrapper = Path(sys.executable).parent / "torchrun", ROOT / "tests" / "held_at.py"
+    real = f"{sys.executable} -c 'from fms_fsdp.cli import torchrun; torchrun()'"
+    wrapper = ROOT / "tests" / "held_at.py"
     (folder / "torchrun").write_text(f'#!/bin/sh\nexec {real} {wrapper} {held} {point} "$@"\n')
     (folder / "torchrun").chmod(0o755)
     return folder
@@ -343,7 +344,7 @@ def _start(
         # the image's environment: its PATH (python and torchrun) and HOME; one thread per rank on 2 cores
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/root", "OMP_NUM_THREADS": "1"}
         if bin_dir is not None:
-            env["PATH"] = f"{bin_dir}:{env['PATH']}"
+            env["PATH"], env["TORCHRUN"] = f"{bin_dir}:{env['PATH']}", str(bin_dir / "torchrun")
         cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', pod["host"]]
         procs.append(
             subprocess.Popen(

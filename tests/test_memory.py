@@ -22,6 +22,8 @@ from fms_fsdp.parallel.parallelize import apply_autocast
 from fms_fsdp.parallel.pipeline import PipelinePlan
 from fms_fsdp.settings import lora_of, memory_of, mesh_of, parallel_of, pipeline_of
 
+from conftest import launch
+
 BATCH, SEQ = 3, 128  # the plan traces micro-batches 1 and 2 only
 
 
@@ -258,11 +260,10 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     assert "8 of 8 microbatches of 1 lines in flight" in text
 
 
-def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_model_line_counts(capfd):
+def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_model_line_counts():
     """--dry_run's status says whether the plan fits (0, else PLAN_DOES_NOT_FIT = 3), with the PLAN line
     last either way; under pipeline parallelism the start's model line and the plan both count the
-    checkpointed blocks among the blocks a rank holds (the model line comes from a rehearsal process:
-    capfd)."""
+    checkpointed blocks among the blocks a rank holds."""
     assert PLAN_DOES_NOT_FIT == 3  # documented in docs/troubleshooting.md
     flags = [
         "--dry_run=True",
@@ -273,13 +274,12 @@ def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_mod
         "--selective_checkpointing=0.5",
         "--batch_size=4",
     ]
-    with pytest.raises(SystemExit) as status:
-        main([*flags, "--plan_device_memory_gib=1"])
-    assert status.value.code == PLAN_DOES_NOT_FIT
-    out = capfd.readouterr().out.splitlines()
+    proc = launch("main_training.py", [*flags, "--plan_device_memory_gib=1"], None)
+    assert proc.returncode == PLAN_DOES_NOT_FIT, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
     assert out[-1].startswith("PLAN ") and out[-1].endswith("fits=false")
     lines = [next(line for line in out if line.startswith(head)) for head in ("model small:", "memory plan, per rank")]
     counts = [re.search(r"activation checkpointing: (\d+/\d+) blocks", line).group(1) for line in lines]
     assert counts == ["3/6", "3/6"], lines  # 12 blocks, 6 on each pipeline rank
-    main([*flags, "--plan_device_memory_gib=80"])  # fits: returns, status 0
-    assert capfd.readouterr().out.splitlines()[-1].endswith("fits=true")
+    proc = launch("main_training.py", [*flags, "--plan_device_memory_gib=80"], None)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].endswith("fits=true"), proc.stderr[-3000:]

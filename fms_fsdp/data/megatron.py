@@ -87,7 +87,7 @@ class MegatronFile(Reader):
         if self.sequences == 0:
             return
         steps = np.diff(self._pointers)
-        lengths = self._lengths[:-1].astype(np.int64)
+        lengths: np.ndarray = self._lengths[:-1].astype(np.int64)
         if len(steps) and np.any(steps != lengths * self.dtype.itemsize):
             j = int(np.flatnonzero(steps != lengths * self.dtype.itemsize)[0])
             width = int(steps[j]) / max(int(lengths[j]), 1)

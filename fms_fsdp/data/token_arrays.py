@@ -134,7 +134,8 @@ class TokenArray(Reader):
         try:
             dtype, offset, tokens, how = _layout(data, path, options)
             ends: list[np.ndarray] = []
-            top, zeros = -1, np.zeros(2, np.int64)  # zero ids at even and at odd positions
+            top = -1
+            zeros: np.ndarray = np.zeros(2, np.int64)  # zero ids at even and at odd positions
             for start in range(0, tokens, _SCAN):  # _SCAN is even: a chunk's positions keep their parity
                 chunk = data.array(dtype, offset + start * dtype.itemsize, min(_SCAN, tokens - start))
                 ends.append(np.flatnonzero(chunk == options.eos) + start + 1)

@@ -35,7 +35,8 @@ GPU_HOURS_BETWEEN_FAILURES = 50000.0
 
 class StopRequest:
     """Records a STOP_SIGNALS signal; created at the start of a run, so a signal during start-up counts
-    (and --max_run_minutes counts from then). `restore` puts back the handlers it found (a run called
+    (and --max_run_minutes counts from then). After a first Ctrl-C (SIGINT) a second ends the process at
+    once, as SIGINT's default does: no save, no traceback. `restore` puts back the handlers it found (a run called
     from Python leaves the process as it was)."""
 
     def __init__(self) -> None:
@@ -46,6 +47,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signum
+        if signum == signal.SIGINT:  # Ctrl-C: a second one ends the process at once, without a traceback
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def restore(self) -> None:
         """Put back the handlers found at creation."""
