@@ -19,7 +19,6 @@ docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -28,8 +27,9 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence, TextIO, cast
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from fms_fsdp.console import label_groups
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
 from fms_fsdp.flags import format_help, parse_args, parse_call
 
@@ -46,6 +46,7 @@ EXIT_STATUS: dict[type[Exception], int] = {
 USER_ERRORS = tuple(EXIT_STATUS)
 PLAN_DOES_NOT_FIT = 3  # --dry_run: the plan's peak is beyond the device (its PLAN line says fits=false)
 INTERRUPTED = 130  # Ctrl-C, as a shell reports it (128 + SIGINT)
+PIPE_CLOSED = 141  # stdout's reader went away, as a shell reports a tool ended by SIGPIPE (128 + 13)
 STORAGE_STATUS = 1  # a file or bucket that cannot be read or written (an OSError, an object-storage client's error)
 
 
@@ -84,6 +85,9 @@ def guarded(work: Callable[[], Any]) -> None:
     except KeyboardInterrupt:  # before the run handles Ctrl-C itself (resilience/triggers.py), or a tool's
         say("error: interrupted (Ctrl-C)")
         raise SystemExit(INTERRUPTED) from None
+    except BrokenPipeError:  # the reader of stdout went away (`fms-inspect-data ... | head`): end quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a second error at exit's flush
+        raise SystemExit(PIPE_CLOSED) from None
     except Exception as e:
         if "torch" in sys.modules:
             from fms_fsdp.parallel.process_group import lost_peer
@@ -133,39 +137,6 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-class Labelled(io.TextIOBase):
-    """A text stream whose every line begins with `label`: each replica group's output under
-    --fault_tolerance, whose groups share a console."""
-
-    def __init__(self, stream: Any, label: str):
-        self.stream, self.label, self.fresh = stream, label, True
-
-    def write(self, text: str) -> int:
-        pieces = []
-        for piece in text.splitlines(keepends=True):
-            pieces.append(self.label + piece if self.fresh else piece)
-            self.fresh = piece.endswith("\n")
-        self.stream.write("".join(pieces))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-
-def label_groups(ft: Any) -> None:
-    """Under --fault_tolerance (`ft`: its settings, None without it), every line this process prints
-    begins with its replica group."""
-    if ft is not None:
-        sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {ft.index}] "))
-        sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {ft.index}] "))
-
-
 def file_torchft_log(path: Optional[Path]) -> None:
     """torchft's own log (its quorums, live transfers, handled failures with their tracebacks) appended to
     `path` by every rank of the replica group, each line with its rank, never on the console (resilience/ft.py
@@ -185,12 +156,12 @@ def _args(argv: Optional[Sequence[str]]) -> list[str]:
     return list(sys.argv[1:] if argv is None else argv)
 
 
-def training_config(argv: Optional[Sequence[str]] = None) -> Any:
-    """The train_config of a training command line: --help prints the flags (status 0); a bad flag is
-    one line and status 2 on every rank."""
+def training_config(argv: Optional[Sequence[str]] = None, help_of: Callable[[], str] = format_help) -> Any:
+    """The train_config of a training command line: --help prints the flags (`help_of`: the command's own
+    help; status 0); a bad flag is one line and status 2 on every rank."""
     args = _args(argv)
     if any(a in ("-h", "--help") for a in args):
-        print(format_help())
+        print(help_of())
         raise SystemExit(0)
     try:
         return parse_args(args)
@@ -236,13 +207,27 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
     guarded(work)
 
 
+def evaluate_help() -> str:
+    """fms-evaluate's --help: its usage, and the flags of training it reads."""
+    usage = (
+        "usage: [torchrun [...]] scripts/evaluate.py --ckpt_load_path=<model> (--eval_data_path=<data> and/or "
+        "--eval_harness_tasks=<tasks>) [--field=value ...]\n\n"
+        "Evaluates a checkpoint folder, .safetensors/.pth file or Hugging Face folder (--ckpt_load_path) on\n"
+        "held-out data and lm-eval tasks, and prints the figures. It reads training's flags; these are the ones\n"
+        "it uses:"
+    )
+    return format_help(
+        usage, sections=("model", "data", "parallelism", "evaluation", "LoRA"), names=("ckpt_load_path",)
+    )
+
+
 def evaluate(argv: Optional[Sequence[str]] = None) -> None:
     """`fms-evaluate`, scripts/evaluate.py: training's flags (--eval_interval not needed; lm-eval's tasks by
     --eval_harness_tasks)."""
     args = _args(argv)
     if any(a.startswith("--eval_data_path") for a in args):
         args = ["--eval_interval=1", *args]  # evaluating is the point; a given --eval_interval still wins
-    cfg = training_config(args)
+    cfg = training_config(args, help_of=evaluate_help)
 
     def work() -> None:
         quiet_library_noise()

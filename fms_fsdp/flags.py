@@ -280,11 +280,31 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def format_help() -> str:
-    """One line per flag: name, type, default and help."""
-    lines = ["usage: torchrun [...] main_training.py [--config=run.yaml] [--field=value ...]", ""]
+TRAINING_USAGE = "usage: torchrun [...] main_training.py [--config=run.yaml] [--field=value ...]"
+
+
+def flag_sections() -> dict[str, str]:
+    """Each flag -> its section of train_config (the `# model`, `# data`, ... comments above its fields)."""
+    sections, section = {}, ""
+    for line in inspect.getsource(train_config).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# ") and line.startswith("    #"):
+            section = stripped[2:]
+        elif (name := stripped.split(":", 1)[0]) in FIELDS and line.startswith(f"    {name}:"):
+            sections[name] = section
+    return sections
+
+
+def format_help(
+    usage: str = TRAINING_USAGE, sections: Optional[Sequence[str]] = None, names: Sequence[str] = ()
+) -> str:
+    """`usage`, then one line per flag (when `sections` are given, theirs and `names` only): name, type,
+    default and help."""
+    lines = [usage, ""]
+    of = flag_sections()
     for name, f in FIELDS.items():
-        lines.append(f"  --{name} ({_type_name(HINTS[name])}, default {_default(f)!r}): {f.metadata['help']}")
+        if sections is None or of[name] in sections or name in names:
+            lines.append(f"  --{name} ({_type_name(HINTS[name])}, default {_default(f)!r}): {f.metadata['help']}")
     return "\n".join(lines)
 
 

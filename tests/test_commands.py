@@ -125,3 +125,34 @@ def test_only_rank_0_shows_library_warnings_and_progress_bars():
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert proc.stdout == f"{quiet}\n", proc.stderr
         assert ("a library warning" in proc.stderr) != quiet and ("3/3" in proc.stderr) != quiet, proc.stderr
+
+
+def test_each_command_has_its_own_help_and_a_closed_pipe_ends_quietly(tmp_path):
+    """--help says the command's own usage (fms-evaluate: its flags, not all of training's); a reader that
+    stops early (`| head`) ends the command with SIGPIPE's status and nothing on stderr."""
+    helps = dict(zip(COMMANDS, ThreadPoolExecutor(4).map(lambda c: run(c, "--help"), COMMANDS)))
+    for command, proc in helps.items():
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: "), (command, proc.stderr)
+    train, evaluate = helps["fms-train"].stdout, helps["fms-evaluate"].stdout
+    assert "main_training.py" in train.splitlines()[0] and "scripts/evaluate.py" in evaluate.splitlines()[0]
+    flags = [line for line in evaluate.splitlines() if line.startswith("  --")]
+    assert any(f.startswith("  --ckpt_load_path ") for f in flags) and any(
+        f.startswith("  --eval_data_path ") for f in flags
+    )
+    assert not any(f.startswith(("  --learning_rate ", "  --checkpoint_interval ")) for f in flags)
+    assert len(flags) < train.count("\n  --") * 2 / 3
+    data = tmp_path / "data" / "ds"
+    data.mkdir(parents=True)
+    for f in range(40):  # a table longer than a pipe's buffer
+        (data / f"part-{f:02d}.npy").write_bytes(bytes(range(1, 101)) * 40)  # uint16 ids 513 to 25957
+    reader = subprocess.Popen(
+        [str(BIN / "fms-inspect-data"), f"--data_path={data.parent}", "--vocab_size=32000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert reader.stdout is not None
+    reader.stdout.readline()
+    reader.stdout.close()  # as `head -1` does
+    _, err = reader.communicate(timeout=120)
+    assert reader.returncode == 141 and err == b"", err.decode()[-2000:]

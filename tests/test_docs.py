@@ -2,6 +2,10 @@
 README's test command."""
 
 import importlib.util
+import json
+import re
+import subprocess
+import sys
 
 from conftest import ROOT
 
@@ -37,3 +41,44 @@ def test_every_module_opens_with_a_sentence_of_what_it_does():
     spec.loader.exec_module(gen)
     lengths = {p.relative_to(ROOT).as_posix(): len(gen.headline(p)) for p in (ROOT / "fms_fsdp").rglob("*.py")}
     assert {m: n for m, n in lengths.items() if not 8 <= n <= 200} == {}
+
+
+# what the docs of a product do not say: this project's own history and machines, paths outside the
+# repository other than a user's (the examples' /data, /tmp, /fsx, s3:// ...)
+NOT_FOR_USERS = re.compile(
+    r"/work/|\.\./shared|\.library|development machine|assigned per session|\bissue #?\d+|"
+    r"\bthis (?:PR|commit|session)\b|\bwe (?:added|fixed|changed|renamed)\b|\bpreviously\b|\bno longer\b|"
+    r"\bused to (?:be|say)\b",
+    re.IGNORECASE,
+)
+
+
+def test_the_docs_speak_of_the_product_to_its_users():
+    """README.md and docs/ say what the package does and how to run it: no line of its development's
+    history, no path of the machines it was made on."""
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}"
+        for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if (m := NOT_FOR_USERS.search(line))
+    ]
+    assert not found, found
+
+
+def test_the_offline_tokenizer_of_the_data_guide_is_made_and_loads(tmp_path):
+    """docs/data.md's tokenizer made from local text runs as written and gives a tokenizer.json that
+    --tokenizer_path loads, its end-of-text token id 0 (the default --eos_token)."""
+    from fms_fsdp.data.text import load_tokenizer
+
+    text = (ROOT / "docs" / "data.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "made offline" in block)
+    (tmp_path / "raw").mkdir()
+    lines = [
+        json.dumps({"text": f"document {i}: the quick brown fox jumps over {i % 7} lazy dogs"}) for i in range(300)
+    ]
+    (tmp_path / "raw" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer"))
+    assert tokenizer.token_to_id("<|endoftext|>") == 0 and 256 < tokenizer.get_vocab_size() <= 32000
+    ids = tokenizer.encode("the quick brown fox", add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == "the quick brown fox" and 0 not in ids

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from fms_fsdp.cli import Labelled
+from fms_fsdp.console import Labelled
 from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.resilience.ft import Watchdog, short_cause
 from fms_fsdp.resilience.ft_settings import fingerprint

@@ -120,6 +120,10 @@ def test_finalize_writes_the_counts_once_every_piece_is_done_or_says_what_is_lef
     counts.unlink()
     proc = prepare(raw, out, *flags, "--finalize=True")
     assert counts.read_bytes() == written and "done before" in proc.stdout
+    # the tasks said each bad record; finalize counts them per file, with the first
+    bad = sorted((n, reason) for n, reason in BAD.items() if n <= 60)
+    said = f"warning: {raw / 'big.jsonl'}: {len(bad)} skipped record, the first at line {bad[0][0]}: {bad[0][1]}"
+    assert proc.stderr.splitlines() == [said], proc.stderr
 
 
 @pytest.mark.parametrize(

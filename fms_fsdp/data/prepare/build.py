@@ -51,6 +51,7 @@ from fms_fsdp.errors import ConfigError, DataError
 from fms_fsdp.storage import is_remote, location, mtime_ns
 
 MAX_WARNINGS = 20
+FIRST_FILES = 5  # files named, with their counts, when a dataset done before is reported again
 SHARD_TOKENS = 100_000_000  # --shard_tokens's default (cli.py says it too)
 PIECE_BYTES = 128 << 20  # --piece_bytes's
 
@@ -331,25 +332,46 @@ def with_progress(results: Iterator[tuple[Piece, dict]], todo: list[Piece]) -> I
             yield piece, marker
 
 
-def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, dict], before: int, counts: Path) -> None:
-    """The first MAX_WARNINGS skipped records of the dataset (file:line) on stderr, its summary on stdout."""
-    shown, lines_before = [], 0
+def skipped_records(pieces: list[Piece], markers: dict[Piece, dict]) -> list[tuple[Path, int, str]]:
+    """The skipped records whose place the pieces' markers kept: (file, line, reason), in input order."""
+    found, lines_before = [], 0
     for p in pieces:
         marker = markers[p]
         lines_before = 0 if p.part == 0 else lines_before
         offset = lines_before if is_splittable_jsonl(p.path) and p.end >= 0 else 0
-        shown += [f"warning: {p.path}:{line + offset}: {reason}" for line, reason in marker["warnings"]]
+        found += [(p.path, line + offset, reason) for line, reason in marker["warnings"]]
         lines_before += marker["lines"]
-    for line in shown[:MAX_WARNINGS]:
-        print(line, file=sys.stderr)
+    return found
+
+
+def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, dict], before: int, counts: Path) -> None:
+    """The dataset's skipped records on stderr, its summary on stdout. Where this process tokenized some
+    pieces, the first MAX_WARNINGS records (file:line); where every piece was done before (--finalize,
+    or a run again), whose tasks said each record already, a count per file with its first record."""
     skipped: Counter[str] = Counter()
-    for m in markers.values():
-        skipped.update(m["skipped"])
-    if sum(skipped.values()) > min(len(shown), MAX_WARNINGS):
-        print(
-            f"warning: {sum(skipped.values()) - min(len(shown), MAX_WARNINGS)} more skipped records not shown",
-            file=sys.stderr,
-        )
+    per_file: Counter[Path] = Counter()
+    for p in pieces:
+        skipped.update(markers[p]["skipped"])
+        per_file[p.path] += sum(markers[p]["skipped"].values())
+    found = skipped_records(pieces, markers)
+    if before == len(pieces):
+        first = {}
+        for path, line, reason in found:
+            first.setdefault(path, f", the first at line {line}: {reason}")
+        files = [path for path in per_file if per_file[path]]
+        for path in files[:FIRST_FILES]:
+            n = per_file[path]
+            print(f"warning: {path}: {n} skipped record{'s' * (n != 1)}{first.get(path, '')}", file=sys.stderr)
+        if len(files) > FIRST_FILES:
+            print(f"warning: {len(files) - FIRST_FILES} more files with skipped records", file=sys.stderr)
+    else:
+        for path, line, reason in found[:MAX_WARNINGS]:
+            print(f"warning: {path}:{line}: {reason}", file=sys.stderr)
+        if sum(skipped.values()) > min(len(found), MAX_WARNINGS):
+            print(
+                f"warning: {sum(skipped.values()) - min(len(found), MAX_WARNINGS)} more skipped records not shown",
+                file=sys.stderr,
+            )
     shards = [s for m in markers.values() for s in m["shards"]]
     print(
         f"{out}: {n_inputs} input files in {len(pieces)} pieces ({before} done before), "
