@@ -67,6 +67,17 @@ class train_config:
         min=1,
         shared=False,
     )
+    norm_eps: Optional[float] = _f(
+        None,
+        "RMSNorm's epsilon; when given, overrides the variant's (a Hugging Face --ckpt_load_path's rms_norm_eps must match it).",
+        shared=False,
+    )
+    max_position_embeddings: Optional[int] = _f(
+        None,
+        "Positions the model serves, as its Hugging Face exports say; when given, overrides the variant's (a Hugging Face --ckpt_load_path's must match it). A longer --seq_length extends it.",
+        min=1,
+        shared=False,
+    )
 
     # data
     use_dummy_dataset: bool = _f(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.atomic import write_text_keeping_old
 from fms_fsdp.compat import check_torch
@@ -46,8 +47,9 @@ from fms_fsdp.parallel.process_group import (
 )
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
-from fms_fsdp.settings import ft_of, mesh_of, pipeline_of, settings_of
+from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, make_folder
+from fms_fsdp.weights.hf import special_tokens
 from fms_fsdp.weights.load import check_load_path
 
 PLANNED_RANKS_PER_NODE = 8  # a dry run's --plan_world_size is planned on nodes of up to this many ranks
@@ -78,9 +80,7 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     )
     mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
     shape = mesh_shape(mesh, world_size, local_world_size)
-    model_config = get_model_config(
-        cfg.model_variant, cfg.vocab_size, cfg.seq_length, shape.tp, cfg.rope_theta, cfg.rope_scaling_factor
-    )
+    model_config = model_config_of(cfg, cfg.seq_length, shape.tp)
     check_tensor_parallel(mesh, model_config)
     check_context_parallel(mesh, device)
     check_pipeline(pipeline_settings, model_config)
@@ -95,27 +95,66 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
     check_harness(settings.harness)
+    positions = context_length(model_config_of(cfg))  # before a longer --seq_length extends them
+    notes: tuple[str, ...] = ()
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
-        check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant)
+        source = check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant, positions)
+        if source is not None:  # a Hugging Face folder: its exports keep its special token ids
+            settings, notes = with_source_tokens(settings, source, cfg)
     tokenizer = cfg.tokenizer_path
-    notes = tuple(check_tokenizer(tokenizer, cfg.model_variant, settings.data.packing)) if tokenizer is not None else ()
-    positions = context_length(
-        get_model_config(cfg.model_variant, rope_theta=cfg.rope_theta, rope_scaling_factor=cfg.rope_scaling_factor)
-    )
+    if tokenizer is not None:
+        notes += tuple(check_tokenizer(tokenizer, cfg.model_variant, settings.data.packing))
     if cfg.seq_length > positions:
-        scaled = (
-            "" if cfg.rope_scaling_factor in (None, 1) else f" (with --rope_scaling_factor={cfg.rope_scaling_factor})"
-        )
-        notes += (
-            f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions{scaled}: the "
-            f"model trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}",
-        )
+        notes += (beyond_positions(cfg, positions),)
     ft = ft or ft_of(cfg)
     if ft is not None and not cfg.dry_run:
         check_fault_tolerance(shape, world_size, cfg.sharding_strategy)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
+
+
+def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int = 1) -> LLaMAConfig:
+    """The model config the flags give: the variant's, with --vocab_size, --rope_theta,
+    --rope_scaling_factor, --norm_eps and --max_position_embeddings (and grown to `seq_length`)."""
+    return get_model_config(
+        cfg.model_variant,
+        cfg.vocab_size,
+        seq_length,
+        tp,
+        cfg.rope_theta,
+        cfg.rope_scaling_factor,
+        norm_eps=cfg.norm_eps,
+        positions=cfg.max_position_embeddings,
+    )
+
+
+def beyond_positions(cfg: train_config, positions: int) -> str:
+    """The start-up note of a --seq_length beyond the model's positions."""
+    scaled = "" if cfg.rope_scaling_factor in (None, 1) else f" (with --rope_scaling_factor={cfg.rope_scaling_factor})"
+    return (
+        f"note: --seq_length={cfg.seq_length} is beyond {cfg.model_variant}'s {positions} positions{scaled}: the "
+        f"model trains at {cfg.seq_length}, and its Hugging Face exports say max_position_embeddings={cfg.seq_length}"
+    )
+
+
+def with_source_tokens(settings: Settings, hf: dict, cfg: train_config) -> tuple[Settings, tuple[str, ...]]:
+    """The settings whose exports record the special token ids of the Hugging Face folder the run starts
+    from (where it names them), and a note where its end-of-text id is not the run's --eos_token."""
+    bos, eos = special_tokens(hf)
+    export = replace(
+        settings.export,
+        bos=bos if bos is not None else settings.export.bos,
+        eos=eos if eos is not None else settings.export.eos,
+    )
+    notes: tuple[str, ...] = ()
+    if eos is not None and cfg.eos_token not in (eos if isinstance(eos, list) else [eos]):
+        notes = (
+            f"note: {cfg.ckpt_load_path} ends text with eos_token_id {eos}, but documents are separated by "
+            f"--eos_token={cfg.eos_token}; its exports keep {eos} (set --eos_token={eos if not isinstance(eos, list) else eos[0]} "
+            "if the data ends documents with it)",
+        )
+    return replace(settings, export=export), notes
 
 
 def with_mesh(run: Run) -> Run:

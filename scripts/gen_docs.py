@@ -17,27 +17,38 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
 from fms_fsdp.model.shapes import hidden_dim  # noqa: E402
-from fms_fsdp.model.variants import ALIASES, VARIANTS, count_params, get_model_config  # noqa: E402
+from fms_fsdp.model.variants import ALIASES, VARIANTS, context_length, count_params, get_model_config  # noqa: E402
 from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.settings import schedule_of  # noqa: E402
 
 
 def variants_table() -> str:
-    """Every model variant with its dimensions (the FFN width is Hugging Face's intermediate_size) and
-    parameter count."""
+    """Every model variant with its dimensions (the FFN width is Hugging Face's intermediate_size),
+    parameter count, and the config.json fields a Hugging Face --ckpt_load_path is checked against."""
     rows = [
-        "| variant | params | emb_dim | FFN width | heads | kv heads | layers | vocab | max seq | rope_theta |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | params | emb_dim | FFN width | heads | kv heads | layers | vocab | max positions | rope_theta "
+        "| rope scaling | norm eps | tied embeddings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in VARIANTS:
         c = get_model_config(name)
+        scaling = (c.rope_scaling or {}).get("factor")
         rows.append(
             f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {hidden_dim(c)} | {c.nheads} "
-            f"| {c.kvheads or c.nheads} | {c.nlayers} | {c.src_vocab_size} | {c.max_expected_seq_len} "
-            f"| {c.rope_theta:g} |"
+            f"| {c.kvheads or c.nheads} | {c.nlayers} | {c.src_vocab_size} | {context_length(c)} "
+            f"| {c.rope_theta:g} | {f'llama3 x{scaling:g}' if scaling else 'none'} | {c.norm_eps:g} "
+            f"| {'yes' if c.tie_heads else 'no'} |"
         )
     rows.append("")
     rows.append("Aliases: " + ", ".join(f"`{a}` = `{v}`" for a, v in ALIASES.items()) + ".")
+    rows.append("")
+    rows.append(
+        "A Hugging Face `--ckpt_load_path` is checked against these at start-up: its shapes (emb_dim to vocab), "
+        "`rope_theta` and `rope_scaling` (`--rope_theta`, `--rope_scaling_factor`), `rms_norm_eps` (`--norm_eps`), "
+        "`max_position_embeddings` (`--max_position_embeddings`) and `tie_word_embeddings`; a field that differs "
+        "is refused in one line naming both values and the flag that makes them agree. Its `bos_token_id` and "
+        "`eos_token_id` are carried into the run's Hugging Face exports."
+    )
     return "\n".join(rows)
 
 

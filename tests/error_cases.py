@@ -1196,6 +1196,26 @@ ERRORS: list[E] = [
         "",
         "",
     ),
+    E(
+        "hf",
+        "--ckpt_load_path: <folder>: rms_norm_eps is 1e-06 but the run has 1e-05; set --norm_eps=1e-06",
+        "the folder's model was trained with another RMSNorm epsilon than the variant's",
+        "the flag it names (it is kept in the checkpoints and the exports)",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: <folder>: max_position_embeddings is 2048 but the run has 1024; set "
+        "--max_position_embeddings=2048",
+        "the folder's model serves other positions than the variant",
+        "the flag it names (exports then say the same)",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: <folder>: tie_word_embeddings is true but tiny's embeddings are untied; choose a "
+        "--model_variant whose embeddings are tied (llama3.2_* tie them)",
+        "a model with one matrix for its embedding and output head, loaded into a variant with two (or the reverse)",
+        "the variant it names",
+    ),
     E("hf", "<folder>: no .safetensors weights"),
     E("hf", "--model_variant is needed: <load_path> does not record the variant it was trained with"),
     E("hf", "--save_path is required: the folder to write"),

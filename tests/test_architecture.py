@@ -219,7 +219,14 @@ def test_settings_the_loop_its_step_and_the_loaders_are_called_by_keyword():
 
 
 # the flags read at start-up rather than turned into a component's settings (fms_fsdp/startup.py, cli.py)
-READ_AT_START_UP = {"dry_run", "plan_world_size", "rope_scaling_factor", "rope_theta"}
+READ_AT_START_UP = {
+    "dry_run",
+    "plan_world_size",
+    "rope_scaling_factor",
+    "rope_theta",
+    "norm_eps",
+    "max_position_embeddings",
+}
 
 
 def test_every_flag_reaches_a_setting_or_is_read_at_start_up():

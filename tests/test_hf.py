@@ -326,3 +326,52 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits_past_1
     base = get_model_config("tiny_llama3", 512).updated(nlayers=1)  # theta 500000, no scaling
     LlamaForCausalLM(LlamaConfig(**hf_config(base, torch.float32, None, None))).save_pretrained(tmp_path / "base")
     assert read_hf_model(str(tmp_path / "base"), config, "tiny_llama3").keys() == model.state_dict().keys()
+
+
+def test_a_hugging_face_source_is_checked_field_by_field_and_carried_into_the_export(tmp_path):
+    """A source whose rms_norm_eps, max_position_embeddings or tied embeddings differ from the run's is
+    refused at start-up in one line naming the field, both values and the flag; with the flags set, the
+    run carries them, and its export says them too, with the source's bos and eos ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fms_fsdp.errors import ConfigError
+    from fms_fsdp.flags import make_config
+    from fms_fsdp.startup import facts
+    from fms_fsdp.weights.hf import hf_config
+
+    src = tmp_path / "src"
+    theirs = {**hf_config(get_model_config("tiny", 256), torch.float32, 1, 2), "rms_norm_eps": 1e-6}
+    theirs["max_position_embeddings"] = 2048
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**theirs)).save_pretrained(src)
+    LlamaForCausalLM(LlamaConfig(**{**theirs, "tie_word_embeddings": True})).save_pretrained(tmp_path / "tied")
+    base = dict(model_variant="tiny", vocab_size=256, seq_length=64, device="cpu", ckpt_save_path=str(tmp_path / "out"))
+
+    def refused(path: Path, **flags: Any) -> str:
+        with pytest.raises(ConfigError) as e:
+            facts(make_config(**base, ckpt_load_path=str(path), **flags))
+        return str(e.value)
+
+    assert refused(src) == f"--ckpt_load_path: {src}: rms_norm_eps is 1e-06 but the run has 1e-05; set --norm_eps=1e-06"
+    assert refused(src, norm_eps=1e-6) == (
+        f"--ckpt_load_path: {src}: max_position_embeddings is 2048 but the run has 1024; "
+        "set --max_position_embeddings=2048"
+    )
+    carried = dict(norm_eps=1e-6, max_position_embeddings=2048)
+    assert refused(tmp_path / "tied", **carried) == (
+        f"--ckpt_load_path: {tmp_path / 'tied'}: tie_word_embeddings is true but tiny's embeddings are untied; "
+        "choose a --model_variant whose embeddings are tied (llama3.2_* tie them)"
+    )
+    run = facts(make_config(**base, ckpt_load_path=str(src), **carried))
+    assert (run.model_config.norm_eps, run.model_config.max_expected_seq_len) == (1e-6, 2048)
+    assert (run.settings.export.bos, run.settings.export.eos) == (1, 2)
+    assert any("ends text with eos_token_id 2, but documents are separated by --eos_token=0" in n for n in run.notes)
+
+    train_here(
+        tmp_path,
+        [f"--ckpt_load_path={src}", "--norm_eps=1e-6", "--max_position_embeddings=2048", "--num_steps=1"],
+    )
+    out = to_hf(tmp_path / "run" / "checkpoints" / "step_1_ckp", tmp_path / "hf", dtype="fp32")
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["rms_norm_eps"], exported["max_position_embeddings"]) == (1e-6, 2048)
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, 2)

@@ -196,20 +196,28 @@ def get_model_config(
     tensor_parallel: int = 1,
     rope_theta: Optional[float] = None,
     rope_scaling_factor: Optional[float] = None,
+    norm_eps: Optional[float] = None,
+    positions: Optional[int] = None,
 ) -> LLaMAConfig:
     """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
     its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
     weights do not depend on it); built unfused for tensor parallelism (each rank holds its heads of
     q, k and v: `FUSED`). `rope_theta` and `rope_scaling_factor` (llama3 scaling from the variant's
-    original context; 1: none) replace the variant's, to extend a model's context."""
+    original context; 1: none) replace the variant's, to extend a model's context; `norm_eps` and
+    `positions` (--norm_eps, --max_position_embeddings) replace the variant's RMSNorm epsilon and
+    positions, to match a Hugging Face model's."""
     args = dict(VARIANTS[resolve_variant(name)])
     if vocab_size is not None:
         args["src_vocab_size"] = vocab_size
+    if norm_eps is not None:
+        args["norm_eps"] = float(norm_eps)
     if rope_theta is not None:
         args["rope_theta"] = float(rope_theta)
     if rope_scaling_factor is not None:
         original = args.get("rope_scaling", {}).get("original_max_position_embeddings", args["max_expected_seq_len"])
         args["rope_scaling"] = llama3_rope_scaling(rope_scaling_factor, original) if rope_scaling_factor != 1 else {}
+    if positions is not None:  # after the scaling, which counts from the variant's own context
+        args["max_expected_seq_len"] = positions
     if tensor_parallel > 1:
         args["fused_weights"] = False
     config = LLaMAConfig(**args)

@@ -1,8 +1,10 @@
 """Hugging Face interop: fms LLaMA checkpoints <-> transformers LlamaForCausalLM folders.
 
 `convert` (fms_to_hf.py, `fms-to-hf`) writes a checkpoint folder or model file as a Hugging Face
-folder; `read_hf_config` and `check_hf_config` check a folder's config.json against the run's model for
---ckpt_load_path; `write_peft_adapter` writes a LoRA run's adapters for PEFT (exports).
+folder; `read_hf_config`, `check_hf_config` (shapes, rotary settings) and `check_hf_fields` (norm
+epsilon, positions, tied embeddings) check a folder's config.json against the run's model for
+--ckpt_load_path, and an export keeps that folder's special token ids (`source_tokens`);
+`write_peft_adapter` writes a LoRA run's adapters for PEFT (exports).
 
 HF -> fms is hf_read.py's, used by load.py: each rank reads its slices in place, as ibm-fms's own hf
 adapter maps names and rotary rows.
@@ -206,6 +208,34 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
         )
 
 
+def check_hf_fields(hf: dict, model_config: LLaMAConfig, folder: str, variant: str, positions: int) -> None:
+    """HFError naming the first config.json field that the run would not carry, with both values and
+    the flag that makes them agree: rms_norm_eps (--norm_eps), max_position_embeddings
+    (--max_position_embeddings; `positions` is the run's before a longer --seq_length extends it) and
+    tie_word_embeddings (the variant's). The shapes and the rotary settings are check_hf_config's."""
+    eps = hf.get("rms_norm_eps")
+    if eps is not None and float(eps) != model_config.norm_eps:
+        raise HFError(f"{folder}: rms_norm_eps is {eps} but the run has {model_config.norm_eps}; set --norm_eps={eps}")
+    theirs = hf.get("max_position_embeddings")
+    if theirs is not None and theirs not in (positions, context_length(model_config)):
+        raise HFError(
+            f"{folder}: max_position_embeddings is {theirs} but the run has {positions}; "
+            f"set --max_position_embeddings={theirs}"
+        )
+    tied = bool(hf.get("tie_word_embeddings", False))
+    if tied != bool(model_config.tie_heads):
+        raise HFError(
+            f"{folder}: tie_word_embeddings is {str(tied).lower()} but {variant}'s embeddings are "
+            f"{'tied' if model_config.tie_heads else 'untied'}; choose a --model_variant whose embeddings are "
+            f"{'tied' if tied else 'untied'} (llama3.2_* tie them)"
+        )
+
+
+def special_tokens(hf: dict) -> tuple[Optional[Any], Optional[Any]]:
+    """A config.json's (bos_token_id, eos_token_id), each None where it names none (eos may be a list)."""
+    return hf.get("bos_token_id"), hf.get("eos_token_id")
+
+
 def _variant(
     load_path: Path, model_variant: Optional[str], vocab_size: Optional[int]
 ) -> tuple[str, Optional[int], dict]:
@@ -248,14 +278,38 @@ def convert(
     if tokenizer_name_or_path is not None and not Path(tokenizer_name_or_path).is_dir():
         raise HFError(f"--tokenizer_name_or_path: {tokenizer_name_or_path} is not a local folder")
     variant, vocab, run = _variant(src, model_variant, vocab_size)
-    model_config = get_model_config(  # the trained length and rotary settings
-        variant, vocab, run.get("seq_length"), 1, run.get("rope_theta"), run.get("rope_scaling_factor")
+    model_config = get_model_config(  # the trained length, rotary settings, norm epsilon and positions
+        variant,
+        vocab,
+        run.get("seq_length"),
+        1,
+        run.get("rope_theta"),
+        run.get("rope_scaling_factor"),
+        norm_eps=run.get("norm_eps"),
+        positions=run.get("max_position_embeddings"),
     )
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
             return _convert(readable, target, model_config, variant, run, load_path, tokenizer_name_or_path, dtype)
     except CheckpointError as e:  # the checkpoint's files cannot be read (weights/reader.py)
         raise CheckpointError(f"--load_path: {e}") from None
+
+
+def source_tokens(run: dict) -> tuple[Optional[Any], Optional[Any]]:
+    """The special token ids an export of a run records: those of the Hugging Face folder it started
+    from (its --ckpt_load_path, where that still holds a config.json naming them), else its --bos_token
+    and --eos_token."""
+    bos, eos = run.get("bos_token"), run.get("eos_token")
+    source = run.get("ckpt_load_path")
+    try:
+        hf = read_hf_config(location(source, "ckpt_load_path")) if source else None
+    except Exception:  # gone, or not a Hugging Face folder: the flags' ids
+        hf = None
+    if hf is not None:
+        theirs_bos, theirs_eos = special_tokens(hf)
+        bos = theirs_bos if theirs_bos is not None else bos
+        eos = theirs_eos if theirs_eos is not None else eos
+    return bos, eos
 
 
 def _convert(
@@ -277,7 +331,7 @@ def _convert(
                 f"--model_variant={variant} does not match {load_path}: {key} is "
                 f"{list(found[key]) if key in found else 'missing'} there, {list(shape)} for {variant}"
             )
-    bos, eos = run.get("bos_token"), run.get("eos_token")
+    bos, eos = source_tokens(run)
     tokenizer = None
     if tokenizer_name_or_path is not None:
         from transformers import AutoTokenizer

@@ -23,7 +23,7 @@ from fms_fsdp.model.variants import fused_parts, split_full
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, local_copy, location, storage_error
 from fms_fsdp.weights.fused import fuse, plain_tensor
-from fms_fsdp.weights.hf import check_hf_config, read_hf_config
+from fms_fsdp.weights.hf import check_hf_config, check_hf_fields, read_hf_config
 from fms_fsdp.weights.hf_read import check_shapes, index_folder, read_into
 from fms_fsdp.weights.reader import damage, model_reader, read_model, root_cause, safe_reader, unreadable
 
@@ -34,17 +34,23 @@ _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 MODEL_FILES = (".safetensors", ".pth", ".pt")
 
 
-def check_load_path(path: str, model_config: Optional[LLaMAConfig] = None, variant: Optional[str] = None) -> None:
+def check_load_path(
+    path: str, model_config: Optional[LLaMAConfig] = None, variant: str = "", positions: Optional[int] = None
+) -> Optional[dict]:
     """--ckpt_load_path names something to load: a checkpoint folder (.metadata), a Hugging Face folder
-    (config.json) whose model is `model_config`'s (check_hf_config, when given) or a model file;
-    ConfigError otherwise. A start-up check: a few file-system calls."""
+    (config.json) whose model is `model_config`'s (check_hf_config and, with the run's `positions`,
+    check_hf_fields, when given) or a model file; ConfigError otherwise. The Hugging Face folder's
+    config.json, else None. A start-up check: a few file-system calls."""
     p = location(path, "ckpt_load_path")
     try:
         if p.is_dir():
-            if (p / "config.json").is_file() and model_config is not None:
-                check_hf_config(read_hf_config(p), model_config, path, variant)
-            if (p / ".metadata").is_file() or (p / "config.json").is_file():
-                return
+            hf = read_hf_config(p) if (p / "config.json").is_file() else None
+            if hf is not None and model_config is not None:
+                check_hf_config(hf, model_config, path, variant or None)
+                if positions is not None:
+                    check_hf_fields(hf, model_config, path, variant, positions)
+            if (p / ".metadata").is_file() or hf is not None:
+                return hf
             if (p / "checkpoints").is_dir():
                 raise ConfigError(
                     f"--ckpt_load_path: {path} is a run folder: give one of its checkpoints, "
@@ -63,6 +69,7 @@ def check_load_path(path: str, model_config: Optional[LLaMAConfig] = None, varia
             )
         if p.stat().st_size == 0:
             raise ConfigError(f"--ckpt_load_path: {path} is empty (0 bytes)")
+        return None
     except ConfigError:
         raise
     except HFError as e:  # names the folder

@@ -355,7 +355,7 @@ def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, di
         per_file[p.path] += sum(markers[p]["skipped"].values())
     found = skipped_records(pieces, markers)
     if before == len(pieces):
-        first = {}
+        first: dict[Path, str] = {}
         for path, line, reason in found:
             first.setdefault(path, f", the first at line {line}: {reason}")
         files = [path for path in per_file if per_file[path]]
