@@ -28,7 +28,7 @@ from fms_fsdp.checkpoint.checkpointer import CheckpointRestorer  # noqa: E402
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
 from fms_fsdp.checkpoint.layout import complete_checkpoints  # noqa: E402
 from fms_fsdp.checkpoint.save import CheckpointSaver  # noqa: E402
-from fms_fsdp.cli import quiet_library_noise  # noqa: E402
+from fms_fsdp.console import quiet_library_noise
 from fms_fsdp.context import Run
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402

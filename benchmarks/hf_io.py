@@ -36,8 +36,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fms_fsdp.checkpoint.export import PeriodicExporter  # noqa: E402
-from fms_fsdp.cli import quiet_library_noise  # noqa: E402
 from fms_fsdp.compat import local_tensor  # noqa: E402
+from fms_fsdp.console import quiet_library_noise
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
 from fms_fsdp.startup import facts, started  # noqa: E402

@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fms_fsdp.cli import USER_ERRORS, fail, quiet_library_noise  # noqa: E402
+from fms_fsdp.cli import USER_ERRORS, fail
 from fms_fsdp.config import train_config  # noqa: E402
+from fms_fsdp.console import quiet_library_noise
 from fms_fsdp.errors import ConfigError  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import flops_per_token  # noqa: E402

@@ -8,6 +8,7 @@
 | fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data               |
 | fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
+| fms-compare-runs              | scripts/compare_runs.py   | compare.compare_runs                       |
 | fms-to-hf                     | fms_to_hf.py              | weights/hf.convert                         |
 | fms-torchrun                  | scripts/train.sh          | launch.launch (torchrun)                   |
 
@@ -20,16 +21,13 @@ docs/troubleshooting.md). Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import sys
 import time
-import warnings
-from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from fms_fsdp.console import label_groups
+from fms_fsdp.console import file_torchft_log, label_groups, quiet_library_noise
 from fms_fsdp.errors import CheckpointError, ConfigError, DataError, HFError, TrackerError, TrainingError, first_line
 from fms_fsdp.flags import format_help, parse_args, parse_call
 
@@ -108,48 +106,6 @@ def guarded(work: Callable[[], Any]) -> None:
             raise
         say(f"error: {type(e).__name__}: {first_line(e)}")
         raise SystemExit(STORAGE_STATUS) from None
-
-
-def quiet_library_noise() -> None:
-    """What torch says at every step of a run that is not the user's business (the commands that train
-    or evaluate call this, before they import the libraries; library code leaves warnings and loggers
-    alone). Only rank 0 prints: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
-    if os.environ.get("RANK", "0") != "0":
-        warnings.simplefilter("ignore")
-        for bars in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
-            os.environ[bars] = "1"  # tqdm's own (lm-eval's), Hugging Face datasets' and hub's
-    # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
-    warnings.filterwarnings(
-        "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
-    )
-    # under tensor parallelism the embedding's output (this rank's part of the sequence) is a view; FSDP2
-    # warns in case it is changed in place, which fms never does
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
-    # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
-    logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
-    # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
-    # traceback; resilience/ft.py says what happened in one line, and the group's torchft.log keeps torchft's lines
-    # (file_torchft_log). A live transfer's tensors come from a read-only buffer
-    os.environ.setdefault("RUST_LOG", "warn")
-    logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-def file_torchft_log(path: Optional[Path]) -> None:
-    """torchft's own log (its quorums, live transfers, handled failures with their tracebacks) appended to
-    `path` by every rank of the replica group, each line with its rank, never on the console (resilience/ft.py
-    says what happened in one line); dropped where `path` is None (object storage)."""
-    if path is None:
-        return
-    rank = os.environ.get("RANK", "0")
-    handler = logging.FileHandler(path, mode="a", delay=True)  # opened at its first line, in the run's folder
-    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
-    torchft = logging.getLogger("torchft")
-    torchft.propagate = False
-    torchft.addHandler(handler)
-    torchft.setLevel(logging.INFO)
 
 
 def _args(argv: Optional[Sequence[str]]) -> list[str]:
@@ -371,6 +327,23 @@ def _plot_metrics(*paths: str, o: str = "curves.png", x: str = "step") -> None:
     print(f"wrote {plot_runs(list(paths), o, x)}")
 
 
+def _compare_runs(*runs: str, steps: Optional[int] = None, rtol: float = 1e-3, atol: float = 1e-6) -> None:
+    """fms-compare-runs A B [--steps=N] [--rtol=1e-3] [--atol=1e-6]
+
+    A, B        two runs' metrics.jsonl or --ckpt_save_path folders (paths or object-storage URLs); B the
+                reference
+    --steps     compare the first N steps both runs have (default: every one)
+    --rtol      the tolerance, as numpy.isclose: |A - B| <= atol + rtol x |B|, for the loss and the
+    --atol      gradient norm; status 0 within it, 1 beyond
+    """
+    from fms_fsdp.compare import compare_runs
+
+    if len(runs) != 2:
+        raise ConfigError(f"give two runs, A and B (got {len(runs)}): their metrics.jsonl or --ckpt_save_path folders")
+    if not compare_runs(*runs, steps=steps, rtol=rtol, atol=atol):
+        raise SystemExit(1)
+
+
 def _export_model(load_path: str = "", save_path: str = "") -> None:
     """fms-export-model --load_path=<ckpt_save_path>/checkpoints/step_N_ckp --save_path=model.safetensors
 
@@ -414,6 +387,10 @@ def inspect_data(argv: Optional[Sequence[str]] = None) -> None:
 
 def plot_metrics(argv: Optional[Sequence[str]] = None) -> None:
     tool(_plot_metrics, argv)
+
+
+def compare_runs(argv: Optional[Sequence[str]] = None) -> None:
+    tool(_compare_runs, argv)
 
 
 def export_model(argv: Optional[Sequence[str]] = None) -> None:

@@ -318,6 +318,11 @@ class train_config:
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1, shared=True)
     num_steps: int = _f(1000000, "Optimizer steps to train.", min=1, shared=True)
     seed: int = _f(2023, "Random seed for weights and data.", min=0, shared=True)
+    deterministic: bool = _f(
+        False,
+        "Bit-identical runs: the same command twice gives the same losses and weights (every seed fixed, torch's deterministic algorithms, cuDNN's deterministic kernels without autotuning, cuBLAS's fixed workspace); an operation with no deterministic kernel stops the run naming it. Not with --fault_tolerance. Its cost: docs/performance.md.",
+        shared=True,
+    )
 
     # optimizer
     learning_rate: float = _f(3e-4, "Peak learning rate.", min=0.0, shared=True)
@@ -661,6 +666,11 @@ def validate(cfg: train_config) -> None:
     _check_checkpoints(cfg)
     _check_paths_and_profiler(cfg)
     _check_cache(cfg)
+    if cfg.deterministic and cfg.fault_tolerance:
+        raise ConfigError(
+            "--deterministic with --fault_tolerance: replica groups come and go with the timing of failures, so "
+            "no two runs are alike; leave one of them out"
+        )
 
 
 def _check_cache(cfg: train_config) -> None:

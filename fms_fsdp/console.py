@@ -1,11 +1,16 @@
-"""Every line a process prints labelled with its replica group under --fault_tolerance, whose groups
-share a console."""
+"""What a command's processes print, set up by the command layer: the libraries' warnings and loggers
+quieted (other ranks' warnings and progress bars off), every line labelled with its replica group under
+--fault_tolerance, whose groups share a console, and torchft's own log kept in a file."""
 
 from __future__ import annotations
 
 import io
+import logging
+import os
 import sys
-from typing import Any, TextIO, cast
+import warnings
+from pathlib import Path
+from typing import Any, Optional, TextIO, cast
 
 
 class Labelled(io.TextIOBase):
@@ -39,3 +44,45 @@ def label_groups(ft: Any) -> None:
     if ft is not None:
         sys.stdout = cast(TextIO, Labelled(sys.stdout, f"[group {ft.index}] "))
         sys.stderr = cast(TextIO, Labelled(sys.stderr, f"[group {ft.index}] "))
+
+
+def quiet_library_noise() -> None:
+    """What torch says at every step of a run that is not the user's business (the commands that train
+    or evaluate call this, before they import the libraries; library code leaves warnings and loggers
+    alone). Only rank 0 prints: the other ranks' warnings and progress bars, the same as rank 0's, are off."""
+    if os.environ.get("RANK", "0") != "0":
+        warnings.simplefilter("ignore")
+        for bars in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ[bars] = "1"  # tqdm's own (lm-eval's), Hugging Face datasets' and hub's
+    # DCP's own handling of ShardedTensor, which holds fms's fused keys under tensor parallelism
+    warnings.filterwarnings(
+        "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
+    )
+    # under tensor parallelism the embedding's output (this rank's part of the sequence) is a view; FSDP2
+    # warns in case it is changed in place, which fms never does
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+    # every rank would log that gathering a whole (FSDP x TP)-sharded weight takes two all-gathers (exports)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # lm-eval-harness (--eval_harness_tasks) logs each task's set-up: its warnings stay, on rank 0
+    logging.getLogger("lm_eval").setLevel(logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.ERROR)
+    # torchft (--fault_tolerance) logs each quorum (its Rust side, at info) and a handled failure with its
+    # traceback; resilience/ft.py says what happened in one line, and the group's torchft.log keeps torchft's lines
+    # (file_torchft_log). A live transfer's tensors come from a read-only buffer
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def file_torchft_log(path: Optional[Path]) -> None:
+    """torchft's own log (its quorums, live transfers, handled failures with their tracebacks) appended to
+    `path` by every rank of the replica group, each line with its rank, never on the console (resilience/ft.py
+    says what happened in one line); dropped where `path` is None (object storage)."""
+    if path is None:
+        return
+    rank = os.environ.get("RANK", "0")
+    handler = logging.FileHandler(path, mode="a", delay=True)  # opened at its first line, in the run's folder
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
+    torchft = logging.getLogger("torchft")
+    torchft.propagate = False
+    torchft.addHandler(handler)
+    torchft.setLevel(logging.INFO)

@@ -224,6 +224,7 @@ def loop_of(cfg: train_config) -> LoopSettings:
         num_steps=cfg.num_steps,
         report_interval=cfg.report_interval,
         seed=cfg.seed,
+        deterministic=cfg.deterministic,
         skip_bad_steps=cfg.skip_bad_steps,
         spike_sigma=cfg.spike_sigma,
         grad_clip_thresh=cfg.grad_clip_thresh,

@@ -23,7 +23,7 @@ SECTIONS = {
     "trackers": "Trackers (at start-up, or while logging)",
     "checkpoints": "Checkpoints and exports",
     "hf": "Hugging Face (`fms_to_hf.py`, a Hugging Face `--ckpt_load_path`)",
-    "tools": "fms-plot-metrics",
+    "tools": "fms-plot-metrics and fms-compare-runs",
 }
 
 
@@ -42,6 +42,12 @@ class E:
 
 ERRORS: list[E] = [
     # ------------------------------------------------------------------------------------------------ flags
+    E(
+        "flags",
+        "--deterministic with --fault_tolerance: replica groups come and go with the timing of failures, so no two "
+        "runs are alike; leave one of them out",
+        flags=("--deterministic=True", "--fault_tolerance=True"),
+    ),
     E(
         "flags",
         "unknown flag --lerning_rate; did you mean --learning_rate?",
@@ -1280,6 +1286,20 @@ ERRORS: list[E] = [
     E("tools", "<path>: no such metrics file (give a run's metrics.jsonl or its --ckpt_save_path)"),
     E("tools", "<path>: no metric records in it"),
     E("tools", "--x: <x> is not one of step, tokens"),
+    E(
+        "tools",
+        "give two runs, A and B (got <n>): their metrics.jsonl or --ckpt_save_path folders",
+        "fms-compare-runs takes two runs",
+        "the run to check, then the reference",
+    ),
+    E("tools", "--rtol=<rtol> --atol=<atol>: tolerances are >= 0"),
+    E("tools", "--steps=<n>: expected an integer >= 1 (or none: every step both runs have)"),
+    E(
+        "tools",
+        "<A> and <B> have no training step in common: nothing to compare",
+        "two runs whose records share no step (another --report_interval, or a run that has not reported yet)",
+        "`--report_interval=1` in both runs",
+    ),
     E("tools", "give one or more metrics.jsonl files (or run folders)"),
     E(
         "tools",

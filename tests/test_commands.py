@@ -24,6 +24,7 @@ COMMANDS = (
     "fms-plot-metrics",
     "fms-export-model",
     "fms-to-hf",
+    "fms-compare-runs",
 )
 
 
@@ -64,6 +65,7 @@ def test_every_command_ends_bad_input_in_one_line_and_its_status(data, uninterru
         ("fms-plot-metrics", str(no_records), "--xx=tokens"): (2, "error: unknown flag --xx; did you mean --x?"),
         ("fms-export-model", "--load_pth=x"): (2, "error: unknown flag --load_pth; did you mean --load_path?"),
         ("fms-to-hf", "--save_pth=x"): (2, "error: unknown flag --save_pth; did you mean --save_path?"),
+        ("fms-compare-runs", "a", "b", "--rtoll=1"): (2, "error: unknown flag --rtoll; did you mean --rtol?"),
         ("fms-prepare-data", f"--input={bad_data}", f"--output={tmp_path / 'prepared' / 'web'}", "--tokenizer=byte"): (
             2,
             f"error: --input={bad_data}: no ",

@@ -39,6 +39,7 @@ from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
 from fms_fsdp.checkpoint.save import CheckpointSaver
 from fms_fsdp.context import Run
 from fms_fsdp.data import get_data_loader
+from fms_fsdp.determinism import deterministic
 from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
@@ -71,7 +72,7 @@ def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
     stopped before --num_steps then exits with --stop_exit_status when it is not 0."""
     stop = StopRequest()
     try:
-        with started(facts_of()) as run:
+        with started(facts_of()) as run, deterministic(run.settings.loop.deterministic, run.settings.loop.seed):
             records = train_run(run, stop)
     finally:
         stop.restore()

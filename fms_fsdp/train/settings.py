@@ -15,6 +15,7 @@ class LoopSettings:
     num_steps: int
     report_interval: int
     seed: int
+    deterministic: bool  # --deterministic: seeds and torch's deterministic settings for the run
     skip_bad_steps: int  # --skip_bad_steps (0: off)
     spike_sigma: Optional[float]  # none: non-finite steps only
     grad_clip_thresh: float  # a report's gradient norm is global when clipping makes it so
