@@ -254,6 +254,7 @@ def test_loss_curve_equals_a_plain_training_loop(one_rank):
     torch.set_num_threads(1)
     try:
         model = LLaMA(get_model_config(cfg.model_variant, cfg.vocab_size))
+        model.base_model.embedding.padding_idx = None  # every row trains, as in transformers' Llama
         init_weights(model, cfg.seed)
         optimizer = torch.optim.AdamW(
             model.parameters(),

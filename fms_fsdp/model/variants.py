@@ -316,6 +316,10 @@ class CausalLM(LLaMA):
     def __init__(self, config: LLaMAConfig):
         super().__init__(config)
         self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
+        # fms gives its embedding padding_idx=config.pad_id, whose default -1 is the vocabulary's last
+        # token: that row would never get a gradient. Packed pretraining has no padding, and
+        # transformers' Llama trains every row (tests/test_reference.py found the difference)
+        self.base_model.embedding.padding_idx = None
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         x, labels, extra = self.prepare(x, labels)
