@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import sys
 import time
 from typing import Any, Callable, NoReturn, Optional, Sequence
@@ -74,6 +75,20 @@ def say(line: str, alone: bool = False) -> None:
             json.dump({"message": said}, f)
 
 
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader went away (poll says POLLERR); if so, stdout goes to
+    /dev/null, so that the flush at exit raises no second error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        closed = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll on this platform
+        return False
+    if closed:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return closed
+
+
 def guarded(work: Callable[[], Any]) -> None:
     """Run a command's work; its user errors, a lost peer and a storage failure end in one line."""
     try:
@@ -83,10 +98,9 @@ def guarded(work: Callable[[], Any]) -> None:
     except KeyboardInterrupt:  # before the run handles Ctrl-C itself (resilience/triggers.py), or a tool's
         say("error: interrupted (Ctrl-C)")
         raise SystemExit(INTERRUPTED) from None
-    except BrokenPipeError:  # the reader of stdout went away (`fms-inspect-data ... | head`): end quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a second error at exit's flush
-        raise SystemExit(PIPE_CLOSED) from None
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and stdout_closed():  # `fms-inspect-data ... | head`: end quietly
+            raise SystemExit(PIPE_CLOSED) from None
         if "torch" in sys.modules:
             from fms_fsdp.parallel.process_group import lost_peer
 
@@ -173,7 +187,9 @@ def evaluate_help() -> str:
         "it uses:"
     )
     return format_help(
-        usage, sections=("model", "data", "parallelism", "evaluation", "LoRA"), names=("ckpt_load_path",)
+        usage,
+        sections=("model", "data", "parallelism", "evaluation", "LoRA"),
+        names=("ckpt_load_path", "tokenizer_path"),
     )
 
 
@@ -403,6 +419,10 @@ def to_hf(argv: Optional[Sequence[str]] = None) -> None:
 
 def torchrun(argv: Optional[Sequence[str]] = None) -> None:
     """`fms-torchrun`: torchrun's own command line, ending in the ranks' one line and status (launch.py)."""
-    from fms_fsdp.launch import launch
 
-    raise SystemExit(launch(_args(argv)))
+    def work() -> None:
+        from fms_fsdp.launch import launch
+
+        raise SystemExit(launch(_args(argv)))
+
+    guarded(work)

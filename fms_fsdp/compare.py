@@ -32,9 +32,13 @@ class Gap:
 
     @property
     def relative(self) -> float:
+        if math.isinf(self.absolute):
+            return math.inf
         return self.absolute / abs(self.b) if self.b else (0.0 if self.absolute == 0 else math.inf)
 
     def within(self, rtol: float, atol: float) -> bool:
+        if not (math.isfinite(self.a) and math.isfinite(self.b)):  # inf or nan: only the very same value
+            return self.a == self.b
         return self.absolute <= atol + rtol * abs(self.b)
 
 

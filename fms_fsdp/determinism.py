@@ -33,9 +33,11 @@ def deterministic(on: bool, seed: int) -> Iterator[None]:
     if not on:
         yield
         return
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     before = (
         torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
@@ -45,5 +47,7 @@ def deterministic(on: bool, seed: int) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before[0])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

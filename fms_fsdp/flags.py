@@ -286,7 +286,11 @@ TRAINING_USAGE = "usage: torchrun [...] main_training.py [--config=run.yaml] [--
 def flag_sections() -> dict[str, str]:
     """Each flag -> its section of train_config (the `# model`, `# data`, ... comments above its fields)."""
     sections, section = {}, ""
-    for line in inspect.getsource(train_config).splitlines():
+    try:
+        source = inspect.getsource(train_config)
+    except OSError:  # installed without its sources: one section
+        return {name: "" for name in FIELDS}
+    for line in source.splitlines():
         stripped = line.strip()
         if stripped.startswith("# ") and line.startswith("    #"):
             section = stripped[2:]
@@ -303,7 +307,7 @@ def format_help(
     lines = [usage, ""]
     of = flag_sections()
     for name, f in FIELDS.items():
-        if sections is None or of[name] in sections or name in names:
+        if sections is None or of[name] in sections or name in names or not of[name]:
             lines.append(f"  --{name} ({_type_name(HINTS[name])}, default {_default(f)!r}): {f.metadata['help']}")
     return "\n".join(lines)
 

@@ -7,6 +7,8 @@ command line and behaviour, ending in what the ranks said instead of torchrun's 
   passed on too, stops them at once (their SIGINT is then the default action). Either way the status
   is 130 (128 + SIGINT, as a shell reports Ctrl-C), without torchrun's SignalException traceback
   (torchrun itself would stop on the first and, on a second, send SIGTERM: its ranks would save again).
+- Ctrl-C before the ranks exist (the rendezvous), or a third: the launcher ends at once, status 130.
+- --dry_run's plan that does not fit: its status, 3, after its PLAN line.
 - A signal torchrun still handles itself (SIGTERM, SIGHUP, SIGQUIT where its --signals_to_handle lists
   them): passed on by torchrun; then status 128 + the signal, without the traceback.
 - Anything else (a rank that crashed with a traceback, a rank killed by a signal) keeps torchrun's
@@ -22,10 +24,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 INTERRUPTED = 128 + signal.SIGINT
+PLAN_DOES_NOT_FIT = 3  # --dry_run's status when its plan does not fit (cli.py)
 
 
 class Interrupts:
-    """Ctrl-C's reaching the launcher, each passed on to the ranks."""
+    """Ctrl-C's reaching the launcher, each passed on to the ranks; with no rank yet (the rendezvous),
+    or at a third, it ends the launcher as Ctrl-C ends a program (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -33,7 +37,9 @@ class Interrupts:
 
     def _pass_on(self, signum: int, frame: Any) -> None:
         self.count += 1
-        signal_children(signal.SIGINT)
+        if not signal_children(signal.SIGINT) or self.count > 2:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise KeyboardInterrupt
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -43,15 +49,24 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(argv))
-    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGINT")
+    # SIGINT is the launcher's own (Interrupts); torchrun needs at least one signal named
+    handled = [s for s in args.signals_to_handle.split(",") if s.strip() != "SIGINT"]
+    args.signals_to_handle = ",".join(handled) or "SIGHUP"
     interrupts = Interrupts()
     try:
         run(args)
     except ChildFailedError as e:
-        return INTERRUPTED if interrupts.count and not _said(e) else _failed(e)
+        return INTERRUPTED if interrupts.count and _interrupted(e) else _failed(e)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        return INTERRUPTED
     return INTERRUPTED if interrupts.count else 0
+
+
+def _interrupted(error: Any) -> bool:
+    """Whether every failed rank ended because of Ctrl-C (its SIGINT, or its own status for it)."""
+    return all(f.exitcode in (-signal.SIGINT, INTERRUPTED) for f in error.failures.values())
 
 
 def _said(error: Any) -> bool:
@@ -70,17 +85,21 @@ def _failed(error: Any) -> int:
     if _said(error):
         print(_message(failure), file=sys.stderr, flush=True)
         return failure.exitcode
+    if all(f.exitcode == PLAN_DOES_NOT_FIT for f in error.failures.values()):  # its PLAN line was the last
+        return PLAN_DOES_NOT_FIT
     print(error, file=sys.stderr, flush=True)  # torchrun's own summary
     return 1
 
 
-def signal_children(sig: signal.Signals) -> None:
-    """Send `sig` to this process's children (torchrun's ranks, each in a session of its own)."""
-    me = str(os.getpid())
+def signal_children(sig: signal.Signals) -> int:
+    """Send `sig` to this process's children (torchrun's ranks, each in a session of its own); how many."""
+    me, sent = str(os.getpid()), 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parent = stat.read_text().rsplit(")", 1)[1].split()[1]
             if parent == me:
                 os.kill(int(stat.parent.name), sig)
+                sent += 1
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
+    return sent

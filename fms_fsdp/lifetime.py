@@ -11,7 +11,7 @@ import sys
 _PR_SET_PDEATHSIG = 1
 LAUNCHER_DIED = signal.SIGUSR2  # the parent-death signal of ranks started by torchrun (cli.train)
 # what asks a rank to save and stop (triggers.StopRequest); its loader workers leave them to the rank.
-# SIGINT is Ctrl-C, from a terminal or passed on by torchrun: a second one stops the rank at once
+# SIGINT is Ctrl-C, from a terminal, torchrun or fms-torchrun (launch.py): a second one stops the rank at once
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, LAUNCHER_DIED, signal.SIGINT)
 
 

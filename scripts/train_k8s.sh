@@ -9,6 +9,7 @@
 #     Node 0 is the pod <jobset>-<replicated job>-0-0, found by its host name in the headless service
 #     (JOBSET_SUBDOMAIN, default the JobSet's name), on MASTER_PORT (default 29500).
 #   NPROC_PER_NODE (else PET_NPROC_PER_NODE, else the GPU count, else 1) processes per pod.
+#   TORCHRUN: a launcher command to use instead of fms-torchrun (the tests use it to hold the ranks).
 #
 # Kubernetes sends SIGTERM to this script alone (the container's main process) when it takes the pod
 # away, and SIGKILL after terminationGracePeriodSeconds. The script sends it on to the ranks, as Slurm

@@ -62,3 +62,12 @@ def test_bad_input_is_one_line_and_status_2(tmp_path):
     ):
         proc = compare(*args)
         assert proc.returncode == 2 and proc.stderr.startswith(says) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_non_finite_value_matches_only_itself():
+    from fms_fsdp.compare import Gap
+
+    assert not Gap(step=1, key="loss", a=2.0, b=float("inf")).within(rtol=1.0, atol=1.0)
+    assert not Gap(step=1, key="loss", a=float("nan"), b=2.0).within(rtol=1.0, atol=1.0)
+    assert Gap(step=1, key="loss", a=float("inf"), b=float("inf")).within(rtol=0.0, atol=0.0)
+    assert Gap(step=1, key="loss", a=2.0, b=float("inf")).relative == float("inf")

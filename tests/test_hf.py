@@ -362,6 +362,11 @@ def test_a_hugging_face_source_is_checked_field_by_field_and_carried_into_the_ex
         f"--ckpt_load_path: {tmp_path / 'tied'}: tie_word_embeddings is true but tiny's embeddings are untied; "
         "choose a --model_variant whose embeddings are tied (llama3.2_* tie them)"
     )
+    plain = tmp_path / "plain"  # the variant's own config.json: its context extended by the run is no mismatch
+    LlamaForCausalLM(LlamaConfig(**hf_config(get_model_config("tiny", 256), torch.float32, 1, 2))).save_pretrained(
+        plain
+    )
+    assert facts(make_config(**base, ckpt_load_path=str(plain), rope_scaling_factor=4)).model_config.rope_scaling
     run = facts(make_config(**base, ckpt_load_path=str(src), **carried))
     assert (run.model_config.norm_eps, run.model_config.max_expected_seq_len) == (1e-6, 2048)
     assert (run.settings.export.bos, run.settings.export.eos) == (1, 2)

@@ -88,3 +88,18 @@ def test_a_rank_error_under_the_launch_script_is_the_last_line_with_its_status(d
     lines = (proc.stdout + proc.stderr).rstrip().splitlines()
     assert lines[-1] == f"error: --ckpt_load_path: {missing} does not exist", lines[-20:]
     assert proc.returncode == 2 and "ChildFailedError" not in proc.stderr
+
+
+def test_ctrl_c_before_the_ranks_exist_ends_the_launcher_at_once(tmp_path):
+    """While the rendezvous waits for a node that never comes, Ctrl-C ends fms-torchrun: status 130."""
+    from fms_fsdp.parallel.process_group import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [*FMS_TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d"]
+    cmd += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=alone", str(ROOT / "main_training.py"), "--help"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(5)  # waiting for the second node
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]

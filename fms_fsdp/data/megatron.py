@@ -32,6 +32,7 @@ DTYPES = {
     8: np.uint16,
 }
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
+_CHECK_CHUNK = 1 << 22  # sequences whose offsets are checked at a time
 
 
 def idx_path(bin_path: Path) -> Path:
@@ -86,16 +87,7 @@ class MegatronFile(Reader):
     def _check_bin(self) -> None:
         if self.sequences == 0:
             return
-        steps = np.diff(self._pointers)
-        lengths: np.ndarray = self._lengths[:-1].astype(np.int64)
-        if len(steps) and np.any(steps != lengths * self.dtype.itemsize):
-            j = int(np.flatnonzero(steps != lengths * self.dtype.itemsize)[0])
-            width = int(steps[j]) / max(int(lengths[j]), 1)
-            code = next(k for k, v in DTYPES.items() if np.dtype(v) == self.dtype)
-            raise DataError(
-                f"{idx_path(self.path)}: its dtype is {self.dtype.name} (code {code}), but its documents' byte offsets "
-                f"step by {width:g} bytes a token; the .idx does not describe this .bin"
-            )
+        self._check_offsets()
         last = self.sequences - 1
         need = int(self._pointers[last]) + int(self._lengths[last]) * self.dtype.itemsize
         if self._bin.size < need:
@@ -103,6 +95,23 @@ class MegatronFile(Reader):
                 f"{self.path}: {self._bin.size} bytes, shorter than its .idx says ({need}); the .bin is cut off "
                 "or belongs to another .idx"
             )
+
+    def _check_offsets(self) -> None:
+        """The .idx's byte offsets step by its dtype's size times each sequence's tokens (read a chunk at a
+        time: an index may hold hundreds of millions of sequences); DataError where they do not."""
+        for start in range(0, self.sequences - 1, _CHECK_CHUNK):
+            end = min(start + _CHECK_CHUNK, self.sequences - 1)
+            steps = np.diff(self._pointers[start : end + 1])
+            tokens: np.ndarray = self._lengths[start:end].astype(np.int64)
+            wrong = np.flatnonzero(steps != tokens * self.dtype.itemsize)
+            if len(wrong):
+                j = int(wrong[0])
+                code = next(k for k, v in DTYPES.items() if np.dtype(v) == self.dtype)
+                raise DataError(
+                    f"{idx_path(self.path)}: its dtype is {self.dtype.name} (code {code}), but its documents' byte "
+                    f"offsets step by {int(steps[j]) / max(int(tokens[j]), 1):g} bytes a token; the .idx does not "
+                    "describe this .bin"
+                )
 
     def document(self, j: int) -> np.ndarray:
         offset, count = self._span(j)

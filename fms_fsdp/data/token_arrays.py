@@ -148,7 +148,7 @@ class TokenArray(Reader):
                 f"{path}: token id {top} >= vocab_size {options.vocab_size} (read as {how}); the dtype is probably "
                 "wrong: set --token_dtype, or --vocab_size"
             )
-        if dtype.itemsize < 8 and halves_of_wider_ids(zeros, tokens):
+        if offset == 0 and dtype.itemsize < 8 and halves_of_wider_ids(zeros, tokens):  # not a .npy's own header
             wider = np.dtype(f"uint{dtype.itemsize * 16}")
             raise DataError(
                 f"{path}: every other token is 0 read as {how}: these are {wider.name} ids read as {dtype.name}; "

@@ -1,7 +1,7 @@
 """What else happens at a step boundary: stop requests and time-based saves, owned by the loop.
 
-SIGTERM (a preemption, scancel) and SIGUSR1 (Slurm's time-limit warning) ask the run to save and
-stop after the current step, as does --max_run_minutes once that time has passed since the run started; so does LAUNCHER_DIED (lifetime.py), which Linux sends a rank when
+SIGTERM (a preemption, scancel), SIGUSR1 (Slurm's time-limit warning) and SIGINT (Ctrl-C; a second
+one ends the rank at once) ask the run to save and stop after the current step, as does --max_run_minutes once that time has passed since the run started; so does LAUNCHER_DIED (lifetime.py), which Linux sends a rank when
 its torchrun dies, after which the run ends in an error (on every node, so no launcher waits for the
 dead one).
 --checkpoint_minutes asks for a save, as does --checkpoint_interval=auto after the time between

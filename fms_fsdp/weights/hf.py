@@ -217,7 +217,9 @@ def check_hf_fields(hf: dict, model_config: LLaMAConfig, folder: str, variant: s
     if eps is not None and float(eps) != model_config.norm_eps:
         raise HFError(f"{folder}: rms_norm_eps is {eps} but the run has {model_config.norm_eps}; set --norm_eps={eps}")
     theirs = hf.get("max_position_embeddings")
-    if theirs is not None and theirs not in (positions, context_length(model_config)):
+    # the run's, or the variant's own where the run extends it (--rope_scaling_factor, a longer --seq_length)
+    accepted = (positions, context_length(model_config), context_length(get_model_config(variant)))
+    if theirs is not None and theirs not in accepted:
         raise HFError(
             f"{folder}: max_position_embeddings is {theirs} but the run has {positions}; "
             f"set --max_position_embeddings={theirs}"
