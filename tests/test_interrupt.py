@@ -48,6 +48,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 FMS_TORCHRUN = [sys.executable, "-c", "from fms_fsdp.cli import torchrun; torchrun()"]
 
 
+@pytest.mark.slow  # a 2-rank launch held at an agreement: the slow tier (the launcher's own case stays)
 def test_ctrl_c_under_plain_torchrun_saves_and_the_ranks_print_one_line_and_no_traceback(data, tmp_path):
     out = tmp_path / "run"
     status, output = interrupt(start(TORCHRUN, flags(data, out), tmp_path / "held"), tmp_path / "held")
@@ -68,6 +69,7 @@ def test_ctrl_c_under_the_launcher_ends_in_the_stop_line_and_status_130(data, tm
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [int(last.group(1))]
 
 
+@pytest.mark.slow  # a 2-rank launch held at an agreement: the slow tier (the launcher's own case stays)
 def test_a_second_ctrl_c_stops_at_once_without_saving_or_a_traceback(data, tmp_path):
     out, held = tmp_path / "run", tmp_path / "held"
     proc = start(FMS_TORCHRUN, flags(data, out, "--checkpoint_interval=2"), held)
@@ -81,7 +83,9 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_or_a_traceback(data, tmp_p
 
 
 def test_a_rank_error_under_the_launch_script_is_the_last_line_with_its_status(data, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2"}
+    # the script runs `python` from PATH, as with this environment activated
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "PATH": path}
     missing = tmp_path / "nowhere"
     argv = ["bash", str(ROOT / "scripts" / "train.sh"), *flags(data, tmp_path / "run"), f"--ckpt_load_path={missing}"]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
