@@ -2,20 +2,16 @@
 ranks, FSDP, data read by loader workers), fms-compare-runs says so at zero tolerance, and what cannot be
 repeatable is refused at start-up."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from test_compare import compare
 
 import fms_fsdp.train.loop
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.weights.reader import read_model
 
-from conftest import ROOT, flags, launch, run_here
+from conftest import flags, launch, run_here
 
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
@@ -26,14 +22,7 @@ def test_the_same_command_twice_is_bit_identical(data, tmp_path):
     for out in runs:
         proc = launch("main_training.py", flags(data, out, "--deterministic=True", "--num_steps=6"), 2)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    compared = subprocess.run(
-        [str(Path(sys.executable).parent / "fms-compare-runs"), *map(str, runs), "--rtol=0", "--atol=0"],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    compared = compare(*map(str, runs), "--rtol=0", "--atol=0")
     assert compared.returncode == 0 and "within the tolerance (rtol 0, atol 0) over 6 steps" in compared.stdout
     a, b = (read_model(out / "checkpoints" / "step_6_ckp") for out in runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

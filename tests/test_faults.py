@@ -705,15 +705,7 @@ def _read_only_warn(b: Bench) -> Job:
     0,
 )
 def _sigterm_in_save(b: Bench) -> Job:
-    out, held = b.tmp / "run", b.tmp / "held"
-    ckpts = out / "checkpoints"
-    return Job(
-        ["fms-train", *LONG, f"--ckpt_save_path={out}"],
-        nproc=2,
-        held=(held, "save:4"),  # in step 4's save, .step_4_ckp.tmp made: each rank takes the signal there
-        during=when_held(held, 2, signal_all(signal.SIGTERM), signalled=2),
-        after=lambda: _resumable(ckpts),
-    )
+    return _stopped_in_save(b, signal.SIGTERM)
 
 
 @fault(
@@ -722,13 +714,18 @@ def _sigterm_in_save(b: Bench) -> Job:
     0,
 )
 def _sigint_in_save(b: Bench) -> Job:
+    return _stopped_in_save(b, signal.SIGINT)  # as a terminal's Ctrl-C reaches every process of the ranks
+
+
+def _stopped_in_save(b: Bench, sig: signal.Signals) -> Job:
+    """A run sent `sig` inside step 4's save (.step_4_ckp.tmp made): each rank takes the signal there."""
     out, held = b.tmp / "run", b.tmp / "held"
     ckpts = out / "checkpoints"
     return Job(
         ["fms-train", *LONG, f"--ckpt_save_path={out}"],
         nproc=2,
-        held=(held, "save:4"),  # as a terminal's Ctrl-C reaches every process of the ranks
-        during=when_held(held, 2, signal_all(signal.SIGINT), signalled=2),
+        held=(held, "save:4"),
+        during=when_held(held, 2, signal_all(sig), signalled=2),
         after=lambda: _resumable(ckpts),
     )
 
