@@ -15,21 +15,32 @@ from typing import Any, Optional, TextIO, cast
 
 class Labelled(io.TextIOBase):
     """A text stream whose every line begins with `label`: each replica group's output under
-    --fault_tolerance, whose groups share a console."""
+    --fault_tolerance, whose groups share a console. A line goes to `stream` in one write once it ends
+    (an unfinished one at a flush), so that the groups' lines never interleave inside a line."""
 
     def __init__(self, stream: Any, label: str):
-        self.stream, self.label, self.fresh = stream, label, True
+        self.stream, self.label = stream, label
+        self.pending, self.fresh = "", True  # the unfinished line; whether it begins a line
 
     def write(self, text: str) -> int:
+        lines, ended, self.pending = (self.pending + text).rpartition("\n")
+        if ended:  # whole lines, flushed at once: one write to the console, which pipes keep whole
+            self._send(lines + ended)
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._send(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def _send(self, text: str) -> None:
         pieces = []
         for piece in text.splitlines(keepends=True):
             pieces.append(self.label + piece if self.fresh else piece)
             self.fresh = piece.endswith("\n")
         self.stream.write("".join(pieces))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
 
     def isatty(self) -> bool:
         return self.stream.isatty()

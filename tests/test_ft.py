@@ -286,6 +286,20 @@ def test_a_failed_collective_is_said_in_a_few_words_and_each_group_labels_its_li
     assert out.getvalue() == "[group 1] step 1 | loss 2\n[group 1] step 2 | loss 1\n[group 1] \n[group 1] error: x\n"
 
 
+def test_a_labelled_line_reaches_the_shared_console_in_one_write():
+    """print() writes a line's text and its end apart: the other groups' lines must not land in between."""
+    writes: list[str] = []
+    console = io.StringIO()
+    console.write = lambda text: writes.append(text) or len(text)  # type: ignore[method-assign]
+    stream = Labelled(console, "[group 0] ")
+    print("step 2 | loss 8.4", file=stream)
+    print("step 4", end="", file=stream)
+    assert writes == ["[group 0] step 2 | loss 8.4\n"]
+    stream.flush()  # a progress bar's unfinished line shows at a flush, its rest is not labelled again
+    print(" | loss 8.3", file=stream)
+    assert writes[1:] == ["[group 0] step 4", " | loss 8.3\n"]
+
+
 @pytest.mark.slow
 def test_the_local_launcher_keeps_the_lighthouse_off_the_console_and_labels_each_group(tmp_path):
     """scripts/train_ft.sh local, as docs/launching.md runs it: the console holds our lines, each group's
