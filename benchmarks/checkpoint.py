@@ -32,9 +32,8 @@ from fms_fsdp.console import quiet_library_noise
 from fms_fsdp.context import Run
 from fms_fsdp.data import get_data_loader  # noqa: E402
 from fms_fsdp.flags import parse_args  # noqa: E402
-from fms_fsdp.startup import facts, started
+from fms_fsdp.startup import facts, optimizer_and_schedule, sharded_model, started
 from fms_fsdp.train.guard import StepGuard  # noqa: E402
-from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model  # noqa: E402
 from fms_fsdp.train.step import train_step  # noqa: E402
 
 
@@ -52,8 +51,8 @@ def bench(run: Run) -> None:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     loader = get_data_loader(run.settings.data, info.dp_rank, info.dp_size)
-    model = build_sharded_model(run)
-    optimizer, scheduler = build_optimizer_and_schedule(run, model)
+    model = sharded_model(run)
+    optimizer, scheduler = optimizer_and_schedule(run, model)
     train_step(
         model=model,
         optimizer=optimizer,

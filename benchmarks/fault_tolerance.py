@@ -9,7 +9,7 @@ cluster.
 Fault tolerance: a lighthouse and 2 replica groups of --nproc ranks (torchrun each); group 1 is
 SIGKILLed after step --kill_after and started again with the same command. Measured: the healthy
 group's stall (its steps around the drop, less the median step) and the killed group's time from its
-restart to training again (healed live). Plain: the same job as one torchrun of 2 x --nproc ranks
+restart to training again (caught up live). Plain: the same job as one torchrun of 2 x --nproc ranks
 (HSDP), killed after the same step and started again: the time from the restart to its first step,
 plus the steps since its last checkpoint, trained again. Training flags default to `tiny` on the CPU.
 """
@@ -99,7 +99,7 @@ def fault_tolerant(tmp: Path, args: argparse.Namespace, flags: list[str]) -> dic
         second.wait()
         again = torchrun(args.nproc, [*run, "--ft_group_index=1"], tmp / "ft1b.log")
         back = time.monotonic() - killed
-        back += until(lambda: "healed from a live group" in (tmp / "ft1b.log").read_text(), "the heal")
+        back += until(lambda: "caught up from a live group" in (tmp / "ft1b.log").read_text(), "the catch-up")
         until(lambda: len(records(tmp / "ft" / "group_0")) > args.kill_after + 10, "steps after the kill")
         stop(first, again)
     finally:

@@ -40,8 +40,7 @@ from fms_fsdp.compat import local_tensor  # noqa: E402
 from fms_fsdp.console import quiet_library_noise
 from fms_fsdp.flags import parse_args  # noqa: E402
 from fms_fsdp.model.variants import build_model, get_model_config  # noqa: E402
-from fms_fsdp.startup import facts, started  # noqa: E402
-from fms_fsdp.train.make_model import build_sharded_model  # noqa: E402
+from fms_fsdp.startup import facts, sharded_model, started  # noqa: E402
 from fms_fsdp.weights.hf import write_hf_folder  # noqa: E402
 from fms_fsdp.weights.load import load_weights  # noqa: E402
 from fms_fsdp.weights.reader import Tensors  # noqa: E402
@@ -92,7 +91,7 @@ def run(argv: list[str]) -> None:
         if r.info.is_main:
             shutil.rmtree(out, ignore_errors=True)
         dist.barrier()
-        model = build_sharded_model(r)
+        model = sharded_model(r)
         dist.barrier()
         before = reset_peak()
         start = time.perf_counter()

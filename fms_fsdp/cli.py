@@ -219,8 +219,7 @@ def _evaluate_checkpoint(run: Any) -> None:
     of evaluation.evaluate.evaluation_lines."""
     from fms_fsdp.evaluation.evaluate import Evaluator, evaluate_once, evaluation_lines
     from fms_fsdp.evaluation.harness import HarnessEvaluator
-    from fms_fsdp.startup import started
-    from fms_fsdp.train.make_model import build_sharded_model
+    from fms_fsdp.startup import sharded_model, started
     from fms_fsdp.weights.load import load_weights
 
     load_path = run.settings.checkpoint.load_path
@@ -228,7 +227,7 @@ def _evaluate_checkpoint(run: Any) -> None:
     with started(run) as run:
         evaluator = Evaluator(run.settings.evaluation, run.info)
         harness = HarnessEvaluator(run.settings.harness, run.info)
-        model = build_sharded_model(run)
+        model = sharded_model(run)
         load_weights(model, load_path, run.variant)
         record = evaluate_once(model, evaluator, harness)
     for line in evaluation_lines(record):

@@ -129,7 +129,7 @@ class MetricsReporter:
         if self.bar is not None:
             self.bar.update(1)
 
-    def healed(self, step: int, tokens_seen: int) -> None:
+    def caught_up(self, step: int, tokens_seen: int) -> None:
         """The run went on from `step` with a healthy replica group's state (--fault_tolerance): its
         tokens, and the overall rate counted from here."""
         self.start_step, self.tokens_seen, self.run_start = step, tokens_seen, time.perf_counter()

@@ -37,14 +37,20 @@ from fms_fsdp.metrics import MetricsSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
-from fms_fsdp.parallel.settings import AttentionSettings, MeshSettings, ParallelSettings, PipelineSettings
+from fms_fsdp.parallel.settings import (
+    AttentionSettings,
+    MeshSettings,
+    ModelSettings,
+    ParallelSettings,
+    PipelineSettings,
+)
 from fms_fsdp.profiling import ProfilerSettings
 from fms_fsdp.resilience.ft_settings import FTSettings
 from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.storage import is_remote, location
 from fms_fsdp.trackers import TrackerSettings
-from fms_fsdp.train.settings import LoopSettings, ModelSettings, StepSettings
+from fms_fsdp.train.settings import LoopSettings, StepSettings
 
 
 @dataclass(frozen=True, kw_only=True)

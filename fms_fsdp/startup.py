@@ -1,6 +1,7 @@
 """A run's start: its facts worked out once from the flags (`facts`: the `Run` of context.py: where this
 process sits, the mesh's shape, the model config and every component's settings), its process group
-and mesh (`started`), and what it records once started (config.yaml, the summary lines).
+and mesh (`started`), what the model's build takes from them (`model_build`), and what it records once
+started (config.yaml, the summary lines).
 
 `facts` runs every start-up check that needs more than the flags (config.validate judged the
 flags alone): the torch release, the model variant, the mesh, what tensor parallelism must divide,
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -34,8 +35,9 @@ from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
-from fms_fsdp.model.variants import context_length, get_model_config
+from fms_fsdp.model.variants import CausalLM, context_length, get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
+from fms_fsdp.parallel.assemble import ModelBuild, build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.parallel.mesh import build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.pipeline import PipelinePlan, check_pipeline
 from fms_fsdp.parallel.process_group import (
@@ -162,6 +164,43 @@ def with_mesh(run: Run) -> Run:
     return replace(run, mesh=build_mesh(run.shape, run.device, run.cfg.collective_timeout_minutes))
 
 
+def model_build(run: Run) -> ModelBuild:
+    """What building the run's model over its mesh reads (parallel/assemble.py)."""
+    settings = run.settings
+    return ModelBuild(
+        variant=run.variant,
+        model_config=run.model_config,
+        model=settings.model,
+        lora=settings.lora,
+        attention=settings.attention,
+        parallel=settings.parallel,
+        shape=run.shape,
+        pipeline=run.pipeline,
+        device=run.device,
+    )
+
+
+def sharded_model(run: Run) -> CausalLM:
+    """The run's model parallelised over its mesh and initialised, without pipeline parallelism (every rank
+    calls it, once `started`)."""
+    assert run.mesh is not None, "the process group is up (started)"
+    return build_sharded_model(model_build(run), run.mesh, run.log)
+
+
+def optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim.Optimizer, Any]:
+    """The run's optimizer over `model` and its LR scheduler (parallel/assemble.py)."""
+    assert run.mesh is not None, "the process group is up (started)"
+    settings = run.settings
+    return build_optimizer_and_schedule(
+        model,
+        optimizer=settings.optimizer,
+        schedule=settings.schedule,
+        float8=settings.parallel.float8,
+        mesh=run.mesh,
+        device=run.device,
+    )
+
+
 def _version(package: str) -> str:
     try:
         return version(package)
@@ -216,7 +255,7 @@ def write_config(run: Run) -> None:
 
 
 def summary(run: Run, start: int) -> list[str]:
-    """The end of a training run's start-up lines, after the model's (model, mesh; train/make_model.py): the
+    """The end of a training run's start-up lines, after the model's (model, mesh; parallel/assemble.py): the
     data, the steps, and where the config went."""
     cfg = run.cfg
     if cfg.use_dummy_dataset:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Fault-tolerant training (--fault_tolerance, torchft): a lighthouse and R replica groups, each an ordinary
 # torchrun job (scripts/train.sh) that shards with FSDP2 inside. A group that dies is dropped and the others
-# train on; started again with the same command, it heals live from a healthy group (docs/launching.md).
+# train on; started again with the same command, it catches up live from a healthy group (docs/launching.md).
 #
 #   bash scripts/train_ft.sh lighthouse                 # the lighthouse, restarted whenever it exits
 #   bash scripts/train_ft.sh group I [--flag=value ...] # replica group I (0 .. FT_GROUPS - 1), restarted

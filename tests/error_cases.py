@@ -898,7 +898,7 @@ ERRORS: list[E] = [
     ),
     E(
         "ft",
-        "--fault_tolerance: no quorum from the lighthouse <lighthouse> within <total_seconds> s (<e>): is it running? Started again, this group resumes from its checkpoint or heals from a live group",
+        "--fault_tolerance: no quorum from the lighthouse <lighthouse> within <total_seconds> s (<e>): is it running? Started again, this group resumes from its checkpoint or catches up from a live group",
         "",
         "",
     ),
@@ -921,7 +921,7 @@ ERRORS: list[E] = [
         "ft: step <N>: group <g> dropped (<cause>): <n> of <groups> groups train on",
         "not an error: a group died or hung (the cause in a few words: its connection broke, a collective timed "
         "out); its step did not commit and ran again with the live groups",
-        "nothing for the others; start the group again (`scripts/train_ft.sh` does) and it heals live",
+        "nothing for the others; start the group again (`scripts/train_ft.sh` does) and it catches up live",
     ),
     E(
         "ft",
@@ -930,7 +930,7 @@ ERRORS: list[E] = [
     ),
     E(
         "ft",
-        "ft: group <g> healed from a live group at step <N>: weights, optimizer and its data position",
+        "ft: group <g> caught up from a live group at step <N>: weights, optimizer and its data position",
         "not an error: a group that came back took the live state of another",
     ),
     E(

@@ -18,8 +18,7 @@ from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
 from fms_fsdp.parallel.parallelize import set_gradient_sync
 from fms_fsdp.parallel.process_group import start_process_group, stop_process_group
-from fms_fsdp.startup import facts, with_mesh
-from fms_fsdp.train.make_model import build_sharded_model
+from fms_fsdp.startup import facts, sharded_model, with_mesh
 
 
 def peak_rss_mb() -> float:
@@ -33,7 +32,7 @@ def inspect(cfg) -> dict:
     run = with_mesh(facts(cfg))
     rank, world_size = run.info.rank, run.info.world_size
     rss_before_mb = peak_rss_mb()
-    model = build_sharded_model(run)
+    model = sharded_model(run)
     peak_after_mb = peak_rss_mb()  # before anything below gathers
     params = list(model.parameters())
     record = {

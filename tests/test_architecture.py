@@ -284,7 +284,8 @@ def test_components_do_not_import_the_run_and_every_arrow_points_down():
 
 
 def test_the_training_folder_holds_the_loop_only():
-    """train/: the loop and its step, guard, settings, model build and rehearsal; resilience/ the rest."""
+    """train/: the loop and its step, guard and settings; the model's build is in parallel/, the rehearsal next to the
+    memory plan, resilience/ the rest."""
     assert len([p for p in (PACKAGE / "train").glob("*.py") if p.name != "__init__.py"]) <= 7
 
 

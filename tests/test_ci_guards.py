@@ -112,7 +112,7 @@ def test_every_torch_release_runs_the_fault_matrix_and_a_checkpoint_resume():
         "tests/test_faults.py::test_every_fault_ends_in_its_one_line_and_status_and_keeps_every_checkpoint",
         "tests/test_checkpoint.py::test_killed_and_resumed_run_equals_the_uninterrupted_one",
         "tests/test_checkpoint.py::test_resume_on_another_world_size_and_strategy",
-        "tests/test_ft.py::test_a_killed_group_is_dropped_and_heals_live_on_return",
+        "tests/test_ft.py::test_a_killed_group_is_dropped_and_catches_up_live_on_return",
         "tests/test_compat.py::test_every_private_torch_api_is_where_compat_takes_it_from",
     ):
         assert test in chosen, f"{test} is not marked torch_api"

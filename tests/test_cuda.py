@@ -18,9 +18,8 @@ from torch._dynamo.utils import counters
 from fms_fsdp.data import get_data_loader
 from fms_fsdp.flags import parse_args
 from fms_fsdp.memory.plan import GIB, Planner
-from fms_fsdp.startup import facts, started
+from fms_fsdp.startup import facts, optimizer_and_schedule, sharded_model, started
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.step import train_step
 from fms_fsdp.weights.reader import read_model
 
@@ -63,8 +62,8 @@ def test_steps_between_reports_never_wait_for_the_gpu(skip_bad_steps):
     cfg = parse_args([*GPU, "--grad_accum_steps=2", "--ckpt_save_path=unused", f"--skip_bad_steps={skip_bad_steps}"])
     with here(), started(facts(cfg)) as run:
         info = run.info
-        model = build_sharded_model(run)
-        optimizer, scheduler = build_optimizer_and_schedule(run, model)
+        model = sharded_model(run)
+        optimizer, scheduler = optimizer_and_schedule(run, model)
         batches = iter(get_data_loader(run.settings.data, info.dp_rank, info.dp_size))
         guard = StepGuard(cfg.skip_bad_steps, cfg.spike_sigma, optimizer, info.device)
         total = torch.zeros((), device=info.device)
@@ -141,7 +140,7 @@ def test_bf16_compile_fullgraph_on_cuda_without_graph_breaks_or_recompiles(tmp_p
 def test_attention_runs_a_fused_sdpa_kernel_not_the_math_fallback():
     cfg = parse_args([*GPU, "--ckpt_save_path=unused"])
     with here(), started(facts(cfg)) as run:
-        model = build_sharded_model(run)
+        model = sharded_model(run)
         tokens = torch.randint(0, 32000, (2, 256), device=run.device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             model(tokens, labels=tokens).backward()

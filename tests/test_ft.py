@@ -1,6 +1,6 @@
 """Fault tolerance across replica groups (--fault_tolerance, torchft): two groups of 2 real ranks and a real
 lighthouse on 127.0.0.1. One group is killed mid-run (SIGKILL) and started again with the same command:
-the other trains on alone, and the restarted group heals from it live."""
+the other trains on alone, and the restarted group catches up from it live."""
 
 from __future__ import annotations
 
@@ -110,9 +110,9 @@ def reported(folder: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def healed(tmp_path_factory, lighthouse) -> dict[str, Any]:
+def caught_up(tmp_path_factory, lighthouse) -> dict[str, Any]:
     """Two groups; group 1 SIGKILLed after step 3 (its last checkpoint: step 2) and started again with
-    the same command; both SIGKILLed once they committed a checkpoint after the heal."""
+    the same command; both SIGKILLed once they committed a checkpoint after the catch-up."""
     tmp = tmp_path_factory.mktemp("ft")
     out = tmp / "run"
     args = [*FT, "--num_steps=100000", "--checkpoint_interval=2", "--checkpoint_keep=100", f"--ckpt_save_path={out}"]
@@ -123,11 +123,11 @@ def healed(tmp_path_factory, lighthouse) -> dict[str, Any]:
     second.wait()
     killed_at = steps_of(out / "group_1")[-1]
     again = Group(1, args, tmp, "g1b")
-    until(lambda: "healed from a live group" in again.output(), "the heal")
-    healed_at = int(re.search(r"healed from a live group at step (\d+)", again.output()).group(1))
-    common = (healed_at // 2 + 1) * 2  # the first checkpoint both groups write after the heal
+    until(lambda: "caught up from a live group" in again.output(), "the catch-up")
+    caught_up_at = int(re.search(r"caught up from a live group at step (\d+)", again.output()).group(1))
+    common = (caught_up_at // 2 + 1) * 2  # the first checkpoint both groups write after the catch-up
     both = [out / f"group_{g}" / "checkpoints" / f"step_{common}_ckp" for g in (0, 1)]
-    until(lambda: all(c.exists() for c in both), "a checkpoint after the heal")
+    until(lambda: all(c.exists() for c in both), "a checkpoint after the catch-up")
     assert all(p.poll() is None for p in first.procs + again.procs), first.output()[-2000:] + again.output()[-2000:]
     first.signal(signal.SIGKILL)
     again.signal(signal.SIGKILL)
@@ -137,20 +137,20 @@ def healed(tmp_path_factory, lighthouse) -> dict[str, Any]:
         "tmp": tmp,
         "log": first.output(),
         "killed_at": killed_at,
-        "healed_at": healed_at,
+        "caught_up_at": caught_up_at,
         "common": common,
         "both": both,
     }
 
 
 @pytest.mark.slow
-def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
-    """Group 0 never stops (its steps go on, 1 group, the stall reported); group 1 heals from it at a
+def test_a_killed_group_is_dropped_and_catches_up_live_on_return(caught_up):
+    """Group 0 never stops (its steps go on, 1 group, the stall reported); group 1 catches up from it at a
     later step with its own data position (its loader has taken exactly the batches of the steps it
     committed), and from then on both groups hold bit-equal weights and optimizer state (the same
     checkpoint files). Before the kill, the two groups train as one rank with the same global batch
     (HSDP's math)."""
-    out, log, healed_at, common, both = (healed[k] for k in ("out", "log", "healed_at", "common", "both"))
+    out, log, caught_up_at, common, both = (caught_up[k] for k in ("out", "log", "caught_up_at", "common", "both"))
     # one line of ours says it, with the cause in a few words (not gloo's text); every line of ours is
     # labelled with its group, and torchft's HTTP access log of the live transfer is not on the console
     drop = re.search(
@@ -163,28 +163,29 @@ def test_a_killed_group_is_dropped_and_heals_live_on_return(healed):
     dropped = int(drop.group(1))
     ours = [line for line in log.splitlines() if re.search(r"\| loss |ft: |checkpoint: |^model ", line)]
     assert ours and all(line.startswith("[group 0] ") for line in ours), ours
-    out_for = healed_at + 1 - dropped
+    out_for = caught_up_at + 1 - dropped
     assert (
-        f"[group 0] ft: step {healed_at + 1}: group 1 joined (out for {out_for} steps): 2 of 2 groups train on" in log
+        f"[group 0] ft: step {caught_up_at + 1}: group 1 joined (out for {out_for} steps): 2 of 2 groups train on"
+        in log
     )
     history = records(out / "group_0")
     assert [r["step"] for r in history] == list(range(1, len(history) + 1))  # one run: it never stopped
-    alone = [r for r in history if dropped <= r["step"] <= healed_at]
+    alone = [r for r in history if dropped <= r["step"] <= caught_up_at]
     assert alone and all(r["ft_groups"] == 1 for r in alone) and history[-1]["ft_groups"] == 2
     assert sum(r["ft_dropped"] for r in history) == 1 and sum(r["ft_joined"] for r in history) == 1
     stall = max(r["step_time"] for r in history[dropped - 2 : dropped + 1])
     print(
-        f"group 1 killed after step {healed['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), healed at "
-        f"{healed_at}: {drop.group(0)}"
+        f"group 1 killed after step {caught_up['killed_at']}, dropped at {dropped} (stall {stall:.2f} s), caught up at "
+        f"{caught_up_at}: {drop.group(0)}"
     )
-    assert dropped <= healed["killed_at"] + 2 and healed_at > healed["killed_at"]
+    assert dropped <= caught_up["killed_at"] + 2 and caught_up_at > caught_up["killed_at"]
 
     files = sorted(p.name for p in both[0].glob("*.distcp"))
     assert files and all((both[0] / f).read_bytes() == (both[1] / f).read_bytes() for f in files)
     taken = [torch.load(c / "loader_state_0.pth", weights_only=True)["loader"]["batches_seen"] for c in both]
-    assert taken == [common, (dropped - 1) + (common - healed_at)]  # no batch lost or repeated
+    assert taken == [common, (dropped - 1) + (common - caught_up_at)]  # no batch lost or repeated
 
-    reference = healed["tmp"] / "reference"  # the global batch of 8 lines on one rank
+    reference = caught_up["tmp"] / "reference"  # the global batch of 8 lines on one rank
     run_here(
         [
             *TINY,

@@ -1,4 +1,4 @@
-"""--dry_run's rehearsal (train/rehearsal.py): the start's own parallelisation under torch's fake process
+"""--dry_run's rehearsal (memory/rehearsal.py): the start's own parallelisation under torch's fake process
 group of --plan_world_size ranks, one rank per pipeline stage. Its shards' parameters, gradients and
 optimizer state against the analytic plan (memory/plan.py) on FSDP, HSDP, TP, PP and CP meshes; a config
 error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
@@ -14,10 +14,10 @@ import pytest
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import make_config
 from fms_fsdp.memory.plan import Planner, State
+from fms_fsdp.memory.rehearsal import rehearse
 from fms_fsdp.memory.report import report
 from fms_fsdp.model.variants import count_params, get_model_config
-from fms_fsdp.startup import facts
-from fms_fsdp.train.rehearsal import rehearse
+from fms_fsdp.startup import facts, model_build
 
 from conftest import ROOT, launch
 
@@ -46,7 +46,11 @@ def rehearsed(**flags):
         }
     )
     run = facts(cfg)
-    return cfg, run, rehearse(run)
+    return cfg, run, rehearse_run(run)
+
+
+def rehearse_run(run):
+    return rehearse(model_build(run), optimizer=run.settings.optimizer, world_size=run.info.world_size, log=print)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -116,7 +120,7 @@ def test_what_torch_raises_while_wrapping_is_one_line_naming_the_rank():
     run = facts(cfg)
     assert run.pipeline is not None and run.pipeline.blocks == ((0, 1), (1, 2), (2, 3), (3, 4))
     with pytest.raises(ConfigError) as e:
-        rehearse(replace(run, model_config=replace(run.model_config, nlayers=3)))
+        rehearse_run(replace(run, model_config=replace(run.model_config, nlayers=3)))
     message = str(e.value)
     assert message == (
         "--dry_run: these flags fail at the start of rank 1 of 2, where the model is parallelised: "

@@ -27,10 +27,9 @@ from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.parallel.parallelize import apply_fsdp
 from fms_fsdp.schedule import build_scheduler
 from fms_fsdp.settings import schedule_of
-from fms_fsdp.startup import facts, started
+from fms_fsdp.startup import facts, optimizer_and_schedule, sharded_model, started
 from fms_fsdp.storage import umask
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.train.step import out_of_memory_error, train_step
 
 from conftest import ROOT, TINY, here, inspect, launch, run_here, train, train_here
@@ -202,14 +201,14 @@ def test_one_rank_trains_the_module_itself_with_the_losses_of_fsdp(bf16):
     with here(), started(facts(cfg)) as run:
         for plain in (True, False):
             if plain:
-                model = build_sharded_model(run)
+                model = sharded_model(run)
                 assert not isinstance(model, FSDPModule) and not any(isinstance(p, DTensor) for p in model.parameters())
                 assert all(p.dtype == torch.float32 for p in model.parameters())
             else:
                 model = build_model(run.model_config, run.device)
                 init_weights(model, cfg.seed)
                 apply_fsdp(model, run.mesh, bf16)
-            optimizer, scheduler = build_optimizer_and_schedule(run, model)
+            optimizer, scheduler = optimizer_and_schedule(run, model)
             guard = StepGuard(0, None, optimizer, run.device)
             batches = iter(
                 DummyDataLoader(

@@ -3,7 +3,7 @@ GPU is touched, for any world size (--plan_world_size) and device (--plan_device
 
 Parameters, gradients and optimizer state follow from the parameter shapes (built on the meta device)
 and FSDP2's sharding: fp32 master shards (each parameter's first dimension padded to the shard size),
-fp32 gradient shards, AdamW's two fp32 moments. --dry_run rehearses the start (train/rehearsal.py) and
+fp32 gradient shards, AdamW's two fp32 moments. --dry_run rehearses the start (memory/rehearsal.py) and
 plans with its real shards' bytes instead, these figures checked against them (within AGREEMENT).
 FSDP2 holds whole, in the compute dtype: the block in use and the one prefetched, the last block and
 the final norm with the head (kept from forward to backward), and one block's unsharded gradients

@@ -1,5 +1,5 @@
 """How the work is spread over processes: process groups and rank facts (process_group.py), the mesh
 (mesh.py), tensor parallelism (tensor_parallel.py), activation checkpointing
 (activation_checkpointing.py), FSDP, autocast and compile applied together (parallelize.py), attention
-over packed lines with document masks (attention.py), context parallelism (context_parallel.py) and
-pipeline stages (pipeline.py)."""
+over packed lines with document masks (attention.py), context parallelism (context_parallel.py),
+pipeline stages (pipeline.py), and the model and its optimizer built over the mesh (assemble.py)."""

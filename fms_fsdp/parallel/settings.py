@@ -1,5 +1,5 @@
-"""The parallelism settings: the mesh's, `parallelize`'s, the pipeline's and the attention's flags, built
-once at start-up (settings.py); light to import (no model)."""
+"""The parallelism settings: the mesh's, `parallelize`'s, the model build's, the pipeline's and the attention's
+flags, built once at start-up (settings.py); light to import (no model)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ class PipelineSettings:
     grad_accum_steps: int
     harness: bool  # --eval_harness_tasks given
     eval_batch_size: Optional[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    """How a run builds its model (parallel/assemble.py): on the meta device first (--low_cpu_fsdp), its weights from --seed,
+    the head's z-loss weight."""
+
+    low_cpu: bool  # --low_cpu_fsdp
+    seed: int
+    z_loss_weight: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ members. A step (`begin`, forward and backward, `commit`):
   not when a collective failed (a group died) or fewer than --ft_min_replicas groups took part; the
   loop then runs the same batches again with the groups still alive (`Replay`).
 
-A group that comes back heals from a live one: model and optimizer (this rank's shards), scheduler,
+A group that comes back catches up from a live one: model and optimizer (this rank's shards), scheduler,
 step, tokens and the table of every group's last committed data position, from which it takes its own:
 no sample is lost or repeated. A group with no live peer resumes from its own checkpoints
 (<ckpt_save_path>/group_<i>). A watchdog ends a group whose step hangs, so that the lighthouse drops it.
@@ -51,7 +51,7 @@ QUORUM_RETRIES = 3  # torchft's own retries of a quorum request to the lighthous
 
 
 class Guard(Protocol):
-    """The step guard (train/guard.py): its state travels with a healing group's when it skips bad steps."""
+    """The step guard (train/guard.py): its state travels with a catching-up group's when it skips bad steps."""
 
     @property
     def skipping(self) -> bool: ...
@@ -150,7 +150,7 @@ def short_cause(error: BaseException) -> str:
 
 
 @dataclass
-class Healed:
+class CaughtUp:
     """A live state loaded from a healthy group: the step and tokens to go on from, and whether it held
     this group's data position (else the group keeps its own, and the batches it holds)."""
 
@@ -206,7 +206,7 @@ class FaultTolerance:
         self.drops, self.joins = 0, 0
         self.cause: Optional[str] = None  # why the last step did not commit, in a few words
         self.out_since: dict[int, int] = {}  # a dropped group -> the step it was dropped at
-        self.healed: Optional[Healed] = None
+        self.caught_up: Optional[CaughtUp] = None
         self.step = self.first_step = 0
         self._tensors: Optional[dict[str, Any]] = None
         self._live: dict[str, Any] = {}
@@ -272,7 +272,7 @@ class FaultTolerance:
     def _load_live(self, state: dict[str, Any]) -> None:
         """torchft's load (on the training thread, in `begin`): a healthy group's state."""
         if state["fingerprint"] != self.fingerprint:
-            raise ConfigError(self._differs("the group it heals from"))
+            raise ConfigError(self._differs("the group it catches up from"))
         if self._tensors is None:
             self._tensors = self._own_tensors()
         _copy_into(self._tensors, state["tensors"])
@@ -285,12 +285,12 @@ class FaultTolerance:
         own = self.table.get(self.settings.index)
         if own is not None:
             self.loader.load_state_dict(pickle.loads(own))
-        self.healed = Healed(int(state["step"]), int(state["tokens_seen"]), own is not None)
-        self.publish(self.healed.step, self.healed.tokens_seen)
+        self.caught_up = CaughtUp(int(state["step"]), int(state["tokens_seen"]), own is not None)
+        self.publish(self.caught_up.step, self.caught_up.tokens_seen)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: every group's data position (a group resumed from an older checkpoint
-        heals its position from a group's table)."""
+        takes its position from a group's table)."""
         return {"table": {g: torch.frombuffer(bytearray(b), dtype=torch.uint8) for g, b in self.table.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -298,14 +298,14 @@ class FaultTolerance:
 
     # ---------------------------------------------------------------- step
 
-    def begin(self, step: int) -> Optional[Healed]:
+    def begin(self, step: int) -> Optional[CaughtUp]:
         """Before step `step`'s forward: the quorum (a group behind the others loads the live state
         here: returned; the first quorum of a process alone in it waits about --ft_timeout_seconds
         for another group), then every live group's fingerprint; the watchdog is armed from the second step of
         this process (the first compiles)."""
         if self.step > self.first_step:
             self.watchdog.arm(step)
-        self.healed = None
+        self.caught_up = None
         self._quorum()
         if not self.present:  # this process's first quorum: alone in it, it waits for the other groups
             attempts = int(self.settings.timeout.total_seconds() / 0.2)  # a count: every rank asks alike
@@ -313,15 +313,15 @@ class FaultTolerance:
                 time.sleep(0.2)
                 self._quorum()
                 attempts -= 1
-        healed = self.healed
-        if healed is not None:
+        caught_up = self.caught_up
+        if caught_up is not None:
             self.say(
-                f"ft: group {self.settings.index} healed from a live group at step {healed.step}: weights, "
+                f"ft: group {self.settings.index} caught up from a live group at step {caught_up.step}: weights, "
                 "optimizer and its data position"
             )
-            self.step = healed.step
+            self.step = caught_up.step
         self._check_groups(self.step + 1)
-        return healed
+        return caught_up
 
     def _quorum(self) -> None:
         """torchft's quorum (its requests to the lighthouse retried QUORUM_RETRIES times); TrainingError
@@ -334,7 +334,7 @@ class FaultTolerance:
             raise TrainingError(
                 f"--fault_tolerance: no quorum from the lighthouse {self.settings.lighthouse} within "
                 f"{self.settings.timeout.total_seconds():g} s ({first_line(e)}): is it running? Started again, this "
-                "group resumes from its checkpoint or heals from a live group"
+                "group resumes from its checkpoint or catches up from a live group"
             ) from None
 
     def _check_groups(self, step: int) -> None:

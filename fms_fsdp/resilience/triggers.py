@@ -184,7 +184,7 @@ class StepTriggers:
         )
 
     def moved(self, step: int) -> None:
-        """The run goes on from `step` (a replica group healed, --fault_tolerance): the next step agrees
+        """The run goes on from `step` (a replica group caught up, --fault_tolerance): the next step agrees
         and measures the step time again."""
         self.last_agreement, self.next_agreement = (step, time.monotonic()), step + 1
 

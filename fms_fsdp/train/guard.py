@@ -71,7 +71,7 @@ class StepGuard:
         return (n >= SPIKE_MIN_HISTORY) & (norm > mean + self.sigma * var.sqrt())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """What spike detection has seen (copies): a replica group that heals takes the others' (resilience/ft.py),
+        """What spike detection has seen (copies): a replica group that catches up takes the others' (resilience/ft.py),
         so that every group skips the same steps."""
         return {"norms": self.norms.clone(), "kept_steps": self.kept_steps.clone(), "in_a_row": self.in_a_row.clone()}
 

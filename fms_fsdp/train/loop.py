@@ -3,7 +3,7 @@
 `run_training`: the run's facts and start-up checks (startup.facts, under the stop signals), the process group
 and mesh, then `train_run`: the run lease on --ckpt_save_path (resilience/lease.py; before any write there) and
 the trackers, the data loader first (bad data fails before the model is built), the model parallelised and its
-optimizer (train/make_model.py), the start (checkpoint/checkpointer.py: resume from the newest checkpoint, else
+optimizer (parallel/assemble.py), the start (checkpoint/checkpointer.py: resume from the newest checkpoint, else
 --ckpt_load_path's weights), config.yaml once started; then step. A step reads nothing back
 from the device and takes no collective beyond FSDP's (and the norm's all-reduce when clipping);
 every few seconds the ranks agree on stop requests and time-based saves (resilience/triggers.py). Bad steps are
@@ -12,7 +12,7 @@ and read at report, checkpoint and stop steps, before the run writes a checkpoin
 (metrics.py, trackers.py; resilience/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
 (periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
 take). Under --fault_tolerance (resilience/ft.py) each step begins with the replica groups' quorum (a group
-behind the others heals there and goes on from the step it got) and commits only when torchft says
+behind the others catches up there and goes on from the step it got) and commits only when torchft says
 so; one that does not runs again on the same batches. What the loop opens is closed through one
 ExitStack, so a step that raises still stops the loader's workers, the exporter's thread and frees the
 staging buffers.
@@ -44,9 +44,12 @@ from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.lifetime import LAUNCHER_DIED
+from fms_fsdp.memory.rehearsal import rehearse, rehearsed_ranks
+from fms_fsdp.memory.report import fits_or_warning
 from fms_fsdp.memory.report import report as memory_report
 from fms_fsdp.metrics import MetricsReporter, check_metrics_file
 from fms_fsdp.model.variants import CausalLM, flops_per_token
+from fms_fsdp.parallel.assemble import build_stages
 from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import agreement_group, on_rank0
 from fms_fsdp.periodic import Periodic, Report
@@ -57,11 +60,9 @@ from fms_fsdp.resilience.hangs import HangDiagnostics, timed_out
 from fms_fsdp.resilience.lease import RunLease
 from fms_fsdp.resilience.stragglers import Stragglers
 from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
-from fms_fsdp.startup import started, summary, write_config
+from fms_fsdp.startup import model_build, optimizer_and_schedule, started, summary, write_config
 from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.make_model import build_optimizer_and_schedule, build_stages
-from fms_fsdp.train.rehearsal import rehearse, rehearsed_ranks
 from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
 
 
@@ -84,13 +85,13 @@ def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
 
 def dry_run(run: Run) -> bool:
     """--dry_run of the run's facts: rank 0 rehearses the start at the planned size under a fake process
-    group (train/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
+    group (memory/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
     real process group starts, no GPU memory is touched. Whether the plan fits (other ranks: True)."""
     if not run.info.is_main:
         return True
     start = time.perf_counter()
-    states = rehearse(run)
-    dims, ranks = run.shape.dims(), rehearsed_ranks(run)
+    states = rehearse(model_build(run), optimizer=run.settings.optimizer, world_size=run.info.world_size, log=run.log)
+    dims, ranks = run.shape.dims(), rehearsed_ranks(run.shape, run.info.world_size)
     which = f"ranks {', '.join(map(str, ranks))} (one per pipeline rank)" if len(ranks) > 1 else "rank 0"
     run.log(
         f"rehearsed the start of {run.info.world_size} ranks under a fake process group, mesh "
@@ -104,19 +105,28 @@ def dry_run(run: Run) -> bool:
     return plan.fits
 
 
+def _warn_if_memory_short(run: Run) -> None:
+    """On GPUs, rank 0 says before the model is built when the memory plan does not fit the device."""
+    if run.device.type == "cuda" and run.info.is_main:
+        memory, info = run.settings.memory, run.info
+        warning = fits_or_warning(memory, run.shape, run.model_config, run.pipeline, info.local_world_size)
+        if warning:
+            run.log(warning)
+
+
 def _quorum(ft: FaultTolerance, step: int, batches: Replay, reporter: MetricsReporter, triggers: StepTriggers) -> int:
     """--fault_tolerance: the replica groups' quorum before step `step` + 1; a group behind the others
-    heals there, and goes on from the step it got (and the data position, when it came with it)."""
-    healed = ft.begin(step + 1)
-    if healed is None:
+    catches up there, and goes on from the step it got (and the data position, when it came with it)."""
+    caught_up = ft.begin(step + 1)
+    if caught_up is None:
         return step
-    reporter.healed(healed.step, healed.tokens_seen)
-    triggers.moved(healed.step)
-    if healed.position:
+    reporter.caught_up(caught_up.step, caught_up.tokens_seen)
+    triggers.moved(caught_up.step)
+    if caught_up.position:
         batches.restart()
     else:
         batches.again()
-    return healed.step
+    return caught_up.step
 
 
 def train_run(run: Run, stop: StopRequest) -> list[dict[str, Any]]:
@@ -203,9 +213,11 @@ def _build(
     loader = get_data_loader(run.settings.data, info.data_rank, info.data_size)  # bad data fails before the model
     # the tasks load before the model
     evaluator, harness = Evaluator(run.settings.evaluation, info), HarnessEvaluator(run.settings.harness, info)
-    model, pipeline = build_stages(run)
+    _warn_if_memory_short(run)
+    assert run.mesh is not None, "the process group is up (started)"
+    model, pipeline = build_stages(model_build(run), run.mesh, run.log)
     evaluator.pipeline = pipeline
-    optimizer, scheduler = build_optimizer_and_schedule(run, model)
+    optimizer, scheduler = optimizer_and_schedule(run, model)
     guard = StepGuard(settings.skip_bad_steps, settings.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
     checkpointer = _checkpointer(run, model, optimizer, scheduler, loader, lease, ft, stack)

@@ -1,5 +1,5 @@
-"""The settings of the training loop (train/loop.py) and of the model's build (train/make_model.py), built from
-the flags once, in fms_fsdp/settings.py."""
+"""The settings of the training loop (train/loop.py) and of its optimizer step (train/step.py), built from the
+flags once, in fms_fsdp/settings.py."""
 
 from __future__ import annotations
 
@@ -27,16 +27,6 @@ class LoopSettings:
     checkpoint_interval: Union[int, str]  # 0: no checkpoints (what a stopped run says)
     stop_exit_status: int  # 0: a stopped run exits 0
     export_model_at_end: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSettings:
-    """How a run builds its model: on the meta device first (--low_cpu_fsdp), its weights from --seed,
-    the head's z-loss weight."""
-
-    low_cpu: bool  # --low_cpu_fsdp
-    seed: int
-    z_loss_weight: float
 
 
 @dataclass(frozen=True, kw_only=True)

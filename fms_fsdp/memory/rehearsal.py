@@ -3,7 +3,7 @@ COMM_MODE=fake_backend): for each kind of rank, this process joins torch's fake 
 ranks as that rank (every collective returns at once and moves nothing) and runs the start's own
 code: the mesh, the model built on the meta device (no memory behind it), pruned to the rank's
 pipeline stages, tensor parallelism, float8, activation checkpointing, compile and FSDP2
-(train/make_model.py `parallelised`), the pipeline's schedule, and the optimizer's first step, which makes
+(parallel/assemble.py `parallelised`), the pipeline's schedule, and the optimizer's first step, which makes
 its state. The bytes of the parameters, their gradients and the optimizer's state are read from the
 shards it leaves (DTensor local shapes); the memory plan checks its analytic figures against them.
 
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from multiprocessing import get_context
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,41 +34,49 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import fake_store
-from fms_fsdp.context import Run
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.memory.plan import State
-from fms_fsdp.optim import build_optimizer
+from fms_fsdp.optim import OptimizerSettings, build_optimizer
+from fms_fsdp.parallel.assemble import ModelBuild, describe, parallelised
 from fms_fsdp.parallel.mesh import build_mesh
-from fms_fsdp.train.make_model import describe, parallelised
+from fms_fsdp.parallel.settings import MeshShape
 
 REHEARSED_ON = torch.device("cpu")  # the mesh's device type (and the pipeline stages')
 
 
-def rehearsed_ranks(run: Run) -> list[int]:
+def rehearsed_ranks(shape: MeshShape, world_size: int) -> list[int]:
     """The ranks rehearsed: the first of each pipeline stage's ranks."""
-    per_stage = run.info.world_size // run.shape.pp
-    return [pp_rank * per_stage for pp_rank in range(run.shape.pp)]
+    per_stage = world_size // shape.pp
+    return [pp_rank * per_stage for pp_rank in range(shape.pp)]
 
 
-def rehearse(run: Run) -> list[State]:
-    """Each pipeline rank's state as its real shards hold it, from a rehearsal of its start; rank 0's
-    start-up line is logged as a real start logs it. ConfigError (one line) where the wrapping fails.
+def rehearse(
+    build: ModelBuild, *, optimizer: OptimizerSettings, world_size: int, log: Callable[[str], None]
+) -> list[State]:
+    """Each pipeline rank's state as its real shards hold it, from a rehearsal of its start in a world of
+    `world_size` ranks; rank 0's start-up line goes to `log` as a real start logs it. ConfigError (one
+    line) where the wrapping fails.
     Each rank is rehearsed in a process of its own, as many at once as there are cores: DTensor's caches
     keep the meshes of a finished world, whose groups the next world lacks. The processes come from a
     fork server that imported torch and this package once: clean of this process's threads, whose
     locks a plain fork could copy held, and a process that dies is said, never waited for."""
-    ranks = rehearsed_ranks(run)
+    ranks = rehearsed_ranks(build.shape, world_size)
     context = get_context("forkserver")
     # torch's compiler imported in the server once, not in every rank's process
-    context.set_forkserver_preload([__name__] + (["torch._dynamo"] if run.settings.parallel.compile else []))
+    context.set_forkserver_preload([__name__] + (["torch._dynamo"] if build.parallel.compile else []))
     workers = min(len(ranks), os.cpu_count() or 1)
+    rehearsal = partial(_rehearse, build, optimizer, world_size)
     try:
         with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-            return list(pool.map(partial(_rehearse, run), ranks))  # the first rank's error first
+            results = list(pool.map(rehearsal, ranks))  # the first rank's error first
     except BrokenProcessPool:
         raise TrainingError(
             "--dry_run: a rehearsal process died (out of memory, or killed); run it again, with fewer cores busy"
         ) from None
+    for _, line in results:
+        if line is not None:
+            log(line)
+    return [state for state, _ in results]
 
 
 @contextmanager
@@ -81,17 +89,19 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _rehearse(run: Run, rank: int) -> State:
-    """The state of `rank`'s shards after its start and first optimizer step."""
-    world_size = run.info.world_size
+def _rehearse(
+    build: ModelBuild, optimizer: OptimizerSettings, world_size: int, rank: int
+) -> tuple[State, Optional[str]]:
+    """The state of `rank`'s shards after its start and first optimizer step; rank 0's start-up line."""
     with fake_world(rank, world_size):
         try:
-            mesh = build_mesh(run.shape, REHEARSED_ON, None)
-            as_rank = replace(run, info=replace(run.info, rank=rank, device=REHEARSED_ON), mesh=mesh)
-            model, pipeline, done, n_lora = parallelised(as_rank, torch.device("meta"))
+            mesh = build_mesh(build.shape, REHEARSED_ON, None)
+            model, pipeline, done, n_lora = parallelised(
+                replace(build, device=REHEARSED_ON), mesh, torch.device("meta")
+            )
             if pipeline is not None:
                 pipeline.start()
-            optimizer = _first_step(as_rank, model)
+            stepped = _first_step(optimizer, model)
         except ConfigError:
             raise
         except Exception as e:
@@ -99,17 +109,15 @@ def _rehearse(run: Run, rank: int) -> State:
                 f"--dry_run: these flags fail at the start of rank {rank} of {world_size}, where the model is "
                 f"parallelised: {type(e).__name__}: {first_line(e)}"
             ) from None
-        if rank == 0:
-            run.log(describe(replace(as_rank, info=run.info), model, done, n_lora))  # on the run's device
-        return _state(model, optimizer)
+        line = describe(build, mesh, model, done, n_lora) if rank == 0 else None  # on the run's device
+        return _state(model, stepped), line
 
 
-def _first_step(run: Run, model: nn.Module) -> torch.optim.Optimizer:
-    """The run's optimizer after a step on zero gradients, which makes its state on the meta device,
+def _first_step(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer after a step on zero gradients, which makes its state on the meta device,
     by the single-tensor kernels (the same state: the fused ones take no meta tensors, and DTensor
     shards the foreach ones' tensor lists several times slower)."""
-    settings = replace(run.settings.optimizer, impl="foreach", skip_bad_steps=0)
-    optimizer = build_optimizer(model, settings, REHEARSED_ON)
+    optimizer = build_optimizer(model, replace(settings, impl="foreach", skip_bad_steps=0), REHEARSED_ON)
     for group in optimizer.param_groups:
         group["foreach"] = False
     for p in model.parameters():
