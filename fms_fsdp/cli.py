@@ -337,7 +337,7 @@ def _plot_metrics(*paths: str, o: str = "curves.png", x: str = "step") -> None:
     -o          the image to write
     --x         step or tokens
     """
-    from fms_fsdp.plot import plot_runs
+    from fms_fsdp.metrics.plot import plot_runs
 
     print(f"wrote {plot_runs(list(paths), o, x)}")
 
@@ -351,7 +351,7 @@ def _compare_runs(*runs: str, steps: Optional[int] = None, rtol: float = 1e-3, a
     --rtol      the tolerance, as numpy.isclose: |A - B| <= atol + rtol x |B|, for the loss and the
     --atol      gradient norm; status 0 within it, 1 beyond
     """
-    from fms_fsdp.compare import compare_runs
+    from fms_fsdp.metrics.compare import compare_runs
 
     if len(runs) != 2:
         raise ConfigError(f"give two runs, A and B (got {len(runs)}): their metrics.jsonl or --ckpt_save_path folders")

@@ -33,7 +33,8 @@ from fms_fsdp.data.text import TextSpec
 from fms_fsdp.evaluation.harness import HarnessSettings, task_names
 from fms_fsdp.evaluation.settings import CheckpointEvalSettings, EvalSettings
 from fms_fsdp.memory.settings import MemorySettings, Setting
-from fms_fsdp.metrics import MetricsSettings
+from fms_fsdp.metrics.reporter import MetricsSettings
+from fms_fsdp.metrics.trackers import TrackerSettings
 from fms_fsdp.model.float8 import Float8Settings
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.optim import OptimizerSettings
@@ -49,7 +50,6 @@ from fms_fsdp.resilience.ft_settings import FTSettings
 from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.storage import is_remote, location
-from fms_fsdp.trackers import TrackerSettings
 from fms_fsdp.train.settings import LoopSettings, StepSettings
 
 

@@ -16,11 +16,8 @@ model config), and the order decides which of two errors a user sees first.
 from __future__ import annotations
 
 import os
-import subprocess
 from contextlib import contextmanager
 from dataclasses import replace
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -51,6 +48,7 @@ from fms_fsdp.profiling import check_profiler
 from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, make_folder
+from fms_fsdp.versions import code_commit, installed
 from fms_fsdp.weights.hf import special_tokens
 from fms_fsdp.weights.load import check_load_path
 
@@ -201,31 +199,6 @@ def optimizer_and_schedule(run: Run, model: CausalLM) -> tuple[torch.optim.Optim
     )
 
 
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def _commit() -> str:
-    """The git commit of the code that runs (with '+ changes' when its tracked files differ from it)."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout
-
-    try:
-        top = git("rev-parse", "--show-toplevel").strip()
-        if not top or Path(top).resolve() != root:  # installed inside some other checkout (a venv in one)
-            return "unknown (not a git checkout)"
-        commit = git("rev-parse", "HEAD").strip()
-        changed = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return commit + (" + changes" if changed else "")
-
-
 def record(run: Run) -> str:
     """What ran, as YAML comments at the head of config.yaml (--config reads only the flags below them):
     the package's version and git commit, torch, ibm-fms and torchao, the world and mesh, and the
@@ -233,8 +206,8 @@ def record(run: Run) -> str:
     dims = run.shape.dims()
     lines = [
         "run record (comments: --config reads only the flags below)",
-        f"fms-fsdp {_version('fms-fsdp')}, git {_commit()}",
-        f"torch {torch.__version__}, ibm-fms {_version('ibm-fms')}, torchao {_version('torchao')}",
+        f"fms-fsdp {installed('fms-fsdp')}, git {code_commit()}",
+        f"torch {torch.__version__}, ibm-fms {installed('ibm-fms')}, torchao {installed('torchao')}",
         f"world {run.info.world_size}, mesh ({', '.join(n for n, _ in dims)}) = {tuple(s for _, s in dims)}",
         *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)),
     ]

@@ -1,4 +1,4 @@
-"""Compare two runs' losses and gradient norms step by step (the logic: fms_fsdp/compare.py, behind
+"""Compare two runs' losses and gradient norms step by step (the logic: fms_fsdp/metrics/compare.py, behind
 fms_fsdp/cli.py; installed as `fms-compare-runs`): python scripts/compare_runs.py run_a run_b --rtol=1e-3"""
 
 import sys

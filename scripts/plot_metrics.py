@@ -1,4 +1,4 @@
-"""Plot loss, learning rate and tokens/s of one or more runs (the logic: fms_fsdp/plot.py, behind fms_fsdp/cli.py; installed as
+"""Plot loss, learning rate and tokens/s of one or more runs (the logic: fms_fsdp/metrics/plot.py, behind fms_fsdp/cli.py; installed as
 `fms-plot-metrics`): python scripts/plot_metrics.py run1/metrics.jsonl run2/metrics.jsonl -o curves.png"""
 
 import sys

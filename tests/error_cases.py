@@ -1110,6 +1110,13 @@ ERRORS: list[E] = [
     E("checkpoints", "cannot list the checkpoints in <root>: <message>"),
     E(
         "checkpoints",
+        "<where> has checkpoint layout <layout>, written by fms-fsdp <version>; this fms-fsdp (<installed>) reads "
+        "layouts up to <LAYOUT>: upgrade it to resume or convert this checkpoint",
+        "the checkpoint was written by a newer release, whose checkpoints hold more than this one reads",
+        "install the release that wrote it (or a later one); a resume never falls back to an older checkpoint over it",
+    ),
+    E(
+        "checkpoints",
         "--checkpoint_keep_policy: cannot read <part>; write e.g. 'every 1000 until 10000, then every 5000'",
         "",
         "",

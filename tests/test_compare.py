@@ -65,7 +65,7 @@ def test_bad_input_is_one_line_and_status_2(tmp_path):
 
 
 def test_a_non_finite_value_matches_only_itself():
-    from fms_fsdp.compare import Gap
+    from fms_fsdp.metrics.compare import Gap
 
     assert not Gap(step=1, key="loss", a=2.0, b=float("inf")).within(rtol=1.0, atol=1.0)
     assert not Gap(step=1, key="loss", a=float("nan"), b=2.0).within(rtol=1.0, atol=1.0)

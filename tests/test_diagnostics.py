@@ -152,8 +152,8 @@ def test_the_trackers_get_the_slowest_ranks_host_as_text_and_its_figures_as_numb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from fms_fsdp.flags import parse_args
+    from fms_fsdp.metrics.trackers import start_trackers
     from fms_fsdp.settings import trackers_of
-    from fms_fsdp.trackers import start_trackers
 
     cfg = parse_args([*TINY, f"--ckpt_save_path={tmp_path}", "--tracker=tensorboard,aim"])
     trackers = start_trackers(trackers_of(cfg), tmp_path)

@@ -23,8 +23,8 @@ from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.metrics.plot import read_metrics
 from fms_fsdp.parallel.process_group import free_port
-from fms_fsdp.plot import read_metrics
 from fms_fsdp.storage import location
 from fms_fsdp.weights.hf import convert
 from fms_fsdp.weights.reader import read_model

@@ -6,7 +6,7 @@ import pytest
 
 from fms_fsdp.cli import plot_metrics
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.plot import plot_runs, read_metrics
+from fms_fsdp.metrics.plot import plot_runs, read_metrics
 
 from conftest import train_here
 

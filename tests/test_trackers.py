@@ -18,9 +18,9 @@ import pytest
 
 from fms_fsdp.errors import ConfigError, TrackerError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.metrics.trackers import MLFLOW_FAIL_FAST, open_trackers
 from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.settings import trackers_of
-from fms_fsdp.trackers import MLFLOW_FAIL_FAST, open_trackers
 
 from conftest import ROOT, TINY, launch, train, train_here
 

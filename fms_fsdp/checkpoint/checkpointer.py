@@ -3,7 +3,7 @@ puts together save.py's `CheckpointSaver` and this module's `CheckpointRestorer`
 
 A checkpoint of step N holds the model and optimizer (DCP's .distcp files and .metadata, keys
 `model_state` and `optimizer_state`), metadata.pth (step, tokens_seen, scheduler, world size, the
-run's config) and one loader_state_<rank>.pth per data-parallel rank (data position, RNG; rank //
+run's config, and what wrote it: fms_fsdp/versions.py) and one loader_state_<rank>.pth per data-parallel rank (data position, RNG; rank //
 --tensor_parallel_size: a tensor-parallel group reads the same data). Every rank calls every
 method. Collectives run on the ranks' agreement group (gloo, under NCCL too; background saves on
 the writer's own), and a failure on any rank is raised on every rank, so none is left waiting in a
@@ -31,6 +31,7 @@ from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.optim import keep_kernels
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
+from fms_fsdp.versions import check_layout
 from fms_fsdp.weights.fused import fuse, fused_groups, unfuse_loaded_optimizer
 from fms_fsdp.weights.load import load_weights
 from fms_fsdp.weights.reader import damage, safe_reader, unreadable
@@ -150,11 +151,7 @@ class CheckpointRestorer:
         """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
         tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
         each attempt, so all resume from the same one."""
-        names = on_rank0(
-            lambda: [p.name for _, p in reversed(complete_checkpoints(self.root))],
-            Exception,
-            lambda message: CheckpointError(f"cannot list the checkpoints in {self.root}: {message}"),
-        )
+        names = on_rank0(self._candidates, Exception, CheckpointError)
         last_error = ""
         for k, path in enumerate(self.root / name for name in names):
             error: Optional[BaseException] = None
@@ -175,6 +172,22 @@ class CheckpointRestorer:
                 "run's settings changed on purpose, start it with a new --ckpt_save_path"
             )
         return None
+
+    def _candidates(self) -> list[str]:
+        """The complete checkpoints' names, newest first; CheckpointError when they cannot be listed, or when
+        the newest has a layout newer than this code reads (refused: never set aside for an older one)."""
+        try:
+            names = [p.name for _, p in reversed(complete_checkpoints(self.root))]
+        except Exception as e:  # fsspec filesystems raise their clients' own errors too
+            raise CheckpointError(f"cannot list the checkpoints in {self.root}: {first_line(e)}") from None
+        if names:
+            newest = self.root / names[0]
+            try:
+                meta = _load_file(newest / "metadata.pth")
+            except CheckpointError:  # damaged: the resume says so and goes on to the one before
+                return names
+            check_layout(meta, newest)
+        return names
 
     def _set_aside(self, names: list[str]) -> None:
         """Rename the newer checkpoints that could not be read, so that the keep policy never deletes

@@ -39,6 +39,7 @@ from fms_fsdp.compat import tree_map_only
 from fms_fsdp.errors import CheckpointError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
+from fms_fsdp.versions import stamp
 from fms_fsdp.weights.fused import fuse, plain_tensor
 from fms_fsdp.weights.reader import root_cause, storage_writer
 
@@ -64,7 +65,8 @@ class GroupState(Protocol):
 
 class CheckpointSaver:
     """Saves the training state (model, optimizer, scheduler, data loader) under `root`, as `settings` say;
-    `config` (the run's flags) goes into each checkpoint's metadata.pth, `log` takes rank 0's lines."""
+    `config` (the run's flags) and what wrote it (versions.py: the layout, the package's version and commit) go
+    into each checkpoint's metadata.pth, `log` takes rank 0's lines."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class CheckpointSaver:
         self.ft = ft  # --fault_tolerance: every group's data position is kept with this rank's
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.scores: dict[int, float] = {}  # --checkpoint_monitor by step (rank 0; --checkpoint_keep_best)
+        self.written_by = stamp() if info.is_main else {}  # the layout, package version and commit
         if is_remote(self.root):
             log(
                 f"checkpoint: {self.root} is in object storage: the free-space guard does not apply there (no "
@@ -196,6 +199,7 @@ class CheckpointSaver:
                         "scheduler": self.scheduler.state_dict(),
                         "world_size": self.info.world_size,
                         "config": self.config,
+                        **self.written_by,
                     },
                     tmp / "metadata.pth",
                 )

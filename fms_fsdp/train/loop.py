@@ -9,7 +9,7 @@ from the device and takes no collective beyond FSDP's (and the norm's all-reduce
 every few seconds the ranks agree on stop requests and time-based saves (resilience/triggers.py). Bad steps are
 judged on the device (train/guard.py: a non-finite step stops the run, --skip_bad_steps leaves spikes out)
 and read at report, checkpoint and stop steps, before the run writes a checkpoint, reports
-(metrics.py, trackers.py; resilience/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
+(metrics/reporter.py, metrics/trackers.py; resilience/stragglers.py names the slowest rank), commits the checkpoint, then runs the periodic work that is due
 (periodic.py: exports, evaluation, lm-eval's tasks, the profiler; each returns a Report the metrics
 take). Under --fault_tolerance (resilience/ft.py) each step begins with the replica groups' quorum (a group
 behind the others catches up there and goes on from the step it got) and commits only when torchft says
@@ -47,7 +47,8 @@ from fms_fsdp.lifetime import LAUNCHER_DIED
 from fms_fsdp.memory.rehearsal import rehearse, rehearsed_ranks
 from fms_fsdp.memory.report import fits_or_warning
 from fms_fsdp.memory.report import report as memory_report
-from fms_fsdp.metrics import MetricsReporter, check_metrics_file
+from fms_fsdp.metrics.reporter import MetricsReporter, check_metrics_file
+from fms_fsdp.metrics.trackers import Trackers, start_trackers
 from fms_fsdp.model.variants import CausalLM, flops_per_token
 from fms_fsdp.parallel.assemble import build_stages
 from fms_fsdp.parallel.pipeline import Pipeline
@@ -61,7 +62,6 @@ from fms_fsdp.resilience.lease import RunLease
 from fms_fsdp.resilience.stragglers import Stragglers
 from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
 from fms_fsdp.startup import model_build, optimizer_and_schedule, started, summary, write_config
-from fms_fsdp.trackers import Trackers, start_trackers
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
 

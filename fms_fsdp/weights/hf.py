@@ -34,6 +34,7 @@ from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.shapes import hidden_dim
 from fms_fsdp.model.variants import build_model, context_length, get_model_config
 from fms_fsdp.storage import local_copy, location, publish
+from fms_fsdp.versions import check_layout
 from fms_fsdp.weights.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
 from fms_fsdp.weights.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
 from fms_fsdp.weights.reader import Tensors, model_reader
@@ -246,7 +247,9 @@ def _variant(
     run = {}
     if meta_file is not None and meta_file.is_file():
         with meta_file.open("rb") as f:
-            run = torch.load(io.BytesIO(f.read()), weights_only=True).get("config", {})
+            meta = torch.load(io.BytesIO(f.read()), weights_only=True)
+        check_layout(meta, load_path)
+        run = meta.get("config", {})
     variant = model_variant or run.get("model_variant")
     if variant is None:
         raise HFError(f"--model_variant is needed: {load_path} does not record the variant it was trained with")

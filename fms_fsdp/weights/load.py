@@ -22,6 +22,7 @@ from fms_fsdp.model.lora import is_adapter
 from fms_fsdp.model.variants import fused_parts, split_full
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, local_copy, location, storage_error
+from fms_fsdp.versions import check_folder_layout
 from fms_fsdp.weights.fused import fuse, plain_tensor
 from fms_fsdp.weights.hf import check_hf_config, check_hf_fields, read_hf_config
 from fms_fsdp.weights.hf_read import check_shapes, index_folder, read_into
@@ -49,6 +50,8 @@ def check_load_path(
                 check_hf_config(hf, model_config, path, variant or None)
                 if positions is not None:
                     check_hf_fields(hf, model_config, path, variant, positions)
+            if (p / ".metadata").is_file():
+                check_folder_layout(p)
             if (p / ".metadata").is_file() or hf is not None:
                 return hf
             if (p / "checkpoints").is_dir():
@@ -70,7 +73,7 @@ def check_load_path(
         if p.stat().st_size == 0:
             raise ConfigError(f"--ckpt_load_path: {path} is empty (0 bytes)")
         return None
-    except ConfigError:
+    except (ConfigError, CheckpointError):
         raise
     except HFError as e:  # names the folder
         raise ConfigError(f"--ckpt_load_path: {e}") from None

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from fms_fsdp.errors import ConfigError, first_line
+from fms_fsdp.metrics.trackers import Trackers
 from fms_fsdp.parallel.process_group import DistInfo
 from fms_fsdp.periodic import Report
 from fms_fsdp.storage import is_remote, storage_error
-from fms_fsdp.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fms_fsdp.errors import ConfigError
-from fms_fsdp.plot import read_metrics
+from fms_fsdp.metrics.plot import read_metrics
 from fms_fsdp.storage import location
 
 KEYS = ("loss", "grad_norm")  # compared at each step both runs recorded

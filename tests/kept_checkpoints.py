@@ -1,0 +1,121 @@
+"""Checkpoints written by earlier versions of the package, kept as test data: tests/test_upgrades.py
+resumes each on today's code (and on the oldest and newest supported torch) and checks the next losses
+against those the writing code went on to.
+
+tests/assets/checkpoints/
+    data/web/     the documents each was trained on (test_data.make_docs(10, 400, 1), Arrow shards)
+    <name>/       a run folder: checkpoints/step_4_ckp/, and expected.json: who wrote it (commit,
+                  package version, torch, checkpoint layout), its flags, and the losses of steps 5 to 8
+
+A change of what a checkpoint holds raises LAYOUT in fms_fsdp/checkpoint/version.py and adds one,
+written by the new code (2 ranks, 8 steps, about 30 s):
+
+    python tests/kept_checkpoints.py layout<N>
+
+`--into DIR` writes it under another tree's tests/assets/checkpoints (how layout1 was written: this
+script run by the code of the commit before checkpoints were versioned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+ASSETS = HERE / "assets" / "checkpoints"
+KEPT_STEP, STEPS = 4, 8
+RTOL = 1e-4  # as the golden curves (tests/golden.py): the same fp32 kernels, across CPUs and torch releases
+
+
+def run_flags(data: Path, out: Path, steps: int) -> list[str]:
+    """The run every kept checkpoint comes from: `micro` on 2 ranks, FSDP, fp32, deterministic."""
+    return [
+        "--model_variant=micro",
+        "--device=cpu",
+        "--use_torch_compile=False",
+        "--mixed_precision=False",
+        "--sharding_strategy=fsdp",
+        "--deterministic=True",
+        f"--data_path={data}",
+        "--file_type=auto",
+        "--vocab_size=1024",
+        "--batch_size=4",
+        "--seq_length=64",
+        "--learning_rate=3e-3",
+        "--num_workers=1",
+        "--logical_shards=16",
+        "--report_interval=1",
+        f"--checkpoint_interval={KEPT_STEP}",
+        f"--num_steps={steps}",
+        f"--ckpt_save_path={out}",
+    ]
+
+
+def write_data(assets: Path) -> Path:
+    """The documents of every kept checkpoint's run (written once; kept with them, so that a later change
+    of the tests' data helpers cannot change them)."""
+    from test_data import make_docs, write_dataset
+
+    data = assets / "data"
+    if not data.exists():
+        write_dataset(data, "web", make_docs(10, 400, 1))
+    return data
+
+
+def expected(name: str) -> dict:
+    return json.loads((ASSETS / name / "expected.json").read_text())
+
+
+def kept() -> list[str]:
+    return sorted(p.parent.name for p in ASSETS.glob("*/expected.json"))
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def record(name: str, assets: Path) -> None:
+    """Train STEPS steps, keep the checkpoint of KEPT_STEP under assets/name with the losses after it."""
+    import torch
+
+    from conftest import launch, records
+
+    data = write_data(assets)
+    target = assets / name
+    if target.exists():
+        raise SystemExit(f"{target} exists: a kept checkpoint is never written again")
+    with TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        proc = launch("main_training.py", run_flags(data, out, STEPS), 2)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        meta = torch.load(out / "checkpoints" / f"step_{KEPT_STEP}_ckp" / "metadata.pth", weights_only=True)
+        shutil.copytree(out / "checkpoints" / f"step_{KEPT_STEP}_ckp", target / "checkpoints" / f"step_{KEPT_STEP}_ckp")
+        losses = {r["step"]: r["loss"] for r in records(out) if "loss" in r and r["step"] > KEPT_STEP}
+    found = {
+        "written_by": {
+            "commit": _commit(),
+            "package_version": meta.get("package_version"),
+            "layout": meta.get("layout", 1),
+            "torch": torch.__version__.split("+")[0],
+        },
+        "flags": run_flags(Path("<data>"), Path("<run>"), STEPS),
+        "losses_after": {str(step): losses[step] for step in sorted(losses)},
+    }
+    (target / "expected.json").write_text(json.dumps(found, indent=1) + "\n")
+    print(f"{target}: layout {found['written_by']['layout']}, losses of steps {sorted(losses)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name")
+    parser.add_argument("--into", type=Path, default=ASSETS, help="the tests/assets/checkpoints folder to write in")
+    args = parser.parse_args()
+    record(args.name, args.into)
