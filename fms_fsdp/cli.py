@@ -314,8 +314,12 @@ def _inspect_data(
     bos_token: Optional[int] = None,
     col_name: str = "tokens",
     token_dtype: str = "auto",
+    ledger: Optional[str] = None,
+    compare: Optional[str] = None,
+    list_documents: bool = False,
 ) -> None:
     """fms-inspect-data --data_path=<folder> [--datasets=a,b] [--vocab_size=N]
+       fms-inspect-data --ledger=<checkpoint>[,<group's checkpoint>...] [--compare=<checkpoint>] [--list_documents]
 
     --data_path   the folder holding one sub-folder per dataset (and meta/)
     --datasets    comma list of dataset folders (default: all but meta)
@@ -324,7 +328,14 @@ def _inspect_data(
     --bos_token   the token the loader puts before each document (None: none)
     --col_name    the column holding the token ids (Arrow, Parquet)
     --token_dtype the dtype of headerless .npy token arrays (auto: uint16 when --vocab_size <= 65536, else uint32)
+    --ledger      the documents a checkpoint's run has consumed, per dataset (its data read from --data_path
+                  when given, else where the run read it); --compare: against another checkpoint's;
+                  --list_documents: every document seen (file:index, times, tokens)
     """
+    if ledger:
+        from fms_fsdp.ledger import show_ledger
+
+        return show_ledger(ledger, compare, list_documents, data_path or None)
     from fms_fsdp.data.inspection import inspect_data
 
     inspect_data(data_path, datasets, vocab_size, eos_token, bos_token, col_name, token_dtype)

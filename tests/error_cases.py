@@ -1109,6 +1109,19 @@ ERRORS: list[E] = [
     ),
     E("checkpoints", "cannot list the checkpoints in <root>: <message>"),
     E(
+        "data",
+        "the loader states are not one run's ranks: ranks <ranks> of world sizes <sizes>",
+        "--ledger was given checkpoints of two runs, or of two world sizes",
+        "give one run's checkpoints of one step (a fault-tolerant run: each group's of the same step)",
+    ),
+    E("data", "--ledger: the checkpoints are of different steps (<steps>): give one step's"),
+    E("data", "--ledger: <folder> is not a checkpoint folder (no <name>)"),
+    E(
+        "data",
+        "--ledger: the run read synthetic lines (--use_dummy_dataset): there is no ledger",
+    ),
+    E("data", "--compare: the two runs read different datasets: they cannot be compared"),
+    E(
         "checkpoints",
         "<where> has checkpoint layout <layout>, written by fms-fsdp <version>; this fms-fsdp (<installed>) reads "
         "layouts up to <LAYOUT>: upgrade it to resume or convert this checkpoint",

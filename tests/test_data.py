@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from fms_fsdp.data import DataError
+from fms_fsdp.data.consumed import ledger_of
 from fms_fsdp.data.sources import expand_braces
-from fms_fsdp.data.stream import ShardPlan, n_logical_shards
+from fms_fsdp.data.stream import strip_ends
 from fms_fsdp.flags import make_config
 
 from conftest import data_loader
@@ -297,29 +298,16 @@ def test_exact_resume(tmp_path, workers, text):
 
 
 def consumed_from_states(loader, states) -> Counter:
-    """Tokens the readers' states say were consumed: every block before each shard's cursor, the
-    documents before `inner` in the current block, and `offset` framed tokens of the current one
-    (all in epoch 0), eos tokens left out."""
-    expected: Counter = Counter()
-    for k, ds in enumerate(loader.datasets):
-        n = n_logical_shards(loader.logical_shards, ds.documents)
-        for r in (r for s in states for r in s["readers"] if r is not None):
-            d = r["datasets"][ds.name]
-            for s, epoch, cursor, inner, offset in zip(
-                range(r["consumer"], n, r["consumers"]), d["epoch"], d["cursor"], d["inner"], d["offset"]
-            ):
-                assert epoch == 0
-                plan = ShardPlan(ds, n, s, loader.seed, k)
-                ids = plan.order(0, np.arange(min(cursor + 1, plan.n_blocks)))
-                for b, (block, file, first, size) in enumerate(plan.blocks(ids)):
-                    for m, j in enumerate(plan.inner_order(0, block, size)):
-                        tokens = ds.read(file, first + int(j))
-                        tokens = tokens[tokens != EOS]  # a document's own eos (token arrays') is stripped
-                        if b < cursor or m < inner:
-                            expected[int(tokens[0])] += len(tokens)
-                        elif m == inner:
-                            expected[int(tokens[0])] += min(int(offset), len(tokens))
-    return expected
+    """The tokens the ledger of the readers' states (data/consumed.py) says were consumed, per document,
+    each document named by its token (make_docs), eos tokens left out."""
+    found: Counter = Counter()
+    ledgers = ledger_of(states, loader.datasets, loader.seed, loader.logical_shards, loader.packing)
+    for ds, ledger in zip(loader.datasets, ledgers):
+        for doc in np.flatnonzero(ledger.tokens).tolist():
+            f = int(np.searchsorted(ds.starts, doc, side="right") - 1)
+            name = int(strip_ends(ds.read(f, doc - int(ds.starts[f])), loader.packing.strip)[0])
+            found[name] += int(ledger.tokens[doc])
+    return found
 
 
 @pytest.mark.parametrize("before, after", [((2, 0), (3, 0)), ((4, 2), (1, 0)), ((3, 1), (5, 2)), ((1, 0), (2, 1))])

@@ -109,14 +109,12 @@ def reported(folder: Path) -> int:
     return path.read_text().count('"step"') if path.exists() else 0
 
 
-@pytest.fixture(scope="module")
-def caught_up(tmp_path_factory, lighthouse) -> dict[str, Any]:
+def kill_and_catch_up(tmp: Path, lighthouse: str, *extra: str) -> dict[str, Any]:
     """Two groups; group 1 SIGKILLed after step 3 (its last checkpoint: step 2) and started again with
     the same command; both SIGKILLed once they committed a checkpoint after the catch-up."""
-    tmp = tmp_path_factory.mktemp("ft")
     out = tmp / "run"
     args = [*FT, "--num_steps=100000", "--checkpoint_interval=2", "--checkpoint_keep=100", f"--ckpt_save_path={out}"]
-    args += [f"--ft_lighthouse={lighthouse}"]
+    args += [f"--ft_lighthouse={lighthouse}", *extra]
     first, second = Group(0, args, tmp, "g0"), Group(1, args, tmp, "g1")
     until(lambda: reported(out / "group_1") >= 3, "step 3")
     second.signal(signal.SIGKILL)
@@ -141,6 +139,12 @@ def caught_up(tmp_path_factory, lighthouse) -> dict[str, Any]:
         "common": common,
         "both": both,
     }
+
+
+@pytest.fixture(scope="module")
+def caught_up(tmp_path_factory, lighthouse) -> dict[str, Any]:
+    """kill_and_catch_up on synthetic lines (the same global batch on one rank: the reference)."""
+    return kill_and_catch_up(tmp_path_factory.mktemp("ft"), lighthouse)
 
 
 @pytest.mark.slow
@@ -199,6 +203,31 @@ def test_a_killed_group_is_dropped_and_catches_up_live_on_return(caught_up):
     want = {r["step"]: r["loss"] for r in records(reference)}
     got = {s: (a["loss"] + b["loss"]) / 2 for s, a, b in zip(range(1, 4), history, records(out / "group_1"))}
     assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+
+
+@pytest.mark.slow
+def test_the_ledger_of_both_groups_after_a_catch_up_holds_every_document_once(tmp_path, lighthouse, data):
+    """The same kill and catch-up on `data`: fms-inspect-data --ledger over both groups' checkpoints of the
+    step after the catch-up covers the job's 4 data ranks, sees no document twice, and counts exactly
+    the tokens of the batches the ranks took (2 lines of 33 tokens each: the run stays in its first epoch)."""
+    on_data = ["--use_dummy_dataset=False", f"--data_path={data}", "--datasets=web", "--file_type=auto"]
+    on_data += ["--vocab_size=1024", "--seq_length=32", "--logical_shards=16", "--num_workers=1"]
+    ran = kill_and_catch_up(tmp_path, lighthouse, *on_data)
+    both = ",".join(str(c) for c in ran["both"])
+    proc = subprocess.run(
+        [sys.executable, "scripts/inspect_data.py", f"--ledger={both}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith(f"(step {ran['common']}): the data positions of 4 of 4 data-parallel ranks"), lines
+    assert len(lines) == 2 and " 0 twice, 0 more often, " in lines[1], lines
+    taken = [  # each group's checkpoint holds its own ranks' states
+        torch.load(c / f"loader_state_{r}.pth", weights_only=True)["loader"]["batches"]
+        for c in ran["both"]
+        for r in (0, 1)
+    ]
+    read = sum(int(line.split("; ")[1].split(" tokens")[0].replace(",", "")) for line in lines[1:])
+    assert read == sum(taken) * 2 * 33, (taken, lines)
 
 
 @pytest.mark.slow

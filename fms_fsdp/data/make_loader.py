@@ -45,23 +45,7 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
             f"{', '.join(names)}; give one weight per dataset or set --datasets",
             every_rank=True,
         )
-    layout = settings.layout
-    layouts = {s.name: layout for s in sources}
-    if settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
-        from fms_fsdp.data.prepare.cache_dir import cached_sources  # the preparation only for --cache_dir
-
-        built = cached_sources(sources, layout, settings.cache)
-        tokenized = replace(layout, file_type="arrow", text=None)
-        layouts.update({b.name: tokenized for s, b in zip(sources, built) if b != s})
-        sources = built
-    # rank 0 alone opens and counts the files, for a long time on a large corpus: the others wait
-    entries = on_rank0(
-        lambda: scan_each(sources, layouts),
-        DataError,
-        lambda message: DataError(message, every_rank=True),
-        timeout=timedelta(hours=6),
-    )
-    datasets = [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name]) for s in sources]
+    datasets = open_datasets(settings, sources)
     weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
     return StatefulLoader(
         datasets=datasets,
@@ -76,6 +60,27 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
         schedule=schedule,
         grad_accum=settings.grad_accum_steps,
     )
+
+
+def open_datasets(settings: DataSettings, sources: list[Source]) -> list[Dataset]:
+    """The datasets of `sources` as the loader reads them (raw text tokenized into --cache_dir first, on
+    rank 0); rank 0 alone opens and counts the files, while the others wait."""
+    layout = settings.layout
+    layouts = {s.name: layout for s in sources}
+    if settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
+        from fms_fsdp.data.prepare.cache_dir import cached_sources  # the preparation only for --cache_dir
+
+        built = cached_sources(sources, layout, settings.cache)
+        tokenized = replace(layout, file_type="arrow", text=None)
+        layouts.update({b.name: tokenized for s, b in zip(sources, built) if b != s})
+        sources = built
+    entries = on_rank0(
+        lambda: scan_each(sources, layouts),
+        DataError,
+        lambda message: DataError(message, every_rank=True),
+        timeout=timedelta(hours=6),
+    )
+    return [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name]) for s in sources]
 
 
 def scan_each(sources: list[Source], layouts: dict[str, Layout]) -> dict[str, list[FileEntry]]:

@@ -1,0 +1,116 @@
+"""The ledger of what a loader consumed (data/consumed.py, fms-inspect-data --ledger): worked out from
+the saved positions alone, it names exactly the tokens the batches held, document by document, across a
+resume, a 2 -> 3 rescale, a change of the mixture and a second epoch; no document twice within an epoch.
+The command reads a run's checkpoints, compares two and lists documents. (A fault-tolerant run's groups:
+tests/test_ft.py.)"""
+
+import pickle
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fms_fsdp.data.consumed import ledger_of
+from fms_fsdp.errors import DataError
+
+from conftest import ROOT, data_loader
+from test_data import EOS, cfg, consumed_from_states, lines_of, make_docs, take, write_dataset
+
+
+def read(batches) -> Counter:
+    seen = Counter(lines_of(batches).reshape(-1).tolist())
+    del seen[EOS]
+    return seen
+
+
+def once_within_the_epoch(loader, states) -> None:
+    ledgers = ledger_of(states, loader.datasets, loader.seed, loader.logical_shards, loader.packing)
+    assert all(int(ledger.seen.max()) == 1 for ledger in ledgers), [np.bincount(x.seen) for x in ledgers]
+
+
+@pytest.fixture
+def two(tmp_path):
+    """Two datasets, one read by document (Arrow), one by row group (Parquet: documents shuffled inside
+    their block)."""
+    write_dataset(tmp_path, "a", make_docs(10, 300, 7))
+    write_dataset(tmp_path, "b", make_docs(1000, 200, 8), layout="parquet")
+    return tmp_path
+
+
+def test_the_ledger_names_every_token_read_across_a_resume_a_rescale_and_a_new_mixture(two):
+    settings = dict(num_workers=1, logical_shards=24, batch_size=4, seq_length=32)
+    seen: Counter = Counter()
+    old = []
+    for rank in range(2):
+        loader = data_loader(cfg(two, **settings), rank, 2)
+        seen += read(take(loader, 5))
+        old.append(pickle.loads(pickle.dumps(loader.state_dict())))
+    assert consumed_from_states(loader, old) == seen
+    once_within_the_epoch(loader, old)
+    resumed = []  # stopped and resumed at the same size, under a new mixture (--weights 1:3 from here)
+    for rank in range(2):
+        loader = data_loader(cfg(two, weights=[1.0, 3.0], **settings), rank, 2)
+        loader.load_state_dict(old[rank])
+        seen += read(take(loader, 4))
+        resumed.append(pickle.loads(pickle.dumps(loader.state_dict())))
+    assert consumed_from_states(loader, resumed) == seen
+    rescaled = []  # then 3 ranks of 2 workers
+    for rank in range(3):
+        loader = data_loader(cfg(two, **{**settings, "num_workers": 2}), rank, 3)
+        loader.load_state_dict(resumed)
+        seen += read(take(loader, 4))
+        rescaled.append(loader.state_dict())
+    assert consumed_from_states(loader, rescaled) == seen
+    once_within_the_epoch(loader, rescaled)
+    assert {t // 1000 for t in seen} == {0, 1} and sum(seen.values()) > 3000
+
+
+def test_a_second_epoch_counts_every_document_again(tmp_path):
+    write_dataset(tmp_path, "a", make_docs(10, 40, 3))
+    loader = data_loader(cfg(tmp_path, logical_shards=4, batch_size=4, seq_length=32), 0, 1)
+    tokens = sum(len(d) for d in make_docs(10, 40, 3))
+    batches = take(loader, (tokens * 3 // 2) // (4 * 33) + 1)  # past the first epoch, before the second ends
+    state = loader.state_dict()
+    ledger = ledger_of([state], loader.datasets, loader.seed, loader.logical_shards, loader.packing)[0]
+    assert consumed_from_states(loader, [state]) == read(batches)
+    assert set(np.bincount(ledger.seen)[1:3]) and ledger.seen.min() >= 1 and ledger.seen.max() == 2
+    assert ledger.framed == len(batches) * 4 * 33  # every token of the lines, bos/eos included
+
+
+def test_states_of_two_runs_are_refused(two):
+    loader = data_loader(cfg(two, logical_shards=8), 0, 2)
+    take(loader, 1)
+    other = data_loader(cfg(two, logical_shards=8), 0, 3)
+    take(other, 1)
+    with pytest.raises(DataError, match=r"not one run's ranks: ranks \[0, 0\] of world sizes \[2, 3\]"):
+        ledger_of([loader.state_dict(), other.state_dict()], loader.datasets, 7, 8, loader.packing)
+
+
+def inspect(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "scripts/inspect_data.py", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
+    """The two-rank run on `data` (12 steps of 2 x 4 lines of 129 tokens, checkpoints at 6 and 12)."""
+    six, twelve = (str(uninterrupted / "checkpoints" / f"step_{n}_ckp") for n in (6, 12))
+    proc = inspect(f"--ledger={twelve}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"ledger of {twelve} (step 12): the data positions of 2 of 2 data-parallel ranks"
+    framed = [int(line.split("; ")[1].split(" tokens")[0].replace(",", "")) for line in lines[1:]]
+    assert sum(framed) == 12 * 2 * 4 * 129, lines
+    web = next(line for line in lines if line.startswith("web:"))  # in its first epoch (code, weighted 2: its third)
+    assert ": 400 documents: " in web and " 0 twice, 0 more often, " in web, lines
+    proc = inspect(f"--ledger={six}", f"--compare={twelve}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(", 0 only in the first, " in line for line in proc.stdout.splitlines()[2:]), proc.stdout
+    proc = inspect(f"--ledger={six}", "--list_documents=True", f"--data_path={data}")
+    listed = [line.split() for line in proc.stdout.splitlines()[4:]]
+    assert {name for name, *_ in listed} == {"web", "code"}, listed[:5]
+    assert all(
+        where.startswith(f"{name}/") and int(times) >= 1 and int(tokens) >= 1 for name, where, times, tokens in listed
+    )
+    assert all(times == "1" for name, _, times, _ in listed if name == "web")
