@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,6 +25,7 @@ from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.save import CheckpointSaver, write_failure
 from fms_fsdp.errors import CheckpointError, ConfigError
+from fms_fsdp.ledger import ledger
 from fms_fsdp.weights.reader import model_reader, read_model
 
 from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
@@ -107,6 +109,10 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted
     assert all(got[s] == ref[s] for s in ref), (ref, got)
     a, b = weights(uninterrupted / "checkpoints" / "step_12_ckp"), weights(out / "checkpoints" / "step_12_ckp")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the ledgers (fms-inspect-data --ledger) of the two runs' last checkpoints: the same documents, tokens alike
+    (x, _), (y, _) = (ledger(str(run / "checkpoints" / "step_12_ckp")) for run in (uninterrupted, out))
+    assert [d.name for d in x] == [d.name for d in y] == ["code", "web"]
+    assert all(np.array_equal(p.seen, q.seen) and np.array_equal(p.tokens, q.tokens) for p, q in zip(x, y))
 
 
 # 2 -> 1 rank resumes and trains on (2 -> 4 ranks: tests/test_meshes.py, in its 4-rank launch;
