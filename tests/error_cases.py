@@ -1118,6 +1118,12 @@ ERRORS: list[E] = [
     E("data", "--ledger: <folder> is not a checkpoint folder (no <name>)"),
     E(
         "data",
+        "the data changed since this checkpoint: <key> was <was>, is <value>",
+        "--ledger read the data where the run read it (or at --data_path), and it is not the run's",
+        "give --data_path the data the run trained on",
+    ),
+    E(
+        "data",
         "--ledger: the run read synthetic lines (--use_dummy_dataset): there is no ledger",
     ),
     E("data", "--compare: the two runs read different datasets: they cannot be compared"),

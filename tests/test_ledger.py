@@ -79,13 +79,17 @@ def test_a_second_epoch_counts_every_document_again(tmp_path):
     assert ledger.framed == len(batches) * 4 * 33  # every token of the lines, bos/eos included
 
 
-def test_states_of_two_runs_are_refused(two):
+def test_states_of_two_runs_or_of_other_data_are_refused(two):
     loader = data_loader(cfg(two, logical_shards=8), 0, 2)
     take(loader, 1)
     other = data_loader(cfg(two, logical_shards=8), 0, 3)
     take(other, 1)
     with pytest.raises(DataError, match=r"not one run's ranks: ranks \[0, 0\] of world sizes \[2, 3\]"):
         ledger_of([loader.state_dict(), other.state_dict()], loader.datasets, 7, 8, loader.packing)
+    with pytest.raises(
+        DataError, match=r"^the data changed since this checkpoint: documents was \{'a': 300, 'b': 200\}, "
+    ):
+        ledger_of([loader.state_dict()], loader.datasets[:1], 7, 8, loader.packing)
 
 
 def inspect(*args: str) -> subprocess.CompletedProcess:

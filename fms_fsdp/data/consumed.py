@@ -63,6 +63,16 @@ def check_one_run(states: list[dict[str, Any]]) -> tuple[int, int]:
     return len(ranks), sizes.pop()
 
 
+def _check_same_data(states: list[dict[str, Any]], datasets: list[Dataset], seed: int, logical_shards: int) -> None:
+    """DataError when the states were saved over other data (document counts), another seed or another
+    --logical_shards: their positions would name other documents."""
+    now = {"seed": seed, "logical_shards": logical_shards, "documents": {d.name: d.documents for d in datasets}}
+    for key, value in now.items():
+        was = states[0][key]
+        if was != value:
+            raise DataError(f"the data changed since this checkpoint: {key} was {was}, is {value}")
+
+
 class Lengths:
     """Each document's length once stripped (what the loader frames), read on first need."""
 
@@ -85,6 +95,7 @@ def ledger_of(
     """The documents that the loader states `states` (every rank's, of one run) have consumed, per
     dataset, read with the run's seed, --logical_shards and framing."""
     check_one_run(states)
+    _check_same_data(states, datasets, seed, logical_shards)
     first = int(packing.bos is not None)
     ledgers = []
     for k, ds in enumerate(datasets):
