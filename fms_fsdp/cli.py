@@ -5,10 +5,10 @@
 | fms-train                     | main_training.py          | train/loop.run_training (dry_run)          |
 | fms-evaluate                  | scripts/evaluate.py       | cli._evaluate_checkpoint                   |
 | fms-prepare-data              | scripts/prepare_data.py   | data/prepare/build.prepare_data            |
-| fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data               |
-| fms-plot-metrics              | scripts/plot_metrics.py   | plot.plot_runs                             |
+| fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data, ledger.show_ledger (--ledger) |
+| fms-plot-metrics              | scripts/plot_metrics.py   | metrics/plot.plot_runs                     |
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
-| fms-compare-runs              | scripts/compare_runs.py   | compare.compare_runs                       |
+| fms-compare-runs              | scripts/compare_runs.py   | metrics/compare.compare_runs               |
 | fms-to-hf                     | fms_to_hf.py              | weights/hf.convert                         |
 | fms-torchrun                  | scripts/train.sh          | launch.launch (torchrun)                   |
 
@@ -332,6 +332,8 @@ def _inspect_data(
                   when given, else where the run read it); --compare: against another checkpoint's;
                   --list_documents: every document seen (file:index, times, tokens)
     """
+    if (compare or list_documents) and not ledger:
+        raise ConfigError("--compare and --list_documents read a checkpoint's ledger: give --ledger=<checkpoint>")
     if ledger:
         from fms_fsdp.ledger import show_ledger
 

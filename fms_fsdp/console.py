@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Optional, TextIO, cast
@@ -16,24 +17,29 @@ from typing import Any, Optional, TextIO, cast
 class Labelled(io.TextIOBase):
     """A text stream whose every line begins with `label`: each replica group's output under
     --fault_tolerance, whose groups share a console. A line goes to `stream` in one write once it ends
-    (an unfinished one at a flush), so that the groups' lines never interleave inside a line."""
+    (an unfinished one at a flush), so that the groups' lines never interleave inside a line (a pipe keeps
+    a write whole up to 4 KiB). Threads of the process (the background checkpoint writer, the watchdog)
+    may print at once: one lock orders them."""
 
     def __init__(self, stream: Any, label: str):
         self.stream, self.label = stream, label
         self.pending, self.fresh = "", True  # the unfinished line; whether it begins a line
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        lines, ended, self.pending = (self.pending + text).rpartition("\n")
-        if ended:  # whole lines, flushed at once: one write to the console, which pipes keep whole
-            self._send(lines + ended)
-            self.stream.flush()
+        with self.lock:
+            lines, ended, self.pending = (self.pending + text).rpartition("\n")
+            if ended:  # whole lines, flushed at once: one write to the console
+                self._send(lines + ended)
+                self.stream.flush()
         return len(text)
 
     def flush(self) -> None:
-        if self.pending:
-            self._send(self.pending)
-            self.pending = ""
-        self.stream.flush()
+        with self.lock:
+            if self.pending:
+                self._send(self.pending)
+                self.pending = ""
+            self.stream.flush()
 
     def _send(self, text: str) -> None:
         pieces = []

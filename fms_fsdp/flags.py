@@ -248,6 +248,13 @@ def parse_args(argv: Sequence[str]) -> train_config:
     return make_config(**raw)
 
 
+def recorded_config(recorded: dict[str, Any]) -> train_config:
+    """The train_config a checkpoint recorded (its metadata.pth), for tools that read it back: flags this
+    release no longer has are left out, and nothing is validated (the run's trackers or tokenizer need not
+    be here)."""
+    return train_config(**{name: coerce(name, value) for name, value in recorded.items() if name in FIELDS})
+
+
 def make_config(**raw: Any) -> train_config:
     """Coerce raw values onto a train_config and validate it."""
     for name in raw:

@@ -22,7 +22,7 @@ from fms_fsdp.data.consumed import DatasetLedger, check_one_run, ledger_of
 from fms_fsdp.data.make_loader import open_datasets
 from fms_fsdp.data.shards import dataset_sources
 from fms_fsdp.errors import CheckpointError, ConfigError
-from fms_fsdp.flags import make_config
+from fms_fsdp.flags import recorded_config
 from fms_fsdp.settings import data_of, layout_of, packing_of
 from fms_fsdp.startup import model_config_of
 from fms_fsdp.storage import location
@@ -47,6 +47,8 @@ def read_checkpoints(paths: str) -> tuple[dict[str, Any], list[dict[str, Any]], 
         configs.append(meta["config"])
         steps.add(int(meta["step"]))
         ranks = sorted(folder.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+        if not ranks:
+            raise CheckpointError(f"--ledger: {folder} holds no loader_state_<rank>.pth: no data positions")
         states += [_load(p)["loader"] for p in ranks]
     if len(steps) > 1:
         raise ConfigError(f"--ledger: the checkpoints are of different steps ({sorted(steps)}): give one step's")
@@ -60,9 +62,9 @@ def ledger(paths: str, data_path: Optional[str] = None) -> tuple[list[DatasetLed
     config, states, step = read_checkpoints(paths)
     if data_path:
         config = {**config, "data_path": data_path}
-    cfg = make_config(**{k: v for k, v in config.items() if k != "config"})
+    cfg = recorded_config(config)
     vocab = model_config_of(cfg).src_vocab_size
-    settings = data_of(cfg, layout_of(cfg, vocab, run_cache=False), packing_of(cfg, vocab))
+    settings = data_of(cfg, layout_of(cfg, vocab), packing_of(cfg, vocab))  # the run's own data cache
     datasets = open_datasets(settings, dataset_sources(settings.data_path, settings.datasets))
     held, world = check_one_run(states)
     ledgers = ledger_of(states, datasets, settings.seed, settings.logical_shards, settings.packing)
@@ -95,6 +97,8 @@ def comparison(a: DatasetLedger, b: DatasetLedger) -> str:
 
 def show_ledger(paths: str, compare: Optional[str], list_documents: bool, data_path: Optional[str]) -> None:
     """Print the ledger of `paths`: each dataset's summary, compared with `compare`'s, or every document."""
+    if compare and list_documents:
+        raise ConfigError("--list_documents lists one checkpoint's documents: leave out --compare")
     ledgers, header = ledger(paths, data_path)
     print(header)
     if compare:

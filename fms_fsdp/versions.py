@@ -2,6 +2,9 @@
 checkpoint holds, LAYOUT), the package's version and git commit. Each checkpoint's metadata.pth records
 them (`stamp`); a resume or a conversion refuses a layout newer than this code's (`check_layout`).
 
+Every layout keeps metadata.pth, readable by torch.load(weights_only=True) and holding `layout`: it is where
+a checkpoint names its layout, so that an older release can refuse it instead of taking it for damaged.
+
 Layouts, each with a checkpoint of it kept as test data (tests/kept_checkpoints.py):
   1: the model and optimizer in DCP under fms's fused names, metadata.pth (step, tokens, scheduler,
      world size, config), one loader_state_<rank>.pth per data-parallel rank; checkpoints written before

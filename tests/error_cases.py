@@ -1116,6 +1116,9 @@ ERRORS: list[E] = [
     ),
     E("data", "--ledger: the checkpoints are of different steps (<steps>): give one step's"),
     E("data", "--ledger: <folder> is not a checkpoint folder (no <name>)"),
+    E("data", "--ledger: <folder> holds no loader_state_<rank>.pth: no data positions"),
+    E("data", "--list_documents lists one checkpoint's documents: leave out --compare"),
+    E("data", "--compare and --list_documents read a checkpoint's ledger: give --ledger=<checkpoint>"),
     E(
         "data",
         "the data changed since this checkpoint: <key> was <was>, is <value>",

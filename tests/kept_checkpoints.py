@@ -7,7 +7,7 @@ tests/assets/checkpoints/
     <name>/       a run folder: checkpoints/step_4_ckp/, and expected.json: who wrote it (commit,
                   package version, torch, checkpoint layout), its flags, and the losses of steps 5 to 8
 
-A change of what a checkpoint holds raises LAYOUT in fms_fsdp/checkpoint/version.py and adds one,
+A change of what a checkpoint holds raises LAYOUT in fms_fsdp/versions.py and adds one,
 written by the new code (2 ranks, 8 steps, about 30 s):
 
     python tests/kept_checkpoints.py layout<N>

@@ -75,7 +75,7 @@ def test_a_second_epoch_counts_every_document_again(tmp_path):
     state = loader.state_dict()
     ledger = ledger_of([state], loader.datasets, loader.seed, loader.logical_shards, loader.packing)[0]
     assert consumed_from_states(loader, [state]) == read(batches)
-    assert set(np.bincount(ledger.seen)[1:3]) and ledger.seen.min() >= 1 and ledger.seen.max() == 2
+    assert list(np.unique(ledger.seen)) == [1, 2]  # the second epoch has begun, not ended
     assert ledger.framed == len(batches) * 4 * 33  # every token of the lines, bos/eos included
 
 
@@ -118,3 +118,14 @@ def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted
         where.startswith(f"{name}/") and int(times) >= 1 and int(tokens) >= 1 for name, where, times, tokens in listed
     )
     assert all(times == "1" for name, _, times, _ in listed if name == "web")
+
+
+def test_the_command_refuses_what_it_cannot_answer_in_one_line(tmp_path):
+    proc = inspect(f"--compare={tmp_path}")
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        "error: --compare and --list_documents read a checkpoint's ledger: give --ledger=<checkpoint>"
+    ], proc.stderr
+    proc = inspect(f"--ledger={tmp_path}")
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        f"error: --ledger: {tmp_path} is not a checkpoint folder (no metadata.pth)"
+    ], proc.stderr

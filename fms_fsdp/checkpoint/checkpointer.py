@@ -151,7 +151,7 @@ class CheckpointRestorer:
         """Restore the newest complete checkpoint (the previous one when it can't be read): (step,
         tokens_seen), or None when there is none. Rank 0 lists the candidates and every rank agrees on
         each attempt, so all resume from the same one."""
-        names = on_rank0(self._candidates, Exception, CheckpointError)
+        names = on_rank0(self._candidates, CheckpointError, CheckpointError)
         last_error = ""
         for k, path in enumerate(self.root / name for name in names):
             error: Optional[BaseException] = None

@@ -25,7 +25,7 @@ _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 
 # Arguments to fms LLaMAConfig; unspecified fields keep LLaMAConfig's defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
-    # small variants for CPU tests and the quick start; micro's checkpoints are kept as test data (1 MB)
+    # small variants for CPU tests and the quick start; micro's checkpoints are kept as test data (3 MB)
     "micro": dict(
         src_vocab_size=1024, emb_dim=64, nheads=2, kvheads=1, nlayers=2, multiple_of=32, max_expected_seq_len=256
     ),
