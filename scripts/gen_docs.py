@@ -1,5 +1,6 @@
 """Regenerate the docs' tables from the code: in README.md the map of the package (its module docstrings);
-in docs/configuration.md the flags (the train_config dataclass) and the model variants; in docs/troubleshooting.md the fault matrix (tests/test_faults.py:
+in docs/configuration.md the flags (the train_config dataclass), the model variants and which features
+compose (tests/composition.py); in docs/troubleshooting.md the fault matrix (tests/test_faults.py:
 what each fault looks like and its exit status, as the suite drives it) and every message
 (tests/error_cases.py); with matplotlib installed, docs/lr_schedules.png from fms_fsdp/schedule.py.
 
@@ -58,6 +59,12 @@ def faults_table() -> str:
     return troubleshooting_table()
 
 
+def composition_table() -> str:
+    from composition import table
+
+    return table()
+
+
 def errors_tables() -> str:
     from error_cases import troubleshooting_tables
 
@@ -96,7 +103,11 @@ def modules_table() -> str:
 
 # each generated document (its path in the repository), and its sections
 DOCS: dict[str, dict[str, Callable[[], str]]] = {
-    "docs/configuration.md": {"flags": markdown_reference, "variants": variants_table},
+    "docs/configuration.md": {
+        "flags": markdown_reference,
+        "variants": variants_table,
+        "composition": composition_table,
+    },
     "docs/troubleshooting.md": {"faults": faults_table, "errors": errors_tables},
     "README.md": {"modules": modules_table},
 }

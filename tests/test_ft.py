@@ -17,13 +17,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.console import Labelled
 from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.resilience.ft import Watchdog, short_cause
 from fms_fsdp.resilience.ft_settings import fingerprint
 from fms_fsdp.settings import SHARED_FLAGS, shared_of
 
-from conftest import ROOT, TINY, records, run_here
+from conftest import ROOT, TINY, launch, records, run_here
 
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
@@ -228,6 +229,50 @@ def test_the_ledger_of_both_groups_after_a_catch_up_holds_every_document_once(tm
     ]
     read = sum(int(line.split("; ")[1].split(" tokens")[0].replace(",", "")) for line in lines[1:])
     assert read == sum(taken) * 2 * 33, (taken, lines)
+
+
+# what runs inside each replica group (2 ranks), and the mesh of the same run as one torchrun of 4 ranks
+# whose replicate dimension plays the groups' part (HSDP's math: the groups average their gradients)
+COMPOSED = {
+    "tensor parallel, async checkpoints, evaluation, exports": (
+        ["--tensor_parallel_size=2", "--async_checkpoint=True", "--eval_interval=2", "--export_interval=2"],
+        ["--sharding_strategy=hsdp", "--sharding_group_size=1"],
+    ),
+    "context parallel, float8": (
+        ["--context_parallel_size=2", "--float8=True", "--float8_min_size=16", "--batch_size=1"],
+        ["--sharding_strategy=hsdp", "--sharding_group_size=1"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPOSED)
+def test_replica_groups_compose_with_the_features_inside_them(case, tmp_path, lighthouse, data):
+    """Two replica groups of 2 ranks, each running `case`'s features, train to the losses and evaluation
+    losses of the same mesh as one torchrun (within fp32 reduction order); their checkpoints, background
+    ones included, and exports are written by every group."""
+    inside, mesh = COMPOSED[case]
+    common = [*TINY, *SCHEDULE, "--batch_size=2", "--vocab_size=1024", "--num_steps=4", "--checkpoint_interval=2"]
+    common += [f"--eval_data_path={data}", "--eval_batches=2"] if "--eval_interval=2" in inside else []
+    out, reference = tmp_path / "run", tmp_path / "reference"
+    ft = ["--fault_tolerance=True", "--ft_replica_groups=2", f"--ft_lighthouse={lighthouse}"]
+    groups = [Group(g, [*common, *inside, *ft, f"--ckpt_save_path={out}"], tmp_path, f"g{g}") for g in (0, 1)]
+    statuses = [g.wait(timeout=240) for g in groups]
+    assert statuses == [0, 0], groups[0].output()[-3000:] + groups[1].output()[-3000:]
+    proc = launch("main_training.py", [*common, *inside, *mesh, f"--ckpt_save_path={reference}"], 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = {r["step"]: r for r in records(reference)}
+    got = [{r["step"]: r for r in records(out / f"group_{g}")} for g in (0, 1)]
+    # a group reports the loss of its own lines (the reference: of both replicas'); each evaluates alike
+    losses = [((got[0][s]["loss"] + got[1][s]["loss"]) / 2, want[s]["loss"]) for s in want if "loss" in want[s]]
+    evaluated = [(g[s]["eval_loss"], want[s]["eval_loss"]) for s in want if "eval_loss" in want[s] for g in got]
+    assert len(losses) >= 2 and all(a == pytest.approx(b, rel=1e-4) for a, b in losses + evaluated), (losses, evaluated)
+    assert bool(evaluated) == ("--eval_interval=2" in inside)
+    for g in (0, 1):
+        folder = out / f"group_{g}"
+        assert [s for s, _ in complete_checkpoints(folder / "checkpoints")] == [2, 4]
+        if "--export_interval=2" in inside:
+            assert sorted(p.name for p in (folder / "exports").iterdir()) == ["step_2", "step_4"]
 
 
 @pytest.mark.slow

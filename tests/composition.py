@@ -1,0 +1,146 @@
+"""The composition matrix: for every pair of the package's large features, either the runs that train
+with both against a reference (another mesh, one rank, or the run without one of them where that is the
+same computation), or the one line the start-up refuses the pair with. tests/test_composition.py holds
+it to that: every pair is here, a refusal is what the start-up says (checked without a launch), and each
+run named exists (it runs in its own tier). docs/configuration.md's table is generated from it
+(scripts/gen_docs.py). A pair no run has tried together yet says so, in the table too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+# each feature: what it is, and the flags that turn it on for a start-up check (planned on 4 ranks)
+FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "PP": ("pipeline parallel", ("--pipeline_parallel_size=2",)),
+    "CP": ("context parallel", ("--context_parallel_size=2",)),
+    "TP": ("tensor parallel", ("--tensor_parallel_size=2",)),
+    "HSDP": ("replicated shard groups", ("--sharding_strategy=hsdp", "--sharding_group_size=1")),
+    "FT": ("fault tolerance", ("--fault_tolerance=True", "--ft_replica_groups=2", "--ft_lighthouse=localhost:1")),
+    "LoRA": ("LoRA adapters", ("--lora_rank=4",)),
+    "float8": ("float8 matmuls", ("--float8=True",)),
+    "async": ("background checkpoints", ("--async_checkpoint=True",)),
+    "eval": ("periodic evaluation", ("--eval_interval=2",)),
+    "harness": ("lm-eval-harness tasks", ("--eval_harness_tasks=hellaswag",)),
+    "exports": ("periodic exports", ("--export_interval=2",)),
+}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two features: the runs that train with both against a reference (`file.py::test[, run]`), or
+    the start-up's refusal."""
+
+    a: str
+    b: str
+    runs: tuple[str, ...] = ()
+    refused: Optional[str] = None
+
+
+M, F, H, HS = "test_meshes.py", "test_ft.py", "test_harness.py", "test_hf_sharded.py"
+FT_TP = f"{F}::test_replica_groups_compose_with_the_features_inside_them, tensor parallel, async checkpoints, evaluation, exports"
+FT_CP = f"{F}::test_replica_groups_compose_with_the_features_inside_them, context parallel, float8"
+PIPELINE = f"{M}::test_pipeline_schedules_take_the_steps_of_one_rank"
+TP_RESUME = f"{M}::test_a_checkpoint_resumes_at_another_tensor_parallel_size, tp2"
+TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_as_one_rank"
+PP_CP = f"{TOGETHER}, pp2 x cp2, async checkpoints, evaluation"
+LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
+
+MATRIX: list[Pair] = [
+    Pair("PP", "CP", (PP_CP,)),
+    Pair("PP", "async", (PP_CP,)),
+    Pair("CP", "async", (PP_CP,)),
+    Pair("CP", "eval", (PP_CP,)),
+    Pair("LoRA", "HSDP", (LORA,)),
+    Pair("LoRA", "async", (LORA,)),
+    Pair("LoRA", "eval", (LORA,)),
+    Pair("PP", "TP", (f"{PIPELINE}, pp2_tp2",)),
+    Pair("PP", "eval", (f"{M}::test_evaluation_through_the_pipeline_equals_one_ranks, pp2_eval",)),
+    Pair("PP", "exports", (f"{M}::test_pipeline_checkpoints_resume_at_any_size_and_export_the_whole_model",)),
+    Pair("PP", "FT", refused="--fault_tolerance does not run with --pipeline_parallel_size > 1 yet"),
+    Pair("PP", "harness", refused="--pipeline_parallel_size=2 does not combine with --eval_harness_tasks yet"),
+    Pair("CP", "TP", (f"{M}::test_context_parallel_takes_the_steps_of_one_rank, cp2_tp2",)),
+    Pair("CP", "HSDP", (FT_CP,)),
+    Pair("CP", "FT", (FT_CP,)),
+    Pair("CP", "float8", (FT_CP,)),
+    Pair("CP", "harness", (f"{H}::test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same",)),
+    Pair("CP", "exports", (f"{HS}::test_every_mesh_imports_its_slices_exactly_and_exports_them, cp",)),
+    Pair(
+        "TP", "HSDP", (f"{M}::test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_loss_of_the_same_global_batch, hsdp_tp2",)
+    ),
+    Pair("TP", "FT", (FT_TP,)),
+    Pair("TP", "LoRA", refused="--tensor_parallel_size=2 does not combine with --lora_rank yet"),
+    Pair("TP", "float8", refused="--tensor_parallel_size=2 does not combine with --float8 yet"),
+    Pair("TP", "async", (TP_RESUME, FT_TP)),
+    Pair("TP", "eval", (TP_RESUME, FT_TP)),
+    Pair(
+        "TP", "exports", (f"{M}::test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size", FT_TP)
+    ),
+    Pair("HSDP", "FT", refused="--fault_tolerance replicates across groups"),
+    Pair("HSDP", "float8", (FT_CP,)),
+    Pair("HSDP", "async", (FT_TP,)),
+    Pair("HSDP", "eval", (FT_TP,)),
+    Pair("HSDP", "exports", (f"{M}::test_a_2_rank_checkpoint_resumes_on_4_ranks", FT_TP)),
+    Pair("FT", "float8", (FT_CP,)),
+    Pair("FT", "async", (FT_TP,)),
+    Pair("FT", "eval", (FT_TP,)),
+    Pair("FT", "exports", (FT_TP,)),
+    Pair("LoRA", "float8", refused="--lora_rank with --float8 is not supported"),
+    Pair("LoRA", "exports", (f"{HS}::test_every_mesh_imports_its_slices_exactly_and_exports_them, lora",)),
+    Pair(
+        "float8",
+        "exports",
+        ("test_float8.py::test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same",),
+    ),
+    Pair("async", "eval", (TP_RESUME, FT_TP)),
+    Pair(
+        "async",
+        "exports",
+        ("test_checkpoint.py::test_async_checkpoints_and_exports_hold_the_state_of_their_step", FT_TP),
+    ),
+    Pair("eval", "exports", (TP_RESUME, FT_TP)),
+    Pair("harness", "exports", (f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export",)),
+]
+
+
+# neither run together nor refused yet: the table shows them as such
+NOT_YET = [
+    ("PP", "HSDP"),
+    ("PP", "LoRA"),
+    ("PP", "float8"),
+    ("CP", "LoRA"),
+    ("TP", "harness"),
+    ("HSDP", "harness"),
+    ("FT", "LoRA"),
+    ("FT", "harness"),
+    ("LoRA", "harness"),
+    ("float8", "async"),
+    ("float8", "eval"),
+    ("float8", "harness"),
+    ("async", "harness"),
+    ("eval", "harness"),
+]
+
+
+def every_pair() -> list[tuple[str, str]]:
+    return list(itertools.combinations(FEATURES, 2))
+
+
+def entry(a: str, b: str) -> Optional[Pair]:
+    return next((p for p in MATRIX if {p.a, p.b} == {a, b}), None)
+
+
+def table() -> str:
+    """docs/configuration.md's table: a row per feature, a column per feature; C composes (a run with both
+    matches its reference), R is refused at start-up in one line, - not yet run together."""
+    names = list(FEATURES)
+    rows = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = []
+        for b in names:
+            pair = None if a == b else entry(a, b)
+            cells.append("" if a == b else "-" if pair is None else "R" if pair.refused else "C")
+        rows.append(f"| **{a}** ({FEATURES[a][0]}) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,101 @@
+"""The composition matrix (tests/composition.py): every pair of large features is in it; a refused pair
+is refused by the start-up in the line recorded (4 ranks planned from torchrun's environment, no launch);
+a pair that composes names runs that exist, each in its tier, with both features against a reference."""
+
+import ast
+import re
+
+import pytest
+from composition import FEATURES, MATRIX, NOT_YET, Pair, every_pair
+from kept_checkpoints import ASSETS, KEPT_STEP
+
+from fms_fsdp.checkpoint.layout import complete_checkpoints
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
+from fms_fsdp.startup import facts
+
+from conftest import ROOT, TINY, launch, records
+
+
+def test_every_pair_of_features_is_in_the_matrix_once():
+    listed = [frozenset((p.a, p.b)) for p in MATRIX]
+    assert len(listed) == len(set(listed)) and all(p.a in FEATURES and p.b in FEATURES for p in MATRIX)
+    assert all(bool(p.runs) != bool(p.refused) for p in MATRIX)
+    missing = [pair for pair in every_pair() if frozenset(pair) not in listed]
+    assert missing == NOT_YET, missing  # the generated table says so (docs/configuration.md)
+
+
+@pytest.mark.parametrize("pair", [p for p in MATRIX if p.refused], ids=lambda p: f"{p.a}+{p.b}")
+def test_a_refused_pair_is_refused_at_start_up_in_its_line(pair: Pair, monkeypatch, tmp_path):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    base = "--ckpt_load_path=" + str(ASSETS / "layout1" / "checkpoints" / f"step_{KEPT_STEP}_ckp")  # for LoRA
+    args = [*TINY, "--batch_size=4", f"--ckpt_save_path={tmp_path}", "--ft_group_index=0", base]
+    with pytest.raises(ConfigError) as e:
+        facts(parse_args([*args, *FEATURES[pair.a][1], *FEATURES[pair.b][1]]))
+    assert str(e.value).startswith(pair.refused), e.value
+    assert "\n" not in str(e.value)
+
+
+def test_every_run_named_exists():
+    for pair in MATRIX:
+        for run in pair.runs:
+            where, _, case = run.partition(", ")
+            file, _, function = where.partition("::")
+            source = (ROOT / "tests" / file).read_text()
+            functions = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+            assert function in functions, run
+            if case:  # a run of the test's launches, named in its file
+                assert re.search(rf'["\']{re.escape(case)}["\']', source), run
+
+
+# runs of several features at once on 4 ranks, each against one rank with the same global batch (its
+# evaluation too): (the run's flags, the reference's); both read synthetic lines and evaluate on `data`
+TOGETHER = {
+    "pp2 x cp2, async checkpoints, evaluation": (
+        [
+            "--pipeline_parallel_size=2",
+            "--pipeline_schedule=1F1B",
+            "--context_parallel_size=2",
+            "--async_checkpoint=True",
+        ],
+        [],
+    ),
+    "LoRA on hsdp 2 x 2, async checkpoints, evaluation": (
+        ["--lora_rank=4", "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"],
+        ["--lora_rank=4"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TOGETHER)
+def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, data):
+    flags, reference = TOGETHER[case]
+    base = str(ASSETS / "layout1" / "checkpoints" / f"step_{KEPT_STEP}_ckp")  # LoRA's base: the kept micro model
+    common = [
+        *TINY,
+        "--model_variant=micro",
+        "--vocab_size=1024",
+        f"--ckpt_load_path={base}",
+        "--lr_schedule=constant",
+        "--warmup_steps=2",
+        "--num_steps=4",
+        "--checkpoint_interval=2",
+        "--eval_interval=2",
+        f"--eval_data_path={data}",
+        "--eval_batches=2",
+        "--eval_batch_size=4",  # the same lines evaluated whatever --batch_size
+    ]
+    out = tmp_path / "run"
+    proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dp = 4 if "hsdp" in case else 1  # data-parallel ranks of the run: the reference takes their lines at once
+    one = launch(
+        "main_training.py", [*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={tmp_path / 'one'}"], 1
+    )
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    got, want = ({r["step"]: r for r in records(run)} for run in (out, tmp_path / "one"))
+    pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss") if k in want[s]]
+    assert len(pairs) >= 4 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
