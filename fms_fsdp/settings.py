@@ -406,6 +406,7 @@ def pipeline_of(cfg: train_config) -> PipelineSettings:
         variant=cfg.model_variant,
         grad_accum_steps=cfg.grad_accum_steps,
         harness=bool(cfg.eval_harness_tasks),
+        evaluates=cfg.eval_interval > 0,
         eval_batch_size=cfg.eval_batch_size,
     )
 

@@ -57,7 +57,14 @@ MATRIX: list[Pair] = [
     Pair("LoRA", "async", (LORA,)),
     Pair("LoRA", "eval", (LORA,)),
     Pair("PP", "TP", (f"{PIPELINE}, pp2_tp2",)),
-    Pair("PP", "eval", (f"{M}::test_evaluation_through_the_pipeline_equals_one_ranks, pp2_eval",)),
+    Pair(
+        "PP",
+        "eval",
+        (
+            f"{M}::test_evaluation_through_the_pipeline_equals_one_ranks, pp2_eval",
+            f"{M}::test_evaluation_through_the_pipeline_equals_one_ranks, pp2_eval_zb",
+        ),
+    ),
     Pair("PP", "exports", (f"{M}::test_pipeline_checkpoints_resume_at_any_size_and_export_the_whole_model",)),
     Pair("PP", "FT", refused="--fault_tolerance does not run with --pipeline_parallel_size > 1 yet"),
     Pair("PP", "harness", refused="--pipeline_parallel_size=2 does not combine with --eval_harness_tasks yet"),

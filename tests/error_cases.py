@@ -705,6 +705,19 @@ ERRORS: list[E] = [
         "",
     ),
     E("parallel", "--pipeline_split=<text>: give the blocks of each stage as integers, such as 3,5,5,3"),
+    E(
+        "parallel",
+        "--eval_interval does not run under --pipeline_schedule=ZBVZeroBubble yet (torch's V-shaped schedules cannot "
+        "run forward only): use InterleavedZeroBubble or Interleaved1F1B for a run that evaluates",
+        "torch's V-shaped schedules (ZBVZeroBubble, DualPipeV) fail in a forward-only pass",
+        flags=(
+            "--pipeline_parallel_size=2",
+            "--pipeline_schedule=ZBVZeroBubble",
+            "--eval_interval=2",
+            "--eval_data_path=/data",
+        ),
+        world=2,
+    ),
     E("parallel", "--device=cuda: no CUDA device is visible; use --device=cpu or --device=auto"),
     E(
         "parallel",

@@ -48,6 +48,10 @@ PP_SCHEDULES = {
     "zb": ["--pipeline_schedule=" + ("ZBVZeroBubble" if v_shaped_schedules_run() else "InterleavedZeroBubble")],
 }
 
+# evaluation through the pipeline's stages under a looped schedule and a zero-bubble one (under the V-shaped
+# ones it is refused at start-up: tests/error_cases.py)
+EVAL_SCHEDULES = {"pp2_eval": [], "pp2_eval_zb": ["--pipeline_schedule=InterleavedZeroBubble"]}
+
 
 def launch_runs(nproc: int, runs: list[list[str]]) -> str:
     """The runs one after another in one launch of `nproc` ranks (tests/runs_worker.py); every rank's
@@ -138,7 +142,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "pp2_fsdp2",
             "pp2_tp2",
             "eval_ref",
-            "pp2_eval",
+            *EVAL_SCHEDULES,
         )
     }
     gqa = [*TINY, "--num_steps=4", "--checkpoint_interval=0", "--batch_size=2"]
@@ -229,7 +233,10 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
                 "--export_format=hf",
                 "--export_model_at_end=True",
             ),
-            flags(data, out["pp2_eval"], *evaluated, "--pipeline_parallel_size=2"),  # after tp2: its export
+            *[  # after tp2: its export
+                flags(data, out[name], *evaluated, "--pipeline_parallel_size=2", *schedule)
+                for name, schedule in EVAL_SCHEDULES.items()
+            ],
             *[
                 flags(
                     data,
@@ -473,12 +480,13 @@ def test_pipeline_checkpoints_resume_at_any_size_and_export_the_whole_model(runs
         assert all(torch.equal(exported[k], saved[k]) for k in saved)
 
 
-def test_evaluation_through_the_pipeline_equals_one_ranks(runs):
+@pytest.mark.parametrize("name", EVAL_SCHEDULES)
+def test_evaluation_through_the_pipeline_equals_one_ranks(runs, name):
     """Started from a model file (rank 0 reads it, each stage keeps its modules' tensors), the training
-    losses through P=2's stages (Interleaved1F1B, 2 microbatches of a line) on the real data and the
-    held-out loss evaluated through them equal one rank's."""
-    want, got = records(runs["eval_ref"]), records(runs["pp2_eval"])
-    assert close(losses(runs["pp2_eval"]), losses(runs["eval_ref"]))
+    losses through P=2's stages (Interleaved1F1B, 2 microbatches of a line; a zero-bubble schedule; a
+    V-shaped one) on the real data and the held-out loss evaluated through them equal one rank's."""
+    want, got = records(runs["eval_ref"]), records(runs[name])
+    assert close(losses(runs[name]), losses(runs["eval_ref"]))
     evals = [(r["eval_loss"], r["eval_tokens"]) for r in got if "eval_loss" in r]
     assert evals and evals == [
         pytest.approx((r["eval_loss"], r["eval_tokens"]), abs=TOL) for r in want if "eval_loss" in r

@@ -232,6 +232,11 @@ def check_pipeline(settings: PipelineSettings, model_config: LLaMAConfig) -> Non
     ):
         if used:
             raise ConfigError(f"--pipeline_parallel_size={settings.size} does not combine with {flag} yet")
+    if settings.evaluates and settings.schedule in V_SHAPED:
+        raise ConfigError(
+            f"--eval_interval does not run under --pipeline_schedule={settings.schedule} yet (torch's V-shaped "
+            "schedules cannot run forward only): use InterleavedZeroBubble or Interleaved1F1B for a run that evaluates"
+        )
 
 
 def prune(model: CausalLM, plan: PipelinePlan, pp_rank: int) -> None:

@@ -54,6 +54,7 @@ class PipelineSettings:
     variant: str  # --model_variant
     grad_accum_steps: int
     harness: bool  # --eval_harness_tasks given
+    evaluates: bool  # --eval_interval > 0: held-out evaluation through the stages
     eval_batch_size: Optional[int]
 
 
