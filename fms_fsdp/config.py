@@ -523,7 +523,7 @@ class train_config:
     )
     checkpoint_monitor: str = _f(
         "eval_loss",
-        "The evaluation metric --checkpoint_keep_best ranks by: eval_loss, eval_ppl or eval_loss/<dataset> (lower is better for a loss or a perplexity, higher for anything else).",
+        "The evaluation metric --checkpoint_keep_best ranks by: eval_loss, eval_ppl, eval_loss/<dataset>, or an lm-eval score harness/<task>/<metric> (lower is better for a loss, a perplexity or bits per byte, higher for anything else).",
         shared=False,
     )
     async_checkpoint: bool = _f(False, "Write checkpoints in the background while training goes on.", shared=False)
@@ -810,16 +810,29 @@ def _check_keep_best(cfg: train_config) -> None:
     checkpoint step, and an evaluation metric to rank by."""
     if not cfg.checkpoint_keep_best:
         return
+    if cfg.checkpoint_monitor.startswith("harness/"):
+        return _check_keep_best_by_harness(cfg)
     if not cfg.checkpoint_monitor.startswith("eval_"):
         raise ConfigError(
             f"--checkpoint_monitor={cfg.checkpoint_monitor!r}: name an evaluation metric "
-            "(eval_loss, eval_ppl or eval_loss/<dataset>)"
+            "(eval_loss, eval_ppl, eval_loss/<dataset> or harness/<task>/<metric>)"
         )
     interval = cfg.checkpoint_interval
     if cfg.eval_interval <= 0 or not isinstance(interval, int) or interval <= 0 or cfg.eval_interval % interval:
         raise ConfigError(
             f"--checkpoint_keep_best={cfg.checkpoint_keep_best} ranks checkpoints by {cfg.checkpoint_monitor} measured "
             f"at their steps: set --eval_data_path and an --eval_interval (now {cfg.eval_interval}) that is a "
+            f"multiple of --checkpoint_interval (now {interval})"
+        )
+
+
+def _check_keep_best_by_harness(cfg: train_config) -> None:
+    """--checkpoint_monitor=harness/<task>/<metric>: the tasks scored at checkpoint steps."""
+    interval, every = cfg.checkpoint_interval, cfg.eval_harness_interval
+    if not cfg.eval_harness_tasks or not isinstance(interval, int) or interval <= 0 or every <= 0 or every % interval:
+        raise ConfigError(
+            f"--checkpoint_keep_best={cfg.checkpoint_keep_best} ranks checkpoints by {cfg.checkpoint_monitor} scored "
+            f"at their steps: set --eval_harness_tasks and an --eval_harness_interval (now {every}) that is a "
             f"multiple of --checkpoint_interval (now {interval})"
         )
 

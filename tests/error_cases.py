@@ -213,7 +213,7 @@ ERRORS: list[E] = [
     E("flags", "--tokenizer_path: <tokenizer_path> does not exist (a tokenizer folder or tokenizer.json)"),
     E(
         "flags",
-        "--checkpoint_monitor=<checkpoint_monitor>: name an evaluation metric (eval_loss, eval_ppl or eval_loss/<dataset>)",
+        "--checkpoint_monitor=<checkpoint_monitor>: name an evaluation metric (eval_loss, eval_ppl, eval_loss/<dataset> or harness/<task>/<metric>)",
         "",
         "",
     ),
@@ -222,6 +222,17 @@ ERRORS: list[E] = [
         "--checkpoint_keep_best=<checkpoint_keep_best> ranks checkpoints by <checkpoint_monitor> measured at their steps: set --eval_data_path and an --eval_interval (now <eval_interval>) that is a multiple of --checkpoint_interval (now <interval>)",
         "",
         "",
+    ),
+    E(
+        "flags",
+        "--checkpoint_keep_best=1 ranks checkpoints by harness/hellaswag/acc scored at their steps: set "
+        "--eval_harness_tasks and an --eval_harness_interval (now 0) that is a multiple of --checkpoint_interval "
+        "(now 10)",
+        flags=(
+            "--checkpoint_keep_best=1",
+            "--checkpoint_monitor=harness/hellaswag/acc",
+            "--checkpoint_interval=10",
+        ),
     ),
     E("flags", "--<name>: expected a number or a fraction like 1/3, got <value>"),
     E("flags", "--<name>: must be < 1, got <name>"),

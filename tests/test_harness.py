@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fms_fsdp.checkpoint.layout import complete_checkpoints
+
 from conftest import TINY, here, launch, records
 from test_hf import hf_main, save_tokenizer
 
@@ -36,6 +38,14 @@ RUN = [
     "--eval_batch_size=3",
 ]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# a checkpoint every 2 steps, the newest kept and the best by an lm-eval score (a perplexity: lower is better)
+MONITOR = "harness/tiny_ppl/word_perplexity"
+KEEP_BEST = [
+    "--checkpoint_interval=2",
+    "--checkpoint_keep=1",
+    "--checkpoint_keep_best=1",
+    f"--checkpoint_monitor={MONITOR}",
+]
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -91,7 +101,14 @@ def trained(tmp_path_factory):
     harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
     proc = launch(
         "main_training.py",
-        [*RUN, *harness, "--eval_harness_interval=2", "--export_model_at_end=True", f"--ckpt_save_path={out}"],
+        [
+            *RUN,
+            *harness,
+            *KEEP_BEST,
+            "--eval_harness_interval=2",
+            "--export_model_at_end=True",
+            f"--ckpt_save_path={out}",
+        ],
         2,
         extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp / "hf_cache")},
     )
@@ -115,6 +132,8 @@ def test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export(trai
         scored[2]["harness/tiny_ppl/word_perplexity"] != scored[4]["harness/tiny_ppl/word_perplexity"]
     ), "the model trains between the two"
     assert "harness step 4 | tiny_mc/acc" in stdout
+    best = min(scored, key=lambda s: (scored[s][MONITOR], s))  # --checkpoint_keep_best by the harness's score
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == sorted({best, 4}), (best, scored)
     # lm-eval's own run over the Hugging Face export of the same weights (fp32)
     for k, v in {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}.items():
         monkeypatch.setenv(k, v)

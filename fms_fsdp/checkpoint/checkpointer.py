@@ -86,14 +86,16 @@ class Checkpointer:
         if not saver.settings.policy.best or not saver.info.is_main:
             return
         if monitor not in record:
-            if not saver.scores:
-                names = ", ".join(k for k in record if k.startswith(("eval_loss", "eval_ppl")))
+            kind = "harness/" if monitor.startswith("harness/") else "eval_"
+            if not saver.scores and any(k.startswith(kind) for k in record):  # the monitor's kind of record
+                names = ", ".join(k for k in record if k.startswith(("eval_loss", "eval_ppl", "harness/")))
                 saver.log(
                     f"warning: --checkpoint_monitor={monitor} is not among the evaluation's metrics ({names}): "
                     "no checkpoint is kept as best"
                 )
             return
         saver.scores[step] = float(record[monitor])
+        saver.prune()  # the best may have changed: a checkpoint kept only as the best so far goes now
 
     def save(self, step: int, tokens_seen: int) -> float:
         return self.saver.save(step, tokens_seen)

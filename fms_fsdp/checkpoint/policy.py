@@ -13,6 +13,10 @@ from fms_fsdp.errors import ConfigError
 _POLICY_PART = re.compile(r"^every (\d+)(?: until (\d+))?$")
 
 
+# metrics where lower is better (a loss, a perplexity, lm-eval's bits per byte); higher for any other
+LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "bits_per_byte")
+
+
 @dataclass(frozen=True)
 class KeepPolicy:
     """The latest `latest` checkpoints, plus permanent ones by step (rules of (every, until)), plus the
@@ -48,7 +52,7 @@ class KeepPolicy:
 
     def best_of(self, steps: list[int], scores: Mapping[int, float]) -> set[int]:
         """The `best` steps among `steps` by their scores (steps without one are not ranked)."""
-        sign = 1.0 if "loss" in self.monitor or "ppl" in self.monitor else -1.0
+        sign = 1.0 if any(name in self.monitor for name in LOWER_IS_BETTER) else -1.0
         ranked = sorted((s for s in steps if s in scores), key=lambda s: (sign * scores[s], s))
         return set(ranked[: self.best])
 

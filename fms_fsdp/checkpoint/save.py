@@ -214,20 +214,25 @@ class CheckpointSaver:
         def files() -> None:
             commit(tmp, step_folder(self.root, step))
             print(f"checkpoint: saved {step_folder(self.root, step)}", flush=True)
-            try:  # the new checkpoint is complete: a failure to delete an old one only warns
-                steps = [s for s, _ in complete_checkpoints(self.root)]
-                for s in self.settings.policy.to_delete(steps, self.scores):
-                    delete_checkpoint(step_folder(self.root, s))
-            except Exception as e:
-                if not storage_error(e):
-                    raise
-                print(
-                    f"warning: cannot delete an old checkpoint in {self.root} ({type(e).__name__}: "
-                    f"{first_line(e)}); it is kept",
-                    flush=True,
-                )
+            self.prune()
 
         on_main(self.info, files)
+
+    def prune(self) -> None:
+        """Delete the complete checkpoints the keep policy no longer keeps (rank 0's file work: after each
+        commit, and after each new score); a failure to delete only warns."""
+        try:
+            steps = [s for s, _ in complete_checkpoints(self.root)]
+            for s in self.settings.policy.to_delete(steps, self.scores):
+                delete_checkpoint(step_folder(self.root, s))
+        except Exception as e:
+            if not storage_error(e):
+                raise
+            print(
+                f"warning: cannot delete an old checkpoint in {self.root} ({type(e).__name__}: "
+                f"{first_line(e)}); it is kept",
+                flush=True,
+            )
 
     def _failed(self, tmp: Path, error: BaseException) -> None:
         """Remove the unfinished save; stop the run, or warn with --on_checkpoint_error=warn when the

@@ -220,9 +220,8 @@ class HarnessEvaluator:
             for k, v in record.items()
             if k.startswith("harness/") and not k.endswith("/sample_len")
         )
-        return Report(
-            record["harness_seconds"], record, f"harness step {step} | {scores} | {record['harness_seconds']:.1f}s"
-        )
+        line = f"harness step {step} | {scores} | {record['harness_seconds']:.1f}s"
+        return Report(record["harness_seconds"], record, line, scores_checkpoint=True)
 
     def finish(self) -> None:
         """Nothing in flight."""
