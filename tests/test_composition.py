@@ -14,7 +14,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.startup import facts
 
-from conftest import ROOT, TINY, launch, records
+from conftest import ROOT, TINY, launch, records, resume_from
 
 
 def test_every_pair_of_features_is_in_the_matrix_once():
@@ -99,3 +99,25 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
     pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss") if k in want[s]]
     assert len(pairs) >= 4 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
+
+
+@pytest.mark.slow
+def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_rank(tmp_path):
+    """Llama 3.2's tied head (tiny_tied) under TP=2, built eagerly and on the meta device (--low_cpu_fsdp):
+    the losses of one rank, and the TP=2 checkpoint resumes on one rank to them."""
+    tied = [*TINY, "--model_variant=tiny_tied", "--num_steps=4", "--batch_size=2", "--checkpoint_interval=2"]
+    runs = {
+        "one": [],
+        "tp2": ["--tensor_parallel_size=2"],
+        "tp2_meta": ["--tensor_parallel_size=2", "--low_cpu_fsdp=True"],
+    }
+    for name, extra in runs.items():
+        proc = launch("main_training.py", [*tied, *extra, f"--ckpt_save_path={tmp_path / name}"], 2 if extra else 1)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = [r["loss"] for r in records(tmp_path / "one")]
+    for name in ("tp2", "tp2_meta"):
+        assert [r["loss"] for r in records(tmp_path / name)] == pytest.approx(want, rel=1e-5), name
+    resumed = resume_from(tmp_path / "tp2", 2, tmp_path / "resumed")
+    proc = launch("main_training.py", [*tied, f"--ckpt_save_path={resumed}"], 1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["loss"] for r in records(resumed) if r["step"] > 2] == pytest.approx(want[2:], rel=1e-5)

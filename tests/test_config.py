@@ -107,7 +107,7 @@ def test_bad_values_name_the_flag(flag, message):
     [
         (
             "--model_variant=llama9",
-            "--model_variant: unknown variant 'llama9'; valid: micro, tiny, tiny_llama3, tiny_mha, small, llama2_1.4b",
+            "--model_variant: unknown variant 'llama9'; valid: micro, tiny, tiny_llama3, tiny_tied, tiny_mha, small, llama2_1.4b",
         ),
         ("--checkpoint_keep_policy=each 10", "--checkpoint_keep_policy: cannot read 'each 10'"),
     ],

@@ -91,6 +91,10 @@ def init_weights(model: LLaMA, seed: int) -> None:
     for fused, members in fused_parts(shapes).items():
         total = members[-1][1] + shapes[members[-1][0]][0]
         origin.update({m: (fused, row, total) for m, row in members})
+    head, embedding = getattr(model, "head", None), model.base_model.embedding
+    if head is not None and embedding is not None and head.weight is embedding.weight:  # tied, and listed once
+        rules["base_model.embedding.weight"] = rules["head.weight"]  # the head's draw, as post_init ties them
+        origin["base_model.embedding.weight"] = ("head.weight", 0, head.weight.shape[0])
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         offset, shape = local_box(param)

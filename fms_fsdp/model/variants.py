@@ -42,6 +42,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         max_expected_seq_len=1024,
         rope_theta=500000.0,
     ),
+    # the head tied to the embedding, as Llama 3.2's
+    "tiny_tied": dict(
+        src_vocab_size=4096,
+        emb_dim=256,
+        nheads=4,
+        kvheads=2,
+        nlayers=4,
+        multiple_of=64,
+        max_expected_seq_len=1024,
+        tie_heads=True,
+    ),
     # as many KV heads as heads: tensor parallel up to 4 ranks
     "tiny_mha": dict(
         src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=4, nlayers=4, multiple_of=64, max_expected_seq_len=1024

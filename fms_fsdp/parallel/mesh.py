@@ -114,7 +114,6 @@ def check_tensor_parallel(settings: MeshSettings, model_config: LLaMAConfig) -> 
     for flag, used in (
         ("--float8", settings.float8),
         ("--lora_rank", settings.lora),
-        ("a head tied to the embedding", model_config.tie_heads),
     ):
         if used:
             raise ConfigError(

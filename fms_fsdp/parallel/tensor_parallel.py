@@ -27,7 +27,8 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
     the FFN's gate and up projections column-wise (each rank its heads, its slice of the width), the
     attention output and FFN down projection row-wise; the norms and the residual stream split over the
     sequence (sequence parallel: gathered before attention and the FFN, reduce-scattered after); the
-    embedding and the head split over the vocabulary (the head's loss reduced over it: model/loss.py).
+    embedding and the head split over the vocabulary (the head's loss reduced over it: model/loss.py), one
+    weight where the head is tied to the embedding.
     The model must be built unfused (fms's fused_weights=False)."""
     tp = tp_mesh.size()
     if model.base_model.embedding is not None:  # (a later pipeline stage has none)
@@ -53,4 +54,7 @@ def apply_tensor_parallel(model: LLaMA, tp_mesh: DeviceMesh) -> None:
         block.attn.kvheads //= tp
     if model.head is not None:  # (nor does an earlier one a head)
         parallelize_module(model.base_model.dec_norm, tp_mesh, SequenceParallel())
-        model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.data, tp_mesh, [Shard(0)]))
+        if model.config.tie_heads:  # the embedding's weight, split over the vocabulary as the head's is
+            model.head.weight = model.base_model.embedding.weight
+        else:
+            model.head.weight = nn.Parameter(distribute_tensor(model.head.weight.data, tp_mesh, [Shard(0)]))
