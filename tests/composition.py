@@ -47,6 +47,8 @@ TP_RESUME = f"{M}::test_a_checkpoint_resumes_at_another_tensor_parallel_size, tp
 TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_as_one_rank"
 PP_CP = f"{TOGETHER}, pp2 x cp2, async checkpoints, evaluation"
 LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
+HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
+FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
 
 MATRIX: list[Pair] = [
     Pair("PP", "CP", (PP_CP,)),
@@ -108,7 +110,11 @@ MATRIX: list[Pair] = [
         ("test_checkpoint.py::test_async_checkpoints_and_exports_hold_the_state_of_their_step", FT_TP),
     ),
     Pair("eval", "exports", (TP_RESUME, FT_TP)),
-    Pair("harness", "exports", (f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export",)),
+    Pair("harness", "exports", (HARNESS,)),
+    Pair("async", "harness", (HARNESS,)),
+    Pair("eval", "harness", (HARNESS,)),
+    Pair("float8", "async", (FLOAT8,)),
+    Pair("float8", "eval", (FLOAT8,)),
 ]
 
 
@@ -123,11 +129,7 @@ NOT_YET = [
     ("FT", "LoRA"),
     ("FT", "harness"),
     ("LoRA", "harness"),
-    ("float8", "async"),
-    ("float8", "eval"),
     ("float8", "harness"),
-    ("async", "harness"),
-    ("eval", "harness"),
 ]
 
 

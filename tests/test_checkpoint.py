@@ -498,3 +498,31 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
         run_here(flags(data, tmp_path / "run", "--num_workers=2"))
     assert error.traceback  # still held here
     assert not [p for p in descendants(os.getpid()) if alive(p)]
+
+
+def inspect_data(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "scripts/inspect_data.py", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
+    """The two-rank run on `data` (12 steps of 2 x 4 lines of 129 tokens, checkpoints at 6 and 12)."""
+    six, twelve = (str(uninterrupted / "checkpoints" / f"step_{n}_ckp") for n in (6, 12))
+    proc = inspect_data(f"--ledger={twelve}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"ledger of {twelve} (step 12): the data positions of 2 of 2 data-parallel ranks"
+    framed = [int(line.split("; ")[1].split(" tokens")[0].replace(",", "")) for line in lines[1:]]
+    assert sum(framed) == 12 * 2 * 4 * 129, lines
+    web = next(line for line in lines if line.startswith("web:"))  # in its first epoch (code, weighted 2: its third)
+    assert ": 400 documents: " in web and " 0 twice, 0 more often, " in web, lines
+    proc = inspect_data(f"--ledger={six}", f"--compare={twelve}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(", 0 only in the first, " in line for line in proc.stdout.splitlines()[2:]), proc.stdout
+    proc = inspect_data(f"--ledger={six}", "--list_documents=True", f"--data_path={data}")
+    listed = [line.split() for line in proc.stdout.splitlines()[4:]]
+    assert {name for name, *_ in listed} == {"web", "code"}, listed[:5]
+    assert all(
+        where.startswith(f"{name}/") and int(times) >= 1 and int(tokens) >= 1 for name, where, times, tokens in listed
+    )
+    assert all(times == "1" for name, _, times, _ in listed if name == "web")

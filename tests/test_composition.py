@@ -121,3 +121,18 @@ def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_
     proc = launch("main_training.py", [*tied, f"--ckpt_save_path={resumed}"], 1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["loss"] for r in records(resumed) if r["step"] > 2] == pytest.approx(want[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(tmp_path, data):
+    """Background checkpoints and evaluation change nothing of a float8 run's steps (the same computation:
+    bit-equal losses), and it evaluates and checkpoints at its steps."""
+    float8 = [*TINY, "--vocab_size=1024", "--float8=True", "--float8_min_size=16", "--num_steps=4", "--batch_size=2"]
+    beside = ["--async_checkpoint=True", "--checkpoint_interval=2", "--eval_interval=2", f"--eval_data_path={data}"]
+    for name, extra in {"alone": ["--checkpoint_interval=0"], "beside": [*beside, "--eval_batches=2"]}.items():
+        proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("beside", "alone"))
+    assert len(want) == 4 and got == want
+    assert [r["step"] for r in records(tmp_path / "beside") if "eval_loss" in r] == [2, 4]
+    assert [s for s, _ in complete_checkpoints(tmp_path / "beside" / "checkpoints")] == [2, 4]

@@ -14,6 +14,7 @@ import pytest
 from fms_fsdp.checkpoint.layout import complete_checkpoints
 
 from conftest import TINY, here, launch, records
+from test_data import make_docs, write_dataset
 from test_hf import hf_main, save_tokenizer
 
 pytestmark = pytest.mark.harness
@@ -93,12 +94,15 @@ def write_tasks(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two FSDP ranks training 4 steps with the harness at steps 2 and 4; (run folder, tasks, tokenizer)."""
+    """Two FSDP ranks training 4 steps with the harness at steps 2 and 4, held-out evaluation and checkpoints
+    in the background too; (run folder, tasks, tokenizer)."""
     tmp = tmp_path_factory.mktemp("harness")
     tasks, tok = write_tasks(tmp), tmp / "tok"
     save_tokenizer(tok)
     out = tmp / "run"
+    write_dataset(tmp / "held_out", "web", make_docs(10, 100, 1))  # ids below the vocabulary of 512
     harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
+    harness += ["--async_checkpoint=True", "--eval_interval=2", f"--eval_data_path={tmp / 'held_out'}"]
     proc = launch(
         "main_training.py",
         [
@@ -132,6 +136,7 @@ def test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export(trai
         scored[2]["harness/tiny_ppl/word_perplexity"] != scored[4]["harness/tiny_ppl/word_perplexity"]
     ), "the model trains between the two"
     assert "harness step 4 | tiny_mc/acc" in stdout
+    assert [r["step"] for r in records(out) if "eval_loss" in r] == [2, 4]  # held-out evaluation beside it
     best = min(scored, key=lambda s: (scored[s][MONITOR], s))  # --checkpoint_keep_best by the harness's score
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == sorted({best, 4}), (best, scored)
     # lm-eval's own run over the Hugging Face export of the same weights (fp32)

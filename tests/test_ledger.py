@@ -1,8 +1,8 @@
 """The ledger of what a loader consumed (data/consumed.py, fms-inspect-data --ledger): worked out from
 the saved positions alone, it names exactly the tokens the batches held, document by document, across a
 resume, a 2 -> 3 rescale, a change of the mixture and a second epoch; no document twice within an epoch.
-The command reads a run's checkpoints, compares two and lists documents. (A fault-tolerant run's groups:
-tests/test_ft.py.)"""
+The command reads a run's checkpoints, compares two and lists documents (tests/test_checkpoint.py, beside
+the run it reads; a fault-tolerant run's groups: tests/test_ft.py)."""
 
 import pickle
 import subprocess
@@ -95,29 +95,6 @@ def test_states_of_two_runs_or_of_other_data_are_refused(two):
 def inspect(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "scripts/inspect_data.py", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
-    """The two-rank run on `data` (12 steps of 2 x 4 lines of 129 tokens, checkpoints at 6 and 12)."""
-    six, twelve = (str(uninterrupted / "checkpoints" / f"step_{n}_ckp") for n in (6, 12))
-    proc = inspect(f"--ledger={twelve}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == f"ledger of {twelve} (step 12): the data positions of 2 of 2 data-parallel ranks"
-    framed = [int(line.split("; ")[1].split(" tokens")[0].replace(",", "")) for line in lines[1:]]
-    assert sum(framed) == 12 * 2 * 4 * 129, lines
-    web = next(line for line in lines if line.startswith("web:"))  # in its first epoch (code, weighted 2: its third)
-    assert ": 400 documents: " in web and " 0 twice, 0 more often, " in web, lines
-    proc = inspect(f"--ledger={six}", f"--compare={twelve}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(", 0 only in the first, " in line for line in proc.stdout.splitlines()[2:]), proc.stdout
-    proc = inspect(f"--ledger={six}", "--list_documents=True", f"--data_path={data}")
-    listed = [line.split() for line in proc.stdout.splitlines()[4:]]
-    assert {name for name, *_ in listed} == {"web", "code"}, listed[:5]
-    assert all(
-        where.startswith(f"{name}/") and int(times) >= 1 and int(tokens) >= 1 for name, where, times, tokens in listed
-    )
-    assert all(times == "1" for name, _, times, _ in listed if name == "web")
 
 
 def test_the_command_refuses_what_it_cannot_answer_in_one_line(tmp_path):
