@@ -1,5 +1,7 @@
-"""fms-inspect-data --ledger: which documents a checkpoint's run has consumed, per dataset, worked out
-exactly from the data positions the checkpoint holds (data/consumed.py) and the data it was trained on.
+"""Which documents a checkpoint's run has consumed, per dataset (fms-inspect-data --ledger).
+
+Worked out exactly from the data positions the checkpoint holds (data/consumed.py) and the data it was
+trained on.
 
     fms-inspect-data --ledger=<run>/checkpoints/step_1000_ckp
     fms-inspect-data --ledger=<ckpt> --compare=<another ckpt>     # what one saw that the other did not
