@@ -145,8 +145,8 @@ def test_each_command_has_its_own_help_and_a_closed_pipe_ends_quietly(tmp_path):
     assert len(flags) < train.count("\n  --") * 2 / 3
     data = tmp_path / "data" / "ds"
     data.mkdir(parents=True)
-    for f in range(40):  # a table longer than a pipe's buffer
-        (data / f"part-{f:02d}.npy").write_bytes(bytes(range(1, 101)) * 40)  # uint16 ids 513 to 25957
+    for f in range(2000):  # a table (110 KB) longer than a pipe's buffer (64 KiB) and Python's own (8 KiB)
+        (data / f"part-{f:04d}.npy").write_bytes(bytes(range(1, 101)) * 2)  # uint16 ids 513 to 25957
     reader = subprocess.Popen(
         [str(BIN / "fms-inspect-data"), f"--data_path={data.parent}", "--vocab_size=32000"],
         stdout=subprocess.PIPE,
