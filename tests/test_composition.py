@@ -62,8 +62,15 @@ TOGETHER = {
         [],
     ),
     "LoRA on hsdp 2 x 2, async checkpoints, evaluation": (
-        ["--lora_rank=4", "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"],
-        ["--lora_rank=4"],
+        # the same lines evaluated whatever --batch_size
+        [
+            "--lora_rank=4",
+            "--sharding_strategy=hsdp",
+            "--sharding_group_size=2",
+            "--async_checkpoint=True",
+            "--eval_batch_size=4",
+        ],
+        ["--lora_rank=4", "--eval_batch_size=4"],
     ),
 }
 
@@ -85,7 +92,6 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
         "--eval_interval=2",
         f"--eval_data_path={data}",
         "--eval_batches=2",
-        "--eval_batch_size=4",  # the same lines evaluated whatever --batch_size
     ]
     out = tmp_path / "run"
     proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4)
