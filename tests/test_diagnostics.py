@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import signal
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def test_a_rank_stopped_half_of_the_time_is_named_an_undisturbed_run_names_no_on
     that only share the cores with other jobs measure alike."""
     output, slowed = straggler_run(tmp_path / "slowed", True)
     assert [r["slowest_rank"] for r in slowed] == [1] * 5, slowed
-    assert all(r["slowest_rank_ratio"] > 1.3 for r in slowed[1:]), [r["slowest_rank_ratio"] for r in slowed]
+    ratios = [r["slowest_rank_ratio"] for r in slowed[1:]]  # one report may fall in a lucky window of the cycle
+    assert sum(r > 1.3 for r in ratios) >= 3 and statistics.median(ratios) > 1.5, ratios
     assert all(r["slowest_rank_host"] == os.uname().nodename for r in slowed)
     assert all(0 <= r["slowest_data_wait"] < 1 for r in slowed)
     warnings = [line for line in output.splitlines() if line.startswith("warning:")]
