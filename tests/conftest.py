@@ -132,6 +132,12 @@ def start_ranks(script: str, args: list[str], nproc: int, env: dict) -> list[sub
     ]
 
 
+def inspect_data(*args: str) -> subprocess.CompletedProcess:
+    """scripts/inspect_data.py (fms-inspect-data) with `args`, in a process of its own."""
+    command = [sys.executable, "scripts/inspect_data.py", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def records(out: Path) -> list[dict]:
     """The metrics.jsonl records of the run written to `out`."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

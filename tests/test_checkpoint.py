@@ -28,7 +28,7 @@ from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.ledger import ledger
 from fms_fsdp.weights.reader import model_reader, read_model
 
-from conftest import ROOT, STEPS, flags, launch, resume_from, run_here, train_here
+from conftest import ROOT, STEPS, flags, inspect_data, launch, resume_from, run_here, train_here
 from held_at import wait_held
 
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
@@ -498,11 +498,6 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
         run_here(flags(data, tmp_path / "run", "--num_workers=2"))
     assert error.traceback  # still held here
     assert not [p for p in descendants(os.getpid()) if alive(p)]
-
-
-def inspect_data(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "scripts/inspect_data.py", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):

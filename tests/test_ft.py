@@ -24,7 +24,7 @@ from fms_fsdp.resilience.ft import Watchdog, short_cause
 from fms_fsdp.resilience.ft_settings import fingerprint
 from fms_fsdp.settings import SHARED_FLAGS, shared_of
 
-from conftest import ROOT, TINY, launch, records, run_here
+from conftest import ROOT, TINY, inspect_data, launch, records, run_here
 
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
@@ -215,9 +215,7 @@ def test_the_ledger_of_both_groups_after_a_catch_up_holds_every_document_once(tm
     on_data += ["--vocab_size=1024", "--seq_length=32", "--logical_shards=16", "--num_workers=1"]
     ran = kill_and_catch_up(tmp_path, lighthouse, *on_data)
     both = ",".join(str(c) for c in ran["both"])
-    proc = subprocess.run(
-        [sys.executable, "scripts/inspect_data.py", f"--ledger={both}"], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = inspect_data(f"--ledger={both}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].endswith(f"(step {ran['common']}): the data positions of 4 of 4 data-parallel ranks"), lines

@@ -5,8 +5,6 @@ The command reads a run's checkpoints, compares two and lists documents (tests/t
 the run it reads; a fault-tolerant run's groups: tests/test_ft.py)."""
 
 import pickle
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 from fms_fsdp.data.consumed import ledger_of
 from fms_fsdp.errors import DataError
 
-from conftest import ROOT, data_loader
+from conftest import data_loader, inspect_data
 from test_data import EOS, cfg, consumed_from_states, lines_of, make_docs, take, write_dataset
 
 
@@ -92,17 +90,12 @@ def test_states_of_two_runs_or_of_other_data_are_refused(two):
         ledger_of([loader.state_dict()], loader.datasets[:1], 7, 8, loader.packing)
 
 
-def inspect(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "scripts/inspect_data.py", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
 def test_the_command_refuses_what_it_cannot_answer_in_one_line(tmp_path):
-    proc = inspect(f"--compare={tmp_path}")
+    proc = inspect_data(f"--compare={tmp_path}")
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         "error: --compare and --list_documents read a checkpoint's ledger: give --ledger=<checkpoint>"
     ], proc.stderr
-    proc = inspect(f"--ledger={tmp_path}")
+    proc = inspect_data(f"--ledger={tmp_path}")
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         f"error: --ledger: {tmp_path} is not a checkpoint folder (no metadata.pth)"
     ], proc.stderr

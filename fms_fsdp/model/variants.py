@@ -22,6 +22,9 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
+_TINY = dict(
+    src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024
+)
 
 # Arguments to fms LLaMAConfig; unspecified fields keep LLaMAConfig's defaults.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -29,34 +32,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "micro": dict(
         src_vocab_size=1024, emb_dim=64, nheads=2, kvheads=1, nlayers=2, multiple_of=32, max_expected_seq_len=256
     ),
-    "tiny": dict(
-        src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=2, nlayers=4, multiple_of=64, max_expected_seq_len=1024
-    ),
-    "tiny_llama3": dict(
-        src_vocab_size=4096,
-        emb_dim=256,
-        nheads=4,
-        kvheads=2,
-        nlayers=4,
-        multiple_of=64,
-        max_expected_seq_len=1024,
-        rope_theta=500000.0,
-    ),
-    # the head tied to the embedding, as Llama 3.2's
-    "tiny_tied": dict(
-        src_vocab_size=4096,
-        emb_dim=256,
-        nheads=4,
-        kvheads=2,
-        nlayers=4,
-        multiple_of=64,
-        max_expected_seq_len=1024,
-        tie_heads=True,
-    ),
-    # as many KV heads as heads: tensor parallel up to 4 ranks
-    "tiny_mha": dict(
-        src_vocab_size=4096, emb_dim=256, nheads=4, kvheads=4, nlayers=4, multiple_of=64, max_expected_seq_len=1024
-    ),
+    "tiny": dict(_TINY),
+    "tiny_llama3": dict(_TINY, rope_theta=500000.0),
+    "tiny_tied": dict(_TINY, tie_heads=True),  # the head tied to the embedding, as Llama 3.2's
+    "tiny_mha": dict(_TINY, kvheads=4),  # as many KV heads as heads: tensor parallel up to 4 ranks
     "small": dict(
         src_vocab_size=32000, emb_dim=768, nheads=12, kvheads=4, nlayers=12, multiple_of=256, max_expected_seq_len=2048
     ),
