@@ -80,6 +80,11 @@ from torch.optim._muon import _adjust_lr as muon_adjusted_lr  # noqa: E402
 from torch.utils._pytree import tree_map_only  # noqa: E402
 
 
+def in_backward() -> bool:
+    """Whether autograd runs a backward now (where activation checkpointing recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def mem_tracker() -> tuple[Any, Any, Any]:
     """(FakeTensorMode, MemTracker, _ModState): the memory plan traces activations on fake tensors with
     torch's module memory tracker (imported when a plan is made)."""

@@ -79,6 +79,44 @@ class train_config:
         shared=False,
     )
 
+    # mixture of experts
+    moe_experts: Optional[int] = _f(
+        None,
+        "Experts per block: makes a dense variant a mixture of experts (Mixtral's routing, each expert as wide as the dense feed-forward layer), or changes a sparse variant's (tiny_moe, mixtral_8x7b, ...); default: the variant's.",
+        min=1,
+        shared=False,
+    )
+    moe_top_k: Optional[int] = _f(
+        None,
+        "Experts each token is routed to (at most --moe_experts); default: the variant's (2).",
+        min=1,
+        shared=False,
+    )
+    moe_shared_experts: Optional[int] = _f(
+        None,
+        "Shared experts every token passes through besides its routed ones (as DeepSeek's and Qwen's); default: the variant's (0).",
+        min=0,
+        shared=False,
+    )
+    moe_capacity_factor: float = _f(
+        0.0,
+        "0: dropless routing (every token reaches its experts). Above 0: each expert takes at most ceil(factor x tokens x top_k / experts) of a micro-batch's slots, in token order; the rest are dropped (the token keeps its residual) and counted as moe_dropped.",
+        min=0.0,
+        shared=True,
+    )
+    moe_aux_loss_weight: float = _f(
+        0.01,
+        "Weight of each MoE layer's load-balancing loss (Switch Transformer's as transformers' Mixtral computes it; top-k when balanced, reported as moe_balance_loss, the mean over layers), added to the training objective.",
+        min=0.0,
+        shared=True,
+    )
+    moe_z_loss_weight: float = _f(
+        0.0,
+        "Weight of each MoE layer's router z-loss (ST-MoE: the mean logsumexp(router logits)^2, reported as moe_z_loss), added to the training objective; 1e-3 in ST-MoE.",
+        min=0.0,
+        shared=True,
+    )
+
     # data
     use_dummy_dataset: bool = _f(
         False, "Train on synthetic, learnable token lines instead of data_path (benchmarks, smoke tests).", shared=True

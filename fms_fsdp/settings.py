@@ -105,7 +105,14 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         loop=loop_of(cfg),
         step=StepSettings(grad_accum_steps=cfg.grad_accum_steps, grad_clip_thresh=cfg.grad_clip_thresh),
         metrics=metrics_of(cfg),
-        model=ModelSettings(low_cpu=cfg.low_cpu_fsdp, seed=cfg.seed, z_loss_weight=cfg.z_loss_weight),
+        model=ModelSettings(
+            low_cpu=cfg.low_cpu_fsdp,
+            seed=cfg.seed,
+            z_loss_weight=cfg.z_loss_weight,
+            moe_aux_loss_weight=cfg.moe_aux_loss_weight,
+            moe_z_loss_weight=cfg.moe_z_loss_weight,
+            moe_capacity_factor=cfg.moe_capacity_factor,
+        ),
         data=data_of(cfg, layout, packing),
     )
 

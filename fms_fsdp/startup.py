@@ -32,6 +32,7 @@ from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
+from fms_fsdp.model.moe import check_sparse
 from fms_fsdp.model.variants import CausalLM, context_length, get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel.assemble import ModelBuild, build_optimizer_and_schedule, build_sharded_model
@@ -94,6 +95,16 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         check_profiler(settings.profiler, device)
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
+    check_sparse(
+        model_config,
+        {
+            "--tensor_parallel_size": shape.tp > 1,
+            "--context_parallel_size": shape.cp > 1,
+            "--float8": cfg.float8,
+            "--lora_rank": settings.lora is not None,
+            "--export_format=hf": cfg.export_format == "hf" and cfg.export_interval > 0,
+        },
+    )
     check_harness(settings.harness)
     positions = context_length(model_config_of(cfg))  # before a longer --seq_length extends them
     notes: tuple[str, ...] = ()
@@ -126,7 +137,14 @@ def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int
         cfg.rope_scaling_factor,
         norm_eps=cfg.norm_eps,
         positions=cfg.max_position_embeddings,
+        moe=moe_flags(cfg),
     )
+
+
+def moe_flags(cfg: train_config) -> dict[str, int]:
+    """--moe_experts, --moe_top_k and --moe_shared_experts where given (MoEConfig's fields)."""
+    given = {"moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k, "moe_shared_experts": cfg.moe_shared_experts}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def beyond_positions(cfg: train_config, positions: int) -> str:

@@ -17,10 +17,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fms_fsdp.flags import markdown_reference, parse_args  # noqa: E402
+from fms_fsdp.model.moe import MoEConfig, expert_width  # noqa: E402
 from fms_fsdp.model.shapes import hidden_dim  # noqa: E402
 from fms_fsdp.model.variants import ALIASES, VARIANTS, context_length, count_params, get_model_config  # noqa: E402
 from fms_fsdp.schedule import lr_multiplier  # noqa: E402
 from fms_fsdp.settings import schedule_of  # noqa: E402
+
+
+def _experts(c) -> str:
+    """A variant's experts: '8, top-2' (+ shared), or '-' for a dense one."""
+    if not isinstance(c, MoEConfig):
+        return "-"
+    return f"{c.moe_experts}, top-{c.moe_top_k}" + (f" + {c.moe_shared_experts} shared" if c.moe_shared_experts else "")
+
+
+def _width(c) -> int:
+    return expert_width(c) if isinstance(c, MoEConfig) else hidden_dim(c)
 
 
 def variants_table() -> str:
@@ -28,18 +40,23 @@ def variants_table() -> str:
     parameter count, and the config.json fields a Hugging Face --ckpt_load_path is checked against."""
     rows = [
         "| variant | params | emb_dim | FFN width | heads | kv heads | layers | vocab | max positions | rope_theta "
-        "| rope scaling | norm eps | tied embeddings |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rope scaling | norm eps | tied embeddings | experts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in VARIANTS:
         c = get_model_config(name)
         scaling = (c.rope_scaling or {}).get("factor")
         rows.append(
-            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {hidden_dim(c)} | {c.nheads} "
+            f"| `{name}` | {count_params(c) / 1e9:.3f}B | {c.emb_dim} | {_width(c)} | {c.nheads} "
             f"| {c.kvheads or c.nheads} | {c.nlayers} | {c.src_vocab_size} | {context_length(c)} "
             f"| {c.rope_theta:g} | {f'llama3 x{scaling:g}' if scaling else 'none'} | {c.norm_eps:g} "
-            f"| {'yes' if c.tie_heads else 'no'} |"
+            f"| {'yes' if c.tie_heads else 'no'} | {_experts(c)} |"
         )
+    rows.append("")
+    rows.append(
+        "params counts every expert; FFN width is a dense layer's, or each expert's; experts: how many, and how "
+        "many a token is routed to (`--moe_experts`, `--moe_top_k`)."
+    )
     rows.append("")
     rows.append("Aliases: " + ", ".join(f"`{a}` = `{v}`" for a, v in ALIASES.items()) + ".")
     rows.append("")

@@ -25,6 +25,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "eval": ("periodic evaluation", ("--eval_interval=2",)),
     "harness": ("lm-eval-harness tasks", ("--eval_harness_tasks=hellaswag",)),
     "exports": ("periodic exports", ("--export_interval=2",)),
+    "MoE": ("mixture of experts", ("--model_variant=tiny_moe",)),
 }
 
 
@@ -48,6 +49,7 @@ TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_a
 PP_CP = f"{TOGETHER}, pp2 x cp2, async checkpoints, evaluation"
 LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
 HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
+MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank"
 FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
 
 MATRIX: list[Pair] = [
@@ -115,6 +117,12 @@ MATRIX: list[Pair] = [
     Pair("eval", "harness", (HARNESS,)),
     Pair("float8", "async", (FLOAT8,)),
     Pair("float8", "eval", (FLOAT8,)),
+    Pair("MoE", "PP", (MOE_MESHES,)),
+    Pair("MoE", "HSDP", (MOE_MESHES,)),
+    Pair("MoE", "CP", refused="--context_parallel_size does not combine with a mixture-of-experts model yet"),
+    Pair("MoE", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
+    Pair("MoE", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
+    Pair("MoE", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
 ]
 
 
@@ -128,8 +136,13 @@ NOT_YET = [
     ("HSDP", "harness"),
     ("FT", "LoRA"),
     ("FT", "harness"),
+    ("FT", "MoE"),
     ("LoRA", "harness"),
     ("float8", "harness"),
+    ("async", "MoE"),
+    ("eval", "MoE"),
+    ("harness", "MoE"),
+    ("exports", "MoE"),
 ]
 
 

@@ -606,8 +606,27 @@ ERRORS: list[E] = [
         "move the file out of the dataset folder, or set `--file_type`",
     ),
     E("data", "--token_dtype=int7: expected one of auto, uint8, uint16, uint32, uint64", "(fms-inspect-data)"),
+    E(
+        "flags",
+        "--moe_top_k=<k> routes each token to more experts than the model has (--moe_experts=<n>); lower it",
+        flags=("--model_variant=tiny_moe", "--moe_top_k=5"),
+    ),
+    E(
+        "flags",
+        "--moe_top_k and --moe_shared_experts need --moe_experts on a dense variant (<variant>)",
+        flags=("--moe_top_k=1",),
+    ),
     # ------------------------------------------------------------------------------------------------ parallel
     E("parallel", "--pipeline_parallel_size=<pp> must divide the world size <world_size>"),
+    E(
+        "parallel",
+        "--tensor_parallel_size does not combine with a mixture-of-experts model yet; drop it (FSDP/HSDP and "
+        "pipeline stages shard one)",
+        "tensor or context parallelism, float8, LoRA or Hugging Face exports with a sparse variant (tiny_moe, "
+        "mixtral_*) or --moe_experts",
+        flags=("--model_variant=tiny_moe", "--tensor_parallel_size=2"),
+        world=2,
+    ),
     E(
         "parallel",
         "--pipeline_parallel_size=4 x 2 stage(s) per rank (the default of --pipeline_schedule=Interleaved1F1B) = 8 "
@@ -1216,6 +1235,7 @@ ERRORS: list[E] = [
     ),
     E("checkpoints", "--ckpt_save_path: cannot write <root> (<name>: <e>)"),
     # ------------------------------------------------------------------------------------------------ hf
+    E("hf", "a mixture-of-experts model has no Hugging Face export yet; export it with --export_format=fms"),
     E(
         "hf",
         "--model_variant is needed: ... does not record the variant",

@@ -224,6 +224,9 @@ READ_AT_START_UP = {
     "plan_world_size",
     "rope_scaling_factor",
     "rope_theta",
+    "moe_experts",
+    "moe_top_k",
+    "moe_shared_experts",
     "norm_eps",
     "max_position_embeddings",
 }

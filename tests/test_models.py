@@ -64,7 +64,7 @@ def test_every_variant_and_alias_builds_on_meta():
 def test_unknown_variant_lists_the_valid_ones():
     with pytest.raises(
         ConfigError,
-        match="unknown variant 'llama4'; valid: micro, tiny, tiny_llama3, tiny_tied, tiny_mha, small, .*llama3_70b_4k, llama3.1_8b, .*llama3.2_3b, 7b, 13b, 34b, 70b",
+        match="unknown variant 'llama4'; valid: micro, tiny, tiny_llama3, tiny_tied, tiny_mha, small, .*llama3_70b_4k, llama3.1_8b, .*llama3.2_3b, tiny_moe, small_moe, mixtral_8x7b, mixtral_8x22b, 7b, 13b, 34b, 70b",
     ):
         get_model_config("llama4")
 

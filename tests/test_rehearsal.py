@@ -2,7 +2,7 @@
 group of --plan_world_size ranks, one rank per pipeline stage. Its shards' parameters, gradients and
 optimizer state against the analytic plan (memory/plan.py) on FSDP, HSDP, TP, PP and CP meshes; a config
 error that only the wrapping meets, in one line as at a real start; and (slow) llama3.1_405b on 1,024
-ranks, PP 8 x TP 8, in under 5 minutes."""
+ranks, PP 8 x TP 8, in under 5 minutes, and mixtral_8x22b on 256."""
 
 import os
 import re
@@ -31,6 +31,15 @@ MESHES = {
     "fsdp x tp": dict(plan_world_size=8, tensor_parallel_size=2),
     "pp x fsdp": dict(plan_world_size=8, pipeline_parallel_size=2, batch_size=4),
     "fsdp x cp": dict(plan_world_size=8, context_parallel_size=2),
+    "moe, fsdp": dict(plan_world_size=8, model_variant="tiny_moe"),
+    "moe, pp x hsdp": dict(
+        plan_world_size=16,
+        model_variant="tiny_moe",
+        pipeline_parallel_size=2,
+        sharding_strategy="hsdp",
+        sharding_group_size=4,
+        batch_size=4,
+    ),
 }
 
 
@@ -162,3 +171,28 @@ def test_llama3_405b_on_1024_ranks_is_rehearsed_in_under_5_minutes():
     model = get_model_config("llama3.1_405b")
     assert int(fields["params_bytes"]) == pytest.approx(4 * count_params(model) / 1024, rel=0.1)
     assert fields["fits"] == "true"
+
+
+@pytest.mark.slow
+def test_mixtral_8x22b_on_256_ranks_is_rehearsed_and_agrees_with_the_plan():
+    proc = launch(
+        "main_training.py",
+        [
+            "--dry_run=True",
+            "--model_variant=mixtral_8x22b",
+            "--plan_world_size=256",
+            "--sharding_strategy=fsdp",
+            "--seq_length=4096",
+            "--batch_size=1",
+            "--fsdp_activation_checkpointing=True",
+            "--plan_device_memory_gib=80",
+        ],
+        None,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the rehearsal's real shards; the analytic plan within 0.00% of them" in proc.stdout, proc.stdout
+    fields = dict(item.split("=") for item in proc.stdout.splitlines()[-1].split()[1:])
+    # every expert's rows sharded over the 256 ranks: a 256th of the fp32 model each, not whole experts
+    whole = 4 * count_params(get_model_config("mixtral_8x22b"))
+    assert int(fields["params_bytes"]) == pytest.approx(whole / 256, rel=0.01)

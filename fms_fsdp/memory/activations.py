@@ -65,6 +65,8 @@ def _traced(shape: Shape, mode: str, blocks: int, batch: int) -> tuple[int, int,
         with FakeTensorMode():
             model = build_model(config, torch.device("cpu"))
             model.head.max_chunk_bytes = CUDA_CHUNK_BYTES if shape.gpu else CHUNK_BYTES
+            if model.routing is not None:  # a sparse model's tokens spread evenly over its experts
+                model.routing.even = True
             if shape.lora is not None:  # left trainable, as MemTracker hooks every parameter: an adapted
                 add_adapters(model, shape.lora)  # layer's input is saved for lora_A's gradient either way
                 model.requires_grad_(True)

@@ -105,7 +105,10 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
 
 
 def _numel_sharded(shape: Sequence[int], shards: int) -> int:
-    """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count."""
+    """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count (a
+    sparse block's stacked experts [experts, rows, columns]: its rows, parallelize.py's placement)."""
+    if len(shape) == 3:
+        return shape[0] * math.ceil(shape[1] / shards) * shape[2]
     return math.ceil(shape[0] / shards) * math.prod(shape[1:]) if len(shape) else 1
 
 

@@ -321,6 +321,8 @@ def format_record(r: dict[str, Any]) -> str:
         f"lr {r['lr']:.3e}",
         *([f"z_loss {r['z_loss']:.4f}"] if "z_loss" in r else []),
         *([f"grad_norm {r['grad_norm']:.3f}"] if "grad_norm" in r else []),
+        *([f"moe_balance {r['moe_balance_loss']:.3f} load_max {r['moe_load_max']:.2f}"] if "moe_load_max" in r else []),
+        *([f"dropped {100 * r['moe_dropped']:.1f}%"] if "moe_dropped" in r else []),
         f"tokens {r['tokens_seen']:,}",
         f"step_time {r['step_time']:.3f}s",
         f"tok/s/rank {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",

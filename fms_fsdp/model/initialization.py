@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from fms.models.llama import LLaMA
+from fms.modules.feedforward import ConditionalFeedForward
 from fms.modules.layernorm import LayerNormParameterized
 from torch.distributed.tensor import DTensor
 
@@ -74,7 +75,7 @@ def _init_rules(model: LLaMA) -> dict[str, Fill]:
                 rules[full] = _normal(1 / math.sqrt(math.sqrt(model_config.emb_dim * model_config.src_vocab_size)))
             elif isinstance(module, nn.Embedding):
                 rules[full] = _trunc_normal(model_config.emb_dim**-0.5)
-            elif isinstance(module, nn.Linear):
+            elif isinstance(module, (nn.Linear, ConditionalFeedForward)):  # a Linear, or experts' stacked weights
                 rules[full] = _trunc_normal(0.02)
             else:
                 raise TypeError(f"no init rule for parameter {full} of {type(module).__name__}")

@@ -1,6 +1,7 @@
-"""Model variants (names -> ibm-fms LLaMAConfig), model construction and FLOPs.
+"""Model variants (names -> ibm-fms LLaMAConfig, or model/moe.py's MoEConfig for sparse ones), model
+construction and FLOPs.
 
-The model is ibm-fms's LLaMA; `CausalLM` only gives it a head that, given labels, returns the loss
+The model is ibm-fms's LLaMA (its feed-forward layers mixtures of experts in a sparse variant); `CausalLM` only gives it a head that, given labels, returns the loss
 without materialising the logits (model/loss.py; under tensor parallelism over each rank's slice of the
 vocabulary). A model is built fused as checkpoints hold it, or unfused under tensor parallelism (q, k,
 v and gate, up apart; `FUSED` maps one to the other). Weight init is model/initialization.py's.
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.loss import ChunkFn, VocabShard, chunk_loss, chunked_cross_entropy
+from fms_fsdp.model.moe import MoEConfig, Routing, check_experts, inactive_params, sparsify
 
 _L3 = dict(src_vocab_size=128256, rope_theta=500000.0)
 _TINY = dict(
@@ -120,6 +122,26 @@ for _name, _args in {
 }.items():
     VARIANTS[_name] = dict(_args, max_expected_seq_len=131072)
 
+# Mixture-of-experts variants (MoEConfig's fields): tiny and small for CPU, Mistral's Mixtral with Hugging
+# Face's exact dimensions (each expert the width of the dense layer a growth factor gives)
+_MIXTRAL = dict(kvheads=8, rope_theta=1000000.0, moe_experts=8, moe_top_k=2)
+VARIANTS.update(
+    {
+        "tiny_moe": dict(_TINY, moe_experts=4, moe_top_k=2, hidden_grow_factor=1.0),
+        "small_moe": dict(VARIANTS["small"], moe_experts=8, moe_top_k=2, hidden_grow_factor=1.0),
+        "mixtral_8x7b": dict(_MIXTRAL, hidden_grow_factor=3.5, max_expected_seq_len=32768),
+        "mixtral_8x22b": dict(
+            _MIXTRAL,
+            src_vocab_size=32768,
+            emb_dim=6144,
+            nheads=48,
+            nlayers=56,
+            hidden_grow_factor=16384 / 6144,
+            max_expected_seq_len=65536,
+        ),
+    }
+)
+
 ALIASES = {"7b": "llama2_7b", "13b": "llama2_13b", "34b": "llama2_34b", "70b": "llama2_70b"}
 
 # fms fuses q, k, v into one Linear and the FFN's gate and up projections into another; checkpoints
@@ -191,6 +213,7 @@ def get_model_config(
     rope_scaling_factor: Optional[float] = None,
     norm_eps: Optional[float] = None,
     positions: Optional[int] = None,
+    moe: Optional[Mapping[str, int]] = None,
 ) -> LLaMAConfig:
     """The fms LLaMAConfig of variant `name`, with its vocabulary replaced by `vocab_size` if given and
     its rotary cache grown to `seq_length` if that is longer (a run setting, not a model limit: the
@@ -198,8 +221,12 @@ def get_model_config(
     q, k and v: `FUSED`). `rope_theta` and `rope_scaling_factor` (llama3 scaling from the variant's
     original context; 1: none) replace the variant's, to extend a model's context; `norm_eps` and
     `positions` (--norm_eps, --max_position_embeddings) replace the variant's RMSNorm epsilon and
-    positions, to match a Hugging Face model's."""
+    positions, to match a Hugging Face model's. `moe` (MoEConfig fields: --moe_experts, --moe_top_k,
+    --moe_shared_experts) makes a dense variant sparse or changes a sparse one's experts."""
     args = dict(VARIANTS[resolve_variant(name)])
+    args.update(moe or {})
+    if "moe_experts" not in args and any(k.startswith("moe_") for k in args):
+        raise ConfigError(f"--moe_top_k and --moe_shared_experts need --moe_experts on a dense variant ({name})")
     if vocab_size is not None:
         args["src_vocab_size"] = vocab_size
     if norm_eps is not None:
@@ -213,7 +240,9 @@ def get_model_config(
         args["max_expected_seq_len"] = positions
     if tensor_parallel > 1:
         args["fused_weights"] = False
-    config = LLaMAConfig(**args)
+    config = MoEConfig(**args) if "moe_experts" in args else LLaMAConfig(**args)
+    if isinstance(config, MoEConfig):
+        check_experts(config)
     if seq_length is not None and seq_length > config.max_expected_seq_len:
         config = config.updated(max_expected_seq_len=seq_length)
     return config
@@ -305,9 +334,12 @@ class CausalLM(LLaMA):
     lines, computes on this rank's part, and returns the whole line's logits, or its share of the loss."""
 
     lines: Optional[Lines] = None
+    routing: Optional[Routing] = None  # a sparse model's routing settings, shared by its MoE layers
 
     def __init__(self, config: LLaMAConfig):
         super().__init__(config)
+        if isinstance(config, MoEConfig):
+            self.routing = sparsify(self, config)
         self.head = LMHead(config.emb_dim, config.src_vocab_size, bias=False)
         # fms gives its embedding padding_idx=config.pad_id, whose default -1 is the vocabulary's last
         # token: that row would never get a gradient. Packed pretraining has no padding, and
@@ -354,8 +386,11 @@ def count_params(model_config: LLaMAConfig) -> int:
 
 
 def flops_per_token(model_config: LLaMAConfig, seq_length: int) -> float:
-    """Training FLOPs per token, PaLM count: 6*N + 12*L*H*Q*T, N the parameters without the input
-    embedding (the output head is a real matmul and counts)."""
+    """Training FLOPs per token, PaLM count: 6*N + 12*L*H*Q*T, N the parameters a token uses without the
+    input embedding (the output head is a real matmul and counts; of a sparse model's experts only the
+    top-k chosen count)."""
     n = count_params(model_config) - model_config.src_vocab_size * model_config.emb_dim * (not model_config.tie_heads)
+    if isinstance(model_config, MoEConfig):
+        n -= inactive_params(model_config)
     head_dim = model_config.emb_dim // model_config.nheads
     return 6 * n + 12 * model_config.nlayers * model_config.nheads * head_dim * seq_length

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.model.float8 import Float8Settings, scale_hook
 from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.lora import LoRASpec, add_adapters
+from fms_fsdp.model.moe import MoEConfig, Routing, RoutingStats
 from fms_fsdp.model.variants import CausalLM, LLaMAConfig, build_model, count_params
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
 from fms_fsdp.parallel.attention import LinePlan
@@ -89,6 +90,8 @@ def parallelised(build: ModelBuild, mesh: DeviceMesh, device: torch.device) -> S
     model = build_model(build.model_config, device)
     n_lora = 0 if build.lora is None else add_adapters(model, build.lora)
     model.head.z_loss_weight = build.model.z_loss_weight
+    if model.routing is not None:
+        set_routing(model.routing, build)
     model.lines = LinePlan.of(build.attention, build.device, context_parallel(build.shape, mesh))
     pipeline = None
     if build.pipeline is not None:  # this rank's stages only, under their whole-model names
@@ -99,6 +102,16 @@ def parallelised(build: ModelBuild, mesh: DeviceMesh, device: torch.device) -> S
         init_weights(model, build.model.seed)
     done = parallelize(model, build.parallel, mesh, None if pipeline is None else list(pipeline.parts))
     return Stages(model, pipeline, done, n_lora)
+
+
+def set_routing(routing: Routing, build: ModelBuild) -> None:
+    """A sparse model's routing settings from the flags, and its figures counted on the run's device."""
+    config = build.model_config
+    assert isinstance(config, MoEConfig)
+    routing.balance_weight = build.model.moe_aux_loss_weight
+    routing.z_weight = build.model.moe_z_loss_weight
+    routing.capacity_factor = build.model.moe_capacity_factor
+    routing.stats = RoutingStats(config.nlayers, config.moe_experts, build.device)
 
 
 def context_parallel(shape: MeshShape, mesh: DeviceMesh) -> Optional[ContextParallel]:

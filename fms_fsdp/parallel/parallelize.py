@@ -21,9 +21,11 @@ from fms.models.llama import LLaMA
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from fms_fsdp.model.float8 import convert_to_float8
 from fms_fsdp.model.loss import chunk_loss
+from fms_fsdp.model.moe import MoEFeedForward
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
 from fms_fsdp.parallel.mesh import dp_mesh, sharded, stage_ranks
 from fms_fsdp.parallel.pipeline import blocks_of
@@ -35,7 +37,8 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Opt
     """FSDP units, each all-gathered just before use and freed after: the embedding, every block, the
     final norm with the head, and the roots (the model, or a pipeline rank's stages; left with nothing
     but buffers). The last block and the head are used again first thing in backward, so they stay
-    gathered after forward. A model whose head shares the embedding's weight keeps both in the root."""
+    gathered after forward. A model whose head shares the embedding's weight keeps both in the root.
+    A sparse block's experts are sharded by their rows, not by expert."""
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
@@ -46,11 +49,23 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Opt
         fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
     blocks = blocks_of(model)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=i < len(blocks) - 1,
+            shard_placement_fn=_expert_rows,
+        )
     if not tied and model.head is not None:
         fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for root in roots or [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp)
+
+
+def _expert_rows(param: nn.Parameter) -> Optional[Shard]:
+    """A sparse block's stacked expert weights [experts, rows, columns] are sharded by their rows: there
+    are fewer experts than ranks. Every other parameter by its first dimension (FSDP's default)."""
+    return Shard(1) if param.dim() == 3 else None
 
 
 class Autocast(nn.Module):
@@ -80,10 +95,11 @@ def apply_autocast(module: nn.Module) -> None:
 
 
 def apply_compile(model: LLaMA) -> None:
-    """torch.compile every block whole (fullgraph: a graph break is an error, not a slow step) and the
-    loss's chunk function (its fp32 upcast, log-softmax and gradient fused)."""
+    """torch.compile every block whole (fullgraph: a graph break is an error, not a slow step; a sparse
+    block breaks its graph where the experts' sizes reach the host) and the loss's chunk function (its
+    fp32 upcast, log-softmax and gradient fused)."""
     for block in blocks_of(model):
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=not isinstance(block.ff_sub_layer, MoEFeedForward))
     if model.head is not None:
         model.head.chunk_fn = torch.compile(chunk_loss, fullgraph=True)
 

@@ -299,6 +299,8 @@ class Pipeline:
         if model.head is not None:
             model.head.backward_twice = plan.schedule in ZERO_BUBBLE
         self.schedule: Any = None
+        # the schedule's first step first runs the stages on uninitialised tensors to learn their shapes
+        self.routing = model.routing if model.routing is not None and model.routing.stats is not None else None
 
     def start(self) -> None:
         """Build the schedule over the stages."""
@@ -333,7 +335,10 @@ class Pipeline:
         last = self.last
         if last is not None:
             last.z_losses.clear()
+        inferring, self.routing = self.routing, None
         self.schedule.step(tokens=tokens, labels=labels, target=labels, losses=losses)
+        if inferring is not None and inferring.stats is not None:  # a sparse model's routing figures of that
+            inferring.stats.zero()  # first step: the shape inference's count nothing real
         out = torch.zeros(2, device=self.device)
         if last is not None:
             out[0] = torch.stack([loss.detach().float() for loss in losses]).mean()

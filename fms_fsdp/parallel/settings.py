@@ -61,11 +61,14 @@ class PipelineSettings:
 @dataclass(frozen=True, kw_only=True)
 class ModelSettings:
     """How a run builds its model (parallel/assemble.py): on the meta device first (--low_cpu_fsdp), its weights from --seed,
-    the head's z-loss weight."""
+    the head's z-loss weight, a sparse model's routing."""
 
     low_cpu: bool  # --low_cpu_fsdp
     seed: int
     z_loss_weight: float
+    moe_aux_loss_weight: float = 0.0
+    moe_z_loss_weight: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0: dropless
 
 
 @dataclass(frozen=True, kw_only=True)

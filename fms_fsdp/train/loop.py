@@ -414,12 +414,15 @@ def _after_step(loop: Loop, step: int, done: StepResult, report_step: bool, batc
 def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_step: bool) -> dict[str, Any]:
     """The interval's record (every rank calls it): the gradient norm where it is global (the step's
     clipping or guard made it so, or a report step asked for it), the steps left out by
-    --skip_bad_steps, the slowest rank's figures and --fault_tolerance's."""
+    --skip_bad_steps, the slowest rank's figures, --fault_tolerance's and a sparse model's routing."""
     settings, guard, reporter = loop.run.settings.loop, loop.guard, loop.reporter
     global_norm = report_step or settings.grad_clip_thresh > 0 or guard.skipping
     skipped = guard.skipped_since_report() if guard.skipping else None
     extra = loop.stragglers.report(reporter.data_wait, time.perf_counter() - reporter.interval_start)
     extra.update(loop.ft.report() if loop.ft is not None else {})
+    routing = loop.model.routing
+    if routing is not None and routing.stats is not None:
+        extra.update(routing.stats.report(dropping=routing.capacity_factor > 0))
     return loop.reporter.report(step, lr, grad_norm if global_norm else None, skipped, extra)
 
 

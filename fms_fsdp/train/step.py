@@ -87,6 +87,8 @@ def accumulate(
     total = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device) if model.head.z_loss_weight else None
     wait = 0.0
+    if model.routing is not None:  # the MoE layers' auxiliary losses are averaged like the loss
+        model.routing.grad_scale = 1 / steps
     for micro in range(steps):
         t = time.perf_counter()
         inputs, labels = next(batches)

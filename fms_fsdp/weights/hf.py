@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
+from fms_fsdp.model.moe import MoEConfig
 from fms_fsdp.model.shapes import hidden_dim
 from fms_fsdp.model.variants import build_model, context_length, get_model_config
 from fms_fsdp.storage import local_copy, location, publish
@@ -105,6 +106,8 @@ def write_hf_folder(
     """Write config.json, generation_config.json and the safetensors files (of at most max_shard_bytes,
     with an index when more than one) of the fms tensors `shapes` into `out`, tensor by tensor
     (hf_write.py), atomically: a temporary folder renamed at the end."""
+    if isinstance(model_config, MoEConfig):
+        raise HFError("a mixture-of-experts model has no Hugging Face export yet; export it with --export_format=fms")
     target = Path(out).resolve()
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -292,6 +295,7 @@ def convert(
         run.get("rope_scaling_factor"),
         norm_eps=run.get("norm_eps"),
         positions=run.get("max_position_embeddings"),
+        moe={k: run[k] for k in ("moe_experts", "moe_top_k", "moe_shared_experts") if run.get(k) is not None},
     )
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
