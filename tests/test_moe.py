@@ -12,6 +12,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 
+from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.moe import MoEFeedForward, RoutingStats, balance_loss, capacity, expert_width, kept_slots
 from fms_fsdp.model.variants import build_model, count_params, flops_per_token, get_model_config
 
@@ -167,3 +168,18 @@ def test_a_sparse_checkpoint_resumes_exactly_and_at_another_data_parallel_size(t
             assert got == [r["loss"] for r in expected[5:]]  # bit-identical
         else:  # one rank, the same lines per step: the balance loss is over 4 lines, not 2 per rank
             torch.testing.assert_close(got, [r["loss"] for r in expected[5:]], rtol=2e-3, atol=0)
+
+
+def test_moe_flags_make_a_dense_variant_sparse_and_shared_experts_add_to_every_token():
+    config = get_model_config("tiny", 256, moe={"moe_experts": 4, "moe_top_k": 1, "moe_shared_experts": 2})
+    model = build_model(config, torch.device("cpu"))
+    init_weights(model, 0)
+    layer = model.base_model.layers[0].ff_sub_layer
+    assert isinstance(layer, MoEFeedForward) and layer.cond_ffn.w13.shape == (4, 2 * 704, 256)
+    assert layer.shared is not None and layer.shared.hidden_dim == 1408  # two dense layers' width
+    x = torch.randn(1, 8, 256, generator=torch.Generator().manual_seed(4))
+    routed_only = layer.shared
+    layer.shared = None
+    routed = layer(x)
+    layer.shared = routed_only
+    torch.testing.assert_close(layer(x), routed + routed_only(x))

@@ -173,7 +173,7 @@ class MoEFeedForward(MOEFeedForward):
             weights = weights * keep
         out = self.combine(flat, chosen, weights, keep)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            out = out + self.shared(x).reshape(flat.shape)
         out = self._with_aux_losses(out, logits, probs, chosen, keep)
         return out.view_as(x)
 
@@ -247,13 +247,17 @@ def expert_width(config: LLaMAConfig, width: int = 1) -> int:
 
 
 def _shared(config: MoEConfig) -> GatedLinearUnit:
-    """The shared experts as one dense SwiGLU layer, `moe_shared_experts` experts wide."""
+    """The shared experts as one dense SwiGLU layer, `moe_shared_experts` experts wide, built as fms
+    builds a block's dense layer."""
     return GatedLinearUnit(
         config.emb_dim,
         hidden_grow_factor=config.hidden_grow_factor * config.moe_shared_experts,
         multiple_of=config.multiple_of,
         activation_fn=str_to_activation(config.activation_fn),
+        p_dropout=config.p_dropout,
+        use_bias=config.mlp_bias,
         fused=config.fused_weights,
+        linear_config=config.linear_config,
     )
 
 
