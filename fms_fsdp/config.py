@@ -104,6 +104,12 @@ class train_config:
         min=0.0,
         shared=True,
     )
+    moe_kernel: str = _f(
+        "auto",
+        "How the experts' matmuls run: grouped (one grouped GEMM per weight for all experts, torch's grouped_mm; on a GPU it needs bf16), loop (one matmul per expert), auto (grouped on a GPU in bf16, else loop). Same results either way, within rounding.",
+        choices=("auto", "grouped", "loop"),
+        shared=False,
+    )
     moe_aux_loss_weight: float = _f(
         0.01,
         "Weight of each MoE layer's load-balancing loss (Switch Transformer's as transformers' Mixtral computes it; top-k when balanced, reported as moe_balance_loss, the mean over layers), added to the training objective.",
@@ -708,6 +714,11 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             "--deterministic with --fault_tolerance: replica groups come and go with the timing of failures, so "
             "no two runs are alike; leave one of them out"
+        )
+    if cfg.moe_kernel == "grouped" and not cfg.mixed_precision:
+        raise ConfigError(
+            "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs "
+            "and compiled); use --moe_kernel=loop or auto for fp32"
         )
 
 

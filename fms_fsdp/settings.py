@@ -112,6 +112,7 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
             moe_aux_loss_weight=cfg.moe_aux_loss_weight,
             moe_z_loss_weight=cfg.moe_z_loss_weight,
             moe_capacity_factor=cfg.moe_capacity_factor,
+            moe_kernel=cfg.moe_kernel,
         ),
         data=data_of(cfg, layout, packing),
     )

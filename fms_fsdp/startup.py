@@ -102,7 +102,9 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
             "--context_parallel_size": shape.cp > 1,
             "--float8": cfg.float8,
             "--lora_rank": settings.lora is not None,
-            "--export_format=hf": cfg.export_format == "hf" and cfg.export_interval > 0,
+            "--export_format=hf with shared experts (Mixtral's layout has none)": cfg.export_format == "hf"
+            and cfg.export_interval > 0
+            and bool(getattr(model_config, "moe_shared_experts", 0)),
         },
     )
     check_harness(settings.harness)

@@ -119,6 +119,11 @@ MATRIX: list[Pair] = [
     Pair("float8", "eval", (FLOAT8,)),
     Pair("MoE", "PP", (MOE_MESHES,)),
     Pair("MoE", "HSDP", (MOE_MESHES,)),
+    Pair(
+        "MoE",
+        "exports",
+        ("test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers",),
+    ),
     Pair("MoE", "CP", refused="--context_parallel_size does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
@@ -142,7 +147,6 @@ NOT_YET = [
     ("async", "MoE"),
     ("eval", "MoE"),
     ("harness", "MoE"),
-    ("exports", "MoE"),
 ]
 
 

@@ -50,6 +50,12 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs and "
+        "compiled); use --moe_kernel=loop or auto for fp32",
+        flags=("--moe_kernel=grouped", "--mixed_precision=False"),
+    ),
+    E(
+        "flags",
         "unknown flag --lerning_rate; did you mean --learning_rate?",
         "a typo, or a flag of another tool",
         "use the suggested name; `python main_training.py --help` lists every flag",
@@ -622,8 +628,8 @@ ERRORS: list[E] = [
         "parallel",
         "--tensor_parallel_size does not combine with a mixture-of-experts model yet; drop it (FSDP/HSDP and "
         "pipeline stages shard one)",
-        "tensor or context parallelism, float8, LoRA or Hugging Face exports with a sparse variant (tiny_moe, "
-        "mixtral_*) or --moe_experts",
+        "tensor or context parallelism, float8, LoRA, or Hugging Face exports of shared experts, with a sparse "
+        "variant (tiny_moe, mixtral_*) or --moe_experts",
         flags=("--model_variant=tiny_moe", "--tensor_parallel_size=2"),
         world=2,
     ),
@@ -1235,7 +1241,11 @@ ERRORS: list[E] = [
     ),
     E("checkpoints", "--ckpt_save_path: cannot write <root> (<name>: <e>)"),
     # ------------------------------------------------------------------------------------------------ hf
-    E("hf", "a mixture-of-experts model has no Hugging Face export yet; export it with --export_format=fms"),
+    E(
+        "hf",
+        "a model with shared experts (--moe_shared_experts) has no Hugging Face export: Mixtral's layout has none; "
+        "export it with --export_format=fms",
+    ),
     E(
         "hf",
         "--model_variant is needed: ... does not record the variant",
@@ -1352,8 +1362,15 @@ ERRORS: list[E] = [
     E(
         "hf",
         "--ckpt_load_path: base_model.lora_A has no Hugging Face counterpart",
-        "the model holds a weight that has no place in a LlamaForCausalLM folder",
+        "the model holds a weight that has no place in a LlamaForCausalLM or MixtralForCausalLM folder",
         "report it: the package maps every weight of the variants it builds",
+    ),
+    E(
+        "hf",
+        "--ckpt_load_path: base_model.layers.0.ff_sub_layer.shared.w2.weight: a shared expert has no place in "
+        "Mixtral's layout (--moe_shared_experts)",
+        "a Hugging Face folder given to a model with shared experts",
+        "load it into the variant without --moe_shared_experts",
     ),
     # ------------------------------------------------------------------------------------------------ tools
     E("tools", "<path>: no such metrics file (give a run's metrics.jsonl or its --ckpt_save_path)"),

@@ -35,7 +35,7 @@ def read_hf_model(folder: str, model_config: LLaMAConfig, variant: Optional[str]
     entries = index_folder(Path(folder))
     keys = {k: tuple(v.shape) for k, v in build_model(model_config, torch.device("meta")).state_dict().items()}
     check_shapes(keys, entries, model_config, folder)
-    dtype = {k: DTYPES[entries[sources(k, entries, model_config.tie_heads)[0].name].dtype] for k in keys}
+    dtype = {k: DTYPES[entries[sources(k, entries, model_config)[0].name].dtype] for k in keys}
     state = {k: torch.empty(s, dtype=dtype[k]) for k, s in keys.items()}
     read_into(state, Path(folder), entries, model_config)
     return state

@@ -51,6 +51,23 @@ def test_dropless_routing_gives_transformers_mixtral_block_output_and_sees_every
     assert layer.routing.stats.figures[0, 2] == 0  # none dropped
 
 
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.6])
+def test_the_grouped_gemm_kernel_gives_the_loops_outputs_and_gradients(capacity_factor):
+    x = torch.rand(2, 24, DIM, generator=torch.Generator().manual_seed(2)) + 0.1  # positive inputs
+    results = []
+    for kernel in ("loop", "grouped"):
+        layer = _layer(capacity_factor)
+        layer.routing.kernel = kernel
+        with torch.no_grad():  # the last expert gets no token: an empty group
+            layer.gate.weight[-1] = -1.0
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+        results.append((out, layer.cond_ffn.w13.grad, layer.cond_ffn.w2.grad, layer.gate.weight.grad))
+    assert results[0][1][-1].abs().sum() == 0  # the empty expert got no gradient
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
 def test_the_balance_loss_equals_transformers_on_the_same_router_logits():
     logits = torch.randn(64, EXPERTS, generator=torch.Generator().manual_seed(1))
     probs = torch.softmax(logits, -1)

@@ -43,6 +43,7 @@ from fms_fsdp.weights.hf_write import (
     hf_plan,
     merging,
     split,
+    stacked_experts,
     write_file,
     write_index,
     write_part,
@@ -336,6 +337,8 @@ class PeriodicExporter:
         tensors = model_reader(shards)
         if self.settings.lora:
             tensors = merging(tensors, self.settings.lora)
+        if self.settings.format == "hf":  # a sparse model's experts as Mixtral's tensors
+            tensors = stacked_experts(tensors)
         return Converter(tensors, self.model.config)
 
     def _copy_tokenizer(self, tmp: Path) -> None:

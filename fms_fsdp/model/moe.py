@@ -48,6 +48,7 @@ class Routing:
     z_weight: float = 0.0
     capacity_factor: float = 0.0
     grad_scale: float = 1.0
+    kernel: str = "auto"  # the experts' matmuls: grouped, loop, or auto (grouped on a GPU in bf16)
     even: bool = False  # the memory plan's trace on fake tensors: no data, the routing taken as even
     stats: Optional["RoutingStats"] = field(default=None, repr=False)
 
@@ -196,6 +197,9 @@ class MoEFeedForward(MOEFeedForward):
     def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts' SwiGLU over `x`, its rows grouped by expert (`counts` rows each, in order)."""
         w13, w2 = self.cond_ffn.w13, self.cond_ffn.w2
+        kernel, dtype = self.routing.kernel, _compute_dtype(x)
+        if kernel == "grouped" or (kernel == "auto" and x.is_cuda and dtype == torch.bfloat16):
+            return grouped_swiglu(x.to(dtype), w13.to(dtype), w2.to(dtype), counts)
         outs = []
         for e, rows in enumerate(x[: sum(counts)].split(counts)):
             gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
@@ -227,6 +231,37 @@ class MoEFeedForward(MOEFeedForward):
         if aux.requires_grad:
             out = _AuxLossGrad.apply(out, aux, routing.grad_scale)
         return out
+
+
+GROUP_ALIGN = 16  # rows: each expert's group of a grouped GEMM starts 16-row aligned (TMA loads, float8)
+
+
+def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The experts' SwiGLU as two grouped GEMMs over all experts at once (torch's grouped_mm, as
+    torchtitan's and Megatron's grouped experts), each expert's rows padded to GROUP_ALIGN."""
+    rows, offsets, padded = _aligned_rows(counts, x.device)
+    grouped = x.new_zeros(padded, x.shape[1]).index_copy(0, rows, x[: rows.shape[0]])
+    gate, up = F.grouped_mm(grouped, w13.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    return out.index_select(0, rows)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: autocast's where it is on (one GPU's bf16), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+@torch.compiler.disable
+def _aligned_rows(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each routed row goes once every expert's group is padded to GROUP_ALIGN rows, the groups'
+    end offsets, and the padded total."""
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    padded = (sizes + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    shift = torch.repeat_interleave(padded.cumsum(0) - padded - (sizes.cumsum(0) - sizes), sizes)
+    rows = torch.arange(int(sizes.sum())) + shift
+    ends = padded.cumsum(0).to(torch.int32)
+    return rows.to(device), ends.to(device), int(padded.sum())
 
 
 @torch.compiler.disable

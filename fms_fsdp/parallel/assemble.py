@@ -111,6 +111,7 @@ def set_routing(routing: Routing, build: ModelBuild) -> None:
     routing.balance_weight = build.model.moe_aux_loss_weight
     routing.z_weight = build.model.moe_z_loss_weight
     routing.capacity_factor = build.model.moe_capacity_factor
+    routing.kernel = build.model.moe_kernel
     routing.stats = RoutingStats(config.nlayers, config.moe_experts, build.device)
 
 

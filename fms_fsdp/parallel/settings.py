@@ -69,6 +69,7 @@ class ModelSettings:
     moe_aux_loss_weight: float = 0.0
     moe_z_loss_weight: float = 0.0
     moe_capacity_factor: float = 0.0  # 0: dropless
+    moe_kernel: str = "auto"  # the experts' matmuls: auto, grouped or loop
 
 
 @dataclass(frozen=True, kw_only=True)

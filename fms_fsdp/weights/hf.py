@@ -37,7 +37,7 @@ from fms_fsdp.model.variants import build_model, context_length, get_model_confi
 from fms_fsdp.storage import local_copy, location, publish
 from fms_fsdp.versions import check_layout
 from fms_fsdp.weights.hf_read import FMS_PROJECTIONS, HF_PROJECTIONS, rope_fms_to_hf
-from fms_fsdp.weights.hf_write import SHARD_BYTES, Converter, hf_plan, split, write_index, write_part
+from fms_fsdp.weights.hf_write import SHARD_BYTES, Converter, hf_plan, split, stacked_experts, write_index, write_part
 from fms_fsdp.weights.reader import Tensors, model_reader
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -49,9 +49,11 @@ def hf_config(
     """config.json of the LlamaForCausalLM equivalent to an fms LLaMAConfig."""
     scaling = hf_rope_scaling(model_config)
     rope = {"rope_type": "default"} if scaling is None else scaling
+    sparse = isinstance(model_config, MoEConfig)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if sparse else "LlamaForCausalLM"],
+        "model_type": "mixtral" if sparse else "llama",
+        **(_mixtral_fields(model_config) if sparse else {}),
         "vocab_size": model_config.src_vocab_size,
         "hidden_size": model_config.emb_dim,
         "intermediate_size": hidden_dim(model_config),
@@ -74,6 +76,16 @@ def hf_config(
         "pad_token_id": None,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _mixtral_fields(model_config: MoEConfig) -> dict:
+    """config.json's fields of MixtralForCausalLM beyond Llama's: the experts, and no sliding window."""
+    return {
+        "num_local_experts": model_config.moe_experts,
+        "num_experts_per_tok": model_config.moe_top_k,
+        "output_router_logits": False,
+        "sliding_window": None,
     }
 
 
@@ -106,14 +118,17 @@ def write_hf_folder(
     """Write config.json, generation_config.json and the safetensors files (of at most max_shard_bytes,
     with an index when more than one) of the fms tensors `shapes` into `out`, tensor by tensor
     (hf_write.py), atomically: a temporary folder renamed at the end."""
-    if isinstance(model_config, MoEConfig):
-        raise HFError("a mixture-of-experts model has no Hugging Face export yet; export it with --export_format=fms")
+    if isinstance(model_config, MoEConfig) and model_config.moe_shared_experts:
+        raise HFError(
+            "a model with shared experts (--moe_shared_experts) has no Hugging Face export: Mixtral's layout has "
+            "none; export it with --export_format=fms"
+        )
     target = Path(out).resolve()
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     files = split(hf_plan(model_config, shapes, dtype), 1, max_shard_bytes)
-    write_part(tmp, files, Converter(tensors, model_config))
+    write_part(tmp, files, Converter(stacked_experts(tensors), model_config))
     write_index(tmp, files)
     write_hf_config(tmp, model_config, dtype, bos_token_id, eos_token_id)
     if target.exists():  # an empty folder (callers refuse anything else)
@@ -186,6 +201,7 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
     settings must be the run's or, when the run changes them (--rope_theta, --rope_scaling_factor),
     those of `variant` (a model whose context is being extended)."""
     pairs = {
+        "num_local_experts": (hf.get("num_local_experts") or 0, getattr(model_config, "moe_experts", 0)),
         "vocab_size": (hf.get("vocab_size"), model_config.src_vocab_size),
         "hidden_size": (hf.get("hidden_size"), model_config.emb_dim),
         "intermediate_size": (hf.get("intermediate_size"), hidden_dim(model_config)),
@@ -196,6 +212,8 @@ def check_hf_config(hf: dict, model_config: LLaMAConfig, folder: str, variant: O
             model_config.kvheads or model_config.nheads,
         ),
     }
+    if isinstance(model_config, MoEConfig):
+        pairs["num_experts_per_tok"] = (hf.get("num_experts_per_tok"), model_config.moe_top_k)
     for name, (theirs, ours) in pairs.items():
         if theirs != ours:
             raise HFError(

@@ -65,6 +65,10 @@ FMS_PROJECTIONS = {
 
 
 _LAYER = re.compile(r"^base_model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# a sparse block's experts, [experts, rows, columns]: read and written as the 2-D tensor of their rows
+# stacked (expert_rows), each expert's rows in Mixtral's tensors (w1 = gate, w3 = up; w2 = down)
+_EXPERTS = re.compile(r"^base_model\.layers\.(\d+)\.ff_sub_layer\.cond_ffn\.(w13|w2)$")
+_MIXTRAL = "model.layers.{}.block_sparse_moe"
 # a model built unfused (tensor parallel): its projections' Hugging Face names
 _UNFUSED = {
     "attn.in_proj.query": "q_proj",
@@ -153,17 +157,34 @@ class Source:
     rope: bool
 
 
-def sources(key: str, entries: dict[str, Entry], tie_heads: bool) -> list[Source]:
-    """The Hugging Face tensors an fms state-dict key is made of, in row order."""
+def expert_rows(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The 2-D shape an fms tensor is read and written as: a sparse block's experts (3-D) with their
+    rows stacked, expert after expert; any other tensor its own."""
+    return (shape[0] * shape[1], *shape[2:]) if len(shape) == 3 else shape
+
+
+def sources(key: str, entries: dict[str, Entry], config: LLaMAConfig) -> list[Source]:
+    """The Hugging Face tensors an fms state-dict key is made of, in row order (a sparse block's
+    experts in Mixtral's layout, their rows stacked as expert_rows has them)."""
+    found = _EXPERTS.match(key)
+    if found is not None:
+        layer, weight = found.groups()
+        names = ("w1", "w3") if weight == "w13" else ("w2",)
+        block, experts = _MIXTRAL.format(layer), int(getattr(config, "moe_experts", 0))
+        return [Source(f"{block}.experts.{e}.{n}.weight", False) for e in range(experts) for n in names]
     if key in _TOP:
         name = _TOP[key]
-        if name not in entries and key == "head.weight" and tie_heads:
+        if name not in entries and key == "head.weight" and config.tie_heads:
             name = "model.embed_tokens.weight"
         return [Source(name, False)]
     m = _LAYER.match(key)
     if m is None:
         raise HFError(f"{key} has no Hugging Face counterpart")
+    if ".shared." in key:
+        raise HFError(f"{key}: a shared expert has no place in Mixtral's layout (--moe_shared_experts)")
     layer, path, kind = m.groups()
+    if path == "ff_sub_layer.gate":
+        return [Source(f"{_MIXTRAL.format(layer)}.gate.{kind}", False)]
     if path in _NORMS:
         return [Source(f"{_NORMS[path].format(layer)}.{kind}", False)]
     parts = FMS_PROJECTIONS.get(path) or (_UNFUSED[path],)
@@ -175,8 +196,9 @@ def check_shapes(
 ) -> None:
     """HFError naming the file of the first Hugging Face tensor that is absent, of a dtype this module does
     not read, or does not fit the fms tensor it is read into (global shapes)."""
-    for key, shape in shapes.items():
-        found = sources(key, entries, config.tie_heads)
+    for key, whole in shapes.items():
+        shape = expert_rows(whole)
+        found = sources(key, entries, config)
         for s in found:
             if s.name not in entries:
                 raise HFError(f"{folder}: no tensor {s.name} in its safetensors files")
@@ -189,7 +211,7 @@ def check_shapes(
             s = found[0]
             raise HFError(
                 f"{folder}/{entries[s.name].file}: {s.name} is {list(entries[s.name].shape)}, which does not fit "
-                f"the model's {key} {list(shape)}; choose the matching --model_variant (and --vocab_size)"
+                f"the model's {key} {list(whole)}; choose the matching --model_variant (and --vocab_size)"
             )
 
 
@@ -212,7 +234,7 @@ class SliceReader:
     def box(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Rows [offset[0], +shape[0]) and, for a matrix, columns [offset[1], +shape[1]) of fms tensor `key`."""
         lo, hi, row, pieces = offset[0], offset[0] + shape[0], 0, []
-        for s in sources(key, self.entries, self.config.tie_heads):
+        for s in sources(key, self.entries, self.config):
             n = self.entries[s.name].shape[0]
             a, b = max(lo, row) - row, min(hi, row + n) - row
             if a < b:
@@ -251,5 +273,14 @@ def read_into(state: dict[str, torch.Tensor], folder: Path, entries: dict[str, E
         for key, value in state.items():
             local = value.to_local() if isinstance(value, DTensor) else value
             offset, shape = local_box(value)
-            if local.numel():
+            if not local.numel():
+                continue
+            if local.dim() == 3:  # a sparse block's experts: each expert's box of its stacked rows
+                rows = value.shape[1]
+                box = [
+                    reader.box(key, (e * rows + offset[1], offset[2]), shape[1:])
+                    for e in range(offset[0], offset[0] + shape[0])
+                ]
+                local.copy_(torch.stack(box))
+            else:
                 local.copy_(reader.box(key, offset, shape))

@@ -22,7 +22,7 @@ from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.model.lora import LoRASpec
 from fms_fsdp.model.shapes import hidden_dim
-from fms_fsdp.weights.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, rope_fms_to_hf, sources
+from fms_fsdp.weights.hf_read import DTYPES, FMS_PROJECTIONS, INDEX, expert_rows, rope_fms_to_hf, sources
 from fms_fsdp.weights.reader import Tensors
 
 SHARD_BYTES = 5 * 2**30  # like transformers' default max_shard_size
@@ -56,15 +56,17 @@ def hf_plan(config: LLaMAConfig, shapes: dict[str, tuple[int, ...]], dtype: torc
     keys.sort(key=lambda k: int(k.split(".")[2]) if k.startswith("base_model.layers.") else -1)
     plan: list[Planned] = []
     for key in keys:
-        row = 0
-        for source, rows in zip(sources(key, {}, False), _rows(config, key, shapes[key][0])):
-            plan.append(Planned(source.name, key, row, (rows, *shapes[key][1:]), dtype, source.rope))
+        row, shape = 0, expert_rows(shapes[key])
+        found = sources(key, {}, config)
+        for source, rows in zip(found, _rows(config, key, shape[0], len(found))):
+            plan.append(Planned(source.name, key, row, (rows, *shape[1:]), dtype, source.rope))
             row += rows
     return plan
 
 
-def _rows(config: LLaMAConfig, key: str, rows: int) -> list[int]:
-    """The rows of each part of fms tensor `key` (q, k, v; gate, up), its rows when it has one part."""
+def _rows(config: LLaMAConfig, key: str, rows: int, parts: int) -> list[int]:
+    """The rows of each of the `parts` of fms tensor `key` (q, k, v; gate, up; a sparse block's experts'
+    equal parts), its rows when it has one part."""
     kv = (config.kvheads or config.nheads) * (config.emb_dim // config.nheads)
     path = key.rsplit(".", 1)[0].split(".", 3)[-1]
     if path == "attn.in_proj.qkv_fused":
@@ -72,7 +74,27 @@ def _rows(config: LLaMAConfig, key: str, rows: int) -> list[int]:
     if path == "ff_sub_layer.wg1_fused":
         return [hidden_dim(config)] * 2
     assert path not in FMS_PROJECTIONS or len(FMS_PROJECTIONS[path]) == 1, key
-    return [rows]
+    return [rows // parts] * parts
+
+
+def stacked_experts(tensors: Tensors) -> Tensors:
+    """`tensors` with each 3-D one (a sparse block's experts) read as its rows stacked (expert_rows),
+    one expert at a time, the last one kept for its next rows."""
+    last: dict[tuple[str, int], torch.Tensor] = {}
+
+    def rows(key: str, a: int, b: int) -> torch.Tensor:
+        shape = tensors.shapes[key]
+        if len(shape) != 3:
+            return tensors.rows(key, a, b)
+        per, parts = shape[1], []
+        for e in range(a // per, (b - 1) // per + 1):
+            if (key, e) not in last:
+                last.clear()
+                last[(key, e)] = tensors.rows(key, e, e + 1)[0]
+            parts.append(last[(key, e)][max(a - e * per, 0) : min(b - e * per, per)])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return Tensors({k: torch.Size(expert_rows(tuple(s))) for k, s in tensors.shapes.items()}, rows)
 
 
 def fms_plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> list[Planned]:
