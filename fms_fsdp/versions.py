@@ -9,6 +9,10 @@ Layouts, each with a checkpoint of it kept as test data (tests/kept_checkpoints.
   1: the model and optimizer in DCP under fms's fused names, metadata.pth (step, tokens, scheduler,
      world size, config), one loader_state_<rank>.pth per data-parallel rank; checkpoints written before
      layouts were recorded hold this layout.
+  2: and a sparse model's experts: per block `ff_sub_layer.gate.weight` [experts, dim], and
+     `ff_sub_layer.cond_ffn.w13` [experts, 2 x width, dim] and `.w2` [experts, dim, width] (ibm-fms's
+     MOEFeedForward names, whole across ranks), with the moe_* flags in metadata.pth's config. A dense
+     model's checkpoint is as in layout 1.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from fms_fsdp.errors import CheckpointError
 
-LAYOUT = 1  # raised at any change of what a checkpoint holds (docs/checkpoints.md, Upgrades)
+LAYOUT = 2  # raised at any change of what a checkpoint holds (docs/checkpoints.md, Upgrades)
 
 
 def installed(package: str) -> str:

@@ -8,9 +8,10 @@ tests/assets/checkpoints/
                   package version, torch, checkpoint layout), its flags, and the losses of steps 5 to 8
 
 A change of what a checkpoint holds raises LAYOUT in fms_fsdp/versions.py and adds one,
-written by the new code (2 ranks, 8 steps, about 30 s):
+written by the new code (2 ranks, 8 steps, about 30 s), with the flags that make the run hold what
+changed (layout2: experts, `--moe_experts=4 --moe_top_k=2`):
 
-    python tests/kept_checkpoints.py layout<N>
+    python tests/kept_checkpoints.py layout<N> [--flag=value ...]
 
 `--into DIR` writes it under another tree's tests/assets/checkpoints (how layout1 was written: this
 script run by the code of the commit before checkpoints were versioned).
@@ -34,8 +35,9 @@ KEPT_STEP, STEPS = 4, 8
 RTOL = 1e-4  # as the golden curves (tests/golden.py): the same fp32 kernels, across CPUs and torch releases
 
 
-def run_flags(data: Path, out: Path, steps: int) -> list[str]:
-    """The run every kept checkpoint comes from: `micro` on 2 ranks, FSDP, fp32, deterministic."""
+def run_flags(data: Path, out: Path, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The run every kept checkpoint comes from: `micro` on 2 ranks, FSDP, fp32, deterministic, and the
+    `extra` flags of its layout."""
     return [
         "--model_variant=micro",
         "--device=cpu",
@@ -55,7 +57,13 @@ def run_flags(data: Path, out: Path, steps: int) -> list[str]:
         f"--checkpoint_interval={KEPT_STEP}",
         f"--num_steps={steps}",
         f"--ckpt_save_path={out}",
+        *extra,
     ]
+
+
+def kept_flags(name: str, data: Path, out: Path) -> list[str]:
+    """The flags kept checkpoint `name` was written with (expected.json), for data `data` and run `out`."""
+    return [f.replace("<data>", str(data)).replace("<run>", str(out)) for f in expected(name)["flags"]]
 
 
 def write_data(assets: Path) -> Path:
@@ -82,8 +90,9 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def record(name: str, assets: Path) -> None:
-    """Train STEPS steps, keep the checkpoint of KEPT_STEP under assets/name with the losses after it."""
+def record(name: str, assets: Path, extra: tuple[str, ...] = ()) -> None:
+    """Train STEPS steps (with the `extra` flags), keep the checkpoint of KEPT_STEP under assets/name with
+    the losses after it."""
     import torch
 
     from conftest import launch, records
@@ -94,7 +103,7 @@ def record(name: str, assets: Path) -> None:
         raise SystemExit(f"{target} exists: a kept checkpoint is never written again")
     with TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        proc = launch("main_training.py", run_flags(data, out, STEPS), 2)
+        proc = launch("main_training.py", run_flags(data, out, STEPS, extra), 2)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         meta = torch.load(out / "checkpoints" / f"step_{KEPT_STEP}_ckp" / "metadata.pth", weights_only=True)
         shutil.copytree(out / "checkpoints" / f"step_{KEPT_STEP}_ckp", target / "checkpoints" / f"step_{KEPT_STEP}_ckp")
@@ -106,7 +115,7 @@ def record(name: str, assets: Path) -> None:
             "layout": meta.get("layout", 1),
             "torch": torch.__version__.split("+")[0],
         },
-        "flags": run_flags(Path("<data>"), Path("<run>"), STEPS),
+        "flags": run_flags(Path("<data>"), Path("<run>"), STEPS, extra),
         "losses_after": {str(step): losses[step] for step in sorted(losses)},
     }
     (target / "expected.json").write_text(json.dumps(found, indent=1) + "\n")
@@ -117,5 +126,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name")
     parser.add_argument("--into", type=Path, default=ASSETS, help="the tests/assets/checkpoints folder to write in")
-    args = parser.parse_args()
-    record(args.name, args.into)
+    args, extra = parser.parse_known_args()
+    record(args.name, args.into, tuple(extra))

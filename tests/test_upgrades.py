@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kept_checkpoints import ASSETS, KEPT_STEP, RTOL, STEPS, expected, kept, run_flags
+from kept_checkpoints import ASSETS, KEPT_STEP, RTOL, STEPS, expected, kept, kept_flags, run_flags
 
 from fms_fsdp.versions import LAYOUT, installed
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (s
 def resumed(name: str, out: Path) -> subprocess.CompletedProcess:
     """Kept checkpoint `name` copied into the run folder `out`, and that run resumed to STEPS on 2 ranks."""
     shutil.copytree(ASSETS / name / "checkpoints", out / "checkpoints")
-    return launch("main_training.py", run_flags(ASSETS / "data", out, STEPS), 2)
+    return launch("main_training.py", kept_flags(name, ASSETS / "data", out), 2)
 
 
 @pytest.mark.parametrize("name", kept())

@@ -38,6 +38,10 @@ class MoEConfig(LLaMAConfig):
     moe_shared_experts: int = 0
 
 
+# MoEConfig's own fields, each also a flag (--moe_experts, ...) that makes or reshapes a sparse model
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_shared_experts")
+
+
 @dataclass
 class Routing:
     """The training's routing settings, shared by every MoE layer of a model (not part of its weights):

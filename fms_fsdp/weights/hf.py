@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from fms_fsdp.errors import CheckpointError, HFError
 from fms_fsdp.model.lora import LoRASpec
-from fms_fsdp.model.moe import MoEConfig
+from fms_fsdp.model.moe import MOE_FIELDS, MoEConfig
 from fms_fsdp.model.shapes import hidden_dim
 from fms_fsdp.model.variants import build_model, context_length, get_model_config
 from fms_fsdp.storage import local_copy, location, publish
@@ -313,7 +313,7 @@ def convert(
         run.get("rope_scaling_factor"),
         norm_eps=run.get("norm_eps"),
         positions=run.get("max_position_embeddings"),
-        moe={k: run[k] for k in ("moe_experts", "moe_top_k", "moe_shared_experts") if run.get(k) is not None},
+        moe={k: run[k] for k in MOE_FIELDS if run.get(k) is not None},
     )
     try:
         with local_copy(src) if src.is_file() else nullcontext(src) as readable:  # a remote file: downloaded
