@@ -239,6 +239,12 @@ class train_config:
         min=1,
         shared=False,
     )
+    expert_parallel_size: int = _f(
+        1,
+        "Expert parallel: spread a sparse model's experts over this many ranks of each FSDP shard group (each holds experts / E of them, whole, and FSDP shards those over the group's other ranks); tokens reach their experts by all-to-all. Divides --moe_experts and the shard group; FSDP or HSDP only.",
+        min=1,
+        shared=False,
+    )
     context_parallel_size: int = _f(
         1,
         "Ranks that split every line (context parallelism: each holds 2 of 2C chunks; keys and values all-gathered or passed round a ring, see cp_attention); FSDP shards over them too. Divides the world size / tensor_parallel_size; seq_length must divide by 2C.",

@@ -193,8 +193,7 @@ def grad_norm(
     if not global_:
         return get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], 2.0)
     if not any(isinstance(g, DTensor) and "tp" in (g.device_mesh.mesh_dim_names or ()) for g in grads):
-        norm = get_total_norm(grads, 2.0)  # without tensor parallelism: DTensor's reduction over the mesh
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = _norm_over_meshes(grads)  # without tensor parallelism: DTensor's reduction over each mesh
         if pipeline is None:
             return norm
         squares = norm.float().square()
@@ -215,6 +214,23 @@ def grad_norm(
     return squares.sqrt()
 
 
+def _norm_over_meshes(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of `grads`, each reduced over its DTensor's mesh; with expert parallelism the experts'
+    mesh is not the other weights', so each mesh's part is reduced on its own and the parts combined."""
+    groups = _by_mesh(grads)
+    norms = [get_total_norm(group, 2.0) for group in groups]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    return norms[0] if len(norms) == 1 else get_total_norm(norms, 2.0)
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by their DTensor's mesh (plain tensors together), in order of first appearance."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(id(t.device_mesh) if isinstance(t, DTensor) else 0, []).append(t)
+    return list(groups.values())
+
+
 def clip_gradients(
     model: nn.Module, max_norm: float, global_norm: bool, pipeline: Optional[dist.ProcessGroup] = None
 ) -> torch.Tensor:
@@ -225,5 +241,6 @@ def clip_gradients(
     params = list(model.parameters())
     norm = grad_norm(params, global_=max_norm > 0 or global_norm, pipeline=pipeline)
     if max_norm > 0:
-        clip_grads_with_norm_(params, max_norm, norm)
+        for group in _by_mesh([p for p in params if p.grad is not None]):  # an op spans one mesh
+            clip_grads_with_norm_(group, max_norm, norm)
     return norm

@@ -380,6 +380,7 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
         compile=cfg.use_torch_compile,
         mixed_precision=cfg.mixed_precision,
         float8=float8_of(cfg),
+        ep=cfg.expert_parallel_size,
     )
 
 
@@ -390,6 +391,7 @@ def mesh_of(cfg: train_config) -> MeshSettings:
         pp=cfg.pipeline_parallel_size,
         tp=cfg.tensor_parallel_size,
         cp=cfg.context_parallel_size,
+        ep=cfg.expert_parallel_size,
         sharding_strategy=cfg.sharding_strategy,
         sharding_group_size=cfg.sharding_group_size,
         seq_length=cfg.seq_length,

@@ -32,10 +32,11 @@ from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
-from fms_fsdp.model.moe import MOE_FIELDS, check_sparse
+from fms_fsdp.model.moe import check_sparse
 from fms_fsdp.model.variants import CausalLM, context_length, get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel.assemble import ModelBuild, build_optimizer_and_schedule, build_sharded_model
+from fms_fsdp.parallel.expert_parallel import check_expert_parallel
 from fms_fsdp.parallel.mesh import build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.pipeline import PipelinePlan, check_pipeline
 from fms_fsdp.parallel.process_group import (
@@ -95,6 +96,7 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         check_profiler(settings.profiler, device)
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
+    check_expert_parallel(shape, model_config)
     check_sparse(
         model_config,
         {
@@ -145,7 +147,7 @@ def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int
 
 def moe_flags(cfg: train_config) -> dict[str, int]:
     """--moe_experts, --moe_top_k and --moe_shared_experts where given (MoEConfig's fields)."""
-    given = {k: getattr(cfg, k) for k in MOE_FIELDS}
+    given = {"moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k, "moe_shared_experts": cfg.moe_shared_experts}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -26,6 +26,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "harness": ("lm-eval-harness tasks", ("--eval_harness_tasks=hellaswag",)),
     "exports": ("periodic exports", ("--export_interval=2",)),
     "MoE": ("mixture of experts", ("--model_variant=tiny_moe",)),
+    "EP": ("expert parallel", ("--model_variant=tiny_moe", "--expert_parallel_size=2")),
 }
 
 
@@ -51,6 +52,8 @@ LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
 HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
 MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank"
 FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
+EP_MESHES = "test_expert_parallel.py::test_two_expert_ranks_train_as_one_on_fsdp_hsdp_and_pipeline_meshes"
+EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
 MATRIX: list[Pair] = [
     Pair("PP", "CP", (PP_CP,)),
@@ -128,6 +131,14 @@ MATRIX: list[Pair] = [
     Pair("MoE", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
+    Pair("EP", "MoE", ("test_expert_parallel.py::test_two_ranks_with_their_experts_spread_train_as_without",)),
+    Pair("EP", "PP", (EP_MESHES,)),
+    Pair("EP", "HSDP", (EP_MESHES,)),
+    Pair("EP", "exports", (EP_EXPORTS,)),
+    Pair("EP", "CP", refused="--context_parallel_size does not combine with a mixture-of-experts model yet"),
+    Pair("EP", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
+    Pair("EP", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
+    Pair("EP", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
 ]
 
 
@@ -142,11 +153,15 @@ NOT_YET = [
     ("FT", "LoRA"),
     ("FT", "harness"),
     ("FT", "MoE"),
+    ("FT", "EP"),
     ("LoRA", "harness"),
     ("float8", "harness"),
     ("async", "MoE"),
+    ("async", "EP"),
     ("eval", "MoE"),
+    ("eval", "EP"),
     ("harness", "MoE"),
+    ("harness", "EP"),
 ]
 
 

@@ -626,6 +626,38 @@ ERRORS: list[E] = [
     E("parallel", "--pipeline_parallel_size=<pp> must divide the world size <world_size>"),
     E(
         "parallel",
+        "--expert_parallel_size=2 needs a sparse model (tiny_moe, mixtral_*, or --moe_experts); this one is dense",
+        flags=("--expert_parallel_size=2",),
+        world=2,
+    ),
+    E(
+        "parallel",
+        "--expert_parallel_size=3 must divide the model's 4 experts; pick a divisor",
+        flags=("--model_variant=tiny_moe", "--expert_parallel_size=3"),
+        world=3,
+    ),
+    E(
+        "parallel",
+        "--expert_parallel_size=2 must divide the FSDP shard group (1 ranks: with --sharding_strategy=ddp there is "
+        "none; use fsdp or hsdp)",
+        flags=("--model_variant=tiny_moe", "--expert_parallel_size=2", "--sharding_strategy=ddp"),
+        world=2,
+    ),
+    E(
+        "parallel",
+        "--expert_parallel_size=4 must divide the FSDP shard group (2 ranks)",
+        "expert groups are cut out of each FSDP shard group (HSDP: --sharding_group_size)",
+        "a divisor of the shard group, or a larger --sharding_group_size",
+        flags=(
+            "--model_variant=tiny_moe",
+            "--expert_parallel_size=4",
+            "--sharding_strategy=hsdp",
+            "--sharding_group_size=2",
+        ),
+        world=4,
+    ),
+    E(
+        "parallel",
         "--tensor_parallel_size does not combine with a mixture-of-experts model yet; drop it (FSDP/HSDP and "
         "pipeline stages shard one)",
         "tensor or context parallelism, float8, LoRA, or Hugging Face exports of shared experts, with a sparse "

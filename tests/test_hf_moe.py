@@ -116,10 +116,13 @@ def test_shared_experts_and_a_dense_folder_for_a_sparse_run_are_refused_in_one_l
         read_hf_model(str(tmp_path / "mixtral"), get_model_config("tiny", VOCAB))
 
 
-def test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers(tmp_path):
-    """Each rank writes its files of the export from the sharded checkpoint: transformers loads the
-    folder as Mixtral with the logits of the checkpoint of the same step."""
+@pytest.mark.parametrize("ep", [1, 2], ids=["ep 1", "ep 2"])
+def test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers(tmp_path, ep):
+    """Each rank writes its files of the export from the sharded checkpoint (its experts spread over the
+    two ranks with ep 2): transformers loads the folder as Mixtral with the logits of the checkpoint of
+    the same step."""
     run = [*SPARSE, "--num_steps=2", "--checkpoint_interval=2", "--export_interval=2", "--export_format=hf"]
+    run.append(f"--expert_parallel_size={ep}")
     train(tmp_path, run, nproc=2)
     folder = tmp_path / "run" / "exports" / "step_2"
     theirs = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)

@@ -176,7 +176,7 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
         8,
         1 << 40,
     )
-    assert tp.mesh == (1, 4, 2, 1, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
+    assert tp.mesh == (1, 4, 2, 1, 1, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
     setting = Setting(4, False, Fraction(0), "block")
     one, two = fsdp.plan(setting), tp.plan(setting)
@@ -200,7 +200,7 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     fsdp = plan_for(make_config(**long), 8, 8, 1 << 40)
     cp = plan_for(make_config(**long, context_parallel_size=2), 8, 8, 1 << 40)
     docs = plan_for(make_config(**long, context_parallel_size=2, document_masking=True), 8, 8, 1 << 40)
-    assert cp.mesh == (1, 4, 1, 2, 1) and cp.params == fsdp.params
+    assert cp.mesh == (1, 4, 1, 2, 1, 1) and cp.params == fsdp.params
     setting = Setting(1, False, Fraction(0), "block")
     one, two = fsdp.plan(setting), cp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations and two.loss < one.loss
@@ -237,7 +237,7 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
         return [Planner(memory_settings(cfg), shape, model_config, plan, 1 << 40, r) for r in range(2)]
 
     first, last = stages("1F1B")
-    assert first.mesh == (1, 4, 1, 1, 2) and first.first and not first.last and last.last
+    assert first.mesh == (1, 4, 1, 1, 2, 1) and first.first and not first.last and last.last
     assert abs(first.params + last.params - whole.params) < 0.01 * whole.params
     one, gpipe = [p.plan(setting) for p in (first, last)], stages("GPipe")[0].plan(setting)
     micro = whole.plan(Setting(1, False, Fraction(0), "block"))  # one line per microbatch

@@ -51,24 +51,26 @@ def mesh(*flags):
 
 
 def test_mesh_shapes():
-    assert mesh_shape(mesh("--sharding_strategy=fsdp"), 16, 8) == (1, 16, 1, 1, 1)
-    assert mesh_shape(mesh("--sharding_strategy=hsdp"), 16, 8) == (2, 8, 1, 1, 1)
-    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--sharding_group_size=4"), 16, 8) == (4, 4, 1, 1, 1)
-    assert mesh_shape(mesh("--sharding_strategy=ddp"), 16, 8) == (16, 1, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=fsdp"), 16, 8) == (1, 16, 1, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp"), 16, 8) == (2, 8, 1, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--sharding_group_size=4"), 16, 8) == (4, 4, 1, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=ddp"), 16, 8) == (16, 1, 1, 1, 1, 1)
     # tensor parallel innermost; data parallelism over the rest, HSDP's default group the node's share
-    assert mesh_shape(mesh("--sharding_strategy=fsdp", "--tensor_parallel_size=4"), 16, 8) == (1, 4, 4, 1, 1)
-    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--tensor_parallel_size=4"), 16, 8) == (2, 2, 4, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=fsdp", "--tensor_parallel_size=4"), 16, 8) == (1, 4, 4, 1, 1, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--tensor_parallel_size=4"), 16, 8) == (2, 2, 4, 1, 1, 1)
     assert mesh_shape(
         mesh("--sharding_strategy=hsdp", "--tensor_parallel_size=2", "--sharding_group_size=2"), 16, 8
-    ) == (4, 2, 2, 1, 1)
+    ) == (4, 2, 2, 1, 1, 1)
     assert mesh_shape(mesh("--sharding_strategy=ddp", "--tensor_parallel_size=8"), 16, 8).dp == 2
     # pipeline parallel outermost: each stage's world / P ranks laid out as without it
-    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--pipeline_parallel_size=2"), 16, 8) == (1, 8, 1, 1, 2)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--pipeline_parallel_size=2"), 16, 8) == (1, 8, 1, 1, 2, 1)
+    # expert parallel: a split of each shard group, not a dimension of the mesh
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--expert_parallel_size=4"), 16, 8) == (2, 8, 1, 1, 1, 4)
     # context parallel: a group of C (x T) ranks per line; HSDP's default group the node's share of lines
-    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--context_parallel_size=2"), 16, 8) == (2, 4, 1, 2, 1)
+    assert mesh_shape(mesh("--sharding_strategy=hsdp", "--context_parallel_size=2"), 16, 8) == (2, 4, 1, 2, 1, 1)
     assert mesh_shape(
         mesh("--sharding_strategy=fsdp", "--context_parallel_size=2", "--tensor_parallel_size=2"), 16, 8
-    ) == (1, 4, 2, 2, 1)
+    ) == (1, 4, 2, 2, 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,13 @@ MESHES = {
         sharding_group_size=4,
         batch_size=4,
     ),
+    "moe, ep x hsdp": dict(
+        plan_world_size=16,
+        model_variant="tiny_moe",
+        sharding_strategy="hsdp",
+        sharding_group_size=4,
+        expert_parallel_size=2,
+    ),
 }
 
 
@@ -174,10 +181,12 @@ def test_llama3_405b_on_1024_ranks_is_rehearsed_in_under_5_minutes():
 
 
 @pytest.mark.slow
-def test_mixtral_8x22b_on_256_ranks_is_rehearsed_and_agrees_with_the_plan():
+@pytest.mark.parametrize("ep", [1, 8])
+def test_mixtral_8x22b_on_256_ranks_is_rehearsed_and_agrees_with_the_plan(ep):
     proc = launch(
         "main_training.py",
         [
+            f"--expert_parallel_size={ep}",
             "--dry_run=True",
             "--model_variant=mixtral_8x22b",
             "--plan_world_size=256",
@@ -193,6 +202,7 @@ def test_mixtral_8x22b_on_256_ranks_is_rehearsed_and_agrees_with_the_plan():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the rehearsal's real shards; the analytic plan within 0.00% of them" in proc.stdout, proc.stdout
     fields = dict(item.split("=") for item in proc.stdout.splitlines()[-1].split()[1:])
-    # every expert's rows sharded over the 256 ranks: a 256th of the fp32 model each, not whole experts
+    # every expert's rows sharded over the 256 ranks (with ep 8: over the 32 ranks holding the same experts),
+    # a 256th of the fp32 model each, not whole experts
     whole = 4 * count_params(get_model_config("mixtral_8x22b"))
     assert int(fields["params_bytes"]) == pytest.approx(whole / 256, rel=0.01)

@@ -104,11 +104,17 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _numel_sharded(shape: Sequence[int], shards: int) -> int:
+def _ep_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """A parameter's part on this rank's expert group: a 1/ep of a sparse block's stacked experts."""
+    return (shape[0] // ep, *shape[1:]) if len(shape) == 3 else shape
+
+
+def _numel_sharded(shape: Sequence[int], shards: int, ep: int = 1) -> int:
     """Elements of a parameter's shard: its first dimension padded to a multiple of the shard count (a
-    sparse block's stacked experts [experts, rows, columns]: its rows, parallelize.py's placement)."""
+    sparse block's stacked experts [experts, rows, columns]: its rows, over the shards / ep ranks that
+    hold the same experts, parallelize.py's placement)."""
     if len(shape) == 3:
-        return shape[0] * math.ceil(shape[1] / shards) * shape[2]
+        return shape[0] * math.ceil(shape[1] / (shards // ep)) * shape[2]
     return math.ceil(shape[0] / shards) * math.prod(shape[1:]) if len(shape) else 1
 
 
@@ -135,10 +141,10 @@ class Planner:
             prune(model, self.pipeline, pp_rank)
         self.pp_rank, self.first, self.last = pp_rank, model.base_model.embedding is not None, model.head is not None
         self.n_blocks, self.emb_dim = len(blocks_of(model)), model_config.emb_dim
-        tp = {name: _tp_shape(name, p.shape, self.mesh.tp) for name, p in model.named_parameters()}
-        shards = self.mesh.shard * self.mesh.cp  # FSDP shards over shard x cp
-        held = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters())
-        trained = sum(_numel_sharded(tp[n], shards) for n, p in model.named_parameters() if p.requires_grad)
+        # each parameter's part on this rank's tensor-parallel group and expert group (a 1/ep of the experts)
+        tp = {name: _ep_shape(_tp_shape(name, p.shape, shape.tp), shape.ep) for name, p in model.named_parameters()}
+        sharded = {n: _numel_sharded(tp[n], shape.shard * shape.cp, shape.ep) for n in tp}  # FSDP: shard x cp
+        held, trained = sum(sharded.values()), sum(sharded[n] for n, p in model.named_parameters() if p.requires_grad)
         # the keys and values of a whole line (context parallel all-gathers them), per token
         heads = model_config.kvheads or model_config.nheads
         self.kv_width = 2 * heads * (model_config.emb_dim // model_config.nheads)
@@ -150,7 +156,7 @@ class Planner:
         matrices = [
             n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and ".layers." in f".{n}"
         ]
-        muon = sum(_numel_sharded(tp[n], shards) for n in matrices if "lora_" not in n) if settings.muon else 0
+        muon = sum(sharded[n] for n in matrices if "lora_" not in n) if settings.muon else 0
         self.compute = 2 if settings.mixed_precision else 4
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from fms.models.llama import LLaMAConfig
-from fms.modules.feedforward import GatedLinearUnit, MOEFeedForward
+from fms.modules.feedforward import ConditionalFeedForward, GatedLinearUnit, MOEFeedForward
 from fms.utils.activation import str_to_activation
+from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import in_backward
 from fms_fsdp.errors import ConfigError
@@ -121,6 +122,19 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+class _GradScale(torch.autograd.Function):
+    """The identity, whose gradient is scaled by `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, experts: int) -> torch.Tensor:
     """Switch Transformer's load-balancing loss of one layer: experts x sum over experts of (the share
     of routed slots it got) x (its mean router probability). `probs` [tokens, experts]
@@ -154,6 +168,33 @@ def kept_slots(chosen: torch.Tensor, experts: int, limit: int) -> torch.Tensor:
     return (position < limit).reshape(chosen.shape[1], -1).t()
 
 
+class Experts(ConditionalFeedForward):
+    """A sparse layer's experts: ibm-fms's stacked SwiGLU weights (`w13` [experts, 2 x width, dim], `w2`
+    [experts, dim, width]), called on rows grouped by expert, so that FSDP gathers them for the call."""
+
+    def __init__(self, experts: int, dim: int, width: int, routing: Routing):
+        super().__init__(experts, dim, width)
+        self.routing = routing
+        # 1 / the ranks of an expert group under expert parallelism: each expert's one copy sums its whole
+        # group's tokens' gradients, where data parallelism averages a copy per rank
+        self.grad_scale = 1.0
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # type: ignore[override]
+        """The SwiGLU of this rank's experts (all of them without expert parallelism) over `x`, its rows
+        grouped by expert: `counts` rows each, in order."""
+        w13, w2 = _local(self.w13), _local(self.w2)
+        if self.grad_scale != 1.0:
+            w13, w2 = (_GradScale.apply(w, self.grad_scale) for w in (w13, w2))
+        kernel, dtype = self.routing.kernel, _compute_dtype(x)
+        if kernel == "grouped" or (kernel == "auto" and x.is_cuda and dtype == torch.bfloat16):
+            return grouped_swiglu(x.to(dtype), w13.to(dtype), w2.to(dtype), counts)
+        outs = []
+        for e, rows in enumerate(x[: sum(counts)].split(counts)):
+            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2[e]))
+        return torch.cat(outs)
+
+
 class MoEFeedForward(MOEFeedForward):
     """A block's sparse feed-forward layer: the router picks `top_k` experts per token from the softmax
     of its logits, their outputs are summed with those probabilities renormalised over the chosen
@@ -163,7 +204,11 @@ class MoEFeedForward(MOEFeedForward):
         dense_hidden = expert_width(config, 1)
         super().__init__(config.moe_experts, config.moe_top_k, config.emb_dim, dense_hidden)
         self.layer, self.experts, self.routing = layer, config.moe_experts, routing
+        self.cond_ffn = Experts(config.moe_experts, config.emb_dim, dense_hidden, routing)
         self.shared = _shared(config) if config.moe_shared_experts else None
+        # where the experts are spread over ranks (parallel/expert_parallel.py): (rows, counts, experts) ->
+        # the outputs of experts, this rank's, for every rank's rows
+        self.dispatch: Optional[Callable[[torch.Tensor, list[int], Callable], torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -193,22 +238,14 @@ class MoEFeedForward(MOEFeedForward):
             slots = torch.where(keep.reshape(-1), slots, self.experts)
         order = torch.argsort(slots, stable=True)
         counts = _counts(slots, self.experts + 1, self.routing.even)
-        routed = self.run_experts(flat[order // k], counts[: self.experts])
+        sorted_rows, counts = flat[order // k], counts[: self.experts]
+        if self.dispatch is None:
+            routed = self.cond_ffn(sorted_rows, counts)
+        else:
+            routed = self.dispatch(sorted_rows, counts, self.cond_ffn)
         per_slot = torch.zeros(slots.shape[0], flat.shape[1], dtype=routed.dtype, device=flat.device)
         per_slot[order[: routed.shape[0]]] = routed
         return (per_slot.view(-1, k, flat.shape[1]) * weights.unsqueeze(-1)).sum(1)
-
-    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The experts' SwiGLU over `x`, its rows grouped by expert (`counts` rows each, in order)."""
-        w13, w2 = self.cond_ffn.w13, self.cond_ffn.w2
-        kernel, dtype = self.routing.kernel, _compute_dtype(x)
-        if kernel == "grouped" or (kernel == "auto" and x.is_cuda and dtype == torch.bfloat16):
-            return grouped_swiglu(x.to(dtype), w13.to(dtype), w2.to(dtype), counts)
-        outs = []
-        for e, rows in enumerate(x[: sum(counts)].split(counts)):
-            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, w2[e]))
-        return torch.cat(outs)
 
     def _with_aux_losses(
         self,
@@ -248,6 +285,12 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts:
     gate, up = F.grouped_mm(grouped, w13.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
     out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
     return out.index_select(0, rows)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked expert weight (a DTensor sharded by expert under expert
+    parallelism), the weight itself otherwise."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

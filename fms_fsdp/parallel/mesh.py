@@ -47,9 +47,9 @@ def mesh_shape(settings: MeshSettings, world_size: int, local_world_size: int) -
         )
     dp = world_size // (tp * cp)
     if settings.sharding_strategy == "fsdp":
-        return MeshShape(1, dp, tp, cp, pp)
+        return _with_experts(MeshShape(1, dp, tp, cp, pp), settings.ep)
     if settings.sharding_strategy == "ddp":
-        return MeshShape(dp, 1, tp, cp, pp)
+        return _with_experts(MeshShape(dp, 1, tp, cp, pp), settings.ep)
     group = settings.sharding_group_size or max(1, min(dp, local_world_size // (tp * cp)))  # a stage of a node
     if dp % group:
         raise ConfigError(
@@ -59,7 +59,19 @@ def mesh_shape(settings: MeshSettings, world_size: int, local_world_size: int) -
             + (f" / {tp}" if tp > 1 else "")
             + ")"
         )
-    return MeshShape(dp // group, group, tp, cp, pp)
+    return _with_experts(MeshShape(dp // group, group, tp, cp, pp), settings.ep)
+
+
+def _with_experts(shape: MeshShape, ep: int) -> MeshShape:
+    """`shape` with --expert_parallel_size=ep, which must divide its FSDP shard group; ConfigError naming
+    both numbers."""
+    if ep > 1 and shape.shard % ep:
+        raise ConfigError(
+            f"--expert_parallel_size={ep} must divide the FSDP shard group ({shape.shard} ranks"
+            + (": with --sharding_strategy=ddp there is none; use fsdp or hsdp" if shape.shard == 1 else "")
+            + ")"
+        )
+    return shape._replace(ep=ep)
 
 
 def check_context_parallel(settings: MeshSettings, device: torch.device) -> None:

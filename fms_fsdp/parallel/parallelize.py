@@ -27,18 +27,26 @@ from fms_fsdp.model.float8 import convert_to_float8
 from fms_fsdp.model.loss import chunk_loss
 from fms_fsdp.model.moe import MoEFeedForward
 from fms_fsdp.parallel.activation_checkpointing import apply_activation_checkpointing
+from fms_fsdp.parallel.expert_parallel import apply_expert_parallel, expert_mesh
 from fms_fsdp.parallel.mesh import dp_mesh, sharded, stage_ranks
 from fms_fsdp.parallel.pipeline import blocks_of
 from fms_fsdp.parallel.settings import ParallelSettings
 from fms_fsdp.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Optional[list[nn.Module]] = None) -> None:
+def apply_fsdp(
+    model: LLaMA,
+    mesh: DeviceMesh,
+    mixed_precision: bool,
+    roots: Optional[list[nn.Module]] = None,
+    experts: Optional[DeviceMesh] = None,
+) -> None:
     """FSDP units, each all-gathered just before use and freed after: the embedding, every block, the
     final norm with the head, and the roots (the model, or a pipeline rank's stages; left with nothing
     but buffers). The last block and the head are used again first thing in backward, so they stay
     gathered after forward. A model whose head shares the embedding's weight keeps both in the root.
-    A sparse block's experts are sharded by their rows, not by expert."""
+    A sparse block's experts are sharded by their rows, not by expert; under expert parallelism
+    (`experts`: expert_mesh) a unit of their own, over the ranks that hold the same experts."""
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
@@ -49,6 +57,8 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Opt
         fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
     blocks = blocks_of(model)
     for i, block in enumerate(blocks):
+        if experts is not None:
+            _shard_experts(block, experts, mp, i < len(blocks) - 1)
         fully_shard(
             block,
             mesh=mesh,
@@ -60,6 +70,20 @@ def apply_fsdp(model: LLaMA, mesh: DeviceMesh, mixed_precision: bool, roots: Opt
         fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for root in roots or [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp)
+
+
+def _shard_experts(block: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """A sparse block's experts (spread over mesh['ep']) sharded by rows over the ranks holding the same
+    experts, mesh['replicate', 'efsdp'], which average their gradients."""
+    for layer in block.modules():
+        if isinstance(layer, MoEFeedForward):
+            fully_shard(
+                layer.cond_ffn,
+                mesh=mesh["replicate", "efsdp"],
+                mp_policy=mp,
+                reshard_after_forward=reshard,
+                shard_placement_fn=_expert_rows,
+            )
 
 
 def _expert_rows(param: nn.Parameter) -> Optional[Shard]:
@@ -118,6 +142,9 @@ def parallelize(
     roots = roots or [model]
     if "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model, mesh["tp"])
+    experts = expert_mesh(mesh, settings.ep) if settings.ep > 1 else None
+    if experts is not None:
+        apply_expert_parallel(blocks_of(model), experts)
     n_float8 = 0
     if settings.float8 is not None:
         n_float8 = convert_to_float8(model, settings.float8, mesh.device_type, sharded(mesh))
@@ -127,7 +154,7 @@ def parallelize(
     if settings.compile:
         apply_compile(model)
     if stage_ranks(mesh) > 1:
-        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision, roots)
+        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision, roots, experts)
     elif settings.mixed_precision:
         for root in roots:
             apply_autocast(root)

@@ -18,6 +18,7 @@ class MeshSettings:
     pp: int  # --pipeline_parallel_size
     tp: int  # --tensor_parallel_size
     cp: int  # --context_parallel_size
+    ep: int = 1  # --expert_parallel_size
     sharding_strategy: str
     sharding_group_size: Optional[int]
     seq_length: int
@@ -32,13 +33,14 @@ class MeshSettings:
 @dataclass(frozen=True, kw_only=True)
 class ParallelSettings:
     """The flags `parallelize` reads: activation checkpointing (the fraction of blocks, None when off,
-    and --ac_mode), compile, bf16, float8 (None when off)."""
+    and --ac_mode), compile, bf16, float8 (None when off), expert parallelism."""
 
     checkpointing: Optional[Fraction]
     ac_mode: str
     compile: bool
     mixed_precision: bool
     float8: Optional[Float8Settings]
+    ep: int = 1  # --expert_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +93,7 @@ class MeshShape(NamedTuple):
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    ep: int = 1  # experts spread over ep ranks of each shard group (not a mesh dimension: expert_mesh)
 
     @property
     def dp(self) -> int:
