@@ -96,7 +96,7 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         check_profiler(settings.profiler, device)
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
-    check_expert_parallel(shape, model_config)
+    check_expert_parallel(shape, model_config, settings.parallel.per_op_checkpointing)
     check_sparse(
         model_config,
         {

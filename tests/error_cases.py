@@ -632,6 +632,18 @@ ERRORS: list[E] = [
     ),
     E(
         "parallel",
+        "--expert_parallel_size=2 with --ac_mode=op: a per-op checkpointed block cannot recompute around the "
+        "experts' own FSDP unit; use --ac_mode=block",
+        flags=(
+            "--model_variant=tiny_moe",
+            "--expert_parallel_size=2",
+            "--fsdp_activation_checkpointing=True",
+            "--ac_mode=op",
+        ),
+        world=2,
+    ),
+    E(
+        "parallel",
         "--expert_parallel_size=3 must divide the model's 4 experts; pick a divisor",
         flags=("--model_variant=tiny_moe", "--expert_parallel_size=3"),
         world=3,

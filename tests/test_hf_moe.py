@@ -69,11 +69,14 @@ def test_a_random_mixtral_reads_in_with_transformers_logits(tmp_path):
     assert logits_gap(theirs, read) <= 1e-4
 
 
-def test_two_fsdp_ranks_read_their_rows_of_every_expert_from_a_mixtral_folder(tmp_path):
+@pytest.mark.parametrize("ep", [1, 2], ids=["ep 1", "ep 2"])
+def test_two_fsdp_ranks_read_their_rows_of_every_expert_from_a_mixtral_folder(tmp_path, ep):
     mixtral(tmp_path / "hf")
     read = read_hf_model(str(tmp_path / "hf"), get_model_config(VARIANT, VOCAB))
-    # two FSDP ranks read their rows of every expert from the folder; learning rate 0 keeps them as read
+    # two FSDP ranks read their rows of every expert (ep 2: their own experts, whole) from the folder;
+    # learning rate 0 keeps them as read
     run = [*SPARSE, f"--ckpt_load_path={tmp_path / 'hf'}", "--num_steps=1", "--learning_rate=0"]
+    run.append(f"--expert_parallel_size={ep}")
     train(tmp_path, [*run, "--export_model_at_end=True"], nproc=2)
     exported = load_file(str(tmp_path / "run" / "model_step_1.safetensors"))
     assert exported.keys() == read.keys() and all(torch.equal(exported[k], read[k]) for k in read)

@@ -22,11 +22,17 @@ from fms_fsdp.model.moe import MoEConfig, MoEFeedForward
 from fms_fsdp.parallel.settings import MeshShape
 
 
-def check_expert_parallel(shape: MeshShape, config: LLaMAConfig) -> None:
+def check_expert_parallel(shape: MeshShape, config: LLaMAConfig, op_checkpointing: bool) -> None:
     """ConfigError unless --expert_parallel_size can spread this model's experts: a sparse model whose
-    experts it divides, without tensor or context parallelism."""
+    experts it divides, without per-op activation checkpointing (whose recomputation does not meet the
+    experts' own FSDP unit as the forward did; whole blocks are checkpointed fine)."""
     if shape.ep == 1:
         return
+    if op_checkpointing:
+        raise ConfigError(
+            f"--expert_parallel_size={shape.ep} with --ac_mode=op: a per-op checkpointed block cannot recompute "
+            "around the experts' own FSDP unit; use --ac_mode=block"
+        )
     if not isinstance(config, MoEConfig):
         raise ConfigError(
             f"--expert_parallel_size={shape.ep} needs a sparse model (tiny_moe, mixtral_*, or --moe_experts); "

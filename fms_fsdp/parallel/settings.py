@@ -42,6 +42,11 @@ class ParallelSettings:
     float8: Optional[Float8Settings]
     ep: int = 1  # --expert_parallel_size
 
+    @property
+    def per_op_checkpointing(self) -> bool:
+        """Activation checkpointing on, per op (--ac_mode=op)."""
+        return self.checkpointing is not None and self.ac_mode == "op"
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSettings:
