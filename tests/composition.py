@@ -52,6 +52,7 @@ LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
 HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
 MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank"
 FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
+EXPERTS_TOGETHER = f"{TOGETHER}, experts spread over 2 of 4 ranks, async checkpoints, evaluation"
 EP_MESHES = "test_expert_parallel.py::test_two_expert_ranks_train_as_one_on_fsdp_hsdp_and_pipeline_meshes"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
@@ -131,6 +132,10 @@ MATRIX: list[Pair] = [
     Pair("MoE", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
     Pair("MoE", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
+    Pair("async", "MoE", (EXPERTS_TOGETHER,)),
+    Pair("eval", "MoE", (EXPERTS_TOGETHER,)),
+    Pair("async", "EP", (EXPERTS_TOGETHER,)),
+    Pair("eval", "EP", (EXPERTS_TOGETHER,)),
     Pair("EP", "MoE", ("test_expert_parallel.py::test_two_ranks_with_their_experts_spread_train_as_without",)),
     Pair("EP", "PP", (EP_MESHES,)),
     Pair("EP", "HSDP", (EP_MESHES,)),
@@ -156,10 +161,6 @@ NOT_YET = [
     ("FT", "EP"),
     ("LoRA", "harness"),
     ("float8", "harness"),
-    ("async", "MoE"),
-    ("async", "EP"),
-    ("eval", "MoE"),
-    ("eval", "EP"),
     ("harness", "MoE"),
     ("harness", "EP"),
 ]

@@ -50,7 +50,9 @@ def test_every_run_named_exists():
 
 
 # runs of several features at once on 4 ranks, each against one rank with the same global batch (its
-# evaluation too): (the run's flags, the reference's); both read synthetic lines and evaluate on `data`
+# evaluation too): (the run's flags, the reference's); both read synthetic lines and evaluate on `data`,
+# and start from a kept micro model (LoRA's base; the sparse one from layout2's)
+SPARSE = ["--moe_experts=4", "--moe_top_k=2", "--moe_aux_loss_weight=0", "--eval_batch_size=4"]
 TOGETHER = {
     "pp2 x cp2, async checkpoints, evaluation": (
         [
@@ -72,6 +74,11 @@ TOGETHER = {
         ],
         ["--lora_rank=4", "--eval_batch_size=4"],
     ),
+    # no balance loss: over a rank's 2 lines it is not the one rank's over 8 (the language-model loss is)
+    "experts spread over 2 of 4 ranks, async checkpoints, evaluation": (
+        [*SPARSE, "--expert_parallel_size=2", "--async_checkpoint=True"],
+        SPARSE,
+    ),
 }
 
 
@@ -79,7 +86,8 @@ TOGETHER = {
 @pytest.mark.parametrize("case", TOGETHER)
 def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, data):
     flags, reference = TOGETHER[case]
-    base = str(ASSETS / "layout1" / "checkpoints" / f"step_{KEPT_STEP}_ckp")  # LoRA's base: the kept micro model
+    kept = "layout2" if "experts" in case else "layout1"
+    base = str(ASSETS / kept / "checkpoints" / f"step_{KEPT_STEP}_ckp")
     common = [
         *TINY,
         "--model_variant=micro",
@@ -96,7 +104,7 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
     out = tmp_path / "run"
     proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    dp = 4 if "hsdp" in case else 1  # data-parallel ranks of the run: the reference takes their lines at once
+    dp = 1 if "pp2" in case else 4  # data-parallel ranks of the run: the reference takes their lines at once
     one = launch(
         "main_training.py", [*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={tmp_path / 'one'}"], 1
     )
