@@ -233,6 +233,11 @@ class train_config:
         min=1,
         shared=False,
     )
+    cpu_offload: bool = _f(
+        False,
+        "FSDP2's CPU offload (torchtitan's): parameters, gradients and optimizer state stay on the host, each block's copied to the device for its use, and the optimizer steps on the CPU. Frees their device memory (--dry_run's first three lines) for slower steps: for a model that does not fit a few GPUs. Needs FSDP (more than one rank).",
+        shared=False,
+    )
     tensor_parallel_size: int = _f(
         1,
         "Tensor parallel: split every layer (heads, FFN width, vocabulary; the sequence for the norms) over this many ranks of a node, which see the same batch; data parallelism (--sharding_strategy) runs over world size / T. For models too big for FSDP alone or a global batch too small for every rank.",

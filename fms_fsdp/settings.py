@@ -1,14 +1,13 @@
 """Every component's settings, built from the flags once at start-up (`startup.facts`) and kept on the `Run` as
 `run.settings`: a component receives its own small settings object, never the flat config.
 
-Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize`
-and the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's
-layout and framing (for training and evaluation alike), the mixture's schedule and the values of the
-flags replica groups share. Three are built before the others, by `startup.facts` or the command line, and
-are not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`; the run keeps what follows
-from them, `run.shape` and `run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings
-object that cannot be (a decay longer than a cycle, an unreadable keep policy, an unreadable mixture
-schedule) is a ConfigError naming the flag, raised at start-up.
+Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize` and
+the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's layout
+and framing (for training and evaluation alike), the mixture's schedule and the flags replica groups
+share. Three are built before the others, by `startup.facts` or the command line, and are not kept here:
+the mesh's and the pipeline's (`mesh_of`, `pipeline_of`; the run keeps `run.shape` and `run.pipeline`)
+and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay longer than a
+cycle, an unreadable keep policy or mixture schedule) is a ConfigError naming the flag, at start-up.
 """
 
 from __future__ import annotations
@@ -282,6 +281,7 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
         muon=cfg.optimizer == "muon",
         lora=lora,
         device_gib=cfg.plan_device_memory_gib,
+        cpu_offload=cfg.cpu_offload,
     )
 
 
@@ -371,8 +371,7 @@ def float8_of(cfg: train_config) -> Optional[Float8Settings]:
 
 
 def parallel_of(cfg: train_config) -> ParallelSettings:
-    """What `parallelize` applies: activation checkpointing (the fraction parsed here, once), compile,
-    bf16 and float8."""
+    """What `parallelize` applies: activation checkpointing (its fraction parsed here, once), and the rest."""
     fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
     return ParallelSettings(
         checkpointing=fraction if cfg.fsdp_activation_checkpointing else None,
@@ -381,6 +380,7 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
         mixed_precision=cfg.mixed_precision,
         float8=float8_of(cfg),
         ep=cfg.expert_parallel_size,
+        cpu_offload=cfg.cpu_offload,
     )
 
 

@@ -37,7 +37,13 @@ from fms_fsdp.model.variants import CausalLM, context_length, get_model_config
 from fms_fsdp.optim import adamw_kernels, check_optimizer
 from fms_fsdp.parallel.assemble import ModelBuild, build_optimizer_and_schedule, build_sharded_model
 from fms_fsdp.parallel.expert_parallel import check_expert_parallel
-from fms_fsdp.parallel.mesh import build_mesh, check_context_parallel, check_tensor_parallel, mesh_shape
+from fms_fsdp.parallel.mesh import (
+    build_mesh,
+    check_context_parallel,
+    check_cpu_offload,
+    check_tensor_parallel,
+    mesh_shape,
+)
 from fms_fsdp.parallel.pipeline import PipelinePlan, check_pipeline
 from fms_fsdp.parallel.process_group import (
     DistInfo,
@@ -46,6 +52,7 @@ from fms_fsdp.parallel.process_group import (
     stop_process_group,
     world_from_env,
 )
+from fms_fsdp.parallel.settings import MeshShape
 from fms_fsdp.profiling import check_profiler
 from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
@@ -97,18 +104,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     adamw_kernels(settings.optimizer.impl, device, settings.optimizer.skip_bad_steps)
     check_lora(settings.lora, cfg.ckpt_load_path, cfg.float8)
     check_expert_parallel(shape, model_config, settings.parallel.per_op_checkpointing)
-    check_sparse(
-        model_config,
-        {
-            "--tensor_parallel_size": shape.tp > 1,
-            "--context_parallel_size": shape.cp > 1,
-            "--float8": cfg.float8,
-            "--lora_rank": settings.lora is not None,
-            "--export_format=hf with shared experts (Mixtral's layout has none)": cfg.export_format == "hf"
-            and cfg.export_interval > 0
-            and bool(getattr(model_config, "moe_shared_experts", 0)),
-        },
-    )
+    check_cpu_offload(shape, settings.parallel.cpu_offload)
+    check_sparse(model_config, sparse_refusals(cfg, shape, model_config))
     check_harness(settings.harness)
     positions = context_length(model_config_of(cfg))  # before a longer --seq_length extends them
     notes: tuple[str, ...] = ()
@@ -143,6 +140,20 @@ def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int
         positions=cfg.max_position_embeddings,
         moe=moe_flags(cfg),
     )
+
+
+def sparse_refusals(cfg: train_config, shape: MeshShape, model_config: LLaMAConfig) -> dict[str, bool]:
+    """The features a sparse model does not combine with yet (model/moe.check_sparse), each: whether the
+    run uses it."""
+    return {
+        "--tensor_parallel_size": shape.tp > 1,
+        "--context_parallel_size": shape.cp > 1,
+        "--float8": cfg.float8,
+        "--lora_rank": bool(cfg.lora_rank),
+        "--export_format=hf with shared experts (Mixtral's layout has none)": cfg.export_format == "hf"
+        and cfg.export_interval > 0
+        and bool(getattr(model_config, "moe_shared_experts", 0)),
+    }
 
 
 def moe_flags(cfg: train_config) -> dict[str, int]:
@@ -279,7 +290,12 @@ def started(run: Run) -> Iterator[Run]:
     if run.ft is not None:
         wait_for_lighthouse(run.ft)
     local = not is_remote(run.cfg.ckpt_save_path)  # an evaluation in object storage needs no fsspec package here
-    start_process_group(run.device, run.cfg.collective_timeout_minutes, run.paths.nccl_traces if local else None)
+    start_process_group(
+        run.device,
+        run.cfg.collective_timeout_minutes,
+        run.paths.nccl_traces if local else None,
+        host_tensors=run.settings.parallel.cpu_offload,
+    )
     try:
         yield with_mesh(run)
     finally:

@@ -626,6 +626,12 @@ ERRORS: list[E] = [
     E("parallel", "--pipeline_parallel_size=<pp> must divide the world size <world_size>"),
     E(
         "parallel",
+        "--cpu_offload moves FSDP's shards to the host, but one rank per pipeline stage trains without FSDP; drop it, "
+        "or train on more ranks",
+        flags=("--cpu_offload=True",),
+    ),
+    E(
+        "parallel",
         "--expert_parallel_size=2 needs a sparse model (tiny_moe, mixtral_*, or --moe_experts); this one is dense",
         flags=("--expert_parallel_size=2",),
         world=2,

@@ -281,3 +281,22 @@ def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_mod
     lines = [next(line for line in out if line.startswith(head)) for head in ("model tiny:", "memory plan, per rank")]
     counts = [re.search(r"activation checkpointing: (\d+/\d+) blocks", line).group(1) for line in lines]
     assert counts == ["1/2", "1/2"], lines  # 4 blocks, 2 on each pipeline rank
+
+
+def test_cpu_offload_plans_the_state_on_the_host_and_is_suggested_where_it_fits():
+    """--cpu_offload: the same shards, left out of the device's peak; a plan that does not fit suggests it
+    with the peak it would have (the report's arithmetic against the offloaded plan's own)."""
+    flags = dict(model_variant="small", seq_length=512, batch_size=2, fsdp_activation_checkpointing=True)
+    device = int(0.6 * 2**30)
+    on_device = plan_for(make_config(**flags), 4, 4, device)
+    offloaded = plan_for(make_config(**flags, cpu_offload=True), 4, 4, device)
+    setting = Setting(2, True, Fraction(1), "block")
+    a, b = on_device.plan(setting), offloaded.plan(setting)
+    assert (a.params, a.grads, a.optimizer, a.gathered) == (b.params, b.grads, b.optimizer, b.gathered)
+    assert b.peak == a.peak - a.params - a.optimizer - max(a.activations + a.loss, a.grads) + a.activations + a.loss
+    assert not a.fits and b.fits  # 0.6 GiB: with the state it does not fit, without it it does
+    cfg = make_config(**flags, plan_device_memory_gib=0.6)
+    shape = mesh_shape(mesh_of(cfg), 4, 4)
+    text = report(memory_settings(cfg), shape, get_model_config("small", None, 512), None, 4).text
+    offload = "with --cpu_offload=True (the state on the host, slower steps) the device's peak is"
+    assert f"{offload} {b.peak / 2**30:.2f} GiB: fits" in text, text

@@ -212,7 +212,9 @@ class Planner:
             activations += step.batch * self.settings.seq_length**2  # SDPA's boolean mask of the documents
         activations = int(activations * in_flight)
         recompute = per_block["none"] if chosen else 0
-        peak = self.params + self.optimizer + self.gathered + max(activations + loss, self.grads) + recompute
+        # --cpu_offload keeps the state on the host: the device holds what is gathered and computed
+        state, grads = (0, 0) if self.settings.cpu_offload else (self.params + self.optimizer, self.grads)
+        peak = state + self.gathered + max(activations + loss, grads) + recompute
         return Plan(
             self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak, self.device_bytes, saved
         )

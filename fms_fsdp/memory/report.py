@@ -113,11 +113,17 @@ def _report_table(planner: Planner, plan: Plan, device_name: str) -> list[str]:
     compute = "bf16" if settings.mixed_precision else "fp32"
     whole = planner.mesh.whole
     copies = ", bf16 weight copies included" if planner.shape.autocast else ""
+    host = " on the host" if settings.cpu_offload else ""  # not in the device's peak
     rows = [
-        ("parameters (fp32)" if whole else "parameters (fp32 master shards)", plan.params),
-        ("gradients (fp32)" if whole else "gradients (fp32 shards)", plan.grads),
+        ("parameters (fp32)" if whole else f"parameters (fp32 master shards){host}", plan.params),
+        ("gradients (fp32)" if whole else f"gradients (fp32 shards){host}", plan.grads),
         (
-            "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)" if settings.muon else "optimizer state (AdamW, 2 x fp32)",
+            (
+                "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)"
+                if settings.muon
+                else "optimizer state (AdamW, 2 x fp32)"
+            )
+            + host,
             plan.optimizer,
         ),
         *([] if whole else [(_gathered_row(planner, compute), plan.gathered)]),
@@ -156,6 +162,7 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
     )
     least = planner.least_checkpointing(setting.batch)
     return [
+        *_offload_suggestion(planner, plan),
         "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
         f"least checkpointing that fits --batch_size={setting.batch}: "
         + (
@@ -165,6 +172,20 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
             if setting.batch > 1 and not state_alone
             else more_ranks
         ),
+    ]
+
+
+def _offload_suggestion(planner: Planner, plan: Plan) -> list[str]:
+    """Where the plan does not fit and FSDP could offload: the device's peak with --cpu_offload, whose
+    state stays on the host (the gathered blocks, activations and loss remain)."""
+    if plan.fits or planner.settings.cpu_offload or planner.mesh.whole:
+        return []
+    on_device = plan.params + plan.optimizer + max(plan.activations + plan.loss, plan.grads)
+    peak = plan.peak - on_device + plan.activations + plan.loss
+    verdict = "fits" if peak <= HEADROOM * plan.device else "still does not fit"
+    return [
+        f"with --cpu_offload=True (the state on the host, slower steps) the device's peak is {_gib(peak).strip()}: "
+        + verdict
     ]
 
 

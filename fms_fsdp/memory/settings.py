@@ -44,3 +44,4 @@ class MemorySettings:
     muon: bool  # --optimizer=muon
     lora: Optional[LoRASpec]
     device_gib: Optional[float]  # --plan_device_memory_gib
+    cpu_offload: bool = False  # --cpu_offload: parameters, gradients and optimizer state on the host

@@ -139,6 +139,8 @@ def describe(build: ModelBuild, mesh: DeviceMesh, model: CausalLM, done: Paralle
         f"activation checkpointing: {checkpointing}, compile: {parallel.compile}, "
         f"bf16: {parallel.mixed_precision}{' (autocast)' if parallel.mixed_precision and whole else ''}"
     )
+    if parallel.cpu_offload:
+        line += ", parameters, gradients and optimizer state on the host (CPU offload)"
     if parallel.ep > 1:
         line += f", experts spread over {parallel.ep} ranks (expert parallel)"
     if parallel.float8 is not None:

@@ -74,6 +74,16 @@ def _with_experts(shape: MeshShape, ep: int) -> MeshShape:
     return shape._replace(ep=ep)
 
 
+def check_cpu_offload(shape: MeshShape, offload: bool) -> None:
+    """ConfigError when --cpu_offload has no FSDP to offload: one rank per pipeline stage trains the module
+    itself."""
+    if offload and shape.whole:
+        raise ConfigError(
+            "--cpu_offload moves FSDP's shards to the host, but one rank per pipeline stage trains without FSDP; "
+            "drop it, or train on more ranks"
+        )
+
+
 def check_context_parallel(settings: MeshSettings, device: torch.device) -> None:
     """--context_parallel_size=C cuts every line into 2C equal chunks (and, under tensor parallelism,
     each rank's part again T ways): ConfigError naming the numbers, or a setting it does not serve."""

@@ -20,7 +20,7 @@ import torch
 from fms.models.llama import LLaMA
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from fms_fsdp.model.float8 import convert_to_float8
@@ -40,39 +40,39 @@ def apply_fsdp(
     mixed_precision: bool,
     roots: Optional[list[nn.Module]] = None,
     experts: Optional[DeviceMesh] = None,
+    offload: bool = False,
 ) -> None:
     """FSDP units, each all-gathered just before use and freed after: the embedding, every block, the
     final norm with the head, and the roots (the model, or a pipeline rank's stages; left with nothing
     but buffers). The last block and the head are used again first thing in backward, so they stay
     gathered after forward. A model whose head shares the embedding's weight keeps both in the root.
     A sparse block's experts are sharded by their rows, not by expert; under expert parallelism
-    (`experts`: expert_mesh) a unit of their own, over the ranks that hold the same experts."""
+    (`experts`: expert_mesh) a unit of their own, over the ranks that hold the same experts. `offload`
+    (--cpu_offload): every unit's shards, gradients and so the optimizer's state on the host."""
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
         else MixedPrecisionPolicy()
     )
+    # pinned host memory where the copies go to a GPU
+    held = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    unit: dict[str, Any] = {"mp_policy": mp, "offload_policy": held}
     tied = model.config.tie_heads
     if not tied and model.base_model.embedding is not None:
-        fully_shard(model.base_model.embedding, mesh=mesh, mp_policy=mp)
+        fully_shard(model.base_model.embedding, mesh=mesh, **unit)
     blocks = blocks_of(model)
     for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
         if experts is not None:
-            _shard_experts(block, experts, mp, i < len(blocks) - 1)
-        fully_shard(
-            block,
-            mesh=mesh,
-            mp_policy=mp,
-            reshard_after_forward=i < len(blocks) - 1,
-            shard_placement_fn=_expert_rows,
-        )
+            _shard_experts(block, experts, unit, reshard=not last)
+        fully_shard(block, mesh=mesh, reshard_after_forward=not last, shard_placement_fn=_expert_rows, **unit)
     if not tied and model.head is not None:
-        fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard([model.base_model.dec_norm, model.head], mesh=mesh, reshard_after_forward=False, **unit)
     for root in roots or [model]:
-        fully_shard(root, mesh=mesh, mp_policy=mp)
+        fully_shard(root, mesh=mesh, **unit)
 
 
-def _shard_experts(block: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+def _shard_experts(block: nn.Module, mesh: DeviceMesh, unit: dict[str, Any], reshard: bool) -> None:
     """A sparse block's experts (spread over mesh['ep']) sharded by rows over the ranks holding the same
     experts, mesh['replicate', 'efsdp'], which average their gradients."""
     for layer in block.modules():
@@ -80,9 +80,9 @@ def _shard_experts(block: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
             fully_shard(
                 layer.cond_ffn,
                 mesh=mesh["replicate", "efsdp"],
-                mp_policy=mp,
                 reshard_after_forward=reshard,
                 shard_placement_fn=_expert_rows,
+                **unit,
             )
 
 
@@ -154,7 +154,7 @@ def parallelize(
     if settings.compile:
         apply_compile(model)
     if stage_ranks(mesh) > 1:
-        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision, roots, experts)
+        apply_fsdp(model, dp_mesh(mesh), settings.mixed_precision, roots, experts, settings.cpu_offload)
     elif settings.mixed_precision:
         for root in roots:
             apply_autocast(root)

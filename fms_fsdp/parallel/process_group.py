@@ -168,9 +168,13 @@ def record_collectives(nccl_traces: Optional[str]) -> None:
 
 
 def start_process_group(
-    device: torch.device, timeout_minutes: Optional[float] = None, nccl_traces: Optional[str] = None
+    device: torch.device,
+    timeout_minutes: Optional[float] = None,
+    nccl_traces: Optional[str] = None,
+    host_tensors: bool = False,
 ) -> None:
-    """Start the process group: NCCL on GPUs, gloo on CPU, its collectives failing after
+    """Start the process group: NCCL on GPUs (and gloo for the tensors kept on the host with
+    `host_tensors`, --cpu_offload: the gradient norm), gloo on CPU, its collectives failing after
     `timeout_minutes` (default: torch's, 10 minutes for NCCL, 30 for gloo), recording them
     (`record_collectives`; NCCL's watchdog dumps them to `nccl_traces`<rank> at a timeout). Without
     torchrun's environment, the environment of a single process on localhost is set up first."""
@@ -187,7 +191,8 @@ def start_process_group(
     record_collectives(nccl_traces if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+        backend = "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
+        dist.init_process_group(backend=backend, device_id=device, timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
 

@@ -41,6 +41,7 @@ class ParallelSettings:
     mixed_precision: bool
     float8: Optional[Float8Settings]
     ep: int = 1  # --expert_parallel_size
+    cpu_offload: bool = False  # --cpu_offload
 
     @property
     def per_op_checkpointing(self) -> bool:
