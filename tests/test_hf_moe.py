@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+from test_moe import mixtral_config
+from transformers import AutoModelForCausalLM, MixtralForCausalLM
 
 from fms_fsdp.errors import HFError
-from fms_fsdp.model.moe import expert_width
 from fms_fsdp.model.variants import build_model, get_model_config
 from fms_fsdp.weights.hf import write_hf_folder
 from fms_fsdp.weights.reader import model_reader, read_model
@@ -28,15 +28,8 @@ def mixtral(folder: Path) -> MixtralForCausalLM:
     """A random MixtralForCausalLM of tiny_moe's shape, saved by transformers into `folder`; its weights
     drawn wider than transformers' init (std 0.1) so that the router's choices differ from token to token."""
     c = get_model_config(VARIANT, VOCAB)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=c.emb_dim,
-        intermediate_size=expert_width(c),
-        num_hidden_layers=c.nlayers,
-        num_attention_heads=c.nheads,
-        num_key_value_heads=c.kvheads,
-        num_local_experts=c.moe_experts,
-        num_experts_per_tok=c.moe_top_k,
+    config = mixtral_config(
+        c,
         max_position_embeddings=1024,
         rms_norm_eps=c.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},

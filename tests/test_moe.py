@@ -6,6 +6,7 @@ runs on FSDP, HSDP and pipeline meshes against one rank, and their checkpoints r
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 
 from fms_fsdp.model.initialization import init_weights
-from fms_fsdp.model.moe import MoEFeedForward, RoutingStats, balance_loss, capacity, expert_width, kept_slots
+from fms_fsdp.model.moe import MoEConfig, MoEFeedForward, RoutingStats, balance_loss, capacity, expert_width, kept_slots
 from fms_fsdp.model.variants import build_model, count_params, flops_per_token, get_model_config
 
 from conftest import TINY, launch, records, resume_from
@@ -116,10 +117,9 @@ def test_the_auxiliary_losses_train_the_router_as_if_added_to_the_loss():
     torch.testing.assert_close(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("variant", ["mixtral_8x7b", "mixtral_8x22b"])
-def test_mixtral_variants_have_transformers_parameter_counts(variant):
-    c = get_model_config(variant)
-    hf = MixtralConfig(
+def mixtral_config(c: MoEConfig, **extra: Any) -> MixtralConfig:
+    """transformers' MixtralConfig of the shape of the package's sparse config `c`."""
+    return MixtralConfig(
         vocab_size=c.src_vocab_size,
         hidden_size=c.emb_dim,
         intermediate_size=expert_width(c),
@@ -127,7 +127,15 @@ def test_mixtral_variants_have_transformers_parameter_counts(variant):
         num_attention_heads=c.nheads,
         num_key_value_heads=c.kvheads,
         num_local_experts=c.moe_experts,
+        num_experts_per_tok=c.moe_top_k,
+        **extra,
     )
+
+
+@pytest.mark.parametrize("variant", ["mixtral_8x7b", "mixtral_8x22b"])
+def test_mixtral_variants_have_transformers_parameter_counts(variant):
+    c = get_model_config(variant)
+    hf = mixtral_config(c)
     with torch.device("meta"):
         expected = sum(p.numel() for p in MixtralForCausalLM(hf).parameters())
     assert count_params(c) == expected
