@@ -18,6 +18,7 @@ def trained(out, *extra: str) -> list[list[float]]:
     return [[r["loss"], r["grad_norm"]] for r in records(out) if "loss" in r]
 
 
+@pytest.mark.slow  # three 2-rank runs (about 20 s)
 @pytest.mark.torch_api  # FSDP2's offload policy: also run on the oldest and newest torch
 def test_offloaded_training_equals_the_run_without_and_resumes_without_it(tmp_path):
     offloaded = trained(tmp_path / "offload", "--cpu_offload=True")

@@ -26,6 +26,7 @@ def evals(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
 
 
+@pytest.mark.slow  # three runs of 1, 2 and 4 ranks (about 20 s): the slow tier
 def test_evaluation_is_the_same_on_any_world_size_and_batch_size_and_leaves_training_alone(data, tmp_path, capsys):
     plain, evaluated, loaded = tmp_path / "plain", tmp_path / "evaluated", tmp_path / "loaded"
     run_here(flags(data, plain, "--num_steps=6"))

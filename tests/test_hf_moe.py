@@ -62,6 +62,7 @@ def test_a_random_mixtral_reads_in_with_transformers_logits(tmp_path):
     assert logits_gap(theirs, read) <= 1e-4
 
 
+@pytest.mark.slow  # two 2-rank runs
 @pytest.mark.parametrize("ep", [1, 2], ids=["ep 1", "ep 2"])
 def test_two_fsdp_ranks_read_their_rows_of_every_expert_from_a_mixtral_folder(tmp_path, ep):
     mixtral(tmp_path / "hf")
@@ -112,7 +113,7 @@ def test_shared_experts_and_a_dense_folder_for_a_sparse_run_are_refused_in_one_l
         read_hf_model(str(tmp_path / "mixtral"), get_model_config("tiny", VOCAB))
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["ep 1", "ep 2"])
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["ep 1", "ep 2"])
 def test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers(tmp_path, ep):
     """Each rank writes its files of the export from the sharded checkpoint (its experts spread over the
     two ranks with ep 2): transformers loads the folder as Mixtral with the logits of the checkpoint of
