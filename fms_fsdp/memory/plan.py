@@ -188,7 +188,8 @@ class Planner:
         """Plan with `state` (the rehearsal's real shards) in place of the analytic figures."""
         self.params, self.grads, self.optimizer = state.params, state.grads, state.optimizer
 
-    def plan(self, setting: Setting) -> Plan:
+    def plan(self, setting: Setting, offload: Optional[bool] = None) -> Plan:
+        """The plan at `setting`, with --cpu_offload as the run has it unless `offload` says otherwise."""
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
         acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
         in_flight, step = 1.0, setting
@@ -213,7 +214,8 @@ class Planner:
         activations = int(activations * in_flight)
         recompute = per_block["none"] if chosen else 0
         # --cpu_offload keeps the state on the host: the device holds what is gathered and computed
-        state, grads = (0, 0) if self.settings.cpu_offload else (self.params + self.optimizer, self.grads)
+        offload = self.settings.cpu_offload if offload is None else offload
+        state, grads = (0, 0) if offload else (self.params + self.optimizer, self.grads)
         peak = state + self.gathered + max(activations + loss, grads) + recompute
         return Plan(
             self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak, self.device_bytes, saved

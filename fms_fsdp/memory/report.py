@@ -162,7 +162,7 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
     )
     least = planner.least_checkpointing(setting.batch)
     return [
-        *_offload_suggestion(planner, plan),
+        *_offload_suggestion(planner, plan, setting),
         "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
         f"least checkpointing that fits --batch_size={setting.batch}: "
         + (
@@ -175,17 +175,16 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
     ]
 
 
-def _offload_suggestion(planner: Planner, plan: Plan) -> list[str]:
+def _offload_suggestion(planner: Planner, plan: Plan, setting: Setting) -> list[str]:
     """Where the plan does not fit and FSDP could offload: the device's peak with --cpu_offload, whose
     state stays on the host (the gathered blocks, activations and loss remain)."""
     if plan.fits or planner.settings.cpu_offload or planner.mesh.whole:
         return []
-    on_device = plan.params + plan.optimizer + max(plan.activations + plan.loss, plan.grads)
-    peak = plan.peak - on_device + plan.activations + plan.loss
-    verdict = "fits" if peak <= HEADROOM * plan.device else "still does not fit"
+    offloaded = planner.plan(setting, offload=True)
+    verdict = "fits" if offloaded.fits else "still does not fit"
     return [
-        f"with --cpu_offload=True (the state on the host, slower steps) the device's peak is {_gib(peak).strip()}: "
-        + verdict
+        "with --cpu_offload=True (the state on the host, slower steps) the device's peak is "
+        f"{_gib(offloaded.peak).strip()}: {verdict}"
     ]
 
 
