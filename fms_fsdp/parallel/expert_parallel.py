@@ -80,18 +80,19 @@ class ExpertDispatch:
     @torch.compiler.disable
     def __call__(self, rows: torch.Tensor, counts: list[int], run: nn.Module) -> torch.Tensor:
         """The experts' outputs for `rows` ([sum(counts), dim], grouped by expert: `counts` rows each)."""
+        ranks, local = range(self.size), range(self.local)
         sent = torch.tensor(counts, dtype=torch.int64, device=rows.device)
         got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=self.group)  # got[s * local + j]: rows of rank s for my expert j
-        to_rank = sent.view(self.size, self.local).sum(1).tolist()
-        received = got.view(self.size, self.local)
-        from_rank = received.sum(1).tolist()
+        dist.all_to_all_single(got, sent, group=self.group)
+        received = got.view(self.size, self.local).tolist()  # one host copy: [source rank][my expert]
+        to_rank = [sum(counts[r * self.local : (r + 1) * self.local]) for r in ranks]
+        from_rank = [sum(row) for row in received]
         mine = self._exchange(rows[: sum(counts)], from_rank, to_rank)
-        pieces = mine.split(received.flatten().tolist())  # by source rank, then expert
-        by_expert = [pieces[s * self.local + j] for j in range(self.local) for s in range(self.size)]
-        out = run(torch.cat(by_expert), received.sum(0).tolist())
-        done = out.split([int(n) for n in received.t().flatten().tolist()])  # by expert, then source rank
-        by_rank = [done[j * self.size + s] for s in range(self.size) for j in range(self.local)]
+        pieces = mine.split([n for row in received for n in row])  # by source rank, then expert
+        by_expert = [pieces[s * self.local + j] for j in local for s in ranks]
+        out = run(torch.cat(by_expert), [sum(received[s][j] for s in ranks) for j in local])
+        done = out.split([received[s][j] for j in local for s in ranks])  # by expert, then source rank
+        by_rank = [done[j * self.size + s] for s in ranks for j in local]
         return self._exchange(torch.cat(by_rank), to_rank, from_rank)
 
     def _exchange(self, rows: torch.Tensor, into: list[int], out_of: list[int]) -> torch.Tensor:
