@@ -420,6 +420,14 @@ ERRORS: list[E] = [
     E("data", "--engine=ray: a task failed (<why>)"),
     E(
         "data",
+        "the process pool's workers died 4 times (out of memory? see `dmesg`); finished pieces are kept: run the same "
+        "command again, with fewer --workers",
+        "the workers of fms-prepare-data's process pool (or of a rank's cache build) were killed again and again, "
+        "most often by the kernel for memory",
+        "fewer --workers (each holds a piece and the tokenizer); only the unfinished pieces are done again",
+    ),
+    E(
+        "data",
         "--engine=ray: <kind> (<why>); run the same command again: finished pieces are kept",
         "a Ray worker died past its retries, or a node of the cluster left",
         "run the same command again; only the unfinished pieces are done",

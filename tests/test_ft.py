@@ -114,7 +114,7 @@ def kill_and_catch_up(tmp: Path, lighthouse: str, *extra: str) -> dict[str, Any]
     """Two groups; group 1 SIGKILLed after step 3 (its last checkpoint: step 2) and started again with
     the same command; both SIGKILLed once they committed a checkpoint after the catch-up."""
     out = tmp / "run"
-    args = [*FT, "--num_steps=100000", "--checkpoint_interval=2", "--checkpoint_keep=100", f"--ckpt_save_path={out}"]
+    args = [*FT, "--num_steps=100000", "--checkpoint_interval=2", "--checkpoint_keep=10", f"--ckpt_save_path={out}"]
     args += [f"--ft_lighthouse={lighthouse}", *extra]
     first, second = Group(0, args, tmp, "g0"), Group(1, args, tmp, "g1")
     until(lambda: reported(out / "group_1") >= 3, "step 3")

@@ -6,7 +6,10 @@ access to the input and output (a local path, or object storage)."""
 from __future__ import annotations
 
 import logging
-from multiprocessing import Pool
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -15,6 +18,7 @@ from fms_fsdp.lifetime import pool_worker
 from fms_fsdp.storage import storage_settings
 
 ENGINES = ("local", "ray")
+POOL_RESTARTS = 3
 Result = tuple[Any, dict]  # (the piece, its marker)
 
 
@@ -25,13 +29,52 @@ def run_local(
     tokenizer: Optional[str],
     workers: int,
 ) -> Iterator[Result]:
-    """work(job) for every job in `workers` processes (in this one when 1), in order of completion."""
+    """work(job) for every job in `workers` processes (in this one when 1), in order of completion. A
+    worker that dies (killed, out of memory) costs only time: the jobs it left are run again in a new
+    pool, up to POOL_RESTARTS times."""
     if workers <= 1:
         init(tokenizer)
         yield from map(work, jobs)
         return
-    with Pool(workers, initializer=_start_worker, initargs=(init, tokenizer)) as pool:
-        yield from pool.imap_unordered(work, jobs)
+    left = dict(enumerate(jobs))
+    for _ in range(POOL_RESTARTS + 1):
+        try:
+            for index, result in _pooled(work, init, left, tokenizer, workers):
+                del left[index]
+                yield result
+            return
+        except BrokenProcessPool:
+            print(
+                f"warning: a worker of the process pool died; {len(left)} unfinished pieces run again", file=sys.stderr
+            )
+    raise DataError(
+        f"the process pool's workers died {POOL_RESTARTS + 1} times (out of memory? see `dmesg`); finished "
+        "pieces are kept: run the same command again, with fewer --workers"
+    )
+
+
+def _pooled(
+    work: Callable[[Any], Result],
+    init: Callable[[Optional[str]], None],
+    jobs: dict[int, Any],
+    tokenizer: Optional[str],
+    workers: int,
+) -> Iterator[tuple[int, Result]]:
+    """(index, work(job)) for `jobs` in a pool of processes forked from a server that runs no threads
+    (a fork of a process with threads, a tracker's for one, can abort the child)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([m for m in (work.__module__,) if m != "__main__"])  # imported once
+    pool = ProcessPoolExecutor(
+        min(workers, len(jobs)), mp_context=context, initializer=_start_worker, initargs=(init, tokenizer)
+    )
+    finished = False
+    try:
+        futures = {pool.submit(work, job): index for index, job in jobs.items()}
+        for done in as_completed(futures):
+            yield futures[done], done.result()
+        finished = True
+    finally:  # on an error or a stop, the pieces not started are dropped and the running ones left to end
+        pool.shutdown(wait=finished, cancel_futures=True)
 
 
 def _start_worker(init: Callable[[Optional[str]], None], tokenizer: Optional[str]) -> None:
