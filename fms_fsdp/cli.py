@@ -2,7 +2,7 @@
 
 | command (console script)      | script                    | what runs                                  |
 |-------------------------------|---------------------------|--------------------------------------------|
-| fms-train                     | main_training.py          | train/loop.run_training (dry_run)          |
+| fms-train                     | main_training.py          | train/loop.run_training (train/dry_run)    |
 | fms-evaluate                  | scripts/evaluate.py       | cli._evaluate_checkpoint                   |
 | fms-prepare-data              | scripts/prepare_data.py   | data/prepare/build.prepare_data            |
 | fms-inspect-data              | scripts/inspect_data.py   | data/inspection.inspect_data, ledger.show_ledger (--ledger) |
@@ -160,7 +160,8 @@ def train(argv: Optional[Sequence[str]] = None) -> None:
         from fms_fsdp.lifetime import LAUNCHER_DIED, exit_with_parent
         from fms_fsdp.settings import ft_of
         from fms_fsdp.startup import facts
-        from fms_fsdp.train.loop import dry_run, run_training
+        from fms_fsdp.train.dry_run import dry_run
+        from fms_fsdp.train.loop import run_training
 
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_parent(LAUNCHER_DIED)

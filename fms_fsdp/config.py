@@ -604,6 +604,17 @@ class train_config:
         shared=False,
     )
     export_keep: int = _f(2, "Latest periodic exports kept.", min=1, shared=False)
+    ema_decay: float = _f(
+        0.0,
+        "Keep an exponential moving average of the weights (after each step: average = decay x average + (1 - decay) x weights; e.g. 0.999; 0: off), sharded as the weights and where they are (the host with --cpu_offload), saved in checkpoints and evaluated beside them (eval_loss_ema).",
+        min=0.0,
+        shared=False,
+    )
+    export_ema: bool = _f(
+        False,
+        "Exports (--export_interval, --export_model_at_end) hold the --ema_decay average instead of the trained weights; checkpoints keep both.",
+        shared=False,
+    )
     tokenizer_path: Optional[str] = _f(
         None,
         "A Hugging Face tokenizer folder (or tokenizer.json): datasets may then hold raw text (.jsonl, .jsonl.gz, .json.gz; .parquet text columns with --file_type=auto or hf_parquet), tokenized on the fly; also copied into --export_format=hf exports.",
@@ -721,6 +732,7 @@ def validate(cfg: train_config) -> None:
     _check_checkpoints(cfg)
     _check_paths_and_profiler(cfg)
     _check_cache(cfg)
+    _check_weight_average(cfg)
     if cfg.deterministic and cfg.fault_tolerance:
         raise ConfigError(
             "--deterministic with --fault_tolerance: replica groups come and go with the timing of failures, so "
@@ -730,6 +742,17 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs "
             "and compiled); use --moe_kernel=loop or auto for fp32"
+        )
+
+
+def _check_weight_average(cfg: train_config) -> None:
+    """--ema_decay's average: exported only when kept, not kept by replica groups."""
+    if cfg.export_ema and not cfg.ema_decay:
+        raise ConfigError("--export_ema exports the weight average: set --ema_decay too (e.g. 0.999)")
+    if cfg.ema_decay and cfg.fault_tolerance:
+        raise ConfigError(
+            "--ema_decay with --fault_tolerance: a replica group that catches up takes the weights, not the "
+            "average, so the groups' averages would differ; leave one of them out"
         )
 
 
@@ -755,7 +778,7 @@ def _check_ranges(cfg: train_config) -> None:
                 raise ConfigError(f"--{name}: {v!r} is not one of {', '.join(str(c) for c in choices)}")
             if low is not None and not isinstance(v, str) and v < low:
                 raise ConfigError(f"--{name}: must be >= {low}, got {v}")
-    for name in ("adam_beta1", "adam_beta2", "lora_dropout"):
+    for name in ("adam_beta1", "adam_beta2", "lora_dropout", "ema_decay"):
         if not getattr(cfg, name) < 1:
             raise ConfigError(f"--{name}: must be < 1, got {getattr(cfg, name)}")
     if cfg.stop_exit_status > 255:

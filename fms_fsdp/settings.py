@@ -1,13 +1,10 @@
 """Every component's settings, built from the flags once at start-up (`startup.facts`) and kept on the `Run` as
-`run.settings`: a component receives its own small settings object, never the flat config.
-
-Each fact the flags state is parsed here once: the fraction of checkpointed blocks (for `parallelize` and
-the memory plan alike), the keep policy, the schedule's cycles, the lm-eval task names, the data's layout
-and framing (for training and evaluation alike), the mixture's schedule and the flags replica groups
-share. Three are built before the others, by `startup.facts` or the command line, and are not kept here:
-the mesh's and the pipeline's (`mesh_of`, `pipeline_of`; the run keeps `run.shape` and `run.pipeline`)
-and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay longer than a
-cycle, an unreadable keep policy or mixture schedule) is a ConfigError naming the flag, at start-up.
+`run.settings`: a component receives its own small settings object, never the flat config. Each fact the flags
+state is parsed here once (the checkpointed fraction, the keep policy, the schedule's cycles, the lm-eval tasks,
+the data's layout and framing, the mixture's schedule, the flags replica groups share). Three are built before
+the others and not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`: `run.shape`,
+`run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay longer
+than a cycle, an unreadable keep policy or mixture schedule) is a ConfigError naming the flag, at start-up.
 """
 
 from __future__ import annotations
@@ -160,6 +157,7 @@ def export_of(cfg: train_config, lora: Optional[LoRASpec]) -> ExportSettings:
         eos=cfg.eos_token,
         lora=lora,
         base=cfg.ckpt_load_path,
+        ema=cfg.export_ema,
     )
 
 
@@ -249,6 +247,7 @@ def loop_of(cfg: train_config) -> LoopSettings:
         checkpoint_interval=cfg.checkpoint_interval,
         stop_exit_status=cfg.stop_exit_status,
         export_model_at_end=cfg.export_model_at_end,
+        ema_decay=cfg.ema_decay,
     )
 
 
@@ -282,6 +281,7 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
         lora=lora,
         device_gib=cfg.plan_device_memory_gib,
         cpu_offload=cfg.cpu_offload,
+        ema=cfg.ema_decay > 0,
     )
 
 

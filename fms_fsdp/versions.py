@@ -13,6 +13,8 @@ Layouts, each with a checkpoint of it kept as test data (tests/kept_checkpoints.
      `ff_sub_layer.cond_ffn.w13` [experts, 2 x width, dim] and `.w2` [experts, dim, width] (ibm-fms's
      MOEFeedForward names, whole across ranks), with the moe_* flags in metadata.pth's config. A dense
      model's checkpoint is as in layout 1.
+  3: and, with --ema_decay, the weight average under `ema_state` (the model's names and shapes, sharded as
+     its weights). A checkpoint without it resumes with the average started at its weights.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from fms_fsdp.errors import CheckpointError
 
-LAYOUT = 2  # raised at any change of what a checkpoint holds (docs/checkpoints.md, Upgrades)
+LAYOUT = 3  # raised at any change of what a checkpoint holds (docs/checkpoints.md, Upgrades)
 
 
 def installed(package: str) -> str:

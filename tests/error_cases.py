@@ -50,6 +50,17 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--export_ema exports the weight average: set --ema_decay too (e.g. 0.999)",
+        flags=("--export_ema=True",),
+    ),
+    E(
+        "flags",
+        "--ema_decay with --fault_tolerance: a replica group that catches up takes the weights, not the average, so "
+        "the groups' averages would differ; leave one of them out",
+        flags=("--ema_decay=0.999", "--fault_tolerance=True"),
+    ),
+    E(
+        "flags",
         "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs and "
         "compiled); use --moe_kernel=loop or auto for fp32",
         flags=("--moe_kernel=grouped", "--mixed_precision=False"),

@@ -9,7 +9,8 @@ tests/assets/checkpoints/
 
 A change of what a checkpoint holds raises LAYOUT in fms_fsdp/versions.py and adds one,
 written by the new code (2 ranks, 8 steps, about 30 s), with the flags that make the run hold what
-changed (layout2: experts, `--moe_experts=4 --moe_top_k=2`):
+changed (layout2: experts, `--moe_experts=4 --moe_top_k=2`; layout3: the weight average, `--ema_decay=0.9`,
+whose distance from the weights at the last step is kept too):
 
     python tests/kept_checkpoints.py layout<N> [--flag=value ...]
 
@@ -66,6 +67,18 @@ def kept_flags(name: str, data: Path, out: Path) -> list[str]:
     return [f.replace("<data>", str(data)).replace("<run>", str(out)) for f in expected(name)["flags"]]
 
 
+def average_gap(checkpoint: Path) -> float:
+    """How far a checkpoint's weight average (--ema_decay) is from its weights: the sum of |average - weights|
+    over every tensor, read by DCP's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with TemporaryDirectory() as tmp:
+        dcp_to_torch_save(checkpoint, Path(tmp) / "state.pt")
+        state = torch.load(Path(tmp) / "state.pt", weights_only=False)
+    return sum((state["ema_state"][k] - w).abs().sum().item() for k, w in state["model_state"].items())
+
+
 def write_data(assets: Path) -> Path:
     """The documents of every kept checkpoint's run (written once; kept with them, so that a later change
     of the tests' data helpers cannot change them)."""
@@ -108,6 +121,8 @@ def record(name: str, assets: Path, extra: tuple[str, ...] = ()) -> None:
         meta = torch.load(out / "checkpoints" / f"step_{KEPT_STEP}_ckp" / "metadata.pth", weights_only=True)
         shutil.copytree(out / "checkpoints" / f"step_{KEPT_STEP}_ckp", target / "checkpoints" / f"step_{KEPT_STEP}_ckp")
         losses = {r["step"]: r["loss"] for r in records(out) if "loss" in r and r["step"] > KEPT_STEP}
+        last = out / "checkpoints" / f"step_{STEPS}_ckp"
+        gap = average_gap(last) if any(f.startswith("--ema_decay=") for f in extra) else None
     found = {
         "written_by": {
             "commit": _commit(),
@@ -117,6 +132,7 @@ def record(name: str, assets: Path, extra: tuple[str, ...] = ()) -> None:
         },
         "flags": run_flags(Path("<data>"), Path("<run>"), STEPS, extra),
         "losses_after": {str(step): losses[step] for step in sorted(losses)},
+        **({"average_gap_after": gap} if gap is not None else {}),
     }
     (target / "expected.json").write_text(json.dumps(found, indent=1) + "\n")
     print(f"{target}: layout {found['written_by']['layout']}, losses of steps {sorted(losses)}")

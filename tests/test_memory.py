@@ -192,6 +192,15 @@ def test_muon_plans_one_buffer_for_the_blocks_matrices():
     assert adamw.optimizer - muon.optimizer == 4 * matrices > 0
 
 
+def test_the_weight_average_is_planned_beside_the_optimizers_state_of_what_trains():
+    """--ema_decay: one more fp32 copy of the trained shards (with LoRA, of the adapters)."""
+    for lora in ({}, {"lora_rank": 8, "ckpt_load_path": "x"}):
+        plain = plan_for(make_config(model_variant="small", seq_length=512, **lora), 4, 4, 1 << 40)
+        averaged = plan_for(make_config(model_variant="small", seq_length=512, ema_decay=0.999, **lora), 4, 4, 1 << 40)
+        assert averaged.optimizer - plain.optimizer == plain.grads > 0  # fp32 gradients: the trained shards
+        assert averaged.plan(NONE).peak - plain.plan(NONE).peak == plain.grads
+
+
 def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     """8 ranks as FSDP 8, and as FSDP 4 x CP 2 on lines of 8192 tokens: the weights still shard 8 ways;
     a rank keeps about half the activations, plus the whole line's keys and values, and with document

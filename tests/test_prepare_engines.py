@@ -28,6 +28,10 @@ def dies_once_at_every_third(job: tuple[int, str]) -> tuple[int, dict]:
     return n, {"parent": os.getppid()}
 
 
+def reads_the_environment(job: str) -> tuple[str, dict]:
+    return job, {"value": os.environ.get(job)}
+
+
 def always_dies(job: int) -> tuple[int, dict]:
     os.kill(os.getpid(), signal.SIGKILL)
     return job, {}
@@ -45,3 +49,11 @@ def test_a_killed_worker_costs_only_time_and_the_workers_are_not_forked_from_the
 def test_workers_that_keep_dying_end_in_one_line():
     with pytest.raises(DataError, match=f"workers died {POOL_RESTARTS + 1} times .*run the same command again"):
         list(run_local(always_dies, no_setup, [1, 2, 3], None, 2))
+
+
+def test_the_workers_have_the_callers_environment_of_now(monkeypatch):
+    """Object storage's keys set after the fork server started (it keeps the environment of its start)."""
+    list(run_local(reads_the_environment, no_setup, ["HOME", "HOME"], None, 2))  # the fork server is up
+    monkeypatch.setenv("FMS_TEST_BUCKET_KEY", "set later")
+    done = dict(run_local(reads_the_environment, no_setup, ["FMS_TEST_BUCKET_KEY", "HOME"], None, 2))
+    assert done["FMS_TEST_BUCKET_KEY"] == {"value": "set later"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kept_checkpoints import ASSETS, KEPT_STEP, RTOL, STEPS, expected, kept, kept_flags, run_flags
+from kept_checkpoints import ASSETS, KEPT_STEP, RTOL, STEPS, average_gap, expected, kept, kept_flags, run_flags
 
 from fms_fsdp.versions import LAYOUT, installed
 
@@ -25,6 +25,7 @@ def resumed(name: str, out: Path) -> subprocess.CompletedProcess:
     return launch("main_training.py", kept_flags(name, ASSETS / "data", out), 2)
 
 
+@pytest.mark.slow  # 2 ranks each; in CI's slow tier and on every torch release (scripts/test_torch.sh)
 @pytest.mark.parametrize("name", kept())
 def test_a_kept_checkpoint_resumes_with_the_losses_it_gave(name, tmp_path):
     out = tmp_path / "run"
@@ -35,6 +36,9 @@ def test_a_kept_checkpoint_resumes_with_the_losses_it_gave(name, tmp_path):
     recorded = expected(name)["losses_after"]
     assert list(losses) == list(recorded), (losses, recorded)
     assert losses == pytest.approx(recorded, rel=RTOL), (losses, recorded)
+    if "average_gap_after" in expected(name):  # the weight average went on from the kept one, not from the weights
+        gap = average_gap(out / "checkpoints" / f"step_{STEPS}_ckp")
+        assert gap == pytest.approx(expected(name)["average_gap_after"], rel=1e-2)
     meta = torch.load(out / "checkpoints" / f"step_{STEPS}_ckp" / "metadata.pth", weights_only=True)
     assert meta["layout"] == LAYOUT and meta["package_version"] == installed("fms-fsdp") != "not installed"
     assert len(meta["commit"].split()[0]) == 40 or meta["commit"].startswith("unknown"), meta["commit"]

@@ -75,6 +75,8 @@ class Checkpointer:
         weights from --ckpt_load_path when given (a LoRA run's base is loaded first, at every start)."""
         saver = self.saver
         resumed = self.restorer.start()
+        if saver.average is not None and not self.restorer.averaged:  # a start, or a checkpoint without one
+            saver.average.reset()
         if resumed is not None and saver.settings.policy.best and saver.info.is_main:
             saver.scores = earlier_scores(self.metrics, saver.settings.policy.monitor, resumed[0])
         return resumed or (0, 0)
@@ -130,6 +132,7 @@ class CheckpointRestorer:
             saver.loader,
         )
         self.log: Callable[[str], None] = saver.log
+        self.averaged = False  # the weight average (--ema_decay) came from a checkpoint
 
     def start(self) -> Optional[tuple[int, int]]:
         """The newest checkpoint restored: (step, tokens_seen); else None, with the model's weights from
@@ -201,6 +204,9 @@ class CheckpointRestorer:
 
     def _load(self, path: Path) -> tuple[int, int]:
         own = self.saver.own_state()
+        if "ema_state" in own and not _holds(path, "ema_state"):  # --ema_decay turned on for this resume
+            del own["ema_state"]
+            self.log(f"checkpoint: {path} holds no weight average: --ema_decay's starts at its weights")
         state = fuse(own)
         # the parameter names of this rank's optimizer groups: a checkpoint holds one rank's lists (DCP
         # keeps one copy of what is not a tensor), which under pipeline parallelism name other stages'
@@ -246,8 +252,20 @@ class CheckpointRestorer:
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
+        self.averaged = "ema_state" in own
         self.log(f"checkpoint: resumed from {path} at step {meta['step']}")
         return int(meta["step"]), int(meta["tokens_seen"])
+
+
+def _holds(path: Path, key: str) -> bool:
+    """Whether the DCP checkpoint at `path` holds state under `key` (a CheckpointError when unreadable)."""
+    try:
+        names = safe_reader(path).read_metadata().state_dict_metadata
+    except _LOAD_ERRORS as e:
+        if not unreadable(e):
+            raise
+        raise CheckpointError(damage(e, path)) from None
+    return any(name.startswith(f"{key}.") for name in names)
 
 
 def _load_file(path: Path) -> Any:

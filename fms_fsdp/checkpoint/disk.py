@@ -18,13 +18,16 @@ from fms_fsdp.storage import is_remote, make_folder
 _MARGIN = 1.05  # a checkpoint's files take a little more than its tensors
 
 
-def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> int:
-    """Bytes of one checkpoint: the model and optimizer shards of one replica (DCP writes each once).
-    Every rank calls it."""
+def checkpoint_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, average: bool = False
+) -> int:
+    """Bytes of one checkpoint: the model and optimizer shards of one replica (DCP writes each once), and
+    a second copy of the model's with `average` (--ema_decay's; at most the model's size). Every rank
+    calls it."""
     mesh = getattr(next(model.parameters()), "device_mesh", None)  # None: one rank, no FSDP
     local = 0
     if mesh is None or mesh.get_coordinate()[0] == 0:  # the first replica along the mesh's 'replicate' dimension
-        local = sum(t.numel() * t.element_size() for t in _tensors(model.state_dict()))
+        local = sum(t.numel() * t.element_size() for t in _tensors(model.state_dict())) * (1 + average)
         local += sum(t.numel() * t.element_size() for t in _tensors(optimizer.state_dict()))
     total = torch.tensor([local], dtype=torch.float64)
     dist.all_reduce(total, group=group)

@@ -15,9 +15,9 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from fms_fsdp.model.variants import CausalLM, build_model
 from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.periodic import Report
 from fms_fsdp.storage import COMPLETE, is_remote, location, publish, remove_tree, storage_error, umask, upload
+from fms_fsdp.weights.ema import WeightAverage
 from fms_fsdp.weights.fused import fuse, plain_tensor
 from fms_fsdp.weights.hf import write_hf_config, write_peft_adapter
 from fms_fsdp.weights.hf_write import (
@@ -80,7 +81,14 @@ def _model_file(folder: Path, settings: ExportSettings) -> tuple[list[Planned], 
     return fms_plan(model, model_dtypes(folder)), tensors
 
 
-def export_trained_model(model: CausalLM, target: Path, step: int, settings: ExportSettings) -> Path:
+def exported_weights(settings: ExportSettings, average: Optional[WeightAverage]) -> ContextManager[None]:
+    """The model's weights as an export takes them: --export_ema's average put in for a while."""
+    return average.swapped() if settings.ema and average is not None else nullcontext()
+
+
+def export_trained_model(
+    model: CausalLM, target: Path, step: int, settings: ExportSettings, average: Optional[WeightAverage] = None
+) -> Path:
     """The model at the end of a run as one safetensors file (with LoRA: the merged model, and the PEFT
     adapter folder adapter_step_<N> next to it): every rank writes its shards to a DCP folder, then
     every rank writes its run of the file's tensors from it, in place (in object storage rank 0 writes
@@ -93,9 +101,10 @@ def export_trained_model(model: CausalLM, target: Path, step: int, settings: Exp
         return CheckpointError(f"export to {target} failed: {message}; {kept}")
 
     on_rank0(lambda: _make_room(shards, target, model), CheckpointError, failed)
-    state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
     try:
-        dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
+        with exported_weights(settings, average):
+            state = fuse({"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(model))})
+            dcp.save(state, storage_writer=storage_writer(shards), process_group=agreement_group())
     except dcp.CheckpointException as e:  # raised on every rank: a full disk, object storage refusing
         if dist.get_rank() == 0:
             remove_tree(shards)
@@ -219,9 +228,18 @@ class PeriodicExporter:
 
     reads_model = True
 
-    def __init__(self, *, settings: ExportSettings, root: Path, info: DistInfo, model: CausalLM):
-        """Exports of `model` under `root` (<ckpt_save_path>/exports), as `settings` say."""
-        self.settings, self.info, self.model, self.root = settings, info, model, root
+    def __init__(
+        self,
+        *,
+        settings: ExportSettings,
+        root: Path,
+        info: DistInfo,
+        model: CausalLM,
+        average: Optional[WeightAverage] = None,
+    ):
+        """Exports of `model` (with --export_ema, of `average`) under `root` (<ckpt_save_path>/exports), as
+        `settings` say."""
+        self.settings, self.info, self.model, self.root, self.average = settings, info, model, root, average
         self.pending: Optional[Future] = None
         enabled = self.settings.interval > 0
         self.writer = BackgroundWriter(info.device) if enabled else None
@@ -261,8 +279,9 @@ class PeriodicExporter:
             for old in (shards, target.with_name(f".{target.name}.tmp"), *([target] if is_remote(target) else [])):
                 remove_tree(old)
         dist.barrier(group=agreement_group())
-        state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))}  # float8's
-        written = self.writer.write(state, shards)
+        with exported_weights(self.settings, self.average):  # staged (copied) before the weights come back
+            state = {"model_state": tree_map_only(torch.Tensor, plain_tensor, get_model_state_dict(self.model))}
+            written = self.writer.write(state, shards)
         self.pending = self.converter.submit(self._convert, written, shards, step)
         return time.monotonic() - start
 

@@ -40,6 +40,7 @@ from fms_fsdp.errors import CheckpointError, TrainingError, first_line
 from fms_fsdp.parallel.process_group import DistInfo, agreement_group, failures, on_rank0
 from fms_fsdp.storage import is_remote, remove_tree, storage_error
 from fms_fsdp.versions import stamp
+from fms_fsdp.weights.ema import WeightAverage
 from fms_fsdp.weights.fused import fuse, plain_tensor
 from fms_fsdp.weights.reader import root_cause, storage_writer
 
@@ -82,11 +83,13 @@ class CheckpointSaver:
         loader: Any,
         lease: Optional[Lease] = None,
         ft: Optional[GroupState] = None,
+        average: Optional[WeightAverage] = None,
     ):
         self.settings, self.root, self.info, self.config, self.log = settings, root, info, config, log
         self.lease = lease  # confirmed (on rank 0) before each save
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.ft = ft  # --fault_tolerance: every group's data position is kept with this rank's
+        self.average = average  # --ema_decay: saved as `ema_state`, under the model's names
         self.pending: Optional[tuple[int, Path, Future]] = None
         self.scores: dict[int, float] = {}  # --checkpoint_monitor by step (rank 0; --checkpoint_keep_best)
         self.written_by = stamp() if info.is_main else {}  # the layout, package version and commit
@@ -113,7 +116,7 @@ class CheckpointSaver:
             on_rank0(self.lease.confirm, TrainingError, TrainingError)
         tmp = temp_folder(self.root, step)
         try:
-            needed = checkpoint_bytes(self.model, self.optimizer, agreement_group())
+            needed = checkpoint_bytes(self.model, self.optimizer, agreement_group(), self.average is not None)
             free = on_main(self.info, lambda: prune_for(self.root, needed, self.settings.policy, self.scores))
             if free < needed:
                 raise CheckpointError(
@@ -177,7 +180,10 @@ class CheckpointSaver:
         """What a checkpoint holds of the model and optimizer (what trains: with LoRA, the adapters), under
         the model's own names; checkpoints hold it under fms's fused names (fused.fuse)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
-        return tree_map_only(torch.Tensor, plain_tensor, {"model_state": model_sd, "optimizer_state": optim_sd})
+        state = {"model_state": model_sd, "optimizer_state": optim_sd}
+        if self.average is not None:
+            state["ema_state"] = self.average.state_dict()
+        return tree_map_only(torch.Tensor, plain_tensor, state)
 
     def _write_run_state(self, tmp: Path, step: int, tokens_seen: int) -> None:
         """This rank's loader position and RNG; on rank 0 also step, tokens, scheduler and config."""

@@ -34,3 +34,4 @@ class ExportSettings:
     eos: Optional[int]
     lora: Optional[LoRASpec]
     base: Optional[str]
+    ema: bool = False  # --export_ema: the weight average (weights/ema.py) is exported

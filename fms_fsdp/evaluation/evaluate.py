@@ -31,6 +31,7 @@ from fms_fsdp.parallel.pipeline import Pipeline
 from fms_fsdp.parallel.process_group import DistInfo, on_rank0
 from fms_fsdp.periodic import Report
 from fms_fsdp.storage import location
+from fms_fsdp.weights.ema import WeightAverage
 
 _PAD = -1  # marks the padding of the last line
 
@@ -86,6 +87,7 @@ class Evaluator:
         cache when --data_cache_dir is not given; `fms-evaluate` caches nothing then)."""
         self.settings, self.info = settings, info
         self.pipeline: Optional[Pipeline] = None  # the rank's stages, once built (train/loop.py)
+        self.average: Optional[WeightAverage] = None  # --ema_decay's, evaluated too (train/loop.py)
         self.batch = settings.batch
         self.pipelined = settings.pipelined  # whose stages take batches of one shape
         self.eos = settings.packing.eos
@@ -120,9 +122,16 @@ class Evaluator:
         per_dataset = ", ".join(
             f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")
         )
+        average = ""
+        if self.average is not None:
+            with self.average.swapped():
+                averaged = self.evaluate(model, step, self.pipeline)
+            record.update(averaged_metrics(averaged))
+            record["eval_seconds"] += averaged["eval_seconds"]
+            average = f" | ema loss {record['eval_loss_ema']:.4f}"
         line = (
             f"eval step {step} | loss {record['eval_loss']:.4f} | ppl {record['eval_ppl']:.2f} | "
-            f"{per_dataset} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s"
+            f"{per_dataset}{average} | tokens {record['eval_tokens']:,} | {record['eval_seconds']:.1f}s"
         )
         return Report(record["eval_seconds"], record, line, scores_checkpoint=True)
 
@@ -168,6 +177,15 @@ class Evaluator:
         record.update({f"eval_tokens/{name}": int(n) for name, (_, n) in zip(self.lines, sums.tolist())})
         record.update(eval_tokens=int(tokens), eval_seconds=time.perf_counter() - start)
         return record
+
+
+def averaged_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """An evaluation of the weight average under its own names: eval_loss_ema, eval_ppl_ema,
+    eval_loss_ema/<dataset>."""
+    names = [k for k in record if k in ("eval_loss", "eval_ppl") or k.startswith("eval_loss/")]
+    return {
+        name.replace("eval_loss", "eval_loss_ema").replace("eval_ppl", "eval_ppl_ema"): record[name] for name in names
+    }
 
 
 def check_checkpoint_evaluation(settings: CheckpointEvalSettings) -> None:

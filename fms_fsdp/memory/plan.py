@@ -160,7 +160,9 @@ class Planner:
         self.compute = 2 if settings.mixed_precision else 4
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")
-        self.params, self.grads, self.optimizer = 4 * held, 4 * trained, 2 * 4 * (trained - muon) + 4 * muon
+        self.average = 4 * trained if settings.ema else 0  # --ema_decay's average, counted with the optimizer's
+        self.params, self.grads = 4 * held, 4 * trained
+        self.optimizer = 2 * 4 * (trained - muon) + 4 * muon + self.average
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
         self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
@@ -186,7 +188,7 @@ class Planner:
 
     def adopt(self, state: State) -> None:
         """Plan with `state` (the rehearsal's real shards) in place of the analytic figures."""
-        self.params, self.grads, self.optimizer = state.params, state.grads, state.optimizer
+        self.params, self.grads, self.optimizer = state.params, state.grads, state.optimizer + self.average
 
     def plan(self, setting: Setting, offload: Optional[bool] = None) -> Plan:
         """The plan at `setting`, with --cpu_offload as the run has it unless `offload` says otherwise."""

@@ -45,3 +45,4 @@ class MemorySettings:
     lora: Optional[LoRASpec]
     device_gib: Optional[float]  # --plan_device_memory_gib
     cpu_offload: bool = False  # --cpu_offload: parameters, gradients and optimizer state on the host
+    ema: bool = False  # --ema_decay: a weight average beside the optimizer's state

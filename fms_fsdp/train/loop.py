@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from fms_fsdp.checkpoint.checkpointer import Checkpointer
 from fms_fsdp.checkpoint.export import PeriodicExporter, export_trained_model
@@ -44,9 +45,7 @@ from fms_fsdp.errors import CheckpointError, ConfigError, TrainingError
 from fms_fsdp.evaluation.evaluate import Evaluator
 from fms_fsdp.evaluation.harness import HarnessEvaluator
 from fms_fsdp.lifetime import LAUNCHER_DIED
-from fms_fsdp.memory.rehearsal import rehearse, rehearsed_ranks
 from fms_fsdp.memory.report import fits_or_warning
-from fms_fsdp.memory.report import report as memory_report
 from fms_fsdp.metrics.reporter import MetricsReporter, check_metrics_file
 from fms_fsdp.metrics.trackers import Trackers, start_trackers
 from fms_fsdp.model.variants import CausalLM, flops_per_token
@@ -64,6 +63,9 @@ from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
 from fms_fsdp.startup import model_build, optimizer_and_schedule, started, summary, write_config
 from fms_fsdp.train.guard import StepGuard
 from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
+from fms_fsdp.weights.ema import WeightAverage
+
+_TRAINED = StateDictOptions(ignore_frozen_params=True)  # what --ema_decay averages: with LoRA, the adapters
 
 
 def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
@@ -81,28 +83,6 @@ def run_training(facts_of: Callable[[], Run]) -> list[dict[str, Any]]:
     if stop.agreed is not None and status:  # stopped early: Kubernetes restarts a failed pod
         raise SystemExit(status)
     return records
-
-
-def dry_run(run: Run) -> bool:
-    """--dry_run of the run's facts: rank 0 rehearses the start at the planned size under a fake process
-    group (memory/rehearsal.py) and prints the memory plan, its state from the rehearsal's real shards; no
-    real process group starts, no GPU memory is touched. Whether the plan fits (other ranks: True)."""
-    if not run.info.is_main:
-        return True
-    start = time.perf_counter()
-    states = rehearse(model_build(run), optimizer=run.settings.optimizer, world_size=run.info.world_size, log=run.log)
-    dims, ranks = run.shape.dims(), rehearsed_ranks(run.shape, run.info.world_size)
-    which = f"ranks {', '.join(map(str, ranks))} (one per pipeline rank)" if len(ranks) > 1 else "rank 0"
-    run.log(
-        f"rehearsed the start of {run.info.world_size} ranks under a fake process group, mesh "
-        f"({', '.join(name for name, _ in dims)}) = {tuple(size for _, size in dims)}: {which} parallelised "
-        f"as at a real start in {time.perf_counter() - start:.1f} s"
-    )
-    plan = memory_report(
-        run.settings.memory, run.shape, run.model_config, run.pipeline, run.info.local_world_size, states
-    )
-    run.log(plan.text)
-    return plan.fits
 
 
 def _warn_if_memory_short(run: Run) -> None:
@@ -183,6 +163,7 @@ class Loop:
     triggers: StepTriggers
     stragglers: Stragglers
     periodic: list[Periodic]  # run in this order at a step: export, evaluation, lm-eval tasks, profiler
+    average: Optional[WeightAverage]  # --ema_decay's, moved after every committed step
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -220,8 +201,12 @@ def _build(
     optimizer, scheduler = optimizer_and_schedule(run, model)
     guard = StepGuard(settings.skip_bad_steps, settings.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
-    checkpointer = _checkpointer(run, model, optimizer, scheduler, loader, lease, ft, stack)
-    exporter = PeriodicExporter(settings=run.settings.export, root=run.paths.exports, info=info, model=model)
+    average = WeightAverage(model, settings.ema_decay, _TRAINED) if settings.ema_decay else None
+    evaluator.average = average
+    checkpointer = _checkpointer(run, model, optimizer, scheduler, loader, lease, ft, average, stack)
+    exporter = PeriodicExporter(
+        settings=run.settings.export, root=run.paths.exports, info=info, model=model, average=average
+    )
     stack.callback(exporter.close)
     start, tokens_seen = checkpointer.start()
     if ft is not None:
@@ -256,6 +241,7 @@ def _build(
         triggers=triggers,
         stragglers=stragglers,
         periodic=periodic,
+        average=average,
     )
     return loop, start
 
@@ -268,6 +254,7 @@ def _checkpointer(
     loader: Any,
     lease: RunLease,
     ft: Optional[FaultTolerance],
+    average: Optional[WeightAverage],
     stack: ExitStack,
 ) -> Checkpointer:
     """The run's checkpoints (closed by `stack`): the lease confirmed and fault tolerance's state kept at
@@ -284,6 +271,7 @@ def _checkpointer(
         loader=loader,
         lease=lease,
         ft=ft,
+        average=average,
     )
     checkpointer = Checkpointer(saver=saver, metrics=run.paths.metrics, variant=run.variant)
     stack.callback(checkpointer.close)
@@ -373,6 +361,8 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
         assert loop.ft is not None
         loop.ft.failed_attempt(time.perf_counter() - started_at)
         batches.again()
+    elif loop.average is not None:
+        loop.average.update(loop.guard.kept)
     return done
 
 
@@ -442,4 +432,4 @@ def _end(loop: Loop, step: int, stopped: Optional[str]) -> None:
             outcome += f" (exit status {settings.stop_exit_status}, --stop_exit_status)"
         run.log(f"stopping after step {step} on {stopped}: {outcome}")
     elif settings.export_model_at_end:  # a preempted run keeps its grace period for the checkpoint
-        export_trained_model(loop.model, run.paths.model_file(step), step, run.settings.export)
+        export_trained_model(loop.model, run.paths.model_file(step), step, run.settings.export, loop.average)

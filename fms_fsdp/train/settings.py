@@ -27,6 +27,7 @@ class LoopSettings:
     checkpoint_interval: Union[int, str]  # 0: no checkpoints (what a stopped run says)
     stop_exit_status: int  # 0: a stopped run exits 0
     export_model_at_end: bool
+    ema_decay: float = 0.0  # --ema_decay (0: no weight average)
 
 
 @dataclass(frozen=True, kw_only=True)

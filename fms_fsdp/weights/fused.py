@@ -52,12 +52,14 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def fuse(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's {"model_state", "optimizer_state" (optional)} under fms's fused names: views of
-    `state`'s tensors, or `state` itself for a model built fused."""
+    """A checkpoint's {"model_state", "optimizer_state", "ema_state" (both optional)} under fms's fused
+    names: views of `state`'s tensors, or `state` itself for a model built fused."""
     groups = fused_groups(state["model_state"])
     if not groups:
         return state
     out = {**state, "model_state": fuse_model_state(state["model_state"], groups)}
+    if "ema_state" in state:
+        out["ema_state"] = fuse_model_state(state["ema_state"], groups)
     if "optimizer_state" in state:
         out["optimizer_state"] = fuse_optimizer_state(state["optimizer_state"], groups)
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -64,9 +65,8 @@ def _pooled(
     (a fork of a process with threads, a tracker's for one, can abort the child)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([m for m in (work.__module__,) if m != "__main__"])  # imported once
-    pool = ProcessPoolExecutor(
-        min(workers, len(jobs)), mp_context=context, initializer=_start_worker, initargs=(init, tokenizer)
-    )
+    setup = (init, tokenizer, dict(os.environ))  # the fork server's environment is that of its own start
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_start_worker, initargs=setup)
     finished = False
     try:
         futures = {pool.submit(work, job): index for index, job in jobs.items()}
@@ -77,7 +77,10 @@ def _pooled(
         pool.shutdown(wait=finished, cancel_futures=True)
 
 
-def _start_worker(init: Callable[[Optional[str]], None], tokenizer: Optional[str]) -> None:
+def _start_worker(init: Callable[[Optional[str]], None], tokenizer: Optional[str], environ: dict[str, str]) -> None:
+    """A worker with its caller's environment (object storage's settings among it) and the tokenizer."""
+    os.environ.clear()
+    os.environ.update(environ)
     pool_worker()  # ends with its pool or its parent, also inside a training rank
     init(tokenizer)
 
