@@ -10,6 +10,7 @@
 | fms-export-model              | scripts/export_model.py   | checkpoint/export.export_checkpoint        |
 | fms-compare-runs              | scripts/compare_runs.py   | metrics/compare.compare_runs               |
 | fms-to-hf                     | fms_to_hf.py              | weights/hf.convert                         |
+| fms-average-checkpoints       | scripts/average_checkpoints.py | checkpoint/average.average_checkpoints |
 | fms-torchrun                  | scripts/train.sh          | launch.launch (torchrun)                   |
 
 Every command reads its command line alike (flags.py: `--name=value`, typo suggestions, `--help`),
@@ -26,6 +27,7 @@ import re
 import select
 import sys
 import time
+from functools import partial
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from fms_fsdp.console import file_torchft_log, label_groups, quiet_library_noise
@@ -406,28 +408,23 @@ def _to_hf(
     print(f"wrote {convert(load_path, save_path, model_variant, vocab_size, tokenizer_name_or_path, dtype)}")
 
 
-def prepare_data(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_prepare_data, argv)
+def _average_checkpoints(*checkpoints: str, out: str = "", weights: str = "") -> None:
+    """fms-average-checkpoints CKPT CKPT [...] --out=<new checkpoint folder> [--weights=1,1,...]
+
+    CKPT       step_N_ckp folders of one run; under torchrun every rank averages its own slices
+    --out      the checkpoint folder to write: the average with the rest of the last CKPT's state
+    --weights  one weight per CKPT, in their order (default: equal); they are scaled to sum to 1
+    """
+    from fms_fsdp.checkpoint.average import average_command
+
+    average_command(list(checkpoints), out, weights)
 
 
-def inspect_data(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_inspect_data, argv)
-
-
-def plot_metrics(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_plot_metrics, argv)
-
-
-def compare_runs(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_compare_runs, argv)
-
-
-def export_model(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_export_model, argv)
-
-
-def to_hf(argv: Optional[Sequence[str]] = None) -> None:
-    tool(_to_hf, argv)
+# the console scripts (pyproject.toml) and scripts/*.py: each tool with its command line (argv: sys.argv's)
+prepare_data, inspect_data = partial(tool, _prepare_data), partial(tool, _inspect_data)
+plot_metrics, compare_runs = partial(tool, _plot_metrics), partial(tool, _compare_runs)
+export_model, to_hf = partial(tool, _export_model), partial(tool, _to_hf)
+average_checkpoints = partial(tool, _average_checkpoints)
 
 
 def torchrun(argv: Optional[Sequence[str]] = None) -> None:

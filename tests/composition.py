@@ -27,6 +27,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "exports": ("periodic exports", ("--export_interval=2",)),
     "MoE": ("mixture of experts", ("--model_variant=tiny_moe",)),
     "EP": ("expert parallel", ("--model_variant=tiny_moe", "--expert_parallel_size=2")),
+    "EMA": ("weight average", ("--ema_decay=0.9",)),
 }
 
 
@@ -54,6 +55,7 @@ MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_
 FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
 EXPERTS_TOGETHER = f"{TOGETHER}, experts spread over 2 of 4 ranks, async checkpoints, evaluation"
 EP_MESHES = "test_expert_parallel.py::test_two_expert_ranks_train_as_one_on_fsdp_hsdp_and_pipeline_meshes"
+EMA_EXPORTS = "test_ema.py::test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_our_logits"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
 MATRIX: list[Pair] = [
@@ -144,6 +146,12 @@ MATRIX: list[Pair] = [
     Pair("EP", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
     Pair("EP", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
     Pair("EP", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
+    # the runs together also keep the weight average (--ema_decay), and compare its evaluation
+    *(Pair("EMA", feature, (PP_CP,)) for feature in ("PP", "CP", "async", "eval")),
+    *(Pair("EMA", feature, (LORA,)) for feature in ("LoRA", "HSDP")),
+    *(Pair("EMA", feature, (EXPERTS_TOGETHER,)) for feature in ("MoE", "EP")),
+    Pair("EMA", "exports", (EMA_EXPORTS,)),
+    Pair("EMA", "FT", refused="--ema_decay with --fault_tolerance"),
 ]
 
 
@@ -154,6 +162,7 @@ NOT_YET = [
     ("PP", "float8"),
     ("CP", "LoRA"),
     ("TP", "harness"),
+    ("TP", "EMA"),
     ("HSDP", "harness"),
     ("FT", "LoRA"),
     ("FT", "harness"),
@@ -161,8 +170,10 @@ NOT_YET = [
     ("FT", "EP"),
     ("LoRA", "harness"),
     ("float8", "harness"),
+    ("float8", "EMA"),
     ("harness", "MoE"),
     ("harness", "EP"),
+    ("harness", "EMA"),
 ]
 
 

@@ -100,6 +100,7 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
         "--eval_interval=2",
         f"--eval_data_path={data}",
         "--eval_batches=2",
+        "--ema_decay=0.5",  # the weight average too: evaluated as eval_loss_ema
     ]
     out = tmp_path / "run"
     proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4)
@@ -110,8 +111,8 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
     )
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     got, want = ({r["step"]: r for r in records(run)} for run in (out, tmp_path / "one"))
-    pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss") if k in want[s]]
-    assert len(pairs) >= 4 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
+    pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss", "eval_loss_ema") if k in want[s]]
+    assert len(pairs) >= 6 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
 
 

@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from fms_fsdp.compat import local_tensor
 from fms_fsdp.weights.fused import plain_tensor
@@ -37,6 +38,7 @@ class WeightAverage:
         self.weights = [_local(v) for v in live.values()]  # the parameters' own storage, updated in place
         self.average = {k: plain_tensor(v).detach().clone() for k, v in live.items()}
         self.held = [_local(v) for v in self.average.values()]
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def reset(self) -> None:
         """Start the average at the current weights (a run with no average to resume)."""
@@ -63,12 +65,20 @@ class WeightAverage:
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
-        """The average in the model's weights inside the block, the weights back after it."""
+        """The average in the model's weights inside the block, the weights back after it. FSDP's units
+        that keep their gathered weights after a forward (the last block, the head) let them go on
+        both ways, so that the next forward gathers what the shards hold."""
         trained = [w.clone() for w in self.weights]
         for weight, average in zip(self.weights, self.held):
             weight.copy_(average)
+        self._let_go()
         try:
             yield
         finally:
             for weight, value in zip(self.weights, trained):
                 weight.copy_(value)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        for unit in self.units:
+            unit.reshard()
