@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -370,6 +371,16 @@ class train_config:
         min=1,
         shared=True,
     )
+    batch_size_schedule: str = _f(
+        "",
+        "Ramp the batch size: step:batch stages from step 0, e.g. 0:2,1000:4,3000:8 (2 lines per rank, as --batch_size counts them, then 4 once 1000 steps are done, ...); its largest stage is --batch_size. Exactly-once and exact resume hold across every change.",
+        shared=True,
+    )
+    seq_length_schedule: str = _f(
+        "",
+        "Short lines first: step:length stages from step 0, e.g. 0:1024,2000:4096; its largest stage is --seq_length. The documents run on across a change: none is cut short or repeated.",
+        shared=True,
+    )
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1, shared=True)
     num_steps: int = _f(1000000, "Optimizer steps to train.", min=1, shared=True)
     seed: int = _f(2023, "Random seed for weights and data.", min=0, shared=True)
@@ -485,6 +496,12 @@ class train_config:
         "cosine",
         "cosine: warmup then cosine to min_lr_ratio; linear: warmup then a straight line to min_lr_ratio; inv_sqrt: warmup then sqrt(warmup / step), not below min_lr_ratio; inv: warmup then 1 / (1 + (1/min_lr_ratio - 1) t / decay), reaching min_lr_ratio after the decay steps (Levanter's inv); wsd: warmup, stable, linear decay to min_lr_ratio; constant: warmup then flat (plotted in docs/configuration.md).",
         choices=("cosine", "linear", "inv_sqrt", "inv", "wsd", "constant"),
+        shared=True,
+    )
+    lr_schedule_unit: str = _f(
+        "steps",
+        "What the learning-rate schedule counts: steps, or tokens (with --batch_size_schedule or --seq_length_schedule: the schedule, its warmup and decay move by a step's tokens over those of a step of the largest batch and lines, so a ramp does not distort it).",
+        choices=("steps", "tokens"),
         shared=True,
     )
     lr_cycles: int = _f(
@@ -733,6 +750,7 @@ def validate(cfg: train_config) -> None:
     _check_paths_and_profiler(cfg)
     _check_cache(cfg)
     _check_weight_average(cfg)
+    _check_ramp(cfg)
     if cfg.deterministic and cfg.fault_tolerance:
         raise ConfigError(
             "--deterministic with --fault_tolerance: replica groups come and go with the timing of failures, so "
@@ -742,6 +760,32 @@ def validate(cfg: train_config) -> None:
         raise ConfigError(
             "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs "
             "and compiled); use --moe_kernel=loop or auto for fp32"
+        )
+
+
+def _check_ramp(cfg: train_config) -> None:
+    """--batch_size_schedule and --seq_length_schedule with what they combine with (read: ramp.py)."""
+    ramped = [f for f in ("batch_size_schedule", "seq_length_schedule") if getattr(cfg, f)]
+    if ramped and cfg.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"--{ramped[0]} with --pipeline_parallel_size={cfg.pipeline_parallel_size}: a pipeline's stages are "
+            "built for one shape of micro-batch; ramp without pipeline parallelism"
+        )
+    cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+    unit = tp if cp == 1 else math.lcm(2 * cp, cp * tp)  # parallel/mesh.py's rules for a line's length
+    stages = [stage.rpartition(":")[2].strip() for stage in cfg.seq_length_schedule.split(",")]
+    short = [int(length) for length in stages if length.isdigit() and int(length) % unit]
+    if short:
+        raise ConfigError(
+            f"--seq_length_schedule: lines of {short[0]} tokens do not split over --context_parallel_size={cp} "
+            f"and --tensor_parallel_size={tp}: make every stage a multiple of {unit}"
+        )
+    if cfg.lr_schedule_unit == "tokens" and (cfg.lr_cycles > 1 or cfg.lr_cycle_ends or cfg.lr_cycle_length):
+        raise ConfigError("--lr_schedule_unit=tokens counts one cycle: drop the --lr_cycle* flags")
+    if cfg.lr_schedule_unit == "tokens" and not ramped:
+        raise ConfigError(
+            "--lr_schedule_unit=tokens: without --batch_size_schedule or --seq_length_schedule every step has "
+            "the same tokens, so tokens count as steps; leave it at steps"
         )
 
 

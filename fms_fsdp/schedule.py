@@ -13,20 +13,23 @@ With --lr_cycles=K the initial stage's schedule runs K times over num_steps (or 
 --lr_cycle_length steps, a fraction of the run or a list of lengths, or cycles ending at
 --lr_cycle_ends), each cycle warming up again, by --lr_rewarmup after the first (Levanter's cycles and
 rewarmup). Warmup and decay are steps, or fractions of a cycle below 1. Any num_steps >= 1 works
-(fms-fsdp divided by zero below 20 steps).
+(fms-fsdp divided by zero below 20 steps). With --lr_schedule_unit=tokens and a ramp of the batch size or
+line length, x is the tokens of the steps done over those of a step of the largest batch and lines, and
+N the run's tokens counted so (ramp.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fms_fsdp.errors import ConfigError
+from fms_fsdp.ramp import Ramp
 
 
 def default_warmup(num_steps: int) -> int:
@@ -48,6 +51,7 @@ class ScheduleSettings:
     rewarmup: Optional[float]
     decay: Optional[float]
     min_ratio: float
+    tokens: Optional[Ramp] = None  # --lr_schedule_unit=tokens: the steps' shapes, whose tokens it counts
 
     def __post_init__(self) -> None:
         """ConfigError for a decay longer than the shortest cycle."""
@@ -113,15 +117,21 @@ def _steps(value: Optional[float], n: int, default: int) -> int:
     return int(value) if value >= 1 else int(value * n)
 
 
-def lr_multiplier(settings: ScheduleSettings) -> Callable[[int], float]:
-    """The schedule the settings choose, as a function of the 0-based step."""
+def lr_multiplier(settings: ScheduleSettings) -> Callable[[float], float]:
+    """The schedule the settings choose, as a function of the 0-based step; with `tokens`, of the tokens
+    of the steps done, counted in steps of the largest batch and lines (Ramp.full_steps)."""
+    ramp = settings.tokens
+    if ramp is not None:
+        counted = replace(settings, steps=max(1, math.ceil(ramp.full_steps(settings.steps))), tokens=None)
+        by_steps = lr_multiplier(counted)
+        return lambda x: by_steps(ramp.full_steps(x))
     n = settings.steps
     if settings.stage == "annealing":
         return lambda x: 1 - min(x, n) / n
     starts = [*settings.starts, n]
     cycles = len(settings.starts)
 
-    def multiplier(x: int) -> float:
+    def multiplier(x: float) -> float:
         i = bisect.bisect_right(starts, x, hi=cycles) - 1
         return _one_cycle(settings, starts[i + 1] - starts[i], first=i == 0)(x - starts[i])
 

@@ -42,6 +42,7 @@ from fms_fsdp.parallel.settings import (
     PipelineSettings,
 )
 from fms_fsdp.profiling import ProfilerSettings
+from fms_fsdp.ramp import Ramp, ramp_of
 from fms_fsdp.resilience.ft_settings import FTSettings
 from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
@@ -79,8 +80,9 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
     (a training run's; `fms-evaluate` keeps them only in --data_cache_dir)."""
     lora, parallel = lora_of(cfg), parallel_of(cfg)
     layout, packing = layout_of(cfg, vocab_size, run_cache), packing_of(cfg, vocab_size)
+    data = data_of(cfg, layout, packing)  # with the steps' shapes, which the schedule and the metrics count
     return Settings(
-        schedule=schedule_of(cfg),
+        schedule=schedule_of(cfg, data.ramp),
         optimizer=optimizer_of(cfg),
         parallel=parallel,
         lora=lora,
@@ -100,7 +102,7 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         trackers=trackers_of(cfg),
         loop=loop_of(cfg),
         step=StepSettings(grad_accum_steps=cfg.grad_accum_steps, grad_clip_thresh=cfg.grad_clip_thresh),
-        metrics=metrics_of(cfg),
+        metrics=metrics_of(cfg, data.ramp),
         model=ModelSettings(
             low_cpu=cfg.low_cpu_fsdp,
             seed=cfg.seed,
@@ -110,7 +112,7 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
             moe_capacity_factor=cfg.moe_capacity_factor,
             moe_kernel=cfg.moe_kernel,
         ),
-        data=data_of(cfg, layout, packing),
+        data=data,
     )
 
 
@@ -161,13 +163,14 @@ def export_of(cfg: train_config, lora: Optional[LoRASpec]) -> ExportSettings:
     )
 
 
-def metrics_of(cfg: train_config) -> MetricsSettings:
+def metrics_of(cfg: train_config, ramp: Optional[Ramp] = None) -> MetricsSettings:
     return MetricsSettings(
         batch_size=cfg.batch_size,
         seq_length=cfg.seq_length,
         grad_accum_steps=cfg.grad_accum_steps,
         peak_tflops=cfg.peak_tflops,
         num_steps=cfg.num_steps,
+        ramp=ramp,
     )
 
 
@@ -188,6 +191,7 @@ def data_of(cfg: train_config, layout: Layout, packing: Packing) -> DataSettings
         num_workers=cfg.num_workers,
         grad_accum_steps=cfg.grad_accum_steps,
         cache=cache_of(cfg),
+        ramp=ramp_of(cfg.batch_size_schedule, cfg.seq_length_schedule, cfg.batch_size, cfg.seq_length),
     )
 
 
@@ -211,19 +215,15 @@ def packing_of(cfg: train_config, vocab_size: int) -> Packing:
 
 
 def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = True) -> Layout:
-    """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the
-    cache folder is --data_cache_dir, else (`run_cache`: a training run's) <ckpt_save_path>/data_cache
-    (data/data_cache_dir.py), else none."""
+    """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the cache folder
+    is --data_cache_dir, else (`run_cache`: a run's) <ckpt_save_path>/data_cache (data/data_cache_dir.py), else none."""
     text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
     options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
     cache = cfg.data_cache_dir
     if cache is None and run_cache:
         save = cfg.ckpt_save_path
-        cache = (
-            f"{save.rstrip('/')}/data_cache"
-            if is_remote(save)
-            else str(location(save, "ckpt_save_path") / "data_cache")
-        )
+        root = save.rstrip("/") if is_remote(save) else str(location(save, "ckpt_save_path"))
+        cache = f"{root}/data_cache"
     if cache is not None and cache != IN_DATA and not is_remote(cache):
         cache = os.path.abspath(cache.removeprefix("file://"))
     return Layout(cfg.file_type, options, text, cache)
@@ -253,9 +253,8 @@ def loop_of(cfg: train_config) -> LoopSettings:
 
 def trackers_of(cfg: train_config) -> TrackerSettings:
     """--tracker's settings, with every flag's value for the trackers' hyper-parameters."""
-    names = tuple(cfg.tracker or ())
     return TrackerSettings(
-        names=names,
+        names=tuple(cfg.tracker or ()),
         project=cfg.tracker_project_name,
         folder=cfg.tracker_dir,
         run_id=cfg.tracker_run_id,
@@ -329,8 +328,9 @@ def harness_of(cfg: train_config) -> HarnessSettings:
     )
 
 
-def schedule_of(cfg: train_config) -> ScheduleSettings:
-    """The learning-rate schedule's settings (ConfigError for cycles or a decay that cannot be)."""
+def schedule_of(cfg: train_config, ramp: Optional[Ramp] = None) -> ScheduleSettings:
+    """The learning-rate schedule's settings (ConfigError for cycles or a decay that cannot be); `ramp`: the
+    steps' shapes (data_of's), whose tokens --lr_schedule_unit=tokens counts."""
     starts = cycle_starts(cfg.num_steps, cfg.lr_cycles, cfg.lr_cycle_length, cfg.lr_cycle_ends)
     return ScheduleSettings(
         stage=cfg.training_stage,
@@ -341,6 +341,7 @@ def schedule_of(cfg: train_config) -> ScheduleSettings:
         rewarmup=cfg.lr_rewarmup,
         decay=cfg.decay_steps,
         min_ratio=cfg.min_lr_ratio,
+        tokens=ramp if cfg.lr_schedule_unit == "tokens" else None,
     )
 
 
@@ -421,10 +422,8 @@ def pipeline_of(cfg: train_config) -> PipelineSettings:
     )
 
 
-# Flags every replica group must share beyond the model and the mesh: the fields marked `shared` in
-# config.py (what sets each group's batches and every update: data layout and order, optimizer,
-# learning-rate schedule, precision, adapters). Paths (the data's too: a copy on another mount),
-# logging and checkpoint cadence may differ.
+# Flags every replica group shares beyond the model and mesh: config.py's fields marked `shared` (what sets each
+# group's batches and updates). Paths (the data's too: a copy on another mount), logging and checkpoints may differ.
 SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(train_config) if f.metadata["shared"])
 
 
@@ -434,9 +433,8 @@ def shared_of(cfg: train_config) -> str:
 
 
 def ft_of(cfg: train_config) -> Optional[FTSettings]:
-    """--fault_tolerance's settings, the environment filled in (None without it; ConfigError naming the
-    flag when one is missing or wrong). Built once: by the command line, which labels each line with the
-    replica group before the run's facts, else by startup.facts."""
+    """--fault_tolerance's settings, the environment filled in (None without it; ConfigError naming a missing
+    or wrong flag). Built once: by the command line (which labels lines with the group), else startup.facts."""
     if not cfg.fault_tolerance:
         return None
     return FTSettings.of(

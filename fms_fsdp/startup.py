@@ -275,6 +275,8 @@ def summary(run: Run, start: int) -> list[str]:
         f" x {cfg.grad_accum_steps}" if cfg.grad_accum_steps > 1 else ""
     )
     total = cfg.batch_size * cfg.seq_length * cfg.grad_accum_steps * run.shape.dp
+    if cfg.batch_size_schedule or cfg.seq_length_schedule:
+        per_rank = f"up to {per_rank} (--batch_size_schedule, --seq_length_schedule)"
     return [
         f"data: {data}",
         f"training: {steps}{f' (resumed at step {start})' if start else ''}, {per_rank} tokens per "

@@ -50,6 +50,42 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages are built for one shape of "
+        "micro-batch; ramp without pipeline parallelism",
+        flags=("--batch_size_schedule=0:1,10:2", "--pipeline_parallel_size=2"),
+        world=2,
+    ),
+    E(
+        "flags",
+        "--seq_length_schedule: lines of 30 tokens do not split over --context_parallel_size=2 and "
+        "--tensor_parallel_size=1: make every stage a multiple of 4",
+        flags=("--seq_length_schedule=0:30,10:64", "--seq_length=64", "--context_parallel_size=2"),
+        world=2,
+    ),
+    E(
+        "flags",
+        "--lr_schedule_unit=tokens counts one cycle: drop the --lr_cycle* flags",
+        flags=("--lr_schedule_unit=tokens", "--batch_size_schedule=0:1,10:2", "--lr_cycles=2"),
+    ),
+    E(
+        "flags",
+        "--lr_schedule_unit=tokens: without --batch_size_schedule or --seq_length_schedule every step has the same "
+        "tokens, so tokens count as steps; leave it at steps",
+        flags=("--lr_schedule_unit=tokens",),
+    ),
+    E(
+        "flags",
+        "--batch_size_schedule=1:2,10:4: give step:value stages from step 0 in increasing steps, e.g. 0:2,1000:4,3000:8",
+        flags=("--batch_size_schedule=1:2,10:4", "--batch_size=4"),
+    ),
+    E(
+        "flags",
+        "--batch_size_schedule=0:2,10:4: its largest stage is 4 but --batch_size=8; --batch_size is the largest stage "
+        "(the memory plan's): set --batch_size=4",
+        flags=("--batch_size_schedule=0:2,10:4", "--batch_size=8"),
+    ),
+    E(
+        "flags",
         "--export_ema exports the weight average: set --ema_decay too (e.g. 0.999)",
         flags=("--export_ema=True",),
     ),

@@ -5,8 +5,9 @@ As in torchdata's StatefulDataLoader, each worker sends its state with every bat
 state is that of the batches the trainer has taken, not of those prefetched. The DataLoader hands
 out batches from workers 0, 1, ..., W-1 in turn; on resume, worker roles are rotated so that the
 worker whose batch was due next delivers first, and the batch sequence continues exactly. Each rank
-counts the batches it took: with --weights_schedule a worker knows the optimizer step of every batch
-it makes (batch index // grad_accum_steps), and sets that step's weights before its lines.
+counts the batches it took: a worker knows the optimizer step of every batch it makes (batch index //
+grad_accum_steps), so with --weights_schedule it sets that step's weights before its lines, and with
+--batch_size_schedule or --seq_length_schedule (ramp.py) it makes the step's number and length of lines.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
 from fms_fsdp.errors import DataError
 from fms_fsdp.lifetime import STOP_SIGNALS, exit_with_parent
+from fms_fsdp.ramp import Ramp
 
 STATE_VERSION = 1
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -79,6 +81,7 @@ class _Workers(IterableDataset):
         self.consumers = loader.world_size * self.workers
         self.states, self.rotation = list(loader.states), loader.next_worker
         self.schedule, self.accum, self.first = loader.schedule, loader.grad_accum, loader.batches
+        self.ramp = loader.ramp
 
     def __iter__(self) -> Iterator[tuple[Optional[np.ndarray], dict]]:
         info = get_worker_info()
@@ -99,8 +102,11 @@ class _Workers(IterableDataset):
             while True:
                 if self.schedule is not None:
                     reader.set_weights(self.schedule.weights_at(batch // self.accum))
+                size, length = (self.batch_size, self.packing.seq_length)
+                if self.ramp is not None:  # this batch's step's shape: documents run on across a change
+                    size, length = self.ramp.shape(batch // self.accum)
                 batch += self.workers
-                lines: np.ndarray = np.empty((self.batch_size, self.packing.seq_length + 1), dtype=np.int64)
+                lines: np.ndarray = np.empty((size, length + 1), dtype=np.int64)
                 for line in lines:
                     reader.next_line(line)
                 yield lines, reader.state()  # numpy crosses the worker pipe faster than a shared tensor
@@ -125,9 +131,10 @@ class StatefulLoader:
         num_workers: int,
         schedule: Optional[MixtureSchedule] = None,
         grad_accum: int = 1,
+        ramp: Optional[Ramp] = None,
     ):
         self.datasets, self.weights, self.packing = datasets, weights, packing
-        self.schedule, self.grad_accum = schedule, grad_accum
+        self.schedule, self.grad_accum, self.ramp = schedule, grad_accum, ramp
         self.batches = 0  # taken by this rank: every rank takes grad_accum per step
         self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers

@@ -33,6 +33,8 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
             seed=settings.seed,
             rank=rank,
             world_size=world_size,
+            ramp=settings.ramp,
+            accum=settings.grad_accum_steps,
         )
     sources = dataset_sources(settings.data_path, settings.datasets)  # the same on every rank: rank 0 reports errors
     names = [s.name for s in sources]
@@ -59,6 +61,7 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
         num_workers=settings.num_workers,
         schedule=schedule,
         grad_accum=settings.grad_accum_steps,
+        ramp=settings.ramp,
     )
 
 

@@ -10,6 +10,7 @@ from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.prepare.settings import CacheSettings
 from fms_fsdp.data.shards import Layout
 from fms_fsdp.data.stream import Packing
+from fms_fsdp.ramp import Ramp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,3 +33,4 @@ class DataSettings:
     num_workers: int
     grad_accum_steps: int
     cache: Optional[CacheSettings]  # --cache_dir (None: raw text is tokenized as it is read)
+    ramp: Optional[Ramp] = None  # --batch_size_schedule, --seq_length_schedule (None: batch_size x seq_length)

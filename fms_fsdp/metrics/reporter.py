@@ -20,6 +20,7 @@ from fms_fsdp.errors import ConfigError, first_line
 from fms_fsdp.metrics.trackers import Trackers
 from fms_fsdp.parallel.process_group import DistInfo
 from fms_fsdp.periodic import Report
+from fms_fsdp.ramp import Ramp
 from fms_fsdp.storage import is_remote, storage_error
 
 # Dense bf16 peak TFLOP/s by device name; the first entry whose key is in the name wins.
@@ -59,6 +60,7 @@ class MetricsSettings:
     grad_accum_steps: int
     peak_tflops: Optional[float]  # --peak_tflops, None for the device's table entry
     num_steps: int
+    ramp: Optional[Ramp] = None  # --batch_size_schedule, --seq_length_schedule: each step's shape
 
 
 class MetricsReporter:
@@ -82,12 +84,14 @@ class MetricsReporter:
         self.device = info.device
         # per GPU: a tensor- (context-, pipeline-) parallel group of T x C x P GPUs trains on one rank's batch
         self.tokens_per_step = settings.batch_size * settings.seq_length * settings.grad_accum_steps / info.same_data
+        self.ramp, self.per_line = settings.ramp, settings.grad_accum_steps / info.same_data  # each step's tokens
+        self.next_step = start_step  # the 0-based step step_done counts next
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(info.device, settings.peak_tflops)
         self.log = MetricsLog(path, info.is_main)
         self.start_step = start_step
         self.tokens_seen = tokens_seen  # all ranks, carried over a resume
-        self.run_start = time.perf_counter()
+        self.run_start, self.run_tokens = time.perf_counter(), 0.0  # per rank since the start (or a catch-up)
         self._reset(time.perf_counter())
         self.bar = None
         if info.is_main and sys.stderr.isatty():
@@ -101,6 +105,7 @@ class MetricsReporter:
         self.kept_steps = torch.zeros((), device=self.device)
         self.z_loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
+        self.tokens = 0.0  # per rank, over the interval
         self.data_wait = 0.0
         self.interval_sums: dict[str, float] = {}  # figures summed over the interval (checkpoint_stall_s, export_s)
         self.paused = 0.0  # seconds of the interval spent saving, exporting, evaluating: not steps
@@ -124,7 +129,11 @@ class MetricsReporter:
         self.kept_loss_sum += loss if kept is None else torch.where(kept, loss, 0.0)
         self.kept_steps += 1 if kept is None else kept
         self.steps += 1
-        self.tokens_seen += round(self.tokens_per_step * self.info.world_size * replicas)
+        tokens = self.tokens_per_step if self.ramp is None else self.ramp.tokens(self.next_step) * self.per_line
+        self.next_step += 1
+        self.tokens += tokens
+        self.run_tokens += tokens
+        self.tokens_seen += round(tokens * self.info.world_size * replicas)
         self.data_wait += data_wait_s
         if self.bar is not None:
             self.bar.update(1)
@@ -133,6 +142,7 @@ class MetricsReporter:
         """The run went on from `step` with a healthy replica group's state (--fault_tolerance): its
         tokens, and the overall rate counted from here."""
         self.start_step, self.tokens_seen, self.run_start = step, tokens_seen, time.perf_counter()
+        self.next_step, self.run_tokens = step, 0.0
         self._reset(self.run_start)
 
     def checkpoint_saved(self, stall_s: float) -> None:
@@ -172,8 +182,8 @@ class MetricsReporter:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         step_time = (now - self.interval_start - self.paused) / max(1, self.steps)
-        tps = self.tokens_per_step / step_time
-        overall_tps = self.tokens_per_step * (step - self.start_step) / (now - self.run_start)
+        tps = self.tokens / max(1, self.steps) / step_time
+        overall_tps = self.run_tokens / (now - self.run_start)
         record: dict[str, Any] = {
             "step": step,
             "loss": loss_value / self.info.world_size,
@@ -185,6 +195,8 @@ class MetricsReporter:
             "tokens_per_day": overall_tps * self.info.world_size * 86400,
             "data_wait": self.data_wait / (now - self.interval_start),
         }
+        if self.ramp is not None:  # the shape of the interval's last step
+            record["batch_size"], record["seq_length"] = self.ramp.shape(self.next_step - 1)
         if self.z_loss_sum is not None:
             record["z_loss"] = float(sums[2]) / max(1, self.steps) / self.info.world_size
         record.update(self._dataset_tokens())
@@ -205,8 +217,9 @@ class MetricsReporter:
         return record
 
     def _dataset_tokens(self) -> dict[str, int]:
-        """tokens/<dataset> of every rank so far (all-reduced: every rank calls it), none without datasets."""
-        if self.dataset_lines is None:
+        """tokens/<dataset> of every rank so far (all-reduced: every rank calls it), none without datasets or
+        under --seq_length_schedule (the loader counts lines, of lengths that changed)."""
+        if self.dataset_lines is None or (self.ramp is not None and self.ramp.seq.changes):
             return {}
         lines = self.dataset_lines()
         counts = torch.tensor(list(lines.values()), dtype=torch.int64, device=self.device)
@@ -323,6 +336,7 @@ def format_record(r: dict[str, Any]) -> str:
         *([f"grad_norm {r['grad_norm']:.3f}"] if "grad_norm" in r else []),
         *([f"moe_balance {r['moe_balance_loss']:.3f} load_max {r['moe_load_max']:.2f}"] if "moe_load_max" in r else []),
         *([f"dropped {100 * r['moe_dropped']:.1f}%"] if "moe_dropped" in r else []),
+        *([f"batch {r['batch_size']} x {r['seq_length']}"] if "batch_size" in r else []),
         f"tokens {r['tokens_seen']:,}",
         f"step_time {r['step_time']:.3f}s",
         f"tok/s/rank {r['tokens_per_sec_per_gpu']:,.0f} (overall {r['overall_tokens_per_sec_per_gpu']:,.0f})",

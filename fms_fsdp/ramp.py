@@ -1,0 +1,103 @@
+"""--batch_size_schedule and --seq_length_schedule: the batch size and line length of each optimizer step.
+
+A schedule `0:2,1000:4,3000:8` says: from the start each step takes 2 lines per data-parallel rank (as
+--batch_size counts them), once 1000 steps are done 4, once 3000 are done 8. The largest stage is the
+flag's own value (--batch_size, --seq_length), which the memory plan and --dry_run judge. Both are
+functions of the step alone, so every reader of the data knows the shape of each batch it makes: the
+loader stays exactly-once and resumes exactly across every change (and across a rescale), and the
+synthetic data too. The learning-rate schedule may count the tokens of the steps instead of the steps
+(--lr_schedule_unit=tokens: `full_steps`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+from fms_fsdp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A value by optimizer step: `values[i]` from `starts[i]` steps done on (starts[0] is 0)."""
+
+    starts: tuple[int, ...]
+    values: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, flag: str, text: str, largest: int, of: str) -> "Stages":
+        """The stages of `--flag=text` (one stage of `largest` when empty); ConfigError naming the flag
+        unless it is `step:value,...` from step 0, steps increasing, values positive, the largest `of`'s
+        value."""
+        if not text:
+            return cls((0,), (largest,))
+        try:
+            pairs = [tuple(int(x) for x in stage.split(":")) for stage in text.replace(" ", "").split(",")]
+            starts, values = zip(*pairs) if all(len(p) == 2 for p in pairs) else ((), ())
+        except ValueError:
+            starts, values = (), ()
+        if not starts or starts[0] != 0 or list(starts) != sorted(set(starts)) or min(values) < 1:
+            raise ConfigError(
+                f"--{flag}={text}: give step:value stages from step 0 in increasing steps, e.g. 0:2,1000:4,3000:8"
+            )
+        if max(values) != largest:
+            raise ConfigError(
+                f"--{flag}={text}: its largest stage is {max(values)} but --{of}={largest}; --{of} is the "
+                f"largest stage (the memory plan's): set --{of}={max(values)}"
+            )
+        return cls(tuple(starts), tuple(values))
+
+    def at(self, step: int) -> int:
+        """The value of the step after `step` steps are done (0-based)."""
+        return self.values[bisect.bisect_right(self.starts, step) - 1]
+
+    @property
+    def changes(self) -> bool:
+        return len(self.values) > 1
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """The batch size and line length of every step."""
+
+    batch: Stages
+    seq: Stages
+
+    @property
+    def changes(self) -> bool:
+        return self.batch.changes or self.seq.changes
+
+    def shape(self, step: int) -> tuple[int, int]:
+        """(lines per data-parallel rank and micro-batch, tokens per line) of 0-based step `step`."""
+        return self.batch.at(step), self.seq.at(step)
+
+    def tokens(self, step: int) -> int:
+        batch, seq = self.shape(step)
+        return batch * seq
+
+    def full_steps(self, steps: float) -> float:
+        """The tokens of the first `steps` steps over those of a step of the largest stages: the steps of
+        the largest batch and lines that took as many tokens."""
+        whole = int(steps)
+        bounds = sorted({0, whole, *(s for s in (*self.batch.starts, *self.seq.starts) if s < whole)})
+        tokens = sum((b - a) * self.tokens(a) for a, b in zip(bounds, bounds[1:]))
+        tokens += (steps - whole) * self.tokens(whole)
+        return tokens / (max(self.batch.values) * max(self.seq.values))
+
+    def lines_before(self, batch: int, accum: int) -> int:
+        """The lines a rank took in its first `batch` micro-batches (`accum` to a step)."""
+        step, inner = divmod(batch, accum)
+        bounds = sorted({0, step, *(s for s in self.batch.starts if s < step)})
+        lines = sum((b - a) * self.batch.at(a) for a, b in zip(bounds, bounds[1:]))
+        return lines * accum + inner * self.batch.at(step)
+
+
+def ramp_of(batch_schedule: str, seq_schedule: str, batch_size: int, seq_length: int) -> Optional[Ramp]:
+    """The Ramp of --batch_size_schedule and --seq_length_schedule (whose largest stages are --batch_size and
+    --seq_length); None when every step has their shape; ConfigError naming a schedule that cannot be."""
+    ramp = Ramp(
+        Stages.parse("batch_size_schedule", batch_schedule, batch_size, "batch_size"),
+        Stages.parse("seq_length_schedule", seq_schedule, seq_length, "seq_length"),
+    )
+    return ramp if ramp.changes else None
