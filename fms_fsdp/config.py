@@ -295,8 +295,8 @@ class train_config:
     selective_checkpointing: str = _f("1", "Fraction of blocks to checkpoint, e.g. 1, 0.5 or 1/3.", shared=False)
     ac_mode: str = _f(
         "block",
-        "What activation checkpointing recomputes in the chosen blocks: block (all of it: least memory) or op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute).",
-        choices=("block", "op"),
+        "What activation checkpointing does in the chosen blocks: block (recompute all of it: least memory), op (matmul and attention outputs are kept, only the cheap element-wise ops are recomputed: torchtitan's selective policy, more memory, less recompute) or offload (what they save for backward goes to host memory and back, one tensor at a time: nothing recomputed, transfers instead).",
+        choices=("block", "op", "offload"),
         shared=False,
     )
     mixed_precision: bool = _f(

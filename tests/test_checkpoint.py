@@ -345,18 +345,20 @@ def test_reading_a_checkpoint_never_runs_code_from_it(uninterrupted, tmp_path):
 
 def test_a_checkpoint_resumes_under_any_activation_checkpointing(tmp_path):
     """Saved with per-op checkpointing of every block, resumed with whole-block checkpointing of half of
-    them, then with none: the steps equal those of a run that never checkpointed activations."""
+    them, then with every block's activations offloaded, then with none: the steps equal those of a run
+    that never checkpointed activations."""
     base = ["--checkpoint_interval=2", "--batch_size=2", "--lr_schedule=constant"]  # the same LR at any --num_steps
-    reference = train_here(tmp_path / "ref", [*base, "--num_steps=6"])
+    reference = train_here(tmp_path / "ref", [*base, "--num_steps=8"])
     out = tmp_path / "run"
     for step, ac in (
         (2, ["--fsdp_activation_checkpointing=True", "--ac_mode=op"]),
         (4, ["--fsdp_activation_checkpointing=True", "--selective_checkpointing=1/2"]),
-        (6, []),
+        (6, ["--fsdp_activation_checkpointing=True", "--ac_mode=offload"]),
+        (8, []),
     ):
         run_here([*base, f"--num_steps={step}", f"--ckpt_save_path={out}", *ac])
     resumed = losses(out)
-    assert sorted(resumed) == list(range(1, 7))
+    assert sorted(resumed) == list(range(1, 9))
     assert all(resumed[r["step"]] == pytest.approx(r["loss"], rel=1e-5) for r in reference)
 
 

@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from fms_fsdp.cli import PLAN_DOES_NOT_FIT
 from fms_fsdp.cli import train as main
 from fms_fsdp.flags import make_config
-from fms_fsdp.memory.plan import Planner
+from fms_fsdp.memory.plan import HEADROOM, Planner
 from fms_fsdp.memory.report import fits_or_warning, report
 from fms_fsdp.memory.settings import MemorySettings, Setting
 from fms_fsdp.model.variants import build_model, get_model_config
@@ -190,6 +190,27 @@ def test_muon_plans_one_buffer_for_the_blocks_matrices():
     model = build_model(get_model_config("small", None, 512), torch.device("meta"))
     matrices = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
     assert adamw.optimizer - muon.optimizer == 4 * matrices > 0
+
+
+def test_offloaded_activations_leave_the_device_and_are_suggested_where_recomputing_is_needed():
+    """--ac_mode=offload: the chosen blocks' activations are counted on the host, not in the device's peak
+    (one block's come back for its backward, as a recomputed block's would); where only whole-block
+    recomputation fits, the report offers offloading the same blocks, with its host memory."""
+    planner = plan_for(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
+    plain, block, offload = (
+        planner.plan(Setting(4, m != "none", Fraction(1), m)) for m in ("none", "block", "offload")
+    )
+    assert offload.host > 0 == block.host == plain.host
+    assert offload.activations < block.activations < plain.activations
+    assert offload.host + offload.activations == pytest.approx(plain.activations, rel=0.05)  # the same bytes, elsewhere
+    needed = planner.plan(Setting(16, True, Fraction(1), "block")).peak / HEADROOM * 1.01  # only whole blocks fit
+    cfg = make_config(model_variant="small", seq_length=512, batch_size=16, plan_device_memory_gib=needed / 2**30)
+    shape = mesh_shape(mesh_of(cfg), 1, 1)
+    text = report(memory_settings(cfg), shape, get_model_config("small", None, 512), None, 1).text
+    assert (
+        "fits --batch_size=16: --fsdp_activation_checkpointing=True --selective_checkpointing=1 --ac_mode=block" in text
+    )
+    assert re.search(r"or, recomputing nothing: .*--ac_mode=offload \(.*: [\d.]+ GiB of host memory per rank\)", text)
 
 
 def test_the_weight_average_is_planned_beside_the_optimizers_state_of_what_trains():

@@ -16,6 +16,8 @@ from fms_fsdp.parallel.mesh import check_tensor_parallel, mesh_shape
 from fms_fsdp.parallel.parallelize import apply_autocast
 from fms_fsdp.settings import mesh_of
 
+from conftest import train
+
 pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
 
 T, F = True, False
@@ -128,16 +130,18 @@ def backward_flops(model: torch.nn.Module, tokens: torch.Tensor) -> int:
 def test_checkpointed_blocks_keep_names_gradients_and_deep_copies():
     """The chosen blocks change class (as under fully_shard), not structure: same parameter names and
     checkpoint keys, same gradients; a deep copy runs its own weights (a patched forward would run the
-    original's). Whole blocks recompute their matmuls in backward; per-op checkpointing keeps them."""
+    original's). Whole blocks recompute their matmuls in backward; per-op checkpointing keeps them, and
+    offloaded blocks recompute nothing."""
     plain = build_model(get_model_config("tiny", 256), torch.device("cpu"))
     init_weights(plain, 0)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     flops = {"none": backward_flops(plain, tokens)}
-    for mode in ("block", "op"):
+    for mode in ("block", "op", "offload"):
         ac = copy.deepcopy(plain)
         ac.zero_grad(set_to_none=True)
         assert apply_activation_checkpointing(ac, Fraction(1), mode) == plain.config.nlayers
-        assert type(ac.base_model.layers[0]).__name__ == "CheckpointedLLaMABlock"
+        kind = "Offloaded" if mode == "offload" else "Checkpointed"
+        assert type(ac.base_model.layers[0]).__name__ == f"{kind}LLaMABlock"
         assert isinstance(ac.base_model.layers[0], type(plain.base_model.layers[0]))
         assert [n for n, _ in ac.named_parameters()] == [n for n, _ in plain.named_parameters()]
         assert ac.state_dict().keys() == plain.state_dict().keys()
@@ -149,7 +153,7 @@ def test_checkpointed_blocks_keep_names_gradients_and_deep_copies():
             for p in twin.base_model.layers.parameters():
                 p.zero_()
             assert not torch.equal(twin(tokens), ac(tokens)), mode
-    assert flops["op"] == flops["none"] < flops["block"], flops
+    assert flops["op"] == flops["offload"] == flops["none"] < flops["block"], flops
 
 
 def test_an_autocast_model_is_still_its_class_with_its_keys_and_runs_under_autocast():
@@ -169,3 +173,15 @@ def test_an_autocast_model_is_still_its_class_with_its_keys_and_runs_under_autoc
             expected = plain(tokens)
         assert out.dtype == expected.dtype and torch.equal(out, expected)
         assert not torch.equal(out.float(), plain(tokens).float())
+
+
+@pytest.mark.slow
+def test_offloaded_activations_train_two_fsdp_ranks_as_without(tmp_path):
+    """--ac_mode=offload on every block under FSDP (its gathered weights saved for backward go to the host
+    and back too): the losses of the run that keeps its activations."""
+    runs = {}
+    for name, ac in (("kept", []), ("offloaded", ["--fsdp_activation_checkpointing=True", "--ac_mode=offload"])):
+        runs[name] = [
+            r["loss"] for r in train(tmp_path / name, ["--num_steps=4", "--batch_size=2", *ac]) if "loss" in r
+        ]
+    assert len(runs["kept"]) == 4 and runs["offloaded"] == pytest.approx(runs["kept"], rel=1e-6)

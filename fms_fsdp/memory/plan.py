@@ -63,6 +63,7 @@ class Plan:
     peak: int
     device: int
     loss_saved: int
+    host: int = 0  # --ac_mode=offload: the chosen blocks' activations, in host memory (not in the peak)
 
     @property
     def fits(self) -> bool:
@@ -193,7 +194,8 @@ class Planner:
     def plan(self, setting: Setting, offload: Optional[bool] = None) -> Plan:
         """The plan at `setting`, with --cpu_offload as the run has it unless `offload` says otherwise."""
         chosen = sum(checkpointed_blocks(self.n_blocks, setting.fraction)) if setting.checkpointing else 0
-        acts = trace_activations(self.shape, (setting.mode,) if chosen else ())  # only the traces it needs
+        traced = (setting.mode,) if chosen and setting.mode != "offload" else ()  # offloaded blocks keep nothing
+        acts = trace_activations(self.shape, traced)  # only the traces it needs
         in_flight, step = 1.0, setting
         if self.pipeline is not None:  # one microbatch's activations, times those the schedule keeps
             step = replace(setting, batch=-(-setting.batch // self.pipeline.microbatches))
@@ -214,13 +216,23 @@ class Planner:
         elif self.settings.document_masking and not self._flex:
             activations += step.batch * self.settings.seq_length**2  # SDPA's boolean mask of the documents
         activations = int(activations * in_flight)
-        recompute = per_block["none"] if chosen else 0
+        recompute = per_block["none"] if chosen else 0  # one block's, recomputed or brought back from the host
         # --cpu_offload keeps the state on the host: the device holds what is gathered and computed
         offload = self.settings.cpu_offload if offload is None else offload
         state, grads = (0, 0) if offload else (self.params + self.optimizer, self.grads)
         peak = state + self.gathered + max(activations + loss, grads) + recompute
+        host = int(chosen * per_block["none"] * in_flight) if setting.mode == "offload" else 0
         return Plan(
-            self.params, self.grads, self.optimizer, self.gathered, activations, loss, peak, self.device_bytes, saved
+            self.params,
+            self.grads,
+            self.optimizer,
+            self.gathered,
+            activations,
+            loss,
+            peak,
+            self.device_bytes,
+            saved,
+            host,
         )
 
     def _tensor_parallel(

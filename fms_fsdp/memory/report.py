@@ -4,6 +4,7 @@ when a run's plan does not fit its device."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence
 
 from fms.models.llama import LLaMAConfig
@@ -128,6 +129,7 @@ def _report_table(planner: Planner, plan: Plan, device_name: str) -> list[str]:
         ),
         *([] if whole else [(_gathered_row(planner, compute), plan.gathered)]),
         (f"activations saved for backward{copies}", plan.activations),
+        *([("activations offloaded to the host (not on the device)", plan.host)] if plan.host else []),
         ("loss working set", plan.loss),
         ("predicted peak", plan.peak),
         (f"device ({device_name})", plan.device),
@@ -172,6 +174,22 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
             if setting.batch > 1 and not state_alone
             else more_ranks
         ),
+        *_activation_offload_suggestion(planner, least),
+    ]
+
+
+def _activation_offload_suggestion(planner: Planner, least: Optional[Setting]) -> list[str]:
+    """Where whole blocks must be recomputed to fit: the same blocks offloaded instead, if that fits, with
+    the host memory it takes."""
+    if least is None or not least.checkpointing or least.mode != "block":
+        return []
+    offloaded = replace(least, mode="offload")
+    plan = planner.plan(offloaded)
+    if not plan.fits:
+        return []
+    return [
+        f"or, recomputing nothing: {offloaded.flags().split(' ', 1)[1]} (the activations to the host and back: "
+        f"{_gib(plan.host).strip()} of host memory per rank)"
     ]
 
 

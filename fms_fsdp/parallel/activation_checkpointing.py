@@ -1,5 +1,6 @@
 """Selective activation checkpointing: fms-fsdp's pattern of checkpointed blocks
-(--selective_checkpointing) and what a checkpointed block keeps (--ac_mode: block, or op)."""
+(--selective_checkpointing) and what a checkpointed block keeps (--ac_mode: block, or op), or where it
+keeps it (offload: on the host, nothing recomputed)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from fractions import Fraction
 from functools import partial
 from typing import Any, Callable
 
+import torch
 from fms.models.llama import LLaMA
 from torch import nn
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from fms_fsdp.compat import (
@@ -63,21 +66,35 @@ class Checkpointed(nn.Module):
         return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
+class Offloaded(nn.Module):
+    """Mixed into a block's class in place, as Checkpointed is (--ac_mode=offload): what its forward saves
+    for backward is copied to host memory (pinned on a GPU) and back when backward needs it, one tensor at
+    a time; nothing is recomputed (Megatron's activation offloading; torch's save_on_cpu)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return super().forward(*args, **kwargs)
+
+
 _CHECKPOINTED_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def checkpointed_class(cls: type, mode: str) -> type:
     """The subclass of `cls` whose forward is checkpointed under --ac_mode `mode` (made once)."""
     if (cls, mode) not in _CHECKPOINTED_CLASSES:
-        _CHECKPOINTED_CLASSES[cls, mode] = type(
-            f"Checkpointed{cls.__name__}", (Checkpointed, cls), {"ac_context": staticmethod(_CONTEXTS[mode])}
-        )
+        if mode == "offload":
+            _CHECKPOINTED_CLASSES[cls, mode] = type(f"Offloaded{cls.__name__}", (Offloaded, cls), {})
+        else:
+            _CHECKPOINTED_CLASSES[cls, mode] = type(
+                f"Checkpointed{cls.__name__}", (Checkpointed, cls), {"ac_context": staticmethod(_CONTEXTS[mode])}
+            )
     return _CHECKPOINTED_CLASSES[cls, mode]
 
 
 def apply_activation_checkpointing(model: LLaMA, fraction: Fraction, mode: str = "block") -> int:
     """Recompute the chosen blocks' activations in backward: whole blocks, or (mode op) all but the
-    matmul and attention outputs. Parameter names and checkpoint keys do not depend on the setting."""
+    matmul and attention outputs; or (mode offload) keep them on the host. Parameter names and checkpoint
+    keys do not depend on the setting."""
     blocks = blocks_of(model)
     chosen = checkpointed_blocks(len(blocks), fraction)
     for block, take in zip(blocks, chosen):
