@@ -3,8 +3,9 @@ last checkpoints of a WSD run's decay, a model soup), written as a checkpoint of
 
 Run by one process or by every rank of a torchrun launch (gloo, on the CPU): each rank reads, from each
 checkpoint in turn, only its own slice of every tensor (the first dimension split over the ranks) and
-adds it to its slice of the average, so a rank holds about 2/N of the model at a time and no rank holds
-it whole (N > 1). The output holds the average under `model_state` and everything else of the last
+adds it to its slice of the average: a rank holds about 2/N of the model in fp32 while averaging (the sum
+and a read), then the last checkpoint's other state (its optimizer's moments: about 2/N more), and no
+rank holds a whole tensor. The output holds the average under `model_state` and everything else of the last
 checkpoint given (its optimizer state, weight average, step, scheduler and data positions), so it
 resumes (as a run's newest step_N_ckp), initialises a run (--ckpt_load_path) and exports
 (fms-export-model, fms-to-hf) as any checkpoint. It is written under a temporary name and renamed
@@ -148,13 +149,14 @@ def average_checkpoints(
         for key, value in model.items():
             total[key].add_(_local(value).float(), alpha=share)
         log(f"averaging: read {path} (weight {share:.4g})")
+    held = torch.tensor([sum(t.numel() * 4 for t in total.values())], dtype=torch.float64)
+    for key, value in model.items():
+        _local(value).copy_(total.pop(key))  # the sums freed as they go: the rest is loaded next
     rest = nested({k: v for k, v in state.items() if k not in model}, paths_of)
     dcp.load(rest, storage_reader=safe_reader(paths[-1]), process_group=agreement_group())
     for key, value in model.items():
-        _local(value).copy_(total[key])
         place(rest, paths_of.get(key, (key,)), value)
     _write(rest, paths[-1], target, [str(p) for p in paths], list(shares))
-    held = torch.tensor([sum(t.numel() * 4 for t in total.values())], dtype=torch.float64)
     dist.all_reduce(held, op=dist.ReduceOp.MAX, group=agreement_group())
     whole = sum(size.numel() * 4 for size in model_shapes(metadata[-1]).values())
     log(
