@@ -81,8 +81,9 @@ class Ramp:
         the largest batch and lines that took as many tokens."""
         whole = int(steps)
         bounds = sorted({0, whole, *(s for s in (*self.batch.starts, *self.seq.starts) if s < whole)})
-        tokens = sum((b - a) * self.tokens(a) for a, b in zip(bounds, bounds[1:]))
-        tokens += (steps - whole) * self.tokens(whole)
+        tokens = sum((b - a) * self.tokens(a) for a, b in zip(bounds, bounds[1:])) + (steps - whole) * self.tokens(
+            whole
+        )
         return tokens / (max(self.batch.values) * max(self.seq.values))
 
     def lines_before(self, batch: int, accum: int) -> int:

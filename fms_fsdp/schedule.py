@@ -138,7 +138,7 @@ def lr_multiplier(settings: ScheduleSettings) -> Callable[[float], float]:
     return multiplier
 
 
-def _one_cycle(settings: ScheduleSettings, n: int, first: bool = True) -> Callable[[int], float]:
+def _one_cycle(settings: ScheduleSettings, n: int, first: bool = True) -> Callable[[float], float]:
     """The initial stage's schedule over one cycle of n steps (a later one warms up by --lr_rewarmup)."""
     warmup = _steps(settings.warmup, n, default_warmup(n))
     if not first and settings.rewarmup is not None:
@@ -148,7 +148,7 @@ def _one_cycle(settings: ScheduleSettings, n: int, first: bool = True) -> Callab
     inv_decay = max(1, _steps(settings.decay, n, n - warmup))
     timescale = max(1, warmup)
 
-    def warm(x: int) -> float:
+    def warm(x: float) -> float:
         return 1.0 if warmup == 0 else 1 - (1 - min(x, warmup) / warmup) ** 2
 
     after_warmup = {
