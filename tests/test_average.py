@@ -45,6 +45,7 @@ def run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # two ranks, an export and a resume: about 25 s
 def test_two_ranks_average_by_hand_and_the_result_resumes_and_exports(run, tmp_path):
     sources = [run / "checkpoints" / f"step_{s}_ckp" for s in (2, 3, 4)]
     out = tmp_path / "averaged_ckp"
