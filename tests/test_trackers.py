@@ -47,6 +47,7 @@ def _aim_run(repo: Path, run_hash: str) -> tuple[dict, list[float], list[int]]:
         run.close()
 
 
+@pytest.mark.slow  # three trackers, a run and its resume: about 14 s
 def test_three_trackers_get_the_metrics_and_config_and_keep_their_runs_on_resume(tmp):
     flags = ["--tracker=tensorboard,wandb,aim", "--report_interval=2", "--tracker_project_name=tests"]
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
