@@ -157,10 +157,10 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offset), tuple(shape)
 
 
-def local_tensor(dtensor: Any) -> torch.Tensor:
+def local_tensor(value: Any) -> torch.Tensor:
     """A DTensor's local tensor itself (to_local() makes a new autograd view each call; a checkpoint's
-    float8 unwrapping needs the object the DTensor holds)."""
-    return dtensor._local_tensor
+    float8 unwrapping needs the object the DTensor holds); any other tensor as it is."""
+    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def matmul_and_attention_ops() -> list[Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from fms_fsdp.errors import ConfigError
 
@@ -80,18 +80,19 @@ class Ramp:
         """The tokens of the first `steps` steps over those of a step of the largest stages: the steps of
         the largest batch and lines that took as many tokens."""
         whole = int(steps)
-        bounds = sorted({0, whole, *(s for s in (*self.batch.starts, *self.seq.starts) if s < whole)})
-        tokens = sum((b - a) * self.tokens(a) for a, b in zip(bounds, bounds[1:])) + (steps - whole) * self.tokens(
-            whole
-        )
-        return tokens / (max(self.batch.values) * max(self.seq.values))
+        done = _sum_before(self.tokens, (*self.batch.starts, *self.seq.starts), whole)
+        return (done + (steps - whole) * self.tokens(whole)) / (max(self.batch.values) * max(self.seq.values))
 
     def lines_before(self, batch: int, accum: int) -> int:
         """The lines a rank took in its first `batch` micro-batches (`accum` to a step)."""
         step, inner = divmod(batch, accum)
-        bounds = sorted({0, step, *(s for s in self.batch.starts if s < step)})
-        lines = sum((b - a) * self.batch.at(a) for a, b in zip(bounds, bounds[1:]))
-        return lines * accum + inner * self.batch.at(step)
+        return _sum_before(self.batch.at, self.batch.starts, step) * accum + inner * self.batch.at(step)
+
+
+def _sum_before(value: Callable[[int], int], changes: Sequence[int], steps: int) -> int:
+    """value(0) + ... + value(steps - 1) of a value that changes only at the steps `changes`."""
+    bounds = sorted({0, steps, *(s for s in changes if s < steps)})
+    return sum((b - a) * value(a) for a, b in zip(bounds, bounds[1:]))
 
 
 def ramp_of(batch_schedule: str, seq_schedule: str, batch_size: int, seq_length: int) -> Optional[Ramp]:

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor import empty as sharded_empty
 
-from fms_fsdp.checkpoint.layout import commit
+from fms_fsdp.checkpoint.layout import commit, start_save
 from fms_fsdp.compat import local_tensor
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.parallel.process_group import agreement_group, start_process_group, stop_process_group
@@ -142,16 +142,16 @@ def average_checkpoints(
     model = {
         k: v for k, v in state.items() if k.startswith(MODEL) and isinstance(v, torch.Tensor) and v.is_floating_point()
     }
-    total = {k: torch.zeros_like(_local(v), dtype=torch.float32) for k, v in model.items()}
+    total = {k: torch.zeros_like(local_tensor(v), dtype=torch.float32) for k, v in model.items()}
     paths_of = metadata[-1].planner_data or {}  # each entry's place in the nested state DCP saved
     for path, share in zip(paths, shares):
         dcp.load(nested(model, paths_of), storage_reader=safe_reader(path), process_group=agreement_group())
         for key, value in model.items():
-            total[key].add_(_local(value).float(), alpha=share)
+            total[key].add_(local_tensor(value).float(), alpha=share)
         log(f"averaging: read {path} (weight {share:.4g})")
     held = torch.tensor([sum(t.numel() * 4 for t in total.values())], dtype=torch.float64)
     for key, value in model.items():
-        _local(value).copy_(total.pop(key))  # the sums freed as they go: the rest is loaded next
+        local_tensor(value).copy_(total.pop(key))  # the sums freed as they go: the rest is loaded next
     rest = nested({k: v for k, v in state.items() if k not in model}, paths_of)
     dcp.load(rest, storage_reader=safe_reader(paths[-1]), process_group=agreement_group())
     for key, value in model.items():
@@ -189,17 +189,12 @@ def place(root: Any, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return local_tensor(value) if isinstance(value, DTensor) else value
-
-
 def _write(state: dict[str, Any], last: Path, target: Path, sources: list[str], shares: list[float]) -> None:
     """The averaged state in DCP under a temporary name beside `target`, the last checkpoint's other
     files copied (its metadata.pth naming the checkpoints averaged), then marked complete and renamed."""
     tmp = target.with_name(f".{target.name}.tmp")
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        start_save(tmp)
     dist.barrier(group=agreement_group())
     dcp.save(state, storage_writer=storage_writer(tmp), process_group=agreement_group())
     if dist.get_rank() == 0:

@@ -23,8 +23,7 @@ from fms_fsdp.weights.fused import plain_tensor
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     """The tensor that holds this rank's part of a state-dict entry (a DTensor's shard)."""
-    value = plain_tensor(value)
-    return plain_tensor(local_tensor(value)) if hasattr(value, "device_mesh") else value
+    return plain_tensor(local_tensor(plain_tensor(value)))
 
 
 class WeightAverage:
