@@ -5,7 +5,8 @@ beside its goal, as markdown. Everything it writes goes under one folder:
 
     python benchmarks/gpu_check.py [--out=output/gpu_check/<date-time>] [--steps=20] [--skip=8] [--tier=False]
 
-<out>/cuda_tier.log and cuda_tier.xml (the tier), bench_<n>.log (each setting's output), table.md.
+Where the repository keeps no CUDA golden curves yet, it records them first (tests/golden.py --device=cuda).
+<out>/cuda_tier.log and cuda_tier.xml (the tier), golden.log, bench_<n>.log (each setting's output), table.md.
 Without a GPU it says so in one line and exits with status 1. Packages the tier needs and the machine
 lacks are installed first, from $WHEELS (default wheels/) when that folder exists, else the index.
 """
@@ -197,6 +198,17 @@ def run_tier(out: Path) -> tuple[str, str]:
     )
 
 
+def record_cuda_curves(out: Path) -> None:
+    """Record the golden curves' CUDA files (tests/golden.py --device=cuda) where none are kept yet, so
+    that the tier checks this GPU's curves against them from now on."""
+    if (ROOT / "tests" / "assets" / "losses" / "cuda").is_dir():
+        return
+    status, _ = run_logged([sys.executable, "tests/golden.py", "--device=cuda"], out / "golden.log", 600)
+    print(
+        f"golden curves: CUDA files {'recorded in tests/assets/losses/cuda' if status == 0 else 'failed: see golden.log'}"
+    )
+
+
 def main(argv: list[str]) -> int:
     opts = parse_options(argv, OPTIONS, "gpu_check")
     import torch
@@ -211,6 +223,7 @@ def main(argv: list[str]) -> int:
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     summary, tier_log = ("CUDA tier: not run (--tier=False)", "")
     if opts.get("tier", "True") != "False":
+        record_cuda_curves(out)
         summary, tier_log = run_tier(out)
         print(summary, flush=True)
     results: dict[str, dict[str, str]] = {}

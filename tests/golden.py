@@ -2,11 +2,14 @@
 of 256 tokens, 8 a step, its learning rate) in fp32 on the CPU, on one rank, --deterministic, for
 STEPS steps with AdamW (the default), with Muon and with z-loss; each run's losses are kept in
 tests/assets/losses/<recipe>.json and tests/test_golden.py checks a run against them within RTOL.
+The same runs on a GPU (`--device=cuda`, fp32) are kept in tests/assets/losses/cuda/ and checked by the
+CUDA tier (tests/test_cuda.py) within CUDA_RTOL.
 
 An intended change of the numerics (the initialisation, the schedule, the loss, an optimizer) records
 them again, so that the diff shows the change:
 
-    python tests/golden.py
+    python tests/golden.py                  # the CPU files
+    python tests/golden.py --device=cuda    # the GPU files, on a machine with one
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ STEPS = 20
 # CPUs of two vendors (AMD EPYC, Intel Xeon) and three torch releases run the same fp32 kernels to
 # within their last bits; checked here on torch 2.11, 2.13 and 2.14 (docs/performance.md)
 RTOL = 1e-4
+# one GPU model against another (H100, H200) and a CUDA release against another: cuBLAS picks its
+# kernels by device and release, so the bits may differ; 1e-3 is still far below a real change's effect
+CUDA_RTOL = 1e-3
 SHAPE = [
     "--model_variant=tiny",
-    "--device=cpu",
     "--use_dummy_dataset=True",
     "--use_torch_compile=False",
     "--mixed_precision=False",
@@ -42,29 +47,44 @@ SHAPE = [
 RECIPES = {"adamw": [], "muon": ["--optimizer=muon"], "z_loss": ["--z_loss_weight=1e-4"]}
 
 
-def losses(recipe: str) -> list[float]:
-    """The losses of a run of `recipe`, one per step (in this process)."""
+def flags(recipe: str, device: str = "cpu") -> list[str]:
+    return [*SHAPE, f"--device={device}", *RECIPES[recipe]]
+
+
+def losses(recipe: str, device: str = "cpu") -> list[float]:
+    """The losses of a run of `recipe` on `device`, one per step (in this process)."""
     from conftest import records, run_here
 
     with TemporaryDirectory() as tmp:
-        run_here([*SHAPE, *RECIPES[recipe], f"--ckpt_save_path={tmp}/run"])
+        run_here([*flags(recipe, device), f"--ckpt_save_path={tmp}/run"])
         return [r["loss"] for r in records(Path(tmp) / "run") if "loss" in r]
 
 
-def golden(recipe: str) -> list[float]:
-    return json.loads((ASSETS / f"{recipe}.json").read_text())["losses"]
+def curve_file(recipe: str, device: str = "cpu") -> Path:
+    return (ASSETS if device == "cpu" else ASSETS / device) / f"{recipe}.json"
 
 
-def record() -> None:
-    """Run every recipe and write its file."""
+def golden(recipe: str, device: str = "cpu") -> list[float]:
+    return json.loads(curve_file(recipe, device).read_text())["losses"]
+
+
+def record(device: str = "cpu") -> None:
+    """Run every recipe on `device` and write its file."""
     import torch
 
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    for recipe, extra in RECIPES.items():
-        found = {"flags": [*SHAPE, *extra], "torch": torch.__version__.split("+")[0], "losses": losses(recipe)}
-        (ASSETS / f"{recipe}.json").write_text(json.dumps(found, indent=1) + "\n")
-        print(f"{recipe}: {len(found['losses'])} losses, the last {found['losses'][-1]:.6f}")
+    for recipe in RECIPES:
+        found = {
+            "flags": flags(recipe, device),
+            "torch": torch.__version__.split("+")[0],
+            "losses": losses(recipe, device),
+        }
+        if device == "cuda":
+            found["device"] = torch.cuda.get_device_name()
+        path = curve_file(recipe, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(found, indent=1) + "\n")
+        print(f"{recipe} ({device}): {len(found['losses'])} losses, the last {found['losses'][-1]:.6f}")
 
 
 if __name__ == "__main__":
-    record()
+    record(*(arg.removeprefix("--device=") for arg in sys.argv[1:2]))
