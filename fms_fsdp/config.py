@@ -160,7 +160,13 @@ class train_config:
     )
     cache_dir: Optional[str] = _f(
         None,
-        "Levanter's cache_dir (local or s3://...): raw-text datasets are tokenized once with --tokenizer_path into <cache_dir>/<dataset> before the first step (fms-prepare-data's code and layout), and the run trains from there; a complete cache is reused as it is. Built on rank 0's node by its CPUs, or on Ray (--ray_address, --ray_start_workers, --ray_auto_start_cluster).",
+        "Levanter's cache_dir (local or s3://...): raw-text datasets are tokenized once with --tokenizer_path into <cache_dir>/<dataset> (fms-prepare-data's code and layout), while the run trains (--cache_build); a complete cache is reused as it is. Built on rank 0's node by its spare CPUs, or on Ray (--ray_address, --ray_start_workers, --ray_auto_start_cluster).",
+        shared=True,
+    )
+    cache_build: str = _f(
+        "beside",
+        "--cache_dir: when it is built. beside: from the first step, beside the training (the raw text's order; finished pieces read from the cache, the rest tokenized as read; a run that ends waits for the build); external: another job builds it (fms-prepare-data --output=<cache_dir>/<dataset>), the run only reads; first: before the first step, then read in the cache's own order (the only way in object storage or with --ray_start_workers, and that of checkpoints made before this flag).",
+        choices=("beside", "external", "first"),
         shared=True,
     )
     ray_address: Optional[str] = _f(
@@ -805,6 +811,8 @@ def _check_cache(cfg: train_config) -> None:
     if cfg.cache_dir is not None and cfg.tokenizer_path is None:
         raise ConfigError("--cache_dir tokenizes raw-text datasets: give --tokenizer_path too")
     ray = [f for f in ("ray_address", "ray_start_workers", "ray_auto_start_cluster") if getattr(cfg, f)]
+    if cfg.cache_build != "beside" and cfg.cache_dir is None:
+        raise ConfigError(f"--cache_build={cfg.cache_build} says when --cache_dir is built: give --cache_dir too")
     if ray and cfg.cache_dir is None:
         raise ConfigError(f"--{ray[0]} sets where --cache_dir is tokenized: give --cache_dir, or leave it out")
     if cfg.ray_address and cfg.ray_start_workers:

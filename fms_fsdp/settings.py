@@ -203,7 +203,8 @@ def cache_of(cfg: train_config) -> Optional[CacheSettings]:
     ray = RaySettings(
         address=cfg.ray_address, start_workers=cfg.ray_start_workers, auto_start_cluster=cfg.ray_auto_start_cluster
     )
-    return CacheSettings(cache_dir=cfg.cache_dir, tokenizer_path=cfg.tokenizer_path, text_field=cfg.text_field, ray=ray)
+    text = {"tokenizer_path": cfg.tokenizer_path, "text_field": cfg.text_field}
+    return CacheSettings(cache_dir=cfg.cache_dir, **text, build=cfg.cache_build, ray=ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:

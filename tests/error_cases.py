@@ -506,6 +506,21 @@ ERRORS: list[E] = [
         "give the run its own `--cache_dir`, or the tokenizer and text field the cache was made with",
     ),
     E("data", "--cache_dir: dataset <name> mixes raw text and token files; give each kind its own dataset"),
+    E(
+        "data",
+        "--cache_build=<when> says when --cache_dir is built: give --cache_dir too",
+        flags=("--cache_build=external",),
+    ),
+    E(
+        "data",
+        "this checkpoint did not read its raw text while --cache_dir was built (it read the cache once built, or ran without --cache_dir): resume as it was made, with --cache_build=first or without --cache_dir",
+        "the checkpoint was made by a run that read its cache in the cache's own order (built before the first step: before --cache_build existed, or with --cache_build=first), or raw text without a cache",
+        "resume with the flags it was made with; a new run can use --cache_build=beside",
+    ),
+    E(
+        "data",
+        "this checkpoint read its raw text while --cache_dir was built: resume with --cache_build=beside (or external) and the same --cache_dir to keep its batch order",
+    ),
     E("data", "--ray_start_workers needs Ray: pip install 'fms-fsdp[ray]'"),
     E(
         "data",

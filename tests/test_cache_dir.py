@@ -1,4 +1,4 @@
-"""Levanter's --cache_dir: raw-text datasets tokenized once into the cache before the first step by
+"""Levanter's --cache_dir with --cache_build=first: raw-text datasets tokenized once into the cache before the first step by
 fms-prepare-data's code, then read from there as it reads the same text prepared by the command; a
 later start reuses the cache without touching it; one made with another tokenizer or text field is
 refused naming both; token datasets are read where they are; a run resumed while its cache is complete
@@ -37,7 +37,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
 
 def test_the_cache_is_built_once_and_read_as_the_same_text_prepared_by_the_command(corpus, tmp_path, capsys):
     cache = tmp_path / "cache"
-    first = take(data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096), 0, 1), 8)
+    first = take(data_loader(cfg(corpus, cache_dir=str(cache), cache_build="first", vocab_size=4096), 0, 1), 8)
     assert f"note: tokenizing text into {cache / 'text'} with {len(os.sched_getaffinity(0))} processes" in (
         capsys.readouterr().out
     )
@@ -57,7 +57,7 @@ def test_the_cache_is_built_once_and_read_as_the_same_text_prepared_by_the_comma
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, by_command))
 
     built = snapshot(cache)
-    again = take(data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096), 0, 1), 8)
+    again = take(data_loader(cfg(corpus, cache_dir=str(cache), cache_build="first", vocab_size=4096), 0, 1), 8)
     assert "note: text: reading the tokenized cache" in capsys.readouterr().out
     assert snapshot(cache) == built
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
@@ -65,14 +65,16 @@ def test_the_cache_is_built_once_and_read_as_the_same_text_prepared_by_the_comma
 
 def test_a_cache_made_with_another_text_field_or_tokenizer_is_refused_naming_both(corpus, tmp_path):
     cache = tmp_path / "cache"
-    data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096), 0, 1)
+    data_loader(cfg(corpus, cache_dir=str(cache), cache_build="first", vocab_size=4096), 0, 1)
     with pytest.raises(DataError) as e:
-        data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096, text_field="body"), 0, 1)
+        data_loader(cfg(corpus, cache_dir=str(cache), cache_build="first", vocab_size=4096, text_field="body"), 0, 1)
     message = str(e.value)
     assert "\n" not in message and "--text_field=text" in message and "--text_field=body" in message
     other = write_tokenizer(tmp_path / "other" / "tokenizer.json", vocab=4001)
     with pytest.raises(DataError) as e:
-        data_loader(cfg(corpus, cache_dir=str(cache), vocab_size=4096, tokenizer_path=str(other)), 0, 1)
+        data_loader(
+            cfg(corpus, cache_dir=str(cache), cache_build="first", vocab_size=4096, tokenizer_path=str(other)), 0, 1
+        )
     assert str(corpus / "tokenizer.json") in str(e.value) and str(other) in str(e.value)
 
 
@@ -83,6 +85,7 @@ def test_a_run_resumed_while_its_cache_is_complete_goes_on_exactly(corpus, tmp_p
         f"--tokenizer_path={corpus / 'tokenizer.json'}",
         "--vocab_size=4096",
         f"--cache_dir={tmp_path / 'cache'}",
+        "--cache_build=first",
         "--batch_size=2",
         "--checkpoint_interval=2",
         "--lr_schedule=constant",

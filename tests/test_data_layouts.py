@@ -29,7 +29,7 @@ from test_data import EOS, cfg, consumed_from_states, doc_starts, lines_of, make
 
 LAYOUTS = ("hf_save_to_disk", "hf_cache", "olmo", "olmo_uint32", "olmo_flag", "dolma", "npy")
 # and the package's own Arrow shards, raw text tokenized on the fly or once into --cache_dir
-EPOCH_LAYOUTS = (*LAYOUTS, "megatron", "arrow", "jsonl", "jsonl_cache_dir")
+EPOCH_LAYOUTS = (*LAYOUTS, "megatron", "arrow", "jsonl", "jsonl_cache_dir", "jsonl_cache_beside")
 MEGATRON = Path(__file__).parent / "data" / "megatron"  # MEGATRON_DOCS as megatron-core writes them (uint16)
 MEGATRON_DOCS = make_docs(500, 60, 7)
 
@@ -103,6 +103,9 @@ def write_layout(root: Path, name: str, docs: list[list[int]], layout: str) -> d
         write_dataset(root, name, docs, layout, files=2)  # files in the documents' order
     elif layout == "jsonl_cache_dir":  # raw text tokenized once into --cache_dir, then read from there
         write_dataset(root, name, docs, "jsonl", files=2)
+        return {"cache_dir": str(root.with_name(root.name + ".cache")), "cache_build": "first"}
+    elif layout == "jsonl_cache_beside":  # raw text read while --cache_dir is built, from there where it is
+        write_dataset(root, name, docs, "jsonl", files=2)
         return {"cache_dir": str(root.with_name(root.name + ".cache"))}
     else:
         write_olmo(folder, docs, metadata=layout == "dolma")
@@ -147,7 +150,8 @@ def test_every_document_exactly_once_in_an_epoch_of_two_ranks(tmp_path, layout):
     loaders = [data_loader(c, rank, 2) for rank in (0, 1)]
     ends_with_eos = layout.startswith("olmo") or layout == "npy"
     assert read_all(loaders[0]) == [d + [EOS] if ends_with_eos else d for d in docs]
-    assert str(loaders[0].datasets[0].root) == flags.get("cache_dir", str(tmp_path))  # jsonl_cache_dir: the cache
+    read_in = flags["cache_dir"] if flags.get("cache_build") == "first" else str(tmp_path)  # jsonl_cache_dir: the cache
+    assert str(loaders[0].datasets[0].root) == read_in
     ranks = [epochs(loader, 2, 2 * sum(len(d) + 1 for d in docs)) for loader in loaders]
     (rank0, again0), (rank1, again1) = (first for first, _ in ranks)  # each rank's first epoch
     read = Counter(d[0] if d else None for d in rank0 + rank1)  # a document's first token names it
@@ -184,7 +188,7 @@ def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path, arrays):
     write_hf_cache(tmp_path / "hf_cache", make_docs(1500, 60, 6))
     write_dataset(tmp_path, "text", make_docs(3500, 60, 7), "jsonl")  # with tmp_path/tokenizer.json
     if arrays == "uint32":
-        flags.update(vocab_size=70000, cache_dir=str(tmp_path.with_name(tmp_path.name + ".cache")))
+        flags.update(vocab_size=70000, cache_dir=str(tmp_path.with_name(tmp_path.name + ".cache")), cache_build="first")
     c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1,1,1,1;2:0,1,0,1,1,1,1,1", num_workers=2)
     full = take(data_loader(c, 0, 2), 9)
     first = data_loader(c, 0, 2)

@@ -112,12 +112,12 @@ def test_the_loader_reads_a_bucket_as_it_reads_the_disk(s3):
 
 def test_a_token_cache_in_a_bucket_is_built_once_and_read_as_one_on_disk(s3, tmp_path, capsys):
     """--cache_dir=s3://...: the bucket's raw text tokenized into another bucket, whose batches are those of
-    a cache on disk; a later start reads it as it is."""
+    a cache on disk built first; a later start reads it as it is."""
     env, local = s3
     text = dict(datasets=["text"], vocab_size=4096)
     remote = take(data_loader(cfg(local, data_path="s3://data/corpus", cache_dir="s3://runs/cache", **text), 0, 1), 6)
     assert "note: tokenizing text into s3://runs/cache/text with " in capsys.readouterr().out
-    on_disk = take(data_loader(cfg(local, cache_dir=str(tmp_path / "cache"), **text), 0, 1), 6)
+    on_disk = take(data_loader(cfg(local, cache_dir=str(tmp_path / "cache"), cache_build="first", **text), 0, 1), 6)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(remote, on_disk))
     again = take(data_loader(cfg(local, data_path="s3://data/corpus", cache_dir="s3://runs/cache", **text), 0, 1), 6)
     assert "note: text: reading the tokenized cache s3://runs/cache/text" in capsys.readouterr().out

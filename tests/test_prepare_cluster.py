@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -328,8 +329,36 @@ def test_a_run_builds_its_cache_on_a_local_ray_it_starts_and_stops(ray_env, ray_
     once the cache is built."""
     running = ray_processes("raylet")
     runs, output = cache_run(tmp_path, ray_env, "--ray_auto_start_cluster=True")
-    assert re.search(r"note: tokenizing text into \S+ on a local Ray \(\d+ CPUs\)", output), output[-3000:]
+    assert re.search(r"note: training while text is tokenized into \S+ on a local Ray \(\d+ CPUs\)", output), output[
+        -3000:
+    ]
     assert any("loss" in r for r in runs) and ray_processes("raylet") == running
+
+
+def test_the_ray_driver_of_a_cache_built_beside_killed_as_it_starts_costs_only_time(
+    ray_env, ray_head, tmp_path, monkeypatch, capsys
+):
+    """The cache built beside the training on a running Ray: its driver (rank 0's builder) SIGKILLed as it
+    starts is started again; the batches are raw text's, and the cache ends complete."""
+    from test_cache_beside import same
+
+    from conftest import data_loader
+    from test_data import cfg, make_docs, take, write_dataset
+
+    for name, value in {**ray_env, "PYTHONPATH": str(ROOT)}.items():
+        monkeypatch.setenv(name, value)
+    data = tmp_path / "raw"
+    write_dataset(data, "text", make_docs(400, 300, 3), layout="jsonl")
+    raw = take(data_loader(cfg(data, vocab_size=4096), 0, 1), 4)
+    loader = data_loader(cfg(data, vocab_size=4096, cache_dir=str(tmp_path / "cache"), ray_address=ray_head), 0, 1)
+    while loader.builder._process is None:  # set as soon as it is started: it has not connected yet
+        time.sleep(0.001)
+    os.kill(loader.builder._process.pid, signal.SIGKILL)
+    assert same(raw, take(loader, 4))
+    loader.finish()
+    out = capsys.readouterr().out
+    assert f"on the Ray cluster at {ray_head}" in out and "warning: the cache's builder ended" in out, out
+    assert (tmp_path / "cache" / "text" / ".done" / "complete.json").is_file()
 
 
 def test_an_array_task_killed_with_minus_9_and_the_array_run_again_finishes_the_same(slurm, tmp_path):

@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import threading
+from collections import Counter
 from functools import partial
 from typing import Any, Iterator, Optional, Union
 
@@ -66,6 +67,22 @@ def _end_on_rank_sigterm(rank_pid: int) -> None:
             os._exit(0)
 
 
+def _check_cache_build(saved: Optional[str], now: Optional[str]) -> None:
+    """A DataError when a checkpoint read its --cache_dir in another order than this run: built first
+    (before --cache_build existed, or with --cache_build=first) or read while built."""
+    if saved == now:
+        return
+    if now == "beside":
+        raise DataError(
+            "this checkpoint did not read its raw text while --cache_dir was built (it read the cache once built, "
+            "or ran without --cache_dir): resume as it was made, with --cache_build=first or without --cache_dir"
+        )
+    raise DataError(
+        "this checkpoint read its raw text while --cache_dir was built: resume with --cache_build=beside "
+        "(or external) and the same --cache_dir to keep its batch order"
+    )
+
+
 def _as_is(item: Any) -> Any:
     """DataLoader's collate_fn: keep worker states as numpy (default_convert would make tensors)."""
     return item
@@ -99,6 +116,7 @@ class _Workers(IterableDataset):
             )
             # this worker makes the rank's batches first, first + W, ...: DataLoader takes them in turn
             batch = self.first + (info.id if info else 0)
+            building = [d for d in self.datasets if d.building is not None]
             while True:
                 if self.schedule is not None:
                     reader.set_weights(self.schedule.weights_at(batch // self.accum))
@@ -109,7 +127,10 @@ class _Workers(IterableDataset):
                 lines: np.ndarray = np.empty((size, length + 1), dtype=np.int64)
                 for line in lines:
                     reader.next_line(line)
-                yield lines, reader.state()  # numpy crosses the worker pipe faster than a shared tensor
+                state = reader.state()
+                if building:  # documents read from the caches being built, and tokenized here, so far
+                    state["read_from"] = {d.name: dict(d.read_from) for d in building}
+                yield lines, state  # numpy crosses the worker pipe faster than a shared tensor
         except DataError as e:  # crosses the worker boundary as one line, not a wrapped traceback
             yield None, {"error": str(e)}
 
@@ -132,8 +153,12 @@ class StatefulLoader:
         schedule: Optional[MixtureSchedule] = None,
         grad_accum: int = 1,
         ramp: Optional[Ramp] = None,
+        builder: Optional[Any] = None,
     ):
         self.datasets, self.weights, self.packing = datasets, weights, packing
+        self.builder = builder  # rank 0's build of the caches read while built (data/prepare/beside.py)
+        self.read_from: dict[int, dict[str, dict[str, int]]] = {}  # reader -> documents by dataset and source
+        self._read_before: dict[str, int] = {}
         self.schedule, self.grad_accum, self.ramp = schedule, grad_accum, ramp
         self.batches = 0  # taken by this rank: every rank takes grad_accum per step
         self.batch_size, self.logical_shards, self.seed = batch_size, logical_shards, seed
@@ -172,6 +197,8 @@ class StatefulLoader:
                 if "error" in state:
                     raise DataError(state["error"])
                 logical = state["consumer"] - self.rank * self.workers
+                if "read_from" in state:
+                    self.read_from[logical] = state.pop("read_from")
                 self.states[logical] = state
                 self.next_worker = (logical + 1) % self.workers
                 self.batches += 1
@@ -186,11 +213,40 @@ class StatefulLoader:
                 shutdown()
 
     def _fingerprint(self) -> dict[str, Any]:
-        return {
+        found = {
             "seed": self.seed,
             "logical_shards": self.logical_shards,
             "documents": {d.name: d.documents for d in self.datasets},
         }
+        if any(d.building is not None for d in self.datasets):  # raw text's order, from its cache
+            found["cache_build"] = "beside"
+        return found
+
+    def data_report(self) -> dict[str, float]:
+        """The interval's figures of the caches read while built: the share of documents read from the
+        cache (the rest tokenized as read), and (rank 0) the share of the text the build has done."""
+        if not any(d.building is not None for d in self.datasets):
+            return {}
+        totals: Counter[str] = Counter()
+        for by_dataset in self.read_from.values():
+            for counts in by_dataset.values():
+                totals.update(counts)
+        new = {k: totals[k] - self._read_before.get(k, 0) for k in ("cache", "tokenized")}
+        self._read_before = dict(totals)
+        report = {"data_from_cache": new["cache"] / max(1, new["cache"] + new["tokenized"])}
+        if self.builder is not None:
+            report["cache_built"] = self.builder.progress()
+        return report
+
+    def finish(self) -> None:
+        """A run that ended normally: wait for rank 0's build of the caches."""
+        if self.builder is not None:
+            self.builder.finish()
+
+    def close(self) -> None:
+        """Stop rank 0's build of the caches (kept as far as it got)."""
+        if self.builder is not None:
+            self.builder.close()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: small (int32 arrays), picklable, no tokens."""
@@ -213,6 +269,7 @@ class StatefulLoader:
         for s in states:
             if s.get("version") != STATE_VERSION:
                 raise DataError(f"data loader state version {s.get('version')} is not {STATE_VERSION}")
+            _check_cache_build(s.get("cache_build"), self._fingerprint().get("cache_build"))
             for key, value in self._fingerprint().items():
                 if s[key] != value:
                     raise DataError(f"the data changed since this state was saved: {key} was {s[key]}, is {value}")

@@ -4,9 +4,12 @@ built from the flags once in fms_fsdp/settings.py); and the tokenizer's check at
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from datetime import timedelta
-from typing import Union
+from typing import Any, Union
+
+import torch.distributed as dist
 
 from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.data.loader import StatefulLoader
@@ -49,6 +52,7 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
         )
     datasets = open_datasets(settings, sources)
     weights = list(given) if given is not None else [float(d.tokens) for d in datasets]  # default: the natural mixture
+    builder = _builder(settings, datasets, rank)
     return StatefulLoader(
         datasets=datasets,
         weights=weights,
@@ -62,15 +66,35 @@ def get_data_loader(settings: DataSettings, rank: int, world_size: int) -> Union
         schedule=schedule,
         grad_accum=settings.grad_accum_steps,
         ramp=settings.ramp,
+        builder=builder,
     )
 
 
+def _builder(settings: DataSettings, datasets: list[Dataset], rank: int) -> Any:
+    """Rank 0's build of the caches the datasets are read from while they are built (data/prepare/beside.py),
+    or None."""
+    caches = {d.name: d.building for d in datasets if d.building is not None}
+    first = dist.get_rank() == 0 if dist.is_initialized() else rank == 0  # the job's first process builds
+    if not caches or settings.cache is None or not first:
+        return None
+    from fms_fsdp.data.prepare.beside import start_builder
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return start_builder(caches, settings.cache, local_ranks, lambda line: print(line, flush=True))
+
+
 def open_datasets(settings: DataSettings, sources: list[Source]) -> list[Dataset]:
-    """The datasets of `sources` as the loader reads them (raw text tokenized into --cache_dir first, on
-    rank 0); rank 0 alone opens and counts the files, while the others wait."""
+    """The datasets of `sources` as the loader reads them (raw text with --cache_dir: read while the cache
+    is built, or tokenized into it first, on rank 0); rank 0 alone opens and counts the files, while the
+    others wait."""
     layout = settings.layout
     layouts = {s.name: layout for s in sources}
-    if settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
+    caches: dict[str, Any] = {}
+    if settings.cache is not None and settings.cache.beside:  # read as raw text, from the cache where built
+        from fms_fsdp.data.prepare.beside import building_caches
+
+        caches = building_caches(sources, layout, settings.cache)
+    elif settings.cache is not None:  # raw text tokenized into the cache first (rank 0), then read from there
         from fms_fsdp.data.prepare.cache_dir import cached_sources  # the preparation only for --cache_dir
 
         built = cached_sources(sources, layout, settings.cache)
@@ -83,7 +107,10 @@ def open_datasets(settings: DataSettings, sources: list[Source]) -> list[Dataset
         lambda message: DataError(message, every_rank=True),
         timeout=timedelta(hours=6),
     )
-    return [Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name]) for s in sources]
+    return [
+        Dataset(s.name, location(s.root, "data_path"), entries[s.name], layouts[s.name], caches.get(s.name))
+        for s in sources
+    ]
 
 
 def scan_each(sources: list[Source], layouts: dict[str, Layout]) -> dict[str, list[FileEntry]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -121,10 +121,14 @@ def open_shard(path: Path, entry: FileEntry, layout: Layout) -> Reader:
 
 
 class Dataset:
-    """The documents of one dataset folder, addressed by a global index [0, documents)."""
+    """The documents of one dataset folder, addressed by a global index [0, documents). Raw text whose
+    --cache_dir is being built (`building`, data/text_cache.py) is read from the cache where it is built,
+    counted in `read_from`."""
 
-    def __init__(self, name: str, root: Path, entries: list[FileEntry], layout: Layout):
+    def __init__(self, name: str, root: Path, entries: list[FileEntry], layout: Layout, building: Optional[Any] = None):
         self.name, self.root, self.entries, self.layout = name, root, entries, layout
+        self.building = building  # a data.text_cache.BuildingCache
+        self.read_from: Counter[str] = Counter()
         self.starts = np.concatenate([[0], np.cumsum([e.documents for e in entries], dtype=np.int64)])
         self.documents = int(self.starts[-1])
         self.tokens = sum(e.tokens for e in entries)
@@ -139,7 +143,11 @@ class Dataset:
         """Shard file number i, opened on first use (the most recently used stay open)."""
         f = self._open.get(i)
         if f is None:
-            f = open_shard(self.path(i), self.entries[i], self.layout)
+            entry = self.entries[i]
+            if self.building is not None and entry.text is not None and self.layout.text is not None:
+                f = self.building.open(self.path(i), entry.text, self.layout.text, self.read_from)
+            else:
+                f = open_shard(self.path(i), entry, self.layout)
             if len(self._open) >= _OPEN_FILES:
                 self._open.popitem(last=False)[1].close()
             self._open[i] = f

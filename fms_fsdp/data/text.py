@@ -39,7 +39,7 @@ JSONL = (".jsonl", ".jsonl.gz", ".json.gz")
 BLOCK_DOCS = 256  # documents per block of a JSON-lines file
 _SAMPLE_BYTES = 32768  # text tokenized per file (its first documents) to estimate its tokens
 _STREAMS = 8  # open forward-only streams per gzipped file
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class TextIndex:
     offsets: list[int] = field(default_factory=list)  # byte offset of each block (plain .jsonl only)
     bad: dict[str, int] = field(default_factory=dict)  # skipped records by reason
     first_bad: dict[str, str] = field(default_factory=dict)  # where each reason's first one is ("line 12")
+    empty: list[int] = field(default_factory=list)  # its empty documents (bad records, blank lines), in order
 
 
 # ---------------------------------------------------------------- records
@@ -183,10 +184,12 @@ class _Tally:
         self.first_bad: dict[str, str] = {}
         self.sample: list[str] = []
         self.sample_bytes = self.text_bytes = self.records = 0
+        self.empty: list[int] = []
 
-    def add(self, text: Optional[str], reason: Optional[str], size: int, where: str) -> None:
+    def add(self, text: Optional[str], reason: Optional[str], size: int, where: str, document: int) -> None:
         self.records += 1
         if text is None:
+            self.empty.append(document)
             assert reason is not None
             self.bad[reason] += 1
             self.first_bad.setdefault(reason, where)
@@ -207,7 +210,7 @@ class _Tally:
             )
         tokens = sum(len(t) for t in tokenizer.encode_batch(self.sample, add_special_tokens=False))
         estimate = round(tokens * self.text_bytes / self.sample_bytes) if self.sample_bytes else 0
-        return TextIndex(documents, estimate, offsets, dict(self.bad), self.first_bad)
+        return TextIndex(documents, estimate, offsets, dict(self.bad), self.first_bad, self.empty)
 
 
 def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
@@ -217,8 +220,10 @@ def _index_jsonl(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
             if documents % BLOCK_DOCS == 0:
                 offsets.append(offset)
             documents, offset = documents + 1, offset + len(line)
-            if line.strip():  # blank lines are no records
-                tally.add(*parse_line(line, spec.text_field), len(line), f"line {documents}")
+            if line.strip():  # blank lines are no records (but empty documents)
+                tally.add(*parse_line(line, spec.text_field), len(line), f"line {documents}", documents - 1)
+            else:
+                tally.empty.append(documents - 1)
     return tally.index(path, documents, [] if is_gzip(path) else offsets, spec, tokenizer)
 
 
@@ -245,7 +250,7 @@ def _index_parquet(path: Path, spec: TextSpec, tokenizer: Any) -> TextIndex:
     for g in range(pf.num_row_groups):
         for value in pf.read_row_group(g, columns=[spec.text_field]).column(0).to_pylist():
             text, reason = check_text(value, spec.text_field)
-            tally.add(text, reason, len(text or ""), f"row {row}")
+            tally.add(text, reason, len(text or ""), f"row {row}", row)
             row += 1
     return tally.index(path, pf.metadata.num_rows, [], spec, tokenizer)
 
@@ -270,7 +275,7 @@ class IndexCache:
         known = self.files.get(rel)
         if known is not None and all(known.get(k) == v for k, v in key.items()):
             return TextIndex(
-                known["documents"], known["tokens"], known["offsets"], known["bad"], known.get("first_bad", {})
+                known["documents"], known["tokens"], known["offsets"], known["bad"], known["first_bad"], known["empty"]
             )
         if not self.changed:
             where = f"once: cached in {self.path}" if self.path is not None else "not cached"
@@ -283,6 +288,7 @@ class IndexCache:
             "offsets": index.offsets,
             "bad": index.bad,
             "first_bad": index.first_bad,
+            "empty": index.empty,
         }
         self.changed = True
         return index

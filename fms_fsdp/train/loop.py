@@ -178,6 +178,8 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, hos
         loop.checkpointer.finish()
         for work in loop.periodic:
             work.finish()
+        if stopped is None:  # a cache's build (rank 0) ends before the run; a stop stops it
+            getattr(loop.loader, "finish", lambda: None)()
     _end(loop, step, stopped)
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
@@ -192,6 +194,7 @@ def _build(
     `hosts`: every rank's host."""
     settings, info = run.settings.loop, run.info
     loader = get_data_loader(run.settings.data, info.data_rank, info.data_size)  # bad data fails before the model
+    stack.callback(getattr(loader, "close", lambda: None))  # a cache's build (rank 0) stops with the run
     # the tasks load before the model
     evaluator, harness = Evaluator(run.settings.evaluation, info), HarnessEvaluator(run.settings.harness, info)
     _warn_if_memory_short(run)
@@ -410,6 +413,7 @@ def _report(loop: Loop, step: int, lr: float, grad_norm: torch.Tensor, report_st
     skipped = guard.skipped_since_report() if guard.skipping else None
     extra = loop.stragglers.report(reporter.data_wait, time.perf_counter() - reporter.interval_start)
     extra.update(loop.ft.report() if loop.ft is not None else {})
+    extra.update(getattr(loop.loader, "data_report", dict)())  # a cache read while built
     routing = loop.model.routing
     if routing is not None and routing.stats is not None:
         extra.update(routing.stats.report(dropping=routing.capacity_factor > 0))

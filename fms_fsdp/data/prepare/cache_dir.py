@@ -71,7 +71,12 @@ def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optio
     ledger = read_ledger(output)
     if ledger is None:
         engine = engine_of(settings.ray, head)
-        print(f"note: tokenizing {source.name} into {output} {engine} (once: later runs read it)", flush=True)
+        why = (
+            ""
+            if settings.build == "first"
+            else "; before the first step, as a cache in object storage or on the job's own Ray is"
+        )
+        print(f"note: tokenizing {source.name} into {output} {engine} (once: later runs read it){why}", flush=True)
         prepare_files(text, output, recipe, engine)
     else:
         check_made_with(ledger, output, recipe)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from fms_fsdp.storage import is_remote
+
 
 @dataclass(frozen=True, kw_only=True)
 class RaySettings:
@@ -18,9 +20,16 @@ class RaySettings:
 
 @dataclass(frozen=True, kw_only=True)
 class CacheSettings:
-    """--cache_dir, and how its raw text is tokenized: --tokenizer_path, --text_field, the Ray settings."""
+    """--cache_dir, and how its raw text is tokenized: --tokenizer_path, --text_field, the Ray settings,
+    and when (--cache_build: beside the training, first, or by another job: external)."""
 
     cache_dir: str
     tokenizer_path: str
     text_field: str = "text"
+    build: str = "beside"
     ray: RaySettings = RaySettings()
+
+    @property
+    def beside(self) -> bool:
+        """Whether the run trains while the cache is built (a local cache not built on the job's own Ray)."""
+        return self.build != "first" and not is_remote(self.cache_dir) and not self.ray.start_workers
