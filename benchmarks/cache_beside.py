@@ -1,7 +1,7 @@
 """The first step on a raw corpus with --cache_dir: trained while the cache is built (--cache_build=beside)
 against built first (--cache_build=first), 2 ranks on this machine, the process pool, a byte-level BPE.
 
-    python benchmarks/cache_beside.py [--folder=/tmp/bench_cache] [--gigabytes=2] [--steps=30]
+    python benchmarks/cache_beside.py [--folder=/tmp/bench_cache] [--gigabytes=2] [--steps=30] [--runs=beside,first,built]
 
 Writes the corpus once (JSON-lines files of pseudo-word documents and a 4096-token byte-level BPE trained
 on them, as benchmarks/dataloader.py does; docs/data.md shows the same for your text). Then, each under
@@ -10,7 +10,7 @@ torchrun with 2 ranks of `tiny`, timed from the launch:
    built and the share read from it; stopped (SIGTERM) after --steps steps, as a preempted run is;
 2. first, from an empty cache: the seconds to the first step (the whole build before it);
 3. beside again over the complete cache of 2: the median step once the cache is built.
-Prints one line per run and a summary.
+Prints one line per run and, with all three, a summary. --runs picks some (built needs first's cache).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from benchmarks.dataloader import write_text_data  # noqa: E402
 from benchmarks.options import parse_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = {"folder": "/tmp/bench_cache", "gigabytes": "2", "steps": "30"}
-DOCS_PER_FILE = 50_000  # about 55 MB of JSON lines each
+OPTIONS = {"folder": "/tmp/bench_cache", "gigabytes": "2", "steps": "30", "runs": "beside,first,built"}
+DOCS_PER_FILE = 8_000  # about 60 MB of JSON lines each (documents of about 7.5 kB)
 
 
 def corpus(folder: Path, gigabytes: float) -> Path:
@@ -40,7 +40,7 @@ def corpus(folder: Path, gigabytes: float) -> Path:
     raw = folder / "raw"
     if not (raw / "tokenizer.json").is_file():
         shutil.rmtree(raw, ignore_errors=True)
-        files = max(1, round(gigabytes * 2**30 / (DOCS_PER_FILE * 1150)))
+        files = max(1, round(gigabytes * 2**30 / (DOCS_PER_FILE * 7_550)))
         write_text_data(raw, files, DOCS_PER_FILE, "jsonl")
     size = sum(p.stat().st_size for p in (raw / "bench").iterdir())
     print(f"corpus: {size / 2**30:.2f} GiB in {len(list((raw / 'bench').iterdir()))} files", flush=True)
@@ -82,8 +82,9 @@ def summary(name: str, run: dict) -> dict:
         "median_step_s": round(statistics.median(r["step_time"] for r in steps), 3) if steps else None,
         "data_wait": round(statistics.median(r["data_wait"] for r in steps), 3) if steps else None,
     }
-    if steps and "data_from_cache" in steps[-1]:
-        result["read_from_cache"] = round(statistics.mean(r["data_from_cache"] for r in steps), 3)
+    if steps and "documents_from_cache" in steps[-1]:
+        cached = sum(r["documents_from_cache"] for r in steps)
+        result["read_from_cache"] = round(cached / max(1, cached + sum(r["documents_tokenized"] for r in steps)), 3)
         result["cache_built_at_stop"] = round(steps[-1].get("cache_built", 1.0), 3)
     print("CACHE " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     return result
@@ -92,13 +93,20 @@ def summary(name: str, run: dict) -> dict:
 def main(argv: list[str]) -> None:
     opts = parse_options(argv, OPTIONS, "cache_beside")
     folder, steps = Path(opts["folder"]), int(opts["steps"])
-    raw = corpus(folder, float(opts["gigabytes"]))
-    for cache in ("cache_beside", "cache_first"):
-        shutil.rmtree(folder / cache, ignore_errors=True)
+    raw, runs = corpus(folder, float(opts["gigabytes"])), opts["runs"].split(",")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    beside = summary("beside", train(folder, "beside", raw, folder / "cache_beside", steps))
-    first = summary("first", train(folder, "first", raw, folder / "cache_first", 5, "--cache_build=first"))
-    built = summary("built", train(folder, "built", raw, folder / "cache_first", steps))
+    found = {}
+    if "beside" in runs:
+        shutil.rmtree(folder / "cache_beside", ignore_errors=True)
+        found["beside"] = summary("beside", train(folder, "beside", raw, folder / "cache_beside", steps))
+    if "first" in runs:
+        shutil.rmtree(folder / "cache_first", ignore_errors=True)
+        found["first"] = summary("first", train(folder, "first", raw, folder / "cache_first", 5, "--cache_build=first"))
+    if "built" in runs:
+        found["built"] = summary("built", train(folder, "built", raw, folder / "cache_first", steps))
+    if len(found) < 3:
+        return
+    beside, first, built = found["beside"], found["first"], found["built"]
     print(
         f"first step: {beside['first_step_s']} s trained while building, {first['first_step_s']} s built first; "
         f"step {beside['median_step_s']} s during the build, {built['median_step_s']} s after it"

@@ -508,6 +508,11 @@ ERRORS: list[E] = [
     E("data", "--cache_dir: dataset <name> mixes raw text and token files; give each kind its own dataset"),
     E(
         "data",
+        "--cache_dir: <output> is built with --<flag>=<value>, but a run reads and builds it with fms-prepare-data's default --<flag>=<default>; build it with the default, or give another --cache_dir",
+        "another job (`--cache_build=external`) builds the cache with a non-default `--piece_bytes` or `--shard_tokens`",
+    ),
+    E(
+        "data",
         "--cache_build=<when> says when --cache_dir is built: give --cache_dir too",
         flags=("--cache_build=external",),
     ),

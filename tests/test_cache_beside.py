@@ -147,10 +147,12 @@ def test_the_batches_are_raw_texts_whatever_the_build_has_done(corpus, tmp_path,
     external, loader = batches(corpus, cache_dir=str(half), cache_build="external")
     assert same(raw, external)
     report = loader.data_report()
-    assert 0 < report["data_from_cache"] < 1 and "cache_built" not in report, report
+    assert report["documents_from_cache"] > 0 and report["documents_tokenized"] > 0, report
+    assert "cache_built" not in report
 
     complete, loader = batches(corpus, cache_dir=str(cache))
-    assert same(raw, complete) and loader.data_report() == {"data_from_cache": 1.0}
+    report = loader.data_report()
+    assert same(raw, complete) and report["documents_from_cache"] > 0 and report["documents_tokenized"] == 0
 
 
 # ---------------------------------------------------------------- a run
@@ -199,7 +201,7 @@ def test_a_run_stopped_mid_build_resumes_exactly_and_keeps_what_was_finished(cor
     assert {p: (cache / "text" / p).stat().st_mtime_ns for p in early} == early
     assert (cache / "text" / ".done" / "complete.json").is_file()
     reports = [r for r in first + resumed if "loss" in r]
-    assert all(0 <= r["data_from_cache"] <= 1 for r in reports) and any(r["data_from_cache"] > 0 for r in reports)
+    assert sum(r["documents_from_cache"] for r in reports) > 0 and sum(r["documents_tokenized"] for r in reports) > 0
     assert all(0 <= r["cache_built"] <= 1 for r in reports if r["step"] > 2) and "cache_built" not in reports[0]
 
 
@@ -253,3 +255,25 @@ def test_a_rescale_mid_build_reads_every_document_at_most_once(corpus, tmp_path)
     assert twice == 0 and read > 0
     assert {p: (cache / "text" / p).stat().st_mtime_ns for p in early} == early
     assert (cache / "text" / ".done" / "complete.json").is_file()
+
+
+def test_a_cache_being_built_with_another_recipe_is_refused_at_the_start(corpus, tmp_path):
+    """An unfinished cache whose finished pieces were made with another tokenizer, or another --piece_bytes
+    than the run reads with, is refused in one line before the first batch."""
+    other = write_tokenizer(tmp_path / "other" / "tokenizer.json", vocab=4001)
+    cases = {"tokenizer": [f"--tokenizer={other}"], "piece_bytes": ["--piece_bytes=4000"]}
+    for name, extra in cases.items():
+        cache = tmp_path / name
+        command = [
+            sys.executable,
+            "scripts/prepare_data.py",
+            f"--input={corpus / 'text'}",
+            f"--output={cache / 'text'}",
+        ]
+        command += [f"--tokenizer={corpus / 'tokenizer.json'}", "--num_tasks=3", "--task_index=0", *extra]
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)  # the last --tokenizer counts
+        with pytest.raises(DataError) as e:
+            data_loader(cfg(corpus, cache_dir=str(cache), cache_build="external", vocab_size=4096), 0, 1)
+        message = str(e.value)
+        assert "\n" not in message and str(cache / "text") in message, message
+        assert ("--text_field" if name == "tokenizer" else "--piece_bytes=4000") in message, message

@@ -223,8 +223,8 @@ class StatefulLoader:
         return found
 
     def data_report(self) -> dict[str, float]:
-        """The interval's figures of the caches read while built: the share of documents read from the
-        cache (the rest tokenized as read), and (rank 0) the share of the text the build has done."""
+        """The interval's figures of the caches read while built: this rank's documents read from the cache
+        and tokenized as read, and (rank 0) the share of the text the build has done."""
         if not any(d.building is not None for d in self.datasets):
             return {}
         totals: Counter[str] = Counter()
@@ -233,7 +233,7 @@ class StatefulLoader:
                 totals.update(counts)
         new = {k: totals[k] - self._read_before.get(k, 0) for k in ("cache", "tokenized")}
         self._read_before = dict(totals)
-        report = {"data_from_cache": new["cache"] / max(1, new["cache"] + new["tokenized"])}
+        report: dict[str, float] = {"documents_from_cache": new["cache"], "documents_tokenized": new["tokenized"]}
         if self.builder is not None:
             report["cache_built"] = self.builder.progress()
         return report

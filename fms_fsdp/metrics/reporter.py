@@ -349,9 +349,11 @@ def format_record(r: dict[str, Any]) -> str:
     else:
         parts.append(f"rss {r['max_rss_gb']:.2f} GiB")
     parts.append(f"data_wait {100 * r['data_wait']:.1f}%")
-    if "data_from_cache" in r:  # a --cache_dir read while it is built
+    if "documents_from_cache" in r:  # a --cache_dir read while it is built
         built = f", {100 * r['cache_built']:.0f}% built" if "cache_built" in r else ""
-        parts.append(f"cache {100 * r['data_from_cache']:.0f}% read from it{built}")
+        parts.append(
+            f"documents {r['documents_from_cache']} from the cache, {r['documents_tokenized']} tokenized{built}"
+        )
     if "slowest_rank" in r:
         parts.append(f"slowest rank {r['slowest_rank']} ({r['slowest_rank_ratio']:.2f}x)")
     if r.get("skipped_steps"):

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Optional
 
-from fms_fsdp.data.prepare.build import Engine, plan, prepare_files, recipe_of
+from fms_fsdp.data.prepare.build import Engine, Recipe, plan, prepare_files, recipe_of
 from fms_fsdp.data.prepare.cache_dir import check_made_with, engine_of
 from fms_fsdp.data.prepare.settings import CacheSettings
 from fms_fsdp.data.prepare.shard_writer import marker_path, read_ledger
@@ -50,11 +50,35 @@ def building_caches(sources: list[Source], layout: Layout, settings: CacheSettin
             )
         output = location(settings.cache_dir, "cache_dir") / source.name
         ledger = read_ledger(output)
-        if ledger is not None:
-            check_made_with(ledger, output, recipe)
+        check_recipe(ledger or _first_marker(output), output, recipe)
         inputs = {str(p.resolve()): i for i, p in enumerate(text)}
         caches[source.name] = BuildingCache(str(output), inputs, recipe.settings(), ledger is not None)
     return caches
+
+
+def _first_marker(output: Path) -> Optional[dict]:
+    """What the first finished piece of an unfinished cache was made with, as a ledger says it (None: none)."""
+    for path in sorted((output / ".done").glob("*-*.json")):
+        try:
+            made = json.loads(path.read_text())["settings"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return {**made, "tokenizer_sha": made.get("tokenizer")}
+    return None
+
+
+def check_recipe(made: Optional[dict], output: Path, recipe: Recipe) -> None:
+    """Refuse, at the start, a cache (complete, or its first finished piece) made with another tokenizer or
+    text field (naming both), or with a --piece_bytes or --shard_tokens other than the run's."""
+    if made is None:
+        return
+    check_made_with(made, output, recipe)
+    for flag, value in recipe.settings().items():
+        if flag in ("piece_bytes", "shard_tokens") and made.get(flag) != value:
+            raise DataError(
+                f"--cache_dir: {output} is built with --{flag}={made.get(flag)}, but a run reads and builds it with "
+                f"fms-prepare-data's default --{flag}={value}; build it with the default, or give another --cache_dir"
+            )
 
 
 def start_builder(
@@ -119,8 +143,14 @@ class Builder:
         for attempt in range(RESTARTS + 1):
             command = dying_with_parent([sys.executable, "-m", "fms_fsdp.data.prepare.beside"])
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-            process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            process = subprocess.Popen(  # a session of its own: the job's signals are the rank's to pass on
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                start_new_session=True,
             )
             self._process = process
             assert process.stdin is not None and process.stdout is not None
