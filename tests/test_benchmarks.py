@@ -117,6 +117,7 @@ def test_the_hugging_face_io_benchmark_runs_and_prints_its_figures(tmp_path):
     assert "BENCH offline variant=tiny" in offline.stdout
 
 
+@pytest.mark.slow  # about 19 s: the README's test command keeps within its budget
 def test_the_checkpoint_benchmark_saves_exports_and_loads_and_prints_its_figures(tmp_path):
     """benchmarks/checkpoint.py on `tiny`, 2 ranks: sync and async saves, both exports, the load back."""
     flags = ["--model_variant=tiny", "--device=cpu", "--mixed_precision=False", "--use_torch_compile=False"]
