@@ -157,6 +157,7 @@ class StatefulLoader:
     ):
         self.datasets, self.weights, self.packing = datasets, weights, packing
         self.builder = builder  # rank 0's build of the caches read while built (data/prepare/beside.py)
+        self._keep_building = False
         self.read_from: dict[int, dict[str, dict[str, int]]] = {}  # reader -> documents by dataset and source
         self._read_before: dict[str, int] = {}
         self.schedule, self.grad_accum, self.ramp = schedule, grad_accum, ramp
@@ -238,14 +239,18 @@ class StatefulLoader:
             report["cache_built"] = self.builder.progress()
         return report
 
+    def keep_building(self) -> None:
+        """A run that ends normally: `close` leaves rank 0's build of the caches running, for `finish`."""
+        self._keep_building = True
+
     def finish(self) -> None:
-        """A run that ended normally: wait for rank 0's build of the caches."""
+        """Wait for rank 0's build of the caches."""
         if self.builder is not None:
             self.builder.finish()
 
     def close(self) -> None:
-        """Stop rank 0's build of the caches (kept as far as it got)."""
-        if self.builder is not None:
+        """Stop rank 0's build of the caches (kept as far as it got), unless the run ended normally."""
+        if self.builder is not None and not self._keep_building:
             self.builder.close()
 
     def state_dict(self) -> dict[str, Any]:

@@ -178,9 +178,11 @@ def _train(run: Run, stop: StopRequest, trackers: Trackers, lease: RunLease, hos
         loop.checkpointer.finish()
         for work in loop.periodic:
             work.finish()
-        if stopped is None:  # a cache's build (rank 0) ends before the run; a stop stops it
-            getattr(loop.loader, "finish", lambda: None)()
+        if stopped is None:  # a cache's build (rank 0) goes on past the loop, to be waited for; a stop stops it
+            getattr(loop.loader, "keep_building", lambda: None)()
     _end(loop, step, stopped)
+    if stopped is None:  # rank 0 waits for the build after the last collective with the training's timeout
+        getattr(loop.loader, "finish", lambda: None)()
     # every rank is done (and waits for rank 0's file work on a group without the training timeout);
     # rank 0's tracker uploads then keep no one waiting in a collective
     dist.barrier(group=agreement_group())

@@ -73,8 +73,9 @@ def check_recipe(made: Optional[dict], output: Path, recipe: Recipe) -> None:
     if made is None:
         return
     check_made_with(made, output, recipe)
-    for flag, value in recipe.settings().items():
-        if flag in ("piece_bytes", "shard_tokens") and made.get(flag) != value:
+    settings = recipe.settings()
+    for flag, value in ((f, settings[f]) for f in ("piece_bytes", "shard_tokens")):
+        if made.get(flag) != value:
             raise DataError(
                 f"--cache_dir: {output} is built with --{flag}={made.get(flag)}, but a run reads and builds it with "
                 f"fms-prepare-data's default --{flag}={value}; build it with the default, or give another --cache_dir"
