@@ -375,15 +375,16 @@ def _compare_runs(*runs: str, steps: Optional[int] = None, rtol: float = 1e-3, a
         raise SystemExit(1)
 
 
-def _export_model(load_path: str = "", save_path: str = "") -> None:
+def _export_model(load_path: str = "", save_path: str = "", ema: bool = False) -> None:
     """fms-export-model --load_path=<ckpt_save_path>/checkpoints/step_N_ckp --save_path=model.safetensors
 
     --load_path   a checkpoint folder (this package's or fms-fsdp's; a path or an object-storage URL)
     --save_path   the safetensors file to write
+    --ema         export the checkpoint's weight average (a run with --ema_decay) instead of its weights
     """
     from fms_fsdp.checkpoint.export import export_checkpoint
 
-    print(export_checkpoint(load_path, save_path))
+    print(export_checkpoint(load_path, save_path, ema))
 
 
 def _to_hf(

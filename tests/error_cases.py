@@ -1320,6 +1320,12 @@ ERRORS: list[E] = [
     E("checkpoints", "<folder>: no model_state in this checkpoint"),
     E(
         "checkpoints",
+        "--load_path: <folder> holds no weight average: its run trained without --ema_decay",
+        "`fms-export-model --ema=True` on a checkpoint of a run without `--ema_decay`",
+        "export its weights (leave out `--ema`)",
+    ),
+    E(
+        "checkpoints",
         "<folder> is a LoRA checkpoint: it holds the adapters only, not a model; use the run's exports (model_step_<N>.safetensors, exports/step_<N>)",
         "",
         "",

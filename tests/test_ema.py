@@ -4,6 +4,8 @@ Hugging Face folder that transformers loads with the package's logits)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.variants import build_model, get_model_config
 
-from conftest import flags, launch, records, resume_from, run_here
+from conftest import ROOT, flags, launch, records, resume_from, run_here
 from test_hf import read_hf_model
 
 DECAY = 0.5  # far from 1: four steps move the average well away from both the start and the weights
@@ -137,3 +139,21 @@ def test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_o
 def test_wrong_settings_are_refused_in_one_line(extra, message, data, tmp_path):
     with pytest.raises(ConfigError, match=message):
         run_here(flags(data, tmp_path / "run", *extra))
+
+
+def test_the_command_exports_a_checkpoints_average_or_says_it_has_none(averaged, tmp_path):
+    """fms-export-model --ema=True: a checkpoint's average, the file the run itself exported with
+    --export_ema; a checkpoint of a run without --ema_decay is refused in one line."""
+    target = tmp_path / "average.safetensors"
+    command = [sys.executable, "scripts/export_model.py", f"--save_path={target}", "--ema=True"]
+    done = subprocess.run(
+        [*command, f"--load_path={averaged / 'checkpoints' / 'step_4_ckp'}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported, by_run = load_file(str(target)), load_file(str(averaged / "model_step_4.safetensors"))
+    assert exported.keys() == by_run.keys() and all(torch.equal(exported[k], by_run[k]) for k in exported)
+    plain = ROOT / "tests" / "assets" / "checkpoints" / "layout1"
+    refused = subprocess.run(
+        [*command, f"--load_path={next(plain.glob('**/step_*_ckp'))}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "holds no weight average" in refused.stderr and "--ema_decay" in refused.stderr

@@ -63,22 +63,25 @@ TOKENIZER_FILES = (
 )
 
 
-def stream_model_file(folder: Path, target: Path, settings: ExportSettings, meta: dict[str, str]) -> Path:
-    """The model of checkpoint folder `folder` as one safetensors file under fms's names (LoRA's adapted
-    weights merged), streamed a few MB of rows at a time (hf_write.py) and published whole."""
-    plan, read = _model_file(folder, settings)
+def stream_model_file(
+    folder: Path, target: Path, settings: ExportSettings, meta: dict[str, str], state: str = "model_state"
+) -> Path:
+    """The model of checkpoint folder `folder` (its `state`: the weights, or ema_state) as one safetensors
+    file under fms's names (LoRA's adapted weights merged), streamed a few MB of rows at a time
+    (hf_write.py) and published whole."""
+    plan, read = _model_file(folder, settings, state)
     with publish(target) as tmp:
         write_file(tmp, plan, Converter(read), meta)
     return target
 
 
-def _model_file(folder: Path, settings: ExportSettings) -> tuple[list[Planned], Tensors]:
-    """The plan of the model file of checkpoint folder `folder`, and the reader of its tensors."""
-    tensors = model_reader(folder)
+def _model_file(folder: Path, settings: ExportSettings, state: str = "model_state") -> tuple[list[Planned], Tensors]:
+    """The plan of the model file of checkpoint folder `folder` (its `state`), and the reader of its tensors."""
+    tensors = model_reader(folder, state)
     model = {k: tuple(v) for k, v in tensors.shapes.items() if not is_adapter(k)}
     if settings.lora:
         tensors = merging(tensors, settings.lora)
-    return fms_plan(model, model_dtypes(folder)), tensors
+    return fms_plan(model, model_dtypes(folder, state)), tensors
 
 
 def exported_weights(settings: ExportSettings, average: Optional[WeightAverage]) -> ContextManager[None]:
@@ -370,16 +373,18 @@ class PeriodicExporter:
                     shutil.copy2(tokenizer / name, tmp / name)
 
 
-def export_checkpoint(load_path: str, save_path: str) -> str:
-    """The model of a checkpoint folder (this project's or fms-fsdp's, local or in object storage) as one
-    safetensors file, streamed a few MB of rows at a time; no GPU, no process group. Returns a summary line."""
+def export_checkpoint(load_path: str, save_path: str, ema: bool = False) -> str:
+    """The model of a checkpoint folder (this project's or fms-fsdp's, local or in object storage; with
+    `ema`, its --ema_decay average) as one safetensors file, streamed a few MB of rows at a time; no GPU,
+    no process group. Returns a summary line."""
+    state = "ema_state" if ema else "model_state"
     if not load_path or not location(load_path, "load_path").is_dir():
         raise CheckpointError(f"--load_path: {load_path or '(missing)'} is not a checkpoint folder")
     if not save_path.endswith(".safetensors"):
         raise CheckpointError(f"--save_path: {save_path or '(missing)'} must end in .safetensors")
     folder = location(load_path, "load_path")
     try:
-        shapes = model_reader(folder).shapes
+        shapes = model_reader(folder, state).shapes
     except CheckpointError as e:  # names the folder and what is wrong with it
         raise CheckpointError(f"--load_path: {e}") from None
     except (RuntimeError, OSError, dcp.CheckpointException) as e:
@@ -388,7 +393,7 @@ def export_checkpoint(load_path: str, save_path: str) -> str:
         interval=0, format="fms", keep=0, tokenizer_path=None, bos=None, eos=None, lora=None, base=None
     )
     try:
-        target = stream_model_file(folder, location(save_path, "save_path"), settings, {"format": "pt"})
+        target = stream_model_file(folder, location(save_path, "save_path"), settings, {"format": "pt"}, state)
     except CheckpointError as e:
         raise CheckpointError(f"--load_path: {e}") from None
     except Exception as e:  # a full disk; object storage: no endpoint, refused credentials

@@ -118,7 +118,7 @@ def storage_writer(folder: Any) -> dcp.FileSystemWriter:
     return FsspecWriter(str(folder), sync_files=False)  # object storage has no fsync (DCP would os.sync())
 
 
-def _folder_reader(path: Path) -> Tensors:
+def _folder_reader(path: Path, state: str = "model_state") -> Tensors:
     folder = str(path)
     try:
         whole = safe_reader(folder).read_metadata()
@@ -130,10 +130,12 @@ def _folder_reader(path: Path) -> Tensors:
             f"{folder}: its .metadata is damaged or truncated ({type(e).__name__}: {first_line(e)})"
         ) from None
     shapes = {
-        key.removeprefix("model_state."): meta.size
+        key.removeprefix(f"{state}."): meta.size
         for key, meta in metadata.items()
-        if key.startswith("model_state.") and hasattr(meta, "size")
+        if key.startswith(f"{state}.") and hasattr(meta, "size")
     }
+    if not shapes and state == "ema_state":
+        raise CheckpointError(f"{folder} holds no weight average: its run trained without --ema_decay")
     if not shapes:
         raise CheckpointError(f"{folder}: no model_state in this checkpoint")
     if all(key.endswith((".lora_A", ".lora_B")) for key in shapes):
@@ -143,12 +145,12 @@ def _folder_reader(path: Path) -> Tensors:
         )
 
     if any(getattr(info, "transform_descriptors", None) for info in whole.storage_data.values()):
-        return Tensors(shapes, _dcp_rows(path, metadata))  # stored transformed (compressed): DCP reads them
+        return Tensors(shapes, _dcp_rows(path, metadata, state))  # stored transformed (compressed): DCP reads them
     items = ItemRows(path, whole)
 
     def rows(key: str, a: int, b: int) -> torch.Tensor:
         try:
-            return items.rows(f"model_state.{key}", a, b)
+            return items.rows(f"{state}.{key}", a, b)
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
             if not unreadable(e):
                 raise
@@ -157,7 +159,7 @@ def _folder_reader(path: Path) -> Tensors:
     return Tensors(shapes, rows)
 
 
-def _dcp_rows(path: Path, metadata: dict[str, Any]) -> Callable[[str, int, int], torch.Tensor]:
+def _dcp_rows(path: Path, metadata: dict[str, Any], group: str) -> Callable[[str, int, int], torch.Tensor]:
     """Rows of a checkpoint folder's model tensors through DCP's own read: each tensor read whole (the
     last one kept for its next rows)."""
     last: dict[str, torch.Tensor] = {}
@@ -165,12 +167,12 @@ def _dcp_rows(path: Path, metadata: dict[str, Any]) -> Callable[[str, int, int],
     def rows(key: str, a: int, b: int) -> torch.Tensor:
         if key not in last:
             last.clear()
-            meta = metadata[f"model_state.{key}"]
+            meta = metadata[f"{group}.{key}"]
             state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 try:
-                    dcp.load({"model_state": state}, storage_reader=safe_reader(str(path)), no_dist=True)
+                    dcp.load({group: state}, storage_reader=safe_reader(str(path)), no_dist=True)
                 except dcp.CheckpointException as e:
                     raise CheckpointError(f"{path}: {damage(e, path)}") from None
             last.update(state)
@@ -252,12 +254,12 @@ def short_files(folder: Path) -> list[str]:
     return found
 
 
-def model_reader(path: Path) -> Tensors:
-    """The model tensors of a checkpoint folder or a .safetensors / .pth model file, read when asked for,
-    a run of rows at a time; a .pth file is mapped into memory whole (read whole, in torch's legacy
-    format)."""
+def model_reader(path: Path, state: str = "model_state") -> Tensors:
+    """The model tensors of a checkpoint folder (its `state`: the weights, or ema_state, --ema_decay's
+    average) or a .safetensors / .pth model file, read when asked for, a run of rows at a time; a .pth
+    file is mapped into memory whole (read whole, in torch's legacy format)."""
     if path.is_dir():
-        return _folder_reader(path)
+        return _folder_reader(path, state)
     if path.suffix == ".safetensors":
         return _safetensors_reader(path)
     try:
@@ -266,8 +268,8 @@ def model_reader(path: Path) -> Tensors:
         if not unreadable(e):
             raise
         raise CheckpointError(f"{path}: {damage(e)}") from None
-    state = obj.get("model_state", obj)
-    return Tensors({k: v.shape for k, v in state.items()}, lambda key, a, b: state[key][a:b])
+    held = obj.get("model_state", obj)
+    return Tensors({k: v.shape for k, v in held.items()}, lambda key, a, b: held[key][a:b])
 
 
 def _load_pth(path: Path) -> Any:
@@ -281,13 +283,13 @@ def _load_pth(path: Path) -> Any:
         return torch.load(path, weights_only=True, map_location="cpu")
 
 
-def model_dtypes(path: Path) -> dict[str, torch.dtype]:
-    """The dtype of each model tensor of a checkpoint folder, from its .metadata."""
+def model_dtypes(path: Path, state: str = "model_state") -> dict[str, torch.dtype]:
+    """The dtype of each model tensor (of `state`, as model_reader says) of a checkpoint folder, from its .metadata."""
     metadata = safe_reader(str(path)).read_metadata().state_dict_metadata
     return {
-        key.removeprefix("model_state."): meta.properties.dtype
+        key.removeprefix(f"{state}."): meta.properties.dtype
         for key, meta in metadata.items()
-        if key.startswith("model_state.") and hasattr(meta, "size")
+        if key.startswith(f"{state}.") and hasattr(meta, "size")
     }
 
 
