@@ -65,6 +65,7 @@ class CachedTextFile(TextFile):
         self.pieces = cut(number, path, path.stat().st_size, cache.settings["piece_bytes"])
         self.empty = np.asarray(index.empty, np.int64)
         self.firsts = [self._first_document(p) for p in self.pieces] + [self.documents]
+        self.first_ranks = self._non_empty_before(np.array(self.firsts, np.int64))  # non-empty ones before each
         self._ready: dict[int, np.ndarray] = {}  # piece -> its shards' first documents (and their end)
         self._shards: OrderedDict[str, pa.RecordBatchFileReader] = OrderedDict()
 
@@ -101,9 +102,8 @@ class CachedTextFile(TextFile):
         if marker is None:
             return None
         counts = [s["documents"] for s in marker["shards"]]
-        expected = self._non_empty_before(np.array(self.firsts[q : q + 2], np.int64))
         starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        self._ready[q] = starts if starts[-1] == expected[1] - expected[0] else _UNUSABLE
+        self._ready[q] = starts if starts[-1] == self.first_ranks[q + 1] - self.first_ranks[q] else _UNUSABLE
         return self._ready[q]
 
     def _from_cache(self, lo: int, hi: int) -> Optional[CachedDocs]:
@@ -113,15 +113,14 @@ class CachedTextFile(TextFile):
         if any(s is None or s is _UNUSABLE for s in starts.values()):
             return None
         documents: np.ndarray = np.arange(lo, hi, dtype=np.int64)
-        ranks = self._non_empty_before(documents)
+        pieces = np.asarray(np.searchsorted(self.firsts, documents, side="right") - 1)
+        ranks = self._non_empty_before(documents) - self.first_ranks[pieces]  # in its piece
         is_empty = np.isin(documents, self.empty)
         docs: list[np.ndarray] = []
-        for d, rank, empty in zip(documents.tolist(), ranks.tolist(), is_empty.tolist()):
+        for q, k, empty in zip(pieces.tolist(), ranks.tolist(), is_empty.tolist()):
             if empty:
                 docs.append(np.empty(0, np.int64))
                 continue
-            q = bisect.bisect_right(self.firsts, d) - 1
-            k = rank - int(self._non_empty_before(np.array([self.firsts[q]]))[0])
             shard_starts = starts[q]
             assert shard_starts is not None
             j = int(np.searchsorted(shard_starts, k, side="right")) - 1
