@@ -22,9 +22,8 @@ TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:
 
 
 def check_torch() -> None:
-    """ConfigError on a torch older than the oldest release the package is tested on (installed past
-    requirements.txt, e.g. with --no-deps); run when this module is imported, before the private
-    imports below, so an older torch ends in this one line, not an ImportError."""
+    """ConfigError on a torch older than the oldest release tested (installed with --no-deps): run at
+    import, before the private imports below, so an older torch ends in one line, not an ImportError."""
     if TORCH < OLDEST_TORCH:
         floor = ".".join(map(str, OLDEST_TORCH))
         raise ConfigError(
@@ -95,9 +94,8 @@ def mem_tracker() -> tuple[Any, Any, Any]:
 
 
 def fake_store() -> Any:
-    """A FakeStore for torch's fake process group (backend "fake": every collective returns at once,
-    moving no data), which --dry_run's rehearsal starts with --plan_world_size ranks; importing its
-    module registers the backend (as torchtitan's COMM_MODE=fake_backend does)."""
+    """A FakeStore for torch's fake process group (collectives return at once, moving no data) of
+    --dry_run's rehearsal; importing its module registers the backend (torchtitan's COMM_MODE=fake_backend)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
@@ -111,15 +109,26 @@ def fsspec_storage() -> tuple[Any, Any]:
     return FsspecReader, FsspecWriter
 
 
+def loader_workers_died(it: Any) -> list[int]:
+    """The exit codes of a DataLoader iterator's workers that died (negative: the killing signal)."""
+    return [w.exitcode for w in getattr(it, "_workers", []) if w.exitcode not in (None, 0)]
+
+
+def unwatch_loader_workers(it: Any) -> None:
+    """A worker's death is found where its rank waits for a batch (a RuntimeError from next(it)), not
+    raised by torch's SIGCHLD handler in whatever code the rank runs then."""
+    if getattr(it, "_worker_pids_set", False):
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+
+
 # ----------------------------------------------------------------------------------- differences
 
 
 def flight_recorder_dump() -> Optional[dict[str, Any]]:
-    """This process's Flight Recorder record of its last collectives, every process group's (torch's
-    `_dump_fr_trace`: gloo and NCCL record into one buffer when TORCH_FR_BUFFER_SIZE (or
-    TORCH_NCCL_TRACE_BUFFER_SIZE) is set before the groups are made; measured on 2.13, where gloo
-    records each collective's group, sequence number, sizes and whether it retired); None when the
-    release has no such dump or it fails."""
+    """This process's Flight Recorder record of its last collectives, every group's (`_dump_fr_trace`:
+    gloo and NCCL record when TORCH_FR_BUFFER_SIZE is set before the groups are made; on 2.13 gloo records
+    each collective's group, sequence number, sizes and whether it retired); None when there is none."""
     import pickle
 
     import torch._C._distributed_c10d as c10d
@@ -134,9 +143,8 @@ def flight_recorder_dump() -> Optional[dict[str, Any]]:
 
 
 def group_members() -> dict[str, list[int]]:
-    """The global ranks of every process group this process belongs to, by group name (the name a
-    Flight Recorder entry gives): torch's process-group registry (empty if a release moves it: the
-    hang analysis then takes every rank as a member)."""
+    """The global ranks of every process group of this process by group name, as Flight Recorder names
+    them (empty if a release moves the registry: the hang analysis then takes every rank as a member)."""
     import torch.distributed.distributed_c10d as c10d
 
     names, ranks = getattr(c10d._world, "pg_names", {}), getattr(c10d._world, "pg_group_ranks", {})
@@ -179,8 +187,7 @@ def matmul_and_attention_ops() -> list[Any]:
 
 
 def reduce_scatter_op() -> Any:
-    """The functional reduce-scatter op that --ac_mode=op keeps under tensor parallelism (torchtitan's
-    policy)."""
+    """The functional reduce-scatter that --ac_mode=op keeps under tensor parallelism (torchtitan's)."""
     return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
@@ -234,8 +241,7 @@ def cpu_flash_attention_backward(
     causal: bool,
     scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CPU flash kernel's backward: (dq, dk, dv) given the output and log-sum-exp of the whole
-    attention these keys are part of."""
+    """The CPU flash kernel's backward: (dq, dk, dv) given the whole attention's output and log-sum-exp."""
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
     )
@@ -245,10 +251,8 @@ def cpu_flash_attention_backward(
 def ring_attention(
     group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's ring attention over `group` of this rank's queries, keys and values ([batch, heads,
-    seq, dim]; chunks r and 2C-1-r of the line, torch's round-robin balance), causal: each of C steps
-    attends to the keys and values passed on from the previous rank (all-to-all) while sending its
-    own on, merged by log-sum-exps in fp32: (output, log-sum-exp)."""
+    """torch's causal ring attention over `group` ([batch, heads, seq, dim]; chunks r and 2C-1-r of the line):
+    each step attends to the keys and values passed on from the previous rank: (output, log-sum-exp)."""
     with _ring_options():
         out, lse, *_ = torch_cp._templated_ring_attention(
             group, 2, _ring_kernels(q)[0], q, k, v, is_causal=True, dropout_p=0.0, scale=scale
@@ -266,8 +270,7 @@ def ring_attention_backward(
     lse: torch.Tensor,
     scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `ring_attention`: the keys and values go round the ring again, and their
-    gradients round after them back to the ranks that hold them."""
+    """(dq, dk, dv) of `ring_attention`: keys and values go round again, their gradients back after them."""
     with _ring_options():
         dq, dk, dv, *_ = torch_cp._templated_ring_attention_backward(
             group,
@@ -288,8 +291,7 @@ def ring_attention_backward(
 
 
 def group_named(name: str) -> Any:
-    """The process group of this name (ProcessGroup.group_name), as functional collectives find theirs:
-    a custom op takes a group by its name."""
+    """The process group of this name (a custom op takes a group by its name, as functional collectives do)."""
     return _resolve_process_group(name)
 
 
@@ -391,10 +393,8 @@ def reusable_stager() -> bool:
 
 
 def quiet_http_transport(timeout: Any) -> Any:
-    """torchft's default checkpoint transport (HTTP, whole state dicts), whose server would write an
-    access-log line to stderr at each transfer: the lines go to torchft's logger instead (kept off the
-    console by the command, as torchft's own lines are). torchft 0.2's private server attribute: here,
-    with the private torch APIs, so that a torchft release that moves it is found in one place."""
+    """torchft's HTTP checkpoint transport, its server's access-log lines sent to torchft's logger, not
+    stderr (torchft 0.2's private server attribute: here, so that a release that moves it is found)."""
     from torchft.checkpointing import HTTPTransport
 
     transport = HTTPTransport(timeout=timeout, num_chunks=0)
@@ -427,6 +427,7 @@ __all__ = [
     "joined_meshes",
     "local_box",
     "local_shape_and_offset_at",
+    "loader_workers_died",
     "local_tensor",
     "matmul_and_attention_ops",
     "mem_tracker",
@@ -445,4 +446,5 @@ __all__ = [
     "ShardMetadata",
     "TensorProperties",
     "tree_map_only",
+    "unwatch_loader_workers",
 ]

@@ -475,6 +475,14 @@ ERRORS: list[E] = [
     ),
     E(
         "data",
+        "the data loader's workers died 4 times in a row (signal 9; out of memory? see `dmesg`): resume from the last "
+        "checkpoint, with fewer --num_workers",
+        "a rank's data loader workers were killed again and again before they made a batch, most often by the kernel "
+        "for memory; a single death only costs time: the workers start again from the last batch taken",
+        "fewer --num_workers (each holds its readers and two batches ahead), then resume",
+    ),
+    E(
+        "data",
         "--engine=ray: <kind> (<why>); run the same command again: finished pieces are kept",
         "a Ray worker died past its retries, or a node of the cluster left",
         "run the same command again; only the unfinished pieces are done",

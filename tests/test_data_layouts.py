@@ -140,7 +140,7 @@ def epochs(loader, n: int, cap: int) -> list[tuple[list[list[int]], int]]:
 
 
 @pytest.mark.parametrize("layout", EPOCH_LAYOUTS)
-def test_every_document_exactly_once_in_an_epoch_of_two_ranks(tmp_path, layout):
+def test_every_document_exactly_once_in_an_epoch_of_two_ranks(tmp_path, layout, request):
     """Both ranks' first epochs (what each reads before it reads a document again) together are the
     documents, each exactly once with its exact tokens: none dropped, none twice, none read by both
     ranks; and each rank's second epoch reads the documents of its first (none repeated at the turn)."""
@@ -148,6 +148,7 @@ def test_every_document_exactly_once_in_an_epoch_of_two_ranks(tmp_path, layout):
     flags = write_layout(tmp_path, "web", docs, layout)
     c = cfg(tmp_path, seq_length=31, **flags)
     loaders = [data_loader(c, rank, 2) for rank in (0, 1)]
+    request.addfinalizer(loaders[0].close)  # jsonl_cache_beside: rank 0's build of the cache, not left running
     ends_with_eos = layout.startswith("olmo") or layout == "npy"
     assert read_all(loaders[0]) == [d + [EOS] if ends_with_eos else d for d in docs]
     read_in = flags["cache_dir"] if flags.get("cache_build") == "first" else str(tmp_path)  # jsonl_cache_dir: the cache

@@ -3,8 +3,11 @@ iterator is held or dropped: sys.exit, an exception in the caller's loop, Ctrl-C
 collection, a finished generator. Each ending runs in its own interpreter under a time limit.
 
 Workers ignore stop signals meant for their rank (Slurm signals every process of a job step), but obey
-their rank's own SIGTERM, which is how multiprocessing ends daemonic children at interpreter exit."""
+their rank's own SIGTERM, which is how multiprocessing ends daemonic children at interpreter exit.
+A worker that dies is started again from the last batch taken, as if it had lived; workers that die
+again and again end the run in one line."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,8 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
-from test_data import make_docs, write_dataset
+from fms_fsdp.data.stream import LineReader
+from fms_fsdp.errors import DataError
+
+from conftest import data_loader
+from test_data import cfg, make_docs, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,3 +176,34 @@ def test_no_ending_hangs_or_leaves_a_worker(shards):
         running = [pool.submit(ending, shards) for ending in endings]
     for result in running:
         result.result()
+
+
+def _batches(it, n: int) -> list:
+    return [torch.cat(next(it), dim=1) for _ in range(n)]
+
+
+@pytest.mark.slow  # a death is found at torch's 5 s check of the workers
+def test_a_killed_worker_is_started_again_from_the_last_batch_taken(shards, capfd):
+    """A worker killed while the rank computes (not while it waits for a batch) costs nothing: the
+    batches go on as if it had lived, and the rank says so in one line."""
+    expected = _batches(iter(data_loader(cfg(shards, num_workers=2), 0, 2)), 9)
+    it = iter(data_loader(cfg(shards, num_workers=2), 0, 2))
+    found = _batches(it, 3)
+    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    time.sleep(1)  # the rank's step: torch's SIGCHLD handler would raise in it
+    found += _batches(it, 6)
+    assert all(torch.equal(a, b) for a, b in zip(found, expected, strict=True))
+    assert "warning: rank 0: a data loader worker died (signal 9); started again from the last batch taken" in (
+        capfd.readouterr().err
+    )
+
+
+def _die(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow  # 4 deaths, each found at torch's 5 s check of the workers
+def test_workers_that_die_again_and_again_end_the_run_in_one_line(shards, monkeypatch):
+    monkeypatch.setattr(LineReader, "next_line", _die)  # in the workers, forked from here: each dies at once
+    with pytest.raises(DataError, match=r"^the data loader's workers died 4 times in a row \(signal 9; out of memory"):
+        next(iter(data_loader(cfg(shards, num_workers=1), 0, 2)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import threading
 from collections import Counter
 from functools import partial
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from fms_fsdp.compat import loader_workers_died, unwatch_loader_workers
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
@@ -32,6 +34,7 @@ from fms_fsdp.lifetime import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.ramp import Ramp
 
 STATE_VERSION = 1
+RESTARTS = 3  # deaths of the workers in a row, with no batch between them, started again
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -178,40 +181,79 @@ class StatefulLoader:
         self.next_worker = 0
 
     def __iter__(self) -> Iterator[Batch]:
+        """The rank's batches. Workers that die (killed for memory, a crash in native code) are started
+        again from the last batch taken, which keeps every document once; RESTARTS deaths in a row with
+        no batch between them end the run."""
+        deaths = 0
+        while True:
+            it = self._start_workers()
+            try:
+                while True:
+                    try:
+                        lines, state = next(it)
+                    except RuntimeError as e:
+                        codes = loader_workers_died(it)
+                        if not codes:
+                            raise
+                        deaths += 1
+                        self._worker_died(codes, deaths, e)
+                        break
+                    deaths = 0
+                    yield self._take(lines, state)
+            finally:
+                # the workers stop with this generator (closed, dropped, or ended by an error), not when a
+                # traceback that holds its frame is freed; a generator still held at interpreter exit has its
+                # workers ended by multiprocessing's SIGTERM, which they take from their rank (_init_worker)
+                shutdown = getattr(it, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+
+    def _start_workers(self) -> Iterator[tuple[Optional[np.ndarray], dict]]:
+        """The readers' (lines, state) stream from the batches taken so far: in this process with
+        num_workers=0, else from DataLoader workers whose deaths surface here, not in the training step."""
         source = _Workers(self)
-        it = (
-            iter(source)
-            if self.num_workers == 0
-            else iter(
-                DataLoader(
-                    source,
-                    batch_size=None,
-                    num_workers=self.num_workers,
-                    prefetch_factor=2,
-                    collate_fn=_as_is,
-                    worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
-                )
+        if self.num_workers == 0:
+            return iter(source)
+        it = iter(
+            DataLoader(
+                source,
+                batch_size=None,
+                num_workers=self.num_workers,
+                prefetch_factor=2,
+                collate_fn=_as_is,
+                worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
             )
         )
-        try:
-            for lines, state in it:
-                if "error" in state:
-                    raise DataError(state["error"])
-                logical = state["consumer"] - self.rank * self.workers
-                if "read_from" in state:
-                    self.read_from[logical] = state.pop("read_from")
-                self.states[logical] = state
-                self.next_worker = (logical + 1) % self.workers
-                self.batches += 1
-                batch = torch.from_numpy(lines)
-                yield batch[:, :-1], batch[:, 1:]
-        finally:
-            # the workers stop with this generator (closed, dropped, or ended by an error), not when a
-            # traceback that holds its frame is freed; a generator still held at interpreter exit has its
-            # workers ended by multiprocessing's SIGTERM, which they take from their rank (_init_worker)
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+        unwatch_loader_workers(it)
+        return it
+
+    def _worker_died(self, codes: list[int], deaths: int, error: RuntimeError) -> None:
+        """Say that a worker died and is started again; a DataError after RESTARTS deaths in a row."""
+        how = ", ".join(f"signal {-c}" if c < 0 else f"exit status {c}" for c in codes)
+        if deaths > RESTARTS:
+            raise DataError(
+                f"the data loader's workers died {deaths} times in a row ({how}; out of memory? see `dmesg`): "
+                "resume from the last checkpoint, with fewer --num_workers"
+            ) from error
+        print(
+            f"warning: rank {self.rank}: a data loader worker died ({how}); started again from the last batch taken",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _take(self, lines: Optional[np.ndarray], state: dict[str, Any]) -> Batch:
+        """A worker's batch, its reader's state kept as the rank's position."""
+        if "error" in state:
+            raise DataError(state["error"])
+        assert lines is not None
+        logical = state["consumer"] - self.rank * self.workers
+        if "read_from" in state:
+            self.read_from[logical] = state.pop("read_from")
+        self.states[logical] = state
+        self.next_worker = (logical + 1) % self.workers
+        self.batches += 1
+        batch = torch.from_numpy(lines)
+        return batch[:, :-1], batch[:, 1:]
 
     def _fingerprint(self) -> dict[str, Any]:
         found = {
