@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +30,26 @@ def multiplier(x: int, steps: int) -> float:
     return min(warm, MIN_RATIO + (1 - MIN_RATIO) / 2 * (1 + math.cos(math.pi * min(x, steps) / steps)))
 
 
+def logits_by_document(model, inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """The logits of packed lines whose documents do not see each other (--document_masking, positions
+    counted along the line): each document (ending at `eos`) run through the model alone."""
+    rows = []
+    for line in inputs:
+        ends = [i + 1 for i, t in enumerate(line.tolist()) if t == eos]
+        bounds = [0, *[e for e in ends if e < len(line)], len(line)]
+        pieces = [
+            model(input_ids=line[None, a:z], position_ids=torch.arange(a, z)[None]).logits[0]
+            for a, z in zip(bounds, bounds[1:])
+        ]
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows)
+
+
 def train(
-    source: Path, steps: int, batch: int, seq_length: int, vocab_size: int, seed: int
+    source: Path, steps: int, batch: int, seq_length: int, vocab_size: int, seed: int, eos: Optional[int] = None
 ) -> list[tuple[float, float]]:
-    """(loss, gradient norm before clipping) of each step of transformers' model trained from `source`."""
+    """(loss, gradient norm before clipping) of each step of transformers' model trained from `source`;
+    with `eos`, the documents of a line do not see each other."""
     from transformers import LlamaForCausalLM
 
     from fms_fsdp.data.dummy import DummyDataLoader
@@ -52,7 +69,7 @@ def train(
     found = []
     for _ in range(steps):
         inputs, labels = next(batches)
-        logits = model(input_ids=inputs).logits
+        logits = model(input_ids=inputs).logits if eos is None else logits_by_document(model, inputs, eos)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
