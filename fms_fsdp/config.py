@@ -756,6 +756,7 @@ def validate(cfg: train_config) -> None:
     _check_paths_and_profiler(cfg)
     _check_cache(cfg)
     _check_weight_average(cfg)
+    _check_untried_with_fault_tolerance(cfg)
     _check_ramp(cfg)
     if cfg.deterministic and cfg.fault_tolerance:
         raise ConfigError(
@@ -804,6 +805,14 @@ def _check_weight_average(cfg: train_config) -> None:
             "--ema_decay with --fault_tolerance: a replica group that catches up takes the weights, not the "
             "average, so the groups' averages would differ; leave one of them out"
         )
+
+
+def _check_untried_with_fault_tolerance(cfg: train_config) -> None:
+    """--fault_tolerance with features no run has tried it with yet: refused rather than trusted."""
+    used = {"--lora_rank": bool(cfg.lora_rank), "--eval_harness_tasks": bool(cfg.eval_harness_tasks)}
+    untried = [flag for flag, on in used.items() if on]
+    if cfg.fault_tolerance and untried:
+        raise ConfigError(f"--fault_tolerance does not combine with {untried[0]} yet; leave one of them out")
 
 
 def _check_cache(cfg: train_config) -> None:

@@ -150,6 +150,7 @@ def sparse_refusals(cfg: train_config, shape: MeshShape, model_config: LLaMAConf
         "--context_parallel_size": shape.cp > 1,
         "--float8": cfg.float8,
         "--lora_rank": bool(cfg.lora_rank),
+        "--fault_tolerance": cfg.fault_tolerance,
         "--export_format=hf with shared experts (Mixtral's layout has none)": cfg.export_format == "hf"
         and cfg.export_interval > 0
         and bool(getattr(model_config, "moe_shared_experts", 0)),

@@ -48,7 +48,7 @@ FT_CP = f"{F}::test_replica_groups_compose_with_the_features_inside_them, contex
 PIPELINE = f"{M}::test_pipeline_schedules_take_the_steps_of_one_rank"
 TP_RESUME = f"{M}::test_a_checkpoint_resumes_at_another_tensor_parallel_size, tp2"
 TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_as_one_rank"
-PP_CP = f"{TOGETHER}, pp2 x cp2, async checkpoints, evaluation"
+PP_CP = f"{TOGETHER}, pp2 x cp2 with LoRA, async checkpoints, evaluation"
 LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
 HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
 MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank"
@@ -56,6 +56,8 @@ FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evalu
 EXPERTS_TOGETHER = f"{TOGETHER}, experts spread over 2 of 4 ranks, async checkpoints, evaluation"
 EP_MESHES = "test_expert_parallel.py::test_two_expert_ranks_train_as_one_on_fsdp_hsdp_and_pipeline_meshes"
 EMA_EXPORTS = "test_ema.py::test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_our_logits"
+H_MESHES = f"{H}::test_the_harness_scores_the_same_training_on_other_meshes_the_same"
+H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
 MATRIX: list[Pair] = [
@@ -152,29 +154,32 @@ MATRIX: list[Pair] = [
     *(Pair("EMA", feature, (EXPERTS_TOGETHER,)) for feature in ("MoE", "EP")),
     Pair("EMA", "exports", (EMA_EXPORTS,)),
     Pair("EMA", "FT", refused="--ema_decay with --fault_tolerance"),
+    Pair("FT", "LoRA", refused="--fault_tolerance does not combine with --lora_rank yet"),
+    Pair("FT", "harness", refused="--fault_tolerance does not combine with --eval_harness_tasks yet"),
+    Pair("FT", "MoE", refused="--fault_tolerance does not combine with a mixture-of-experts model yet"),
+    Pair("FT", "EP", refused="--fault_tolerance does not combine with a mixture-of-experts model yet"),
+    Pair("PP", "LoRA", (PP_CP,)),
+    Pair("CP", "LoRA", (PP_CP,)),
+    Pair("PP", "HSDP", (f"{TOGETHER}, pp2 on hsdp 1 x 2, evaluation",)),
+    Pair("float8", "EMA", (FLOAT8,)),
+    Pair("TP", "EMA", (TP_RESUME,)),
+    Pair("TP", "harness", (f"{H_MESHES}, tp2",)),
+    Pair("HSDP", "harness", (f"{H_MESHES}, hsdp 1 x 2 with the weight average",)),
+    Pair("harness", "EMA", (f"{H_MESHES}, hsdp 1 x 2 with the weight average",)),
+    Pair("LoRA", "harness", (f"{H}::test_the_harness_scores_a_model_with_lora_adapters_through_them",)),
+    Pair("float8", "harness", (f"{H}::test_fms_evaluate_scores_a_float8_run_as_its_loop_did",)),
+    Pair("harness", "MoE", (H_SPARSE,)),
+    Pair("harness", "EP", (H_SPARSE,)),
+    Pair(
+        "PP",
+        "float8",
+        ("test_composition.py::test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatches",),
+    ),
 ]
 
 
 # neither run together nor refused yet: the table shows them as such
-NOT_YET = [
-    ("PP", "HSDP"),
-    ("PP", "LoRA"),
-    ("PP", "float8"),
-    ("CP", "LoRA"),
-    ("TP", "harness"),
-    ("TP", "EMA"),
-    ("HSDP", "harness"),
-    ("FT", "LoRA"),
-    ("FT", "harness"),
-    ("FT", "MoE"),
-    ("FT", "EP"),
-    ("LoRA", "harness"),
-    ("float8", "harness"),
-    ("float8", "EMA"),
-    ("harness", "MoE"),
-    ("harness", "EP"),
-    ("harness", "EMA"),
-]
+NOT_YET: list[tuple[str, str]] = []
 
 
 def every_pair() -> list[tuple[str, str]]:

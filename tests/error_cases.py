@@ -97,6 +97,13 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--fault_tolerance does not combine with --lora_rank yet; leave one of them out",
+        "fault tolerance with LoRA adapters or lm-eval-harness tasks (--eval_harness_tasks): no run has tried "
+        "them together yet, so they are refused rather than trusted",
+        flags=("--lora_rank=4", "--fault_tolerance=True"),
+    ),
+    E(
+        "flags",
         "--moe_kernel=grouped with --mixed_precision=False: torch's grouped GEMM runs in bf16 only (on GPUs and "
         "compiled); use --moe_kernel=loop or auto for fp32",
         flags=("--moe_kernel=grouped", "--mixed_precision=False"),

@@ -157,6 +157,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         "--eval_interval=8",
         f"--eval_data_path={data}",
         "--eval_batches=2",
+        "--ema_decay=0.5",  # the weight average too, resumed at every size and evaluated (eval_loss_ema)
     ]
     bf16 = ["--mixed_precision=True", "--fsdp_activation_checkpointing=True"]
     cp = ["--context_parallel_size=2"]
@@ -388,8 +389,9 @@ def test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_loss_of_the_same_global_batch
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, name, start):
     got, want = losses(runs[name]), {s: loss for s, loss in losses(runs["tp2"]).items() if s > start}
     assert sorted(got) == list(range(start + 1, 9)) and close(got, want), (got, want)  # the curve goes on
-    evals = [r["eval_loss"] for out in (runs[name], runs["tp2"]) for r in records(out) if "eval_loss" in r]
-    assert len(evals) == 2 and abs(evals[0] - evals[1]) < TOL
+    for key in ("eval_loss", "eval_loss_ema"):
+        evals = [r[key] for out in (runs[name], runs["tp2"]) for r in records(out) if key in r]
+        assert len(evals) == 2 and abs(evals[0] - evals[1]) < TOL, (key, evals)
 
 
 def test_checkpoints_and_exports_keep_fms_fused_keys_at_any_tensor_parallel_size(runs):
