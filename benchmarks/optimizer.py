@@ -1,10 +1,12 @@
 """The optimizer's step alone, on one process: AdamW (fused, foreach) against Muon (--optimizer=muon:
-the blocks' matrices orthogonalised by Newton-Schulz, AdamW for the rest), over every parameter of a
-model variant, with random gradients:
+the blocks' matrices orthogonalised by Newton-Schulz, AdamW for the rest) and AdamW with 8-bit states
+(--optimizer_state_dtype=int8: torchao's AdamW8bit), over every parameter of a model variant, with
+random gradients:
 
     python benchmarks/optimizer.py [--model_variant=tiny] [--device=cpu] [--repeat=5]
 
-One `OPTIM variant=... optimizer=... ms=...` line per optimizer (the median step after one warm-up).
+One `OPTIM variant=... optimizer=... ms=... state_mib=...` line per optimizer (the median step after one
+warm-up, whose compile torchao's AdamW8bit pays; the bytes its state holds).
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ OPTIMIZERS = {
     "adamw_fused": ["--optimizer=adamw", "--optimizer_impl=fused"],
     "adamw_foreach": ["--optimizer=adamw", "--optimizer_impl=foreach"],
     "muon": ["--optimizer=muon"],
+    "adamw_int8": ["--optimizer=adamw", "--optimizer_state_dtype=int8"],
 }
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the optimizer's state tensors (a low-bit state's: its codes, scales and map)."""
+    total = 0
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                inner = [getattr(t, n) for n in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+                total += sum(x.numel() * x.element_size() for x in inner)
+    return total
 
 
 def main(argv: list[str]) -> None:
@@ -51,7 +65,8 @@ def main(argv: list[str]) -> None:
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - start) * 1e3)
         ms = sorted(times)[len(times) // 2]
-        print(f"OPTIM variant={opts['model_variant']} optimizer={name} ms={ms:.1f}", flush=True)
+        mib = state_bytes(optimizer) / 2**20
+        print(f"OPTIM variant={opts['model_variant']} optimizer={name} ms={ms:.1f} state_mib={mib:.1f}", flush=True)
 
 
 if __name__ == "__main__":

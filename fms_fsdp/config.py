@@ -426,6 +426,12 @@ class train_config:
         choices=("match_rms_adamw", "original"),
         shared=True,
     )
+    optimizer_state_dtype: str = _f(
+        "fp32",
+        "AdamW's two state buffers (momentum and variance): fp32, or int8: torchao's AdamW8bit (extra float8), a byte an element and a scale per block of 256, about 2 bytes a parameter for both instead of 8; the parameters, gradients and update stay fp32. Checkpoints hold the states in fp32; a resume keeps the run's setting. Not with --optimizer=muon, --skip_bad_steps or --cpu_offload.",
+        choices=("fp32", "int8"),
+        shared=True,
+    )
     optimizer_impl: str = _f(
         "auto",
         "AdamW kernels: fused (one kernel for all parameters; on CUDA and CPU), foreach, or auto: fused where the device has it, which measured fastest on both.",
@@ -756,6 +762,7 @@ def validate(cfg: train_config) -> None:
     _check_paths_and_profiler(cfg)
     _check_cache(cfg)
     _check_weight_average(cfg)
+    _check_optimizer_states(cfg)
     _check_untried_with_fault_tolerance(cfg)
     _check_ramp(cfg)
     if cfg.deterministic and cfg.fault_tolerance:
@@ -794,6 +801,25 @@ def _check_ramp(cfg: train_config) -> None:
             "--lr_schedule_unit=tokens: without --batch_size_schedule or --seq_length_schedule every step has "
             "the same tokens, so tokens count as steps; leave it at steps"
         )
+
+
+def _check_optimizer_states(cfg: train_config) -> None:
+    """--optimizer_state_dtype's low-bit states: torchao's AdamW, with what it combines with."""
+    if cfg.optimizer_state_dtype == "fp32":
+        return
+    flag = f"--optimizer_state_dtype={cfg.optimizer_state_dtype}"
+    other = {
+        "--optimizer=muon": cfg.optimizer == "muon",
+        "--skip_bad_steps (torch's fused AdamW leaves steps out)": cfg.skip_bad_steps > 0,
+        "--cpu_offload (the optimizer steps on the host in fp32)": cfg.cpu_offload,
+    }
+    clash = next((name for name, on in other.items() if on), None)
+    if clash is not None:
+        raise ConfigError(f"{flag} does not combine with {clash}; leave one of them out")
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{flag} needs torchao: pip install 'fms-fsdp[float8]'") from None
 
 
 def _check_weight_average(cfg: train_config) -> None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from fms_fsdp.compat import local_box, muon_adjusted_lr, muon_orthogonalize
+from fms_fsdp.compat import local_box, local_tensor, muon_adjusted_lr, muon_orthogonalize
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.shapes import part_rows
 
@@ -72,6 +72,7 @@ class OptimizerSettings:
     eps: float
     impl: str
     skip_bad_steps: int
+    state_dtype: str = "fp32"  # or int8: torchao's 8-bit states
     muon: bool = False
     muon_momentum: float = 0.95
     muon_adjust_lr: str = "match_rms_adamw"
@@ -99,11 +100,14 @@ def muon_params(model: nn.Module) -> set[nn.Parameter]:
     }
 
 
-def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with --optimizer_impl's kernels (auto: fused where the device has them); with
-    --optimizer=muon, MuonWithAdamW: the blocks' matrices in a Muon group of their own."""
-    impl = adamw_kernels(settings.impl, device, settings.skip_bad_steps)
+    --optimizer=muon, MuonWithAdamW: the blocks' matrices in a Muon group of their own; with
+    --optimizer_state_dtype=int8 or fp8, torchao's AdamW of low-bit states."""
     groups = decay_groups(model, settings.weight_decay, settings.decay_all)
+    if settings.state_dtype != "fp32":
+        return low_bit_adamw(groups, settings)
+    impl = adamw_kernels(settings.impl, device, settings.skip_bad_steps)
     kw = dict(lr=settings.learning_rate, betas=settings.betas, eps=settings.eps, **{impl: True})
     if not settings.muon:
         return torch.optim.AdamW(groups, **kw)
@@ -121,6 +125,22 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch
     # the same groups on every rank, empty ones too: a pipeline rank's stages may lack some, and a
     # checkpoint's groups are matched by their place
     return MuonWithAdamW([*groups, muon], parts, **kw)
+
+
+def low_bit_adamw(groups: list[dict], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit: each state tensor of 4096 elements or more (a multiple of 256) held as a byte an
+    element and a scale per block of 256, dequantized for the update; smaller ones in fp32. Its learning
+    rate is a tensor (the LR scheduler fills it); it compiles its update on first use."""
+    from torchao.optim import AdamW8bit
+
+    optimizer = AdamW8bit(groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps)
+    optimizer.state_dtype = settings.state_dtype  # type: ignore[attr-defined]  # what checkpoints record
+    return optimizer
+
+
+def state_dtype(optimizer: torch.optim.Optimizer) -> str:
+    """The --optimizer_state_dtype `optimizer` keeps its state in."""
+    return getattr(optimizer, "state_dtype", "fp32")
 
 
 class MuonWithAdamW(torch.optim.AdamW):
@@ -172,6 +192,19 @@ class MuonWithAdamW(torch.optim.AdamW):
                     ortho = muon_orthogonalize(whole[a:b])[lo - a : hi - a, col : col + cols]
                     scale = muon_adjusted_lr(lr, group["adjust_lr_fn"], torch.Size((b - a, p.shape[1])))
                     local[lo - row : hi - row].add_(ortho, alpha=-scale)
+
+
+def load_low_bit_states(optimizer: torch.optim.Optimizer, optim_sd: dict[str, Any]) -> None:
+    """After a checkpoint was read into `optim_sd` (get_state_dict's, its torchao low-bit states as fp32
+    copies: fused.plain_tensor), each low-bit state of `optimizer` takes its values, quantized in place,
+    and `optim_sd` holds the low-bit tensor again for set_state_dict."""
+    for group_sd, group in zip(optim_sd["param_groups"], optimizer.param_groups):
+        for fqn, param in zip(group_sd["params"], group["params"]):
+            loaded = optim_sd["state"].get(fqn, {})
+            for key, held in optimizer.state.get(param, {}).items():
+                if hasattr(local_tensor(held), "dequantize") and key in loaded:
+                    held.copy_(loaded[key])
+                    loaded[key] = held
 
 
 def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -> None:

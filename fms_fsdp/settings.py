@@ -2,10 +2,9 @@
 `run.settings`: a component receives its own small settings object, never the flat config. Each fact the flags
 state is parsed here once (the checkpointed fraction, the keep policy, the schedule's cycles, the lm-eval tasks,
 the data's layout and framing, the mixture's schedule, the flags replica groups share). Three are built before
-the others and not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`: `run.shape`,
-`run.pipeline`) and --fault_tolerance's (`ft_of`: `run.ft`). A settings object that cannot be (a decay longer
-than a cycle, an unreadable keep policy or mixture schedule) is a ConfigError naming the flag, at start-up.
-"""
+the others and not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`), and --fault_tolerance's
+(`ft_of`). A settings object that cannot be (a decay longer than a cycle, an unreadable keep policy or mixture
+schedule) is a ConfigError naming the flag, at start-up."""
 
 from __future__ import annotations
 
@@ -278,6 +277,7 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
         document_masking=cfg.document_masking,
         cp_attention=cfg.cp_attention,
         muon=cfg.optimizer == "muon",
+        optimizer_state_dtype=cfg.optimizer_state_dtype,
         lora=lora,
         device_gib=cfg.plan_device_memory_gib,
         cpu_offload=cfg.cpu_offload,
@@ -355,6 +355,7 @@ def optimizer_of(cfg: train_config) -> OptimizerSettings:
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         impl=cfg.optimizer_impl,
+        state_dtype=cfg.optimizer_state_dtype,
         skip_bad_steps=cfg.skip_bad_steps,
         muon=cfg.optimizer == "muon",
         muon_momentum=cfg.muon_momentum,

@@ -97,6 +97,14 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--optimizer_state_dtype=int8 does not combine with --optimizer=muon; leave one of them out",
+        "torchao's 8-bit AdamW with Muon, --skip_bad_steps (which leaves steps out inside torch's fused AdamW) "
+        "or --cpu_offload (whose optimizer steps on the host)",
+        flags=("--optimizer_state_dtype=int8", "--optimizer=muon"),
+    ),
+    E("flags", "--optimizer_state_dtype=<dtype> needs torchao: pip install 'fms-fsdp[float8]'"),
+    E(
+        "flags",
         "--fault_tolerance does not combine with --lora_rank yet; leave one of them out",
         "fault tolerance with LoRA adapters or lm-eval-harness tasks (--eval_harness_tasks): no run has tried "
         "them together yet, so they are refused rather than trusted",
@@ -1297,6 +1305,13 @@ ERRORS: list[E] = [
         "",
     ),
     E("checkpoints", "cannot list the checkpoints in <root>: <message>"),
+    E(
+        "checkpoints",
+        "<path> was written with --optimizer_state_dtype=<saved>, this run has <now>: resume with <saved>, or start "
+        "from its weights (--ckpt_load_path=<path>) with a new --ckpt_save_path",
+        "the run resumes with another --optimizer_state_dtype than its checkpoints were written with",
+        "the checkpoint's setting; or its weights as a new run's start, with fresh optimizer state",
+    ),
     E(
         "data",
         "the loader states are not one run's ranks: ranks <ranks> of world sizes <sizes>",

@@ -439,6 +439,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # 18 s: kills a launcher and a rank mid-run
 def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
     """kill -9 of torchrun: its ranks get a signal from the kernel and stop as on a preemption (save),
     then fail in one line; their loader workers get SIGKILL once the ranks are gone; the same command

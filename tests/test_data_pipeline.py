@@ -6,6 +6,7 @@ import sys
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from fms_fsdp.flags import make_config
 
@@ -71,6 +72,7 @@ def test_text_in_the_same_tokens_out_of_the_loader(tmp_path):
     assert Counter(out) == Counter(docs)
 
 
+@pytest.mark.slow  # 17 s: preparation, then two ranks training
 def test_training_on_prepared_shards_two_ranks(tmp_path):
     prepare(tmp_path, texts(200))
     records = train(

@@ -330,3 +330,24 @@ def test_cpu_offload_plans_the_state_on_the_host_and_is_suggested_where_it_fits(
     text = report(memory_settings(cfg), shape, get_model_config("small", None, 512), None, 4).text
     offload = "with --cpu_offload=True (the state on the host, slower steps) the device's peak is"
     assert f"{offload} {b.peak / 2**30:.2f} GiB: fits" in text, text
+
+
+def test_eight_bit_optimizer_states_are_planned_and_suggested_where_they_fit():
+    """--optimizer_state_dtype=int8: AdamW's two buffers at a byte an element and a scale per 256 elements;
+    a plan that does not fit with fp32 states suggests them, with the peak they give."""
+    flags = dict(model_variant="small", seq_length=512, batch_size=2, fsdp_activation_checkpointing=True)
+    fp32 = plan_for(make_config(**flags), 4, 4, 1 << 40)
+    int8 = plan_for(make_config(**flags, optimizer_state_dtype="int8"), 4, 4, 1 << 40)
+    assert int8.optimizer == int(fp32.optimizer * (1 + 4 / 256) / 4) > 0
+    setting = Setting(2, True, Fraction(1), "block")
+    a, b = fp32.plan(setting), int8.plan(setting)
+    assert a.peak - b.peak == a.optimizer - b.optimizer > 0
+    gib = (a.peak + b.peak) / 2 / HEADROOM / 2**30  # fp32 states do not fit, 8-bit ones do
+    cfg = make_config(**flags, plan_device_memory_gib=gib)
+    text = report(
+        memory_settings(cfg), mesh_shape(mesh_of(cfg), 4, 4), get_model_config("small", None, 512), None, 4
+    ).text
+    assert (
+        f"with --optimizer_state_dtype=int8 (torchao's 8-bit AdamW states) the peak is {b.peak / 2**30:.2f} GiB: fits"
+        in text
+    ), text

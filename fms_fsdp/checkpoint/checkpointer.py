@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
 from fms_fsdp.checkpoint.save import CheckpointSaver, on_main
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.optim import keep_kernels
+from fms_fsdp.optim import keep_kernels, load_low_bit_states, state_dtype
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
 from fms_fsdp.versions import check_layout
@@ -192,6 +192,7 @@ class CheckpointRestorer:
             except CheckpointError:  # damaged: the resume says so and goes on to the one before
                 return names
             check_layout(meta, newest)
+            _check_state_dtype(meta, newest, state_dtype(self.optimizer))
         return names
 
     def _set_aside(self, names: list[str]) -> None:
@@ -221,6 +222,7 @@ class CheckpointRestorer:
             group["params"] = params
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
+        load_low_bit_states(self.optimizer, own["optimizer_state"])
         kernels = self.optimizer.defaults.get("fused"), self.optimizer.defaults.get("foreach")
         set_state_dict(
             self.model,
@@ -266,6 +268,16 @@ def _holds(path: Path, key: str) -> bool:
             raise
         raise CheckpointError(damage(e, path)) from None
     return any(name.startswith(f"{key}.") for name in names)
+
+
+def _check_state_dtype(meta: dict[str, Any], path: Path, now: str) -> None:
+    """CheckpointError when the checkpoint's optimizer kept its state in another --optimizer_state_dtype."""
+    saved = meta.get("config", {}).get("optimizer_state_dtype", "fp32")
+    if saved != now:
+        raise CheckpointError(
+            f"{path} was written with --optimizer_state_dtype={saved}, this run has {now}: resume with "
+            f"{saved}, or start from its weights (--ckpt_load_path={path}) with a new --ckpt_save_path"
+        )
 
 
 def _load_file(path: Path) -> Any:

@@ -35,7 +35,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.activations import Activations, Shape, trace_activations
-from fms_fsdp.memory.settings import MemorySettings, Setting
+from fms_fsdp.memory.settings import STATE_BYTES, MemorySettings, Setting
 from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
@@ -163,7 +163,7 @@ class Planner:
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")
         self.average = 4 * trained if settings.ema else 0  # --ema_decay's average, counted with the optimizer's
         self.params, self.grads = 4 * held, 4 * trained
-        self.optimizer = 2 * 4 * (trained - muon) + 4 * muon + self.average
+        self.optimizer = int(2 * 4 * self.state_share * (trained - muon)) + 4 * muon + self.average
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
         self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
@@ -182,6 +182,11 @@ class Planner:
             self.lora,
             shape.whole and settings.mixed_precision,
         )
+
+    @property
+    def state_share(self) -> float:
+        """AdamW's state in the bytes of --optimizer_state_dtype, a share of fp32's."""
+        return STATE_BYTES[self.settings.optimizer_state_dtype] / 4
 
     @property
     def state(self) -> State:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.compat import fake_store
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.memory.plan import State
+from fms_fsdp.memory.settings import STATE_BYTES
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
 from fms_fsdp.parallel.assemble import ModelBuild, describe, parallelised
 from fms_fsdp.parallel.mesh import build_mesh
@@ -110,14 +111,17 @@ def _rehearse(
                 f"parallelised: {type(e).__name__}: {first_line(e)}"
             ) from None
         line = describe(build, mesh, model, done, n_lora) if rank == 0 else None  # on the run's device
-        return _state(model, stepped), line
+        state = _state(model, stepped)  # the step made fp32 states: in --optimizer_state_dtype's bytes
+        share = STATE_BYTES[optimizer.state_dtype] / STATE_BYTES["fp32"]
+        return replace(state, optimizer=int(state.optimizer * share)), line
 
 
 def _first_step(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer after a step on zero gradients, which makes its state on the meta device,
     by the single-tensor kernels (the same state: the fused ones take no meta tensors, and DTensor
     shards the foreach ones' tensor lists several times slower)."""
-    optimizer = build_optimizer(model, replace(settings, impl="foreach", skip_bad_steps=0), REHEARSED_ON)
+    fp32 = replace(settings, impl="foreach", skip_bad_steps=0, state_dtype="fp32")  # _rehearse scales 8-bit ones
+    optimizer = build_optimizer(model, fp32, REHEARSED_ON)
     for group in optimizer.param_groups:
         group["foreach"] = False
     for p in model.parameters():

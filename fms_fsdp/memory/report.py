@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional, Sequence
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.plan import AGREEMENT, GIB, HEADROOM, Plan, Planner, State, device_memory
-from fms_fsdp.memory.settings import MemorySettings, Setting
+from fms_fsdp.memory.settings import STATE_BYTES, MemorySettings, Setting
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
 from fms_fsdp.parallel.pipeline import PipelinePlan, microbatches_in_flight
 from fms_fsdp.parallel.settings import MeshShape
@@ -122,7 +122,7 @@ def _report_table(planner: Planner, plan: Plan, device_name: str) -> list[str]:
             (
                 "optimizer state (Muon 1 x fp32, AdamW 2 x fp32)"
                 if settings.muon
-                else "optimizer state (AdamW, 2 x fp32)"
+                else f"optimizer state (AdamW, 2 x {settings.optimizer_state_dtype})"
             )
             + host,
             plan.optimizer,
@@ -165,6 +165,7 @@ def _report_suggestions(planner: Planner, plan: Plan, setting: Setting) -> list[
     least = planner.least_checkpointing(setting.batch)
     return [
         *_offload_suggestion(planner, plan, setting),
+        *_low_bit_states_suggestion(planner, plan),
         "largest micro-batch that fits with this checkpointing: " + (f"--batch_size={largest}" if largest else "none"),
         f"least checkpointing that fits --batch_size={setting.batch}: "
         + (
@@ -190,6 +191,18 @@ def _activation_offload_suggestion(planner: Planner, least: Optional[Setting]) -
     return [
         f"or, recomputing nothing: {offloaded.flags().split(' ', 1)[1]} (the activations to the host and back: "
         f"{_gib(plan.host).strip()} of host memory per rank)"
+    ]
+
+
+def _low_bit_states_suggestion(planner: Planner, plan: Plan) -> list[str]:
+    """Where the plan does not fit with fp32 AdamW states on the device: its peak with torchao's 8-bit ones."""
+    settings = planner.settings
+    if plan.fits or settings.optimizer_state_dtype != "fp32" or settings.muon or settings.cpu_offload:
+        return []
+    peak = plan.peak - int((plan.optimizer - planner.average) * (1 - STATE_BYTES["int8"] / 4))
+    verdict = "fits" if peak <= HEADROOM * plan.device else "still does not fit"
+    return [
+        f"with --optimizer_state_dtype=int8 (torchao's 8-bit AdamW states) the peak is {_gib(peak).strip()}: {verdict}"
     ]
 
 

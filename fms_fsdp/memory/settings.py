@@ -9,6 +9,10 @@ from typing import Optional
 
 from fms_fsdp.model.lora import LoRASpec
 
+# bytes an element of AdamW's state takes: fp32, or torchao's 8-bit states (a byte, and an fp32 scale per
+# block of 256; tensors under 4096 elements stay fp32, a small share left out here)
+STATE_BYTES = {"fp32": 4.0, "int8": 1 + 4 / 256}
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -46,3 +50,4 @@ class MemorySettings:
     device_gib: Optional[float]  # --plan_device_memory_gib
     cpu_offload: bool = False  # --cpu_offload: parameters, gradients and optimizer state on the host
     ema: bool = False  # --ema_decay: a weight average beside the optimizer's state
+    optimizer_state_dtype: str = "fp32"  # AdamW's state: fp32, or torchao's int8 (STATE_BYTES)

@@ -377,7 +377,7 @@ def _after_step(loop: Loop, step: int, done: StepResult, report_step: bool, batc
     that is due (exports, evaluation, lm-eval tasks, the profiler). The stop signal's name when the run
     stops here."""
     ft, reporter, checkpointer = loop.ft, loop.reporter, loop.checkpointer
-    lr = loop.scheduler.get_last_lr()[0]
+    lr = float(loop.scheduler.get_last_lr()[0])  # a tensor for torchao's AdamW
     loop.scheduler.step()
     reporter.step_done(done.loss, done.data_wait, loop.guard.kept, done.z_loss, len(ft.present) if ft else 1)
     if ft is not None:

@@ -37,7 +37,9 @@ Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first ro
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     """A state-dict tensor as checkpoints hold it: a wrapper subclass (the weights of float8 training
     with float8 all-gather) becomes the plain tensor it wraps, sharing its storage, so a checkpoint is
-    the same with and without float8 and loads into either."""
+    the same with and without float8 and loads into either; torchao's low-bit optimizer state becomes a
+    copy of its fp32 values (loaded back by optim.load_low_bit_states), so a checkpoint holds fp32 states
+    whatever --optimizer_state_dtype."""
     if isinstance(value, DTensor):
         local = plain_tensor(local_tensor(value))
         if local is local_tensor(value):
@@ -46,6 +48,8 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+        if hasattr(value, "dequantize"):
+            return value.dequantize()
         names, _ = value.__tensor_flatten__()
         return getattr(value, names[0])
     return value
