@@ -428,7 +428,7 @@ class train_config:
     )
     optimizer_state_dtype: str = _f(
         "fp32",
-        "AdamW's two state buffers (momentum and variance): fp32, or int8: torchao's AdamW8bit (extra float8), a byte an element and a scale per block of 256, about 2 bytes a parameter for both instead of 8; the parameters, gradients and update stay fp32. Checkpoints hold the states in fp32; a resume keeps the run's setting. Not with --optimizer=muon, --skip_bad_steps or --cpu_offload.",
+        "AdamW's two state buffers (momentum and variance): fp32, or int8: torchao's AdamW8bit (extra float8), a byte an element and a scale per block of 256, about 2 bytes a parameter for both instead of 8; the parameters, gradients and update stay fp32 (--optimizer_impl does not apply). Checkpoints hold the states in fp32; a resume keeps the run's setting. Not with --optimizer=muon, --skip_bad_steps, --cpu_offload or --fault_tolerance.",
         choices=("fp32", "int8"),
         shared=True,
     )
@@ -812,6 +812,7 @@ def _check_optimizer_states(cfg: train_config) -> None:
         "--optimizer=muon": cfg.optimizer == "muon",
         "--skip_bad_steps (torch's fused AdamW leaves steps out)": cfg.skip_bad_steps > 0,
         "--cpu_offload (the optimizer steps on the host in fp32)": cfg.cpu_offload,
+        "--fault_tolerance (a recovering group takes the states as fp32)": cfg.fault_tolerance,
     }
     clash = next((name for name, on in other.items() if on), None)
     if clash is not None:

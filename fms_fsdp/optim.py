@@ -103,7 +103,7 @@ def muon_params(model: nn.Module) -> set[nn.Parameter]:
 def build_optimizer(model: nn.Module, settings: OptimizerSettings, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with --optimizer_impl's kernels (auto: fused where the device has them); with
     --optimizer=muon, MuonWithAdamW: the blocks' matrices in a Muon group of their own; with
-    --optimizer_state_dtype=int8 or fp8, torchao's AdamW of low-bit states."""
+    --optimizer_state_dtype=int8, torchao's AdamW8bit (--optimizer_impl does not apply)."""
     groups = decay_groups(model, settings.weight_decay, settings.decay_all)
     if settings.state_dtype != "fp32":
         return low_bit_adamw(groups, settings)
@@ -194,6 +194,11 @@ class MuonWithAdamW(torch.optim.AdamW):
                     local[lo - row : hi - row].add_(ortho, alpha=-scale)
 
 
+def low_bit_state(t: Any) -> bool:
+    """Whether `t` (a DTensor's local part) is one of torchao's low-bit optimizer states."""
+    return type(local_tensor(t)).__module__.startswith("torchao.optim.")
+
+
 def load_low_bit_states(optimizer: torch.optim.Optimizer, optim_sd: dict[str, Any]) -> None:
     """After a checkpoint was read into `optim_sd` (get_state_dict's, its torchao low-bit states as fp32
     copies: fused.plain_tensor), each low-bit state of `optimizer` takes its values, quantized in place,
@@ -202,7 +207,7 @@ def load_low_bit_states(optimizer: torch.optim.Optimizer, optim_sd: dict[str, An
         for fqn, param in zip(group_sd["params"], group["params"]):
             loaded = optim_sd["state"].get(fqn, {})
             for key, held in optimizer.state.get(param, {}).items():
-                if hasattr(local_tensor(held), "dequantize") and key in loaded:
+                if low_bit_state(held) and key in loaded:
                     held.copy_(loaded[key])
                     loaded[key] = held
 

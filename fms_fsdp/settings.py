@@ -263,8 +263,7 @@ def trackers_of(cfg: train_config) -> TrackerSettings:
 
 
 def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:
-    """The memory plan's settings; its activation checkpointing is `parallel`'s (parsed once there) and
-    its adapters `lora`'s."""
+    """The memory plan's settings: its activation checkpointing is `parallel`'s, its adapters `lora`'s."""
     fraction = parallel.checkpointing
     return MemorySettings(
         setting=Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
@@ -278,6 +277,7 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
         cp_attention=cfg.cp_attention,
         muon=cfg.optimizer == "muon",
         optimizer_state_dtype=cfg.optimizer_state_dtype,
+        skip_bad_steps=cfg.skip_bad_steps > 0,
         lora=lora,
         device_gib=cfg.plan_device_memory_gib,
         cpu_offload=cfg.cpu_offload,

@@ -166,7 +166,7 @@ MATRIX: list[Pair] = [
     Pair("TP", "harness", (f"{H_MESHES}, tp2",)),
     Pair("HSDP", "harness", (f"{H_MESHES}, hsdp 1 x 2 with the weight average",)),
     Pair("harness", "EMA", (f"{H_MESHES}, hsdp 1 x 2 with the weight average",)),
-    Pair("LoRA", "harness", (f"{H}::test_the_harness_scores_a_model_with_lora_adapters_through_them",)),
+    Pair("LoRA", "harness", (f"{H}::test_the_harness_scores_a_model_through_its_lora_adapters",)),
     Pair("float8", "harness", (f"{H}::test_fms_evaluate_scores_a_float8_run_as_its_loop_did",)),
     Pair("harness", "MoE", (H_SPARSE,)),
     Pair("harness", "EP", (H_SPARSE,)),

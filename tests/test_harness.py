@@ -238,80 +238,70 @@ MESHES = {
 }
 
 
+def harness_flags(trained) -> list[str]:
+    _, tasks, tok, _ = trained
+    return [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
+
+
+def scored_run(trained, out: Path, flags: list[str], script: str = "main_training.py") -> str:
+    """`script` on 2 ranks with RUN, the harness and `flags`, writing to `out`: its stdout."""
+    env = {**OFFLINE, "HF_DATASETS_CACHE": str(out.parent / "hf_cache")}
+    proc = launch(script, [*RUN, *harness_flags(trained), *flags, f"--ckpt_save_path={out}"], 2, extra_env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def printed_scores(stdout: str) -> dict[str, float]:
+    """fms-evaluate's `HARNESS task/metric=value` lines, under the metrics' names."""
+    pairs = (line.split(" ", 1)[1].split("=") for line in stdout.splitlines() if line.startswith("HARNESS "))
+    return {f"harness/{k}": float(v) for k, v in pairs}
+
+
+def assert_same_scores(ours: dict, theirs: dict, rel: float) -> None:
+    scores = [k for k in theirs if k.startswith("harness/")]
+    assert scores and all(math.isclose(ours[k], theirs[k], rel_tol=rel) for k in scores), (ours, theirs)
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_the_harness_scores_the_same_training_on_other_meshes_the_same(mesh, trained, tmp_path):
-    out, tasks, tok, _ = trained
-    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
-    run = tmp_path / "run"
-    proc = launch(
-        "main_training.py",
-        [*RUN, *harness, *MESHES[mesh], f"--ckpt_save_path={run}"],
-        2,
-        extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ours, theirs = harness_records(run)[4], harness_records(out)[4]
-    scores = [k for k in theirs if k.startswith("harness/")]
-    assert scores and all(math.isclose(ours[k], theirs[k], rel_tol=1e-4) for k in scores), (ours, theirs)
+    scored_run(trained, tmp_path / "run", MESHES[mesh])
+    assert_same_scores(harness_records(tmp_path / "run")[4], harness_records(trained[0])[4], 1e-4)
 
 
-def test_the_harness_scores_a_model_with_lora_adapters_through_them(trained, tmp_path):
-    """LoRA adapters on the trained model (their B is zero at the start, and learning rate 0 keeps it so):
-    the harness scores the adapted model as the FSDP run scored its base."""
-    out, tasks, tok, _ = trained
-    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
-    lora = [
-        "--lora_rank=4",
-        "--learning_rate=0",
-        "--num_steps=1",
-        f"--ckpt_load_path={out / 'model_step_4.safetensors'}",
-    ]
+def test_the_harness_scores_a_model_through_its_lora_adapters(trained, tmp_path):
+    """LoRA adapters trained for two steps on the trained model: the harness in the loop scores the adapted
+    model as `fms-evaluate` on 2 ranks scores its merged export (W + scale B A), and not as the base."""
+    base = trained[0] / "model_step_4.safetensors"
     run = tmp_path / "run"
-    proc = launch(
-        "main_training.py",
-        [*RUN, *harness, *lora, f"--ckpt_save_path={run}"],
-        2,
-        extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
+    lora = ["--lora_rank=4", "--num_steps=2", f"--ckpt_load_path={base}", "--export_model_at_end=True"]
+    scored_run(trained, run, lora)
+    stdout = scored_run(
+        trained,
+        tmp_path / "merged",
+        [f"--ckpt_load_path={run / 'model_step_2.safetensors'}"],
+        script="scripts/evaluate.py",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ours, theirs = harness_records(run)[1], harness_records(out)[4]
-    scores = [k for k in theirs if k.startswith("harness/")]
-    assert scores and all(math.isclose(ours[k], theirs[k], rel_tol=1e-5) for k in scores), (ours, theirs)
+    in_loop = harness_records(run)[2]
+    assert_same_scores(printed_scores(stdout), in_loop, 1e-4)
+    assert in_loop[MONITOR] != harness_records(trained[0])[4][MONITOR]  # the adapters changed the model
 
 
 def test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread(trained, tmp_path):
     """A mixture-of-experts model trained on 2 FSDP ranks, and the same with its experts spread over the 2
     ranks (--expert_parallel_size=2): the harness runs through the routed experts, and scores both alike."""
-    _, tasks, tok, _ = trained
-    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
-    sparse = [*RUN, *harness, "--model_variant=tiny_moe", "--moe_aux_loss_weight=0"]
-    scored = {}
+    sparse = ["--model_variant=tiny_moe", "--moe_aux_loss_weight=0"]
     for name, extra in {"fsdp": [], "ep2": ["--expert_parallel_size=2"]}.items():
-        proc = launch(
-            "main_training.py",
-            [*sparse, *extra, f"--ckpt_save_path={tmp_path / name}"],
-            2,
-            extra_env={**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")},
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        scored[name] = harness_records(tmp_path / name)[4]
-    scores = [k for k in scored["fsdp"] if k.startswith("harness/")]
-    assert scores and all(math.isclose(scored["ep2"][k], scored["fsdp"][k], rel_tol=1e-4) for k in scores), scored
+        scored_run(trained, tmp_path / name, [*sparse, *extra])
+    assert_same_scores(harness_records(tmp_path / "ep2")[4], harness_records(tmp_path / "fsdp")[4], 1e-4)
 
 
 def test_fms_evaluate_scores_a_float8_run_as_its_loop_did(trained, tmp_path):
     """A float8 run scored by the harness as it trains (its matmuls in float8), and `fms-evaluate --float8`
     on its saved model with as many ranks (float8 scales each batch of requests by its own largest values,
     so the ranks' batches must be the same): the same figures."""
-    _, tasks, tok, _ = trained
-    harness = [f"--eval_harness_tasks={TASKS}", f"--eval_harness_include_path={tasks}", f"--tokenizer_path={tok}"]
-    float8 = [*RUN, *harness, "--float8=True", "--float8_min_size=16"]
+    float8 = ["--float8=True", "--float8_min_size=16"]
     run = tmp_path / "run"
-    env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
-    proc = launch("main_training.py", [*float8, "--export_model_at_end=True", f"--ckpt_save_path={run}"], 2, env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = launch("scripts/evaluate.py", [*float8, f"--ckpt_load_path={run / 'model_step_4.safetensors'}"], 2, env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1)[1].split("=") for line in proc.stdout.splitlines() if line.startswith("HARNESS "))
-    in_loop = harness_records(run)[4]
-    assert lines and all(math.isclose(float(v), in_loop[f"harness/{k}"], rel_tol=1e-5) for k, v in lines.items())
+    scored_run(trained, run, [*float8, "--export_model_at_end=True"])
+    evaluated = [*float8, f"--ckpt_load_path={run / 'model_step_4.safetensors'}"]
+    stdout = scored_run(trained, tmp_path / "evaluated", evaluated, script="scripts/evaluate.py")
+    assert_same_scores(printed_scores(stdout), harness_records(run)[4], 1e-5)

@@ -6,10 +6,16 @@ eager path (TORCHDYNAMO_DISABLE), which computes the same update (the compiled o
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_map_only
+
+from fms_fsdp.flags import make_config
+from fms_fsdp.optim import build_optimizer, load_low_bit_states, low_bit_state
+from fms_fsdp.settings import optimizer_of
+from fms_fsdp.weights.fused import plain_tensor
 
 from conftest import TINY, launch, records, resume_from
-
-pytestmark = pytest.mark.slow  # four launches
 
 # 8-bit moments round each block of 256 to its largest value's 1/127 steps: over 6 steps at the tiny
 # recipe's learning rate the losses stay within 1% of fp32's (0.5% measured)
@@ -25,6 +31,7 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out) if "loss" in r]
 
 
+@pytest.mark.slow  # four launches
 def test_eight_bit_states_train_as_fp32_states_and_resume_from_their_checkpoints(tmp_path):
     for name, flags in {"fp32": [], "int8": ["--optimizer_state_dtype=int8"]}.items():
         proc = launch("main_training.py", [*RUN, *flags, f"--ckpt_save_path={tmp_path / name}"], 2, EAGER)
@@ -40,3 +47,25 @@ def test_eight_bit_states_train_as_fp32_states_and_resume_from_their_checkpoints
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and errors, proc.stderr[-3000:]
     assert "was written with --optimizer_state_dtype=int8, this run has fp32: resume with int8" in errors[0]
+
+
+def test_a_checkpoints_fp32_states_load_back_into_eight_bit_ones(monkeypatch):
+    """What a checkpoint holds of 8-bit states is their fp32 values (fused.plain_tensor), and loading
+    quantizes them back into the optimizer's own 8-bit tensors, which stay 8-bit after set_state_dict."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # torchao's update, eager
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 128))
+    optimizer = build_optimizer(model, optimizer_of(make_config(optimizer_state_dtype="int8")), torch.device("cpu"))
+    model(torch.randn(4, 128)).square().mean().backward()
+    optimizer.step()
+    held = optimizer.state[model[0].weight]["exp_avg"]
+    assert low_bit_state(held) and not low_bit_state(torch.zeros(1))
+    saved = held.dequantize().clone()
+    _, optim_sd = get_state_dict(model, optimizer)
+    checkpoint = tree_map_only(torch.Tensor, plain_tensor, optim_sd)  # as a save writes it
+    assert type(checkpoint["state"]["0.weight"]["exp_avg"]) is torch.Tensor
+    held.copy_(torch.zeros_like(saved))  # what a fresh optimizer holds before a resume
+    load_low_bit_states(optimizer, checkpoint)
+    set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=checkpoint)
+    loaded = optimizer.state[model[0].weight]["exp_avg"]
+    assert low_bit_state(loaded) and torch.allclose(loaded.dequantize(), saved, rtol=0.02, atol=1e-6)

@@ -116,5 +116,5 @@ def test_context_parallel_with_document_masking_follows_the_reference_loop(tmp_p
         "--eos_token=0",
     ]
     found = run(source, tmp_path / "run", DOCUMENTS_VOCAB, 2, mesh)
-    check("cp with document masking, first steps", found[:2], reference[:2], 1e-5)
+    check("cp with document masking, first steps", found[:2], reference[:2], 1e-6)
     check("cp with document masking", found, reference, DOCUMENTS_TOL)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from fms_fsdp.compat import loader_workers_died, unwatch_loader_workers
 from fms_fsdp.data.mixture import MixtureSchedule
 from fms_fsdp.data.shards import Dataset
 from fms_fsdp.data.stream import POSITION, LineReader, Packing, n_logical_shards, shard_table
+from fms_fsdp.data.worker_deaths import WorkerDied, next_batch, shut_down, watch
 from fms_fsdp.errors import DataError
 from fms_fsdp.lifetime import STOP_SIGNALS, exit_with_parent
 from fms_fsdp.ramp import Ramp
@@ -186,31 +186,25 @@ class StatefulLoader:
         no batch between them end the run."""
         deaths = 0
         while True:
-            it = self._start_workers()
+            it = None
             try:
+                it = self._start_workers()
                 while True:
-                    try:
-                        lines, state = next(it)
-                    except RuntimeError as e:
-                        codes = loader_workers_died(it)
-                        if not codes:
-                            raise
-                        deaths += 1
-                        self._worker_died(codes, deaths, e)
-                        break
+                    lines, state = next_batch(it)
                     deaths = 0
                     yield self._take(lines, state)
+            except WorkerDied as e:
+                deaths += 1
+                self._worker_died(e, deaths)
             finally:
                 # the workers stop with this generator (closed, dropped, or ended by an error), not when a
                 # traceback that holds its frame is freed; a generator still held at interpreter exit has its
                 # workers ended by multiprocessing's SIGTERM, which they take from their rank (_init_worker)
-                shutdown = getattr(it, "_shutdown_workers", None)
-                if shutdown is not None:
-                    shutdown()
+                shut_down(it)
 
     def _start_workers(self) -> Iterator[tuple[Optional[np.ndarray], dict]]:
         """The readers' (lines, state) stream from the batches taken so far: in this process with
-        num_workers=0, else from DataLoader workers whose deaths surface here, not in the training step."""
+        num_workers=0, else from DataLoader workers whose deaths are found as the rank waits (worker_deaths)."""
         source = _Workers(self)
         if self.num_workers == 0:
             return iter(source)
@@ -224,22 +218,23 @@ class StatefulLoader:
                 worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
             )
         )
-        unwatch_loader_workers(it)
+        watch(it)
         return it
 
-    def _worker_died(self, codes: list[int], deaths: int, error: RuntimeError) -> None:
-        """Say that a worker died and is started again; a DataError after RESTARTS deaths in a row."""
-        how = ", ".join(f"signal {-c}" if c < 0 else f"exit status {c}" for c in codes)
+    def _worker_died(self, error: WorkerDied, deaths: int) -> None:
+        """Say that a worker died and its readers start again (their counts of documents read from a cache
+        being built go on from here); a DataError after RESTARTS deaths in a row."""
         if deaths > RESTARTS:
             raise DataError(
-                f"the data loader's workers died {deaths} times in a row ({how}; out of memory? see `dmesg`): "
-                "resume from the last checkpoint, with fewer --num_workers"
+                f"the data loader's workers died {deaths} times in a row ({error.how}; out of memory? see "
+                "`dmesg`): resume from the last checkpoint, with fewer --num_workers"
             ) from error
         print(
-            f"warning: rank {self.rank}: a data loader worker died ({how}); started again from the last batch taken",
-            file=sys.stderr,
-            flush=True,
+            f"warning: rank {self.rank}: {error}; started again from the last batch taken", file=sys.stderr, flush=True
         )
+        counted = self._read_totals()
+        self._read_before = {k: self._read_before.get(k, 0) - counted[k] for k in {*counted, *self._read_before}}
+        self.read_from.clear()
 
     def _take(self, lines: Optional[np.ndarray], state: dict[str, Any]) -> Batch:
         """A worker's batch, its reader's state kept as the rank's position."""
@@ -270,16 +265,21 @@ class StatefulLoader:
         and tokenized as read, and (rank 0) the share of the text the build has done."""
         if not any(d.building is not None for d in self.datasets):
             return {}
-        totals: Counter[str] = Counter()
-        for by_dataset in self.read_from.values():
-            for counts in by_dataset.values():
-                totals.update(counts)
+        totals = self._read_totals()
         new = {k: totals[k] - self._read_before.get(k, 0) for k in ("cache", "tokenized")}
         self._read_before = dict(totals)
         report: dict[str, float] = {"documents_from_cache": new["cache"], "documents_tokenized": new["tokenized"]}
         if self.builder is not None:
             report["cache_built"] = self.builder.progress()
         return report
+
+    def _read_totals(self) -> Counter[str]:
+        """Documents this rank's readers read from the caches and tokenized, since they started."""
+        totals: Counter[str] = Counter()
+        for by_dataset in self.read_from.values():
+            for counts in by_dataset.values():
+                totals.update(counts)
+        return totals
 
     def keep_building(self) -> None:
         """A run that ends normally: `close` leaves rank 0's build of the caches running, for `finish`."""

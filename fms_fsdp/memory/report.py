@@ -197,7 +197,13 @@ def _activation_offload_suggestion(planner: Planner, least: Optional[Setting]) -
 def _low_bit_states_suggestion(planner: Planner, plan: Plan) -> list[str]:
     """Where the plan does not fit with fp32 AdamW states on the device: its peak with torchao's 8-bit ones."""
     settings = planner.settings
-    if plan.fits or settings.optimizer_state_dtype != "fp32" or settings.muon or settings.cpu_offload:
+    if (
+        plan.fits
+        or settings.optimizer_state_dtype != "fp32"
+        or settings.muon
+        or settings.cpu_offload
+        or settings.skip_bad_steps
+    ):
         return []
     peak = plan.peak - int((plan.optimizer - planner.average) * (1 - STATE_BYTES["int8"] / 4))
     verdict = "fits" if peak <= HEADROOM * plan.device else "still does not fit"

@@ -51,3 +51,4 @@ class MemorySettings:
     cpu_offload: bool = False  # --cpu_offload: parameters, gradients and optimizer state on the host
     ema: bool = False  # --ema_decay: a weight average beside the optimizer's state
     optimizer_state_dtype: str = "fp32"  # AdamW's state: fp32, or torchao's int8 (STATE_BYTES)
+    skip_bad_steps: bool = False  # --skip_bad_steps: torch's fused AdamW (no 8-bit states suggested)

@@ -48,7 +48,7 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
-        if hasattr(value, "dequantize"):
+        if type(value).__module__.startswith("torchao.optim."):  # optim.low_bit_state
             return value.dequantize()
         names, _ = value.__tensor_flatten__()
         return getattr(value, names[0])
