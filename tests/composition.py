@@ -60,6 +60,14 @@ H_MESHES = f"{H}::test_the_harness_scores_the_same_training_on_other_meshes_the_
 H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
+SPARSE_REFUSALS = [
+    ("CP", "--context_parallel_size"),
+    ("TP", "--tensor_parallel_size"),
+    ("LoRA", "--lora_rank"),
+    ("float8", "--float8"),
+    ("FT", "--fault_tolerance"),
+]
+
 MATRIX: list[Pair] = [
     Pair("PP", "CP", (PP_CP,)),
     Pair("PP", "async", (PP_CP,)),
@@ -132,10 +140,12 @@ MATRIX: list[Pair] = [
         "exports",
         ("test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers",),
     ),
-    Pair("MoE", "CP", refused="--context_parallel_size does not combine with a mixture-of-experts model yet"),
-    Pair("MoE", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
-    Pair("MoE", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
-    Pair("MoE", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
+    # a sparse model (MoE, and so EP) refuses these by the flag that turns them on
+    *(
+        Pair(sparse, feature, refused=f"{flag} does not combine with a mixture-of-experts model yet")
+        for sparse in ("MoE", "EP")
+        for feature, flag in SPARSE_REFUSALS
+    ),
     Pair("async", "MoE", (EXPERTS_TOGETHER,)),
     Pair("eval", "MoE", (EXPERTS_TOGETHER,)),
     Pair("async", "EP", (EXPERTS_TOGETHER,)),
@@ -144,10 +154,6 @@ MATRIX: list[Pair] = [
     Pair("EP", "PP", (EP_MESHES,)),
     Pair("EP", "HSDP", (EP_MESHES,)),
     Pair("EP", "exports", (EP_EXPORTS,)),
-    Pair("EP", "CP", refused="--context_parallel_size does not combine with a mixture-of-experts model yet"),
-    Pair("EP", "TP", refused="--tensor_parallel_size does not combine with a mixture-of-experts model yet"),
-    Pair("EP", "LoRA", refused="--lora_rank does not combine with a mixture-of-experts model yet"),
-    Pair("EP", "float8", refused="--float8 does not combine with a mixture-of-experts model yet"),
     # the runs together also keep the weight average (--ema_decay), and compare its evaluation
     *(Pair("EMA", feature, (PP_CP,)) for feature in ("PP", "CP", "async", "eval")),
     *(Pair("EMA", feature, (LORA,)) for feature in ("LoRA", "HSDP")),
@@ -156,8 +162,6 @@ MATRIX: list[Pair] = [
     Pair("EMA", "FT", refused="--ema_decay with --fault_tolerance"),
     Pair("FT", "LoRA", refused="--fault_tolerance does not combine with --lora_rank yet"),
     Pair("FT", "harness", refused="--fault_tolerance does not combine with --eval_harness_tasks yet"),
-    Pair("FT", "MoE", refused="--fault_tolerance does not combine with a mixture-of-experts model yet"),
-    Pair("FT", "EP", refused="--fault_tolerance does not combine with a mixture-of-experts model yet"),
     Pair("PP", "LoRA", (PP_CP,)),
     Pair("CP", "LoRA", (PP_CP,)),
     Pair("PP", "HSDP", (f"{TOGETHER}, pp2 on hsdp 1 x 2, evaluation",)),

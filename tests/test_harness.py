@@ -175,16 +175,7 @@ def test_fms_evaluate_scores_a_saved_model_the_same(trained, monkeypatch):
     ]
     with here() as printed:
         evaluate(args)
-    lines = dict(
-        line.split(" ", 1)[1].split("=") for line in printed.getvalue().splitlines() if line.startswith("HARNESS ")
-    )
-    in_loop = harness_records(out)[4]
-    apart = {
-        k: (float(v), in_loop[f"harness/{k}"])
-        for k, v in lines.items()
-        if not math.isclose(float(v), in_loop[f"harness/{k}"], rel_tol=1e-5)
-    }
-    assert lines and not apart, apart
+    assert_same_scores(printed_scores(printed.getvalue()), harness_records(out)[4], 1e-5)
 
 
 @pytest.mark.parametrize(

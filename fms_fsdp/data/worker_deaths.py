@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 from fms_fsdp.compat import loader_workers_died, unwatch_loader_workers
 
 _waiting: list[Any] = []  # the DataLoader iterator the main thread waits on, while it waits
-_installed: list[bool] = []
+_installed = False  # this module's SIGCHLD handler
 
 
 class WorkerDied(RuntimeError):
@@ -26,6 +26,7 @@ class WorkerDied(RuntimeError):
 def watch(it: Iterator[Any]) -> None:
     """Find `it`'s worker deaths in `next_batch` (torch's handler leaves them), with a SIGCHLD handler of
     this module in the main thread, installed once, before whatever handler was there."""
+    global _installed
     try:
         unwatch_loader_workers(it)
     except RuntimeError as e:  # torch's handler: a worker died as they started
@@ -33,7 +34,7 @@ def watch(it: Iterator[Any]) -> None:
     if not _installed and threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGCHLD)
         signal.signal(signal.SIGCHLD, lambda signum, frame: _on_child_exit(previous, signum, frame))
-        _installed.append(True)
+        _installed = True
 
 
 def _on_child_exit(previous: Any, signum: int, frame: Any) -> None:

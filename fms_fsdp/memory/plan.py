@@ -35,7 +35,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.activations import Activations, Shape, trace_activations
-from fms_fsdp.memory.settings import STATE_BYTES, MemorySettings, Setting
+from fms_fsdp.memory.settings import MemorySettings, Setting, state_share
 from fms_fsdp.model.lora import add_adapters
 from fms_fsdp.model.variants import build_model
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
@@ -162,8 +162,8 @@ class Planner:
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")
         self.average = 4 * trained if settings.ema else 0  # --ema_decay's average, counted with the optimizer's
-        self.params, self.grads = 4 * held, 4 * trained
-        self.optimizer = int(2 * 4 * self.state_share * (trained - muon)) + 4 * muon + self.average
+        adamw = int(2 * 4 * state_share(settings.optimizer_state_dtype) * (trained - muon))
+        self.params, self.grads, self.optimizer = 4 * held, 4 * trained, adamw + 4 * muon + self.average
         # the block in use, the one prefetched, the last block and the head kept gathered, and one
         # block's unsharded gradients; none on one rank, which has no FSDP
         self.gathered = 0 if shape.whole else self.compute * (4 * block + head)
@@ -182,11 +182,6 @@ class Planner:
             self.lora,
             shape.whole and settings.mixed_precision,
         )
-
-    @property
-    def state_share(self) -> float:
-        """AdamW's state in the bytes of --optimizer_state_dtype, a share of fp32's."""
-        return STATE_BYTES[self.settings.optimizer_state_dtype] / 4
 
     @property
     def state(self) -> State:

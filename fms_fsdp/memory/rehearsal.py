@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from fms_fsdp.compat import fake_store
 from fms_fsdp.errors import ConfigError, TrainingError, first_line
 from fms_fsdp.memory.plan import State
-from fms_fsdp.memory.settings import STATE_BYTES
+from fms_fsdp.memory.settings import state_share
 from fms_fsdp.optim import OptimizerSettings, build_optimizer
 from fms_fsdp.parallel.assemble import ModelBuild, describe, parallelised
 from fms_fsdp.parallel.mesh import build_mesh
@@ -112,8 +112,7 @@ def _rehearse(
             ) from None
         line = describe(build, mesh, model, done, n_lora) if rank == 0 else None  # on the run's device
         state = _state(model, stepped)  # the step made fp32 states: in --optimizer_state_dtype's bytes
-        share = STATE_BYTES[optimizer.state_dtype] / STATE_BYTES["fp32"]
-        return replace(state, optimizer=int(state.optimizer * share)), line
+        return replace(state, optimizer=int(state.optimizer * state_share(optimizer.state_dtype))), line
 
 
 def _first_step(settings: OptimizerSettings, model: nn.Module) -> torch.optim.Optimizer:

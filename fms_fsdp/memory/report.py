@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional, Sequence
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.memory.plan import AGREEMENT, GIB, HEADROOM, Plan, Planner, State, device_memory
-from fms_fsdp.memory.settings import STATE_BYTES, MemorySettings, Setting
+from fms_fsdp.memory.settings import MemorySettings, Setting, state_share
 from fms_fsdp.parallel.activation_checkpointing import checkpointed_blocks
 from fms_fsdp.parallel.pipeline import PipelinePlan, microbatches_in_flight
 from fms_fsdp.parallel.settings import MeshShape
@@ -205,7 +205,7 @@ def _low_bit_states_suggestion(planner: Planner, plan: Plan) -> list[str]:
         or settings.skip_bad_steps
     ):
         return []
-    peak = plan.peak - int((plan.optimizer - planner.average) * (1 - STATE_BYTES["int8"] / 4))
+    peak = plan.peak - int((plan.optimizer - planner.average) * (1 - state_share("int8")))
     verdict = "fits" if peak <= HEADROOM * plan.device else "still does not fit"
     return [
         f"with --optimizer_state_dtype=int8 (torchao's 8-bit AdamW states) the peak is {_gib(peak).strip()}: {verdict}"

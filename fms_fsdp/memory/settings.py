@@ -14,6 +14,11 @@ from fms_fsdp.model.lora import LoRASpec
 STATE_BYTES = {"fp32": 4.0, "int8": 1 + 4 / 256}
 
 
+def state_share(dtype: str) -> float:
+    """AdamW's state in --optimizer_state_dtype=`dtype`, as a share of its bytes in fp32."""
+    return STATE_BYTES[dtype] / STATE_BYTES["fp32"]
+
+
 @dataclass(frozen=True)
 class Setting:
     """What the plan varies: the micro-batch and the activation checkpointing."""

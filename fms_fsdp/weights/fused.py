@@ -30,6 +30,7 @@ from fms_fsdp.compat import (
     local_tensor,
 )
 from fms_fsdp.model.variants import fused_parts
+from fms_fsdp.optim import low_bit_state
 
 Groups = dict[str, list[tuple[str, int]]]  # fused name -> [(part name, first row)]
 
@@ -48,7 +49,7 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
-        if type(value).__module__.startswith("torchao.optim."):  # optim.low_bit_state
+        if low_bit_state(value):
             return value.dequantize()
         names, _ = value.__tensor_flatten__()
         return getattr(value, names[0])
