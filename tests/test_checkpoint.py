@@ -497,10 +497,12 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
         raise ValueError("a bug")
 
     monkeypatch.setattr(fms_fsdp.train.step, "clip_gradients", broken)
+    before = set(descendants(os.getpid()))  # an earlier test's forkserver and resource tracker stay
     with pytest.raises(ValueError, match="a bug") as error:
         run_here(flags(data, tmp_path / "run", "--num_workers=2"))
     assert error.traceback  # still held here
-    assert not [p for p in descendants(os.getpid()) if alive(p)]
+    left = [p for p in descendants(os.getpid()) if p not in before and alive(p)]
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
 
 
 def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
