@@ -165,7 +165,7 @@ class train_config:
     )
     cache_build: str = _f(
         "beside",
-        "--cache_dir: when it is built. beside: from the first step, beside the training (the raw text's order; finished pieces read from the cache, the rest tokenized as read; a run that ends waits for the build); external: another job builds it (fms-prepare-data --output=<cache_dir>/<dataset>), the run only reads; first: before the first step, then read in the cache's own order (the only way in object storage or with --ray_start_workers, and that of checkpoints made before this flag).",
+        "--cache_dir: when it is built. beside: from the first step, beside the training (the raw text's order; finished pieces read from the cache, the rest tokenized as read; a run that ends waits for the build); external: another job builds it (fms-prepare-data --output=<cache_dir>/<dataset>), the run only reads; first: before the first step, then read in the cache's own order (the only way in object storage or with --ray_start_workers). A resume whose checkpoint read its cache once built (first, or made before this flag) keeps that order unless this flag says otherwise.",
         choices=("beside", "external", "first"),
         shared=True,
     )

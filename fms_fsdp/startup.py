@@ -18,15 +18,17 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.atomic import write_text_keeping_old
+from fms_fsdp.checkpoint.checkpointer import newest_config
 from fms_fsdp.compat import check_torch
 from fms_fsdp.config import to_yaml, train_config
-from fms_fsdp.context import Run
+from fms_fsdp.context import Paths, Run
 from fms_fsdp.data.make_loader import check_tokenizer
 from fms_fsdp.errors import CheckpointError, first_line
 from fms_fsdp.evaluation.harness import check_harness
@@ -87,6 +89,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         if cfg.dry_run
         else resolve_device(cfg.device, local_rank)
     )
+    ft = ft or ft_of(cfg)
+    cfg, notes = resumed_cache_order(cfg, Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints)
     mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
     shape = mesh_shape(mesh, world_size, local_world_size)
     model_config = model_config_of(cfg, cfg.seq_length, shape.tp)
@@ -108,22 +112,36 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     check_sparse(model_config, sparse_refusals(cfg, shape, model_config))
     check_harness(settings.harness)
     positions = context_length(model_config_of(cfg))  # before a longer --seq_length extends them
-    notes: tuple[str, ...] = ()
     if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
         source = check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant, positions)
         if source is not None:  # a Hugging Face folder: its exports keep its special token ids
-            settings, notes = with_source_tokens(settings, source, cfg)
+            settings, told = with_source_tokens(settings, source, cfg)
+            notes += told
     tokenizer = cfg.tokenizer_path
     if tokenizer is not None:
         notes += tuple(check_tokenizer(tokenizer, cfg.model_variant, settings.data.packing))
     if cfg.seq_length > positions:
         notes += (beyond_positions(cfg, positions),)
-    ft = ft or ft_of(cfg)
     if ft is not None and not cfg.dry_run:
         check_fault_tolerance(shape, world_size, cfg.sharding_strategy)
     groups = (ft.groups, ft.index) if ft is not None else (1, 0)
     info = DistInfo(rank, world_size, local_rank, local_world_size, device, shape.tp, shape.cp, shape.pp, *groups)
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
+
+
+def resumed_cache_order(cfg: train_config, checkpoints: Path) -> tuple[train_config, tuple[str, ...]]:
+    """--cache_build=first where the newest checkpoint in `checkpoints` read its --cache_dir once built
+    (made with --cache_build=first, or before the flag existed) and this run has the default, beside: the
+    resume then keeps the checkpoint's batch order. Its start-up note, if so."""
+    if cfg.cache_dir is None or cfg.cache_build != "beside":
+        return cfg, ()
+    recorded = newest_config(checkpoints)
+    if recorded is None or recorded.get("cache_dir") is None or recorded.get("cache_build", "first") != "first":
+        return cfg, ()
+    return replace(cfg, cache_build="first"), (
+        "note: the checkpoint resumed read its --cache_dir once built (--cache_build=first, or made before that "
+        "flag): the cache is read in that order again, built first where it is not complete",
+    )
 
 
 def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int = 1) -> LLaMAConfig:

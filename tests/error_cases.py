@@ -542,7 +542,7 @@ ERRORS: list[E] = [
     E(
         "data",
         "this checkpoint did not read its raw text while --cache_dir was built (it read the cache once built, or ran without --cache_dir): resume as it was made, with --cache_build=first or without --cache_dir",
-        "the checkpoint was made by a run that read its cache in the cache's own order (built before the first step: before --cache_build existed, or with --cache_build=first), or raw text without a cache",
+        "the checkpoint was made by a run that read raw text without a cache, or it read its cache once built (--cache_build=first, or made before that flag) and this run says --cache_build=external",
         "resume with the flags it was made with; a new run can use --cache_build=beside",
     ),
     E(

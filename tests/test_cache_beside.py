@@ -205,14 +205,32 @@ def test_a_run_stopped_mid_build_resumes_exactly_and_keeps_what_was_finished(cor
     assert all(0 <= r["cache_built"] <= 1 for r in reports if r["step"] > 2) and "cache_built" not in reports[0]
 
 
-def test_a_checkpoint_that_read_the_built_cache_says_how_to_resume(corpus, tmp_path):
+def forget_cache_build(checkpoint: Path) -> None:
+    """Make `checkpoint` one written before --cache_build existed: its recorded flags lack it."""
+    meta = torch.load(checkpoint / "metadata.pth", weights_only=True)
+    del meta["config"]["cache_build"]
+    torch.save(meta, checkpoint / "metadata.pth")
+
+
+def test_a_checkpoint_that_read_the_built_cache_resumes_in_its_order(corpus, tmp_path):
+    """A checkpoint of a run that read its cache once built (--cache_build=first, or made before the flag
+    existed) resumes with the default flags in the cache's order, with a note, and goes on exactly; one made
+    without --cache_dir says how to resume."""
     cache = tmp_path / "cache"
-    train_here(tmp_path / "run", flags(corpus, cache, "--num_steps=2", "--cache_build=first"))
+    whole = losses(train_here(tmp_path / "whole", flags(corpus, cache, "--num_steps=4", "--cache_build=first")))
+    for made_before_the_flag in (False, True):
+        out = tmp_path / f"run_{made_before_the_flag}"
+        train_here(out, flags(corpus, cache, "--num_steps=2", "--cache_build=first"))
+        if made_before_the_flag:
+            forget_cache_build(out / "run" / "checkpoints" / "step_2_ckp")
+        resumed, printed = run(out / "run", flags(corpus, cache, "--num_steps=4"))
+        assert "note: the checkpoint resumed read its --cache_dir once built" in printed
+        assert losses(resumed) == pytest.approx(whole, rel=0, abs=0)
+    no_cache = [f for f in flags(corpus, tmp_path, "--num_steps=2") if not f.startswith("--cache_dir")]
+    train_here(tmp_path / "raw", no_cache)
     with pytest.raises(DataError) as e:
-        train_here(tmp_path / "run", flags(corpus, cache, "--num_steps=4"))
-    assert "--cache_build=first" in str(e.value) and "\n" not in str(e.value)
-    resumed = train_here(tmp_path / "run", flags(corpus, cache, "--num_steps=4", "--cache_build=first"))
-    assert max(losses(resumed)) == 4
+        train_here(tmp_path / "raw", flags(corpus, cache, "--num_steps=4"))
+    assert "--cache_build=first or without --cache_dir" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_builder_killed_as_it_starts_is_started_again_and_the_batches_do_not_change(corpus, tmp_path, capsys):

@@ -280,6 +280,16 @@ def _check_state_dtype(meta: dict[str, Any], path: Path, now: str) -> None:
         )
 
 
+def newest_config(root: Path) -> Optional[dict[str, Any]]:
+    """The flags the newest complete checkpoint under `root` recorded (None: no checkpoint, or one that
+    cannot be read, which the resume itself reports)."""
+    try:
+        found = complete_checkpoints(root)
+        return _load_file(found[-1][1] / "metadata.pth").get("config") if found else None
+    except (CheckpointError, OSError):
+        return None
+
+
 def _load_file(path: Path) -> Any:
     """torch.load of a small file of the run state, local or in object storage, without running code;
     CheckpointError naming it when it is missing or damaged."""
