@@ -428,7 +428,7 @@ class train_config:
     )
     optimizer_state_dtype: str = _f(
         "fp32",
-        "AdamW's two state buffers (momentum and variance): fp32, or int8: torchao's AdamW8bit (extra float8), a byte an element and a scale per block of 256, about 2 bytes a parameter for both instead of 8; the parameters, gradients and update stay fp32 (--optimizer_impl does not apply). Checkpoints hold the states in fp32; a resume keeps the run's setting. Not with --optimizer=muon, --skip_bad_steps, --cpu_offload or --fault_tolerance.",
+        "AdamW's two state buffers (momentum and variance): fp32, or int8: torchao's AdamW8bit (extra float8), a byte an element and a scale per block of 256, about 2 bytes a parameter for both instead of 8; the parameters, gradients and update stay fp32 (--optimizer_impl does not apply). Checkpoints hold the states in fp32, so a run can resume with either setting (a run short of memory switches to int8). Not with --optimizer=muon, --skip_bad_steps, --cpu_offload or --fault_tolerance.",
         choices=("fp32", "int8"),
         shared=True,
     )

@@ -212,6 +212,15 @@ def load_low_bit_states(optimizer: torch.optim.Optimizer, optim_sd: dict[str, An
                     loaded[key] = held
 
 
+def set_learning_rates(optimizer: torch.optim.Optimizer, rates: list[float]) -> None:
+    """Each param group's learning rate (torchao's low-bit AdamW keeps it as a tensor)."""
+    for group, rate in zip(optimizer.param_groups, rates):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+
+
 def keep_kernels(optimizer: torch.optim.Optimizer, fused: bool, foreach: bool) -> None:
     """After loading a checkpoint's optimizer state, which restores the saved groups' settings: this
     run's --optimizer_impl wins (a checkpoint written with foreach kernels resumes fused)."""

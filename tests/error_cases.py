@@ -1306,13 +1306,6 @@ ERRORS: list[E] = [
     ),
     E("checkpoints", "cannot list the checkpoints in <root>: <message>"),
     E(
-        "checkpoints",
-        "<path> was written with --optimizer_state_dtype=<saved>, this run has <now>: resume with <saved>, or start "
-        "from its weights (--ckpt_load_path=<path>) with a new --ckpt_save_path",
-        "the run resumes with another --optimizer_state_dtype than its checkpoints were written with",
-        "the checkpoint's setting; or its weights as a new run's start, with fresh optimizer state",
-    ),
-    E(
         "data",
         "the loader states are not one run's ranks: ranks <ranks> of world sizes <sizes>",
         "--ledger was given checkpoints of two runs, or of two world sizes",

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from fms_fsdp.checkpoint.layout import complete_checkpoints, set_aside
 from fms_fsdp.checkpoint.save import CheckpointSaver, on_main
 from fms_fsdp.errors import CheckpointError, first_line
-from fms_fsdp.optim import keep_kernels, load_low_bit_states, state_dtype
+from fms_fsdp.optim import keep_kernels, load_low_bit_states, set_learning_rates, state_dtype
 from fms_fsdp.parallel.process_group import agreement_group, failures, on_rank0
 from fms_fsdp.storage import storage_error
 from fms_fsdp.versions import check_layout
@@ -192,7 +192,9 @@ class CheckpointRestorer:
             except CheckpointError:  # damaged: the resume says so and goes on to the one before
                 return names
             check_layout(meta, newest)
-            _check_state_dtype(meta, newest, state_dtype(self.optimizer))
+            saved, now = meta.get("config", {}).get("optimizer_state_dtype", "fp32"), state_dtype(self.optimizer)
+            if saved != now:  # a checkpoint holds fp32 states either way (fused.plain_tensor)
+                self.log(f"checkpoint: {newest} kept its optimizer states in {saved}; they load into {now} ones")
         return names
 
     def _set_aside(self, names: list[str]) -> None:
@@ -208,7 +210,11 @@ class CheckpointRestorer:
         if "ema_state" in own and not _holds(path, "ema_state"):  # --ema_decay turned on for this resume
             del own["ema_state"]
             self.log(f"checkpoint: {path} holds no weight average: --ema_decay's starts at its weights")
+        meta = _load_file(path / "metadata.pth")
         state = fuse(own)
+        # written with the other --optimizer_state_dtype: its groups' settings are another optimizer's
+        switched = meta.get("config", {}).get("optimizer_state_dtype", "fp32") != state_dtype(self.optimizer)
+        settings = [_only_params(group) for group in state["optimizer_state"]["param_groups"]] if switched else []
         # the parameter names of this rank's optimizer groups: a checkpoint holds one rank's lists (DCP
         # keeps one copy of what is not a tensor), which under pipeline parallelism name other stages'
         names = [group["params"] for group in own["optimizer_state"]["param_groups"]]
@@ -220,6 +226,8 @@ class CheckpointRestorer:
             raise CheckpointError(damage(e, path)) from None
         for group, params in zip(own["optimizer_state"]["param_groups"], names):
             group["params"] = params
+        for group, kept in zip(own["optimizer_state"]["param_groups"], settings):
+            group.update(kept)  # this run's, the learning rate set from the scheduler below
         if state is not own:
             unfuse_loaded_optimizer(state["optimizer_state"], own["optimizer_state"], fused_groups(own["model_state"]))
         load_low_bit_states(self.optimizer, own["optimizer_state"])
@@ -232,7 +240,6 @@ class CheckpointRestorer:
             options=self.saver.options,
         )
         keep_kernels(self.optimizer, *kernels)
-        meta = _load_file(path / "metadata.pth")
         base = meta.get("config", {}).get("ckpt_load_path")
         if self.settings.lora and base != self.settings.load_path:
             raise CheckpointError(
@@ -240,6 +247,16 @@ class CheckpointRestorer:
                 f"{self.settings.load_path}; give the same base, or a new --ckpt_save_path"
             )
         self.scheduler.load_state_dict(meta["scheduler"])
+        if switched:
+            set_learning_rates(self.optimizer, self.scheduler.get_last_lr())
+        self._load_rank_states(path)
+        self.averaged = "ema_state" in own
+        self.log(f"checkpoint: resumed from {path} at step {meta['step']}")
+        return int(meta["step"]), int(meta["tokens_seen"])
+
+    def _load_rank_states(self, path: Path) -> None:
+        """The loader's position (every rank's, for any world size) and, at the same size, this rank's RNG
+        and fault-tolerance state."""
         ranks = sorted(path.glob("loader_state_*.pth"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
         rank_states = [_load_file(p) for p in ranks]
         loaders = [r["loader"] for r in rank_states]  # every rank's: any world size
@@ -254,9 +271,14 @@ class CheckpointRestorer:
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
-        self.averaged = "ema_state" in own
-        self.log(f"checkpoint: resumed from {path} at step {meta['step']}")
-        return int(meta["step"]), int(meta["tokens_seen"])
+
+
+def _only_params(group: dict[str, Any]) -> dict[str, Any]:
+    """Leave a param group to load only its parameters' names; returns its other entries, removed."""
+    settings = {k: v for k, v in group.items() if k != "params"}
+    for key in settings:
+        del group[key]
+    return settings
 
 
 def _holds(path: Path, key: str) -> bool:
@@ -268,16 +290,6 @@ def _holds(path: Path, key: str) -> bool:
             raise
         raise CheckpointError(damage(e, path)) from None
     return any(name.startswith(f"{key}.") for name in names)
-
-
-def _check_state_dtype(meta: dict[str, Any], path: Path, now: str) -> None:
-    """CheckpointError when the checkpoint's optimizer kept its state in another --optimizer_state_dtype."""
-    saved = meta.get("config", {}).get("optimizer_state_dtype", "fp32")
-    if saved != now:
-        raise CheckpointError(
-            f"{path} was written with --optimizer_state_dtype={saved}, this run has {now}: resume with "
-            f"{saved}, or start from its weights (--ckpt_load_path={path}) with a new --ckpt_save_path"
-        )
 
 
 def newest_config(root: Path) -> Optional[dict[str, Any]]:
