@@ -342,6 +342,11 @@ def test_eight_bit_optimizer_states_are_planned_and_suggested_where_they_fit():
     setting = Setting(2, True, Fraction(1), "block")
     a, b = fp32.plan(setting), int8.plan(setting)
     assert a.peak - b.peak == a.optimizer - b.optimizer > 0
+    # a save holds the 8-bit states' fp32 copy: the peak of a large model's short lines on few ranks
+    large = plan_for(make_config(**{**flags, "model_variant": "llama2_7b"}, optimizer_state_dtype="int8"), 4, 4, 1)
+    light = large.plan(Setting(1, True, Fraction(1), "block"))
+    step = light.params + light.optimizer + light.gathered + max(light.activations + light.loss, light.grads)
+    assert light.peak == light.params + light.optimizer + 2 * light.grads > step
     gib = (a.peak + b.peak) / 2 / HEADROOM / 2**30  # fp32 states do not fit, 8-bit ones do
     cfg = make_config(**flags, plan_device_memory_gib=gib)
     text = report(

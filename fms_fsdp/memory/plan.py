@@ -221,6 +221,8 @@ class Planner:
         offload = self.settings.cpu_offload if offload is None else offload
         state, grads = (0, 0) if offload else (self.params + self.optimizer, self.grads)
         peak = state + self.gathered + max(activations + loss, grads) + recompute
+        if self.settings.optimizer_state_dtype != "fp32":  # a save: the 8-bit states' fp32 copy, 2 x 4 bytes
+            peak = max(peak, state + 2 * self.grads)  # a trained parameter, beside no gradient or activation
         host = int(chosen * per_block["none"] * in_flight) if setting.mode == "offload" else 0
         return Plan(
             self.params,
