@@ -88,6 +88,9 @@ def quiet_library_noise() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    # torch.compile of torchao's 8-bit AdamW update (--optimizer_state_dtype=int8) asks its tensor type for
+    # a hash to cache the compiled graph across processes; it recompiles instead
+    warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
 
 
 def file_torchft_log(path: Optional[Path]) -> None:

@@ -1,6 +1,6 @@
 """--optimizer_state_dtype=int8 (torchao's AdamW8bit) on 2 FSDP ranks: it trains as fp32 states do within
 STATES_TOL, its checkpoints (which hold the states in fp32) resume within RESUME_TOL, and with the other setting
-(the states converted as they load) within STATES_TOL. torchao compiles its update on first use; these runs take its
+(the states converted as they load) within STATES_TOL; one rank takes torchao's compiled update without a warning. torchao compiles its update on first use; the runs compared take its
 eager path (TORCHDYNAMO_DISABLE), which computes the same update (the compiled one differs by 1e-5)."""
 
 from pathlib import Path
@@ -50,6 +50,16 @@ def test_eight_bit_states_train_as_fp32_states_and_resume_from_their_checkpoints
         assert f"kept its optimizer states in {saved}; they load into {now} ones" in proc.stdout, proc.stdout[-3000:]
         continued = {"int8": int8, "fp32": fp32}[saved][3:]
         assert losses(switched) != continued and losses(switched) == pytest.approx(continued, rel=STATES_TOL)
+
+
+@pytest.mark.slow  # 7 s: compiles the update
+def test_one_rank_trains_with_torchaos_compiled_update_and_no_warning(tmp_path):
+    """What a user's first try runs: one rank, torchao's update compiled by torch.compile on the CPU."""
+    proc = launch(
+        "main_training.py", [*RUN, "--num_steps=2", "--optimizer_state_dtype=int8", f"--ckpt_save_path={tmp_path}"], 1
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(losses(tmp_path)) == 2 and "Warning" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_checkpoints_fp32_states_load_back_into_eight_bit_ones(monkeypatch):
