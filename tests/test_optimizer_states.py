@@ -1,7 +1,8 @@
 """--optimizer_state_dtype=int8 (torchao's AdamW8bit) on 2 FSDP ranks: it trains as fp32 states do within
-STATES_TOL, its checkpoints (which hold the states in fp32) resume within RESUME_TOL, and with the other setting
-(the states converted as they load) within STATES_TOL; one rank takes torchao's compiled update without a warning. torchao compiles its update on first use; the runs compared take its
-eager path (TORCHDYNAMO_DISABLE), which computes the same update (the compiled one differs by 1e-5)."""
+STATES_TOL, its checkpoints (which hold the states in fp32) resume within RESUME_TOL, and with the other
+setting (the states converted as they load) within STATES_TOL. torchao compiles its update on first use;
+the runs compared take its eager path (TORCHDYNAMO_DISABLE), which computes the same update (the compiled
+one differs by 1e-5), and one rank takes the compiled update without a warning."""
 
 from pathlib import Path
 
