@@ -817,10 +817,8 @@ def _check_optimizer_states(cfg: train_config) -> None:
     clash = next((name for name, on in other.items() if on), None)
     if clash is not None:
         raise ConfigError(f"{flag} does not combine with {clash}; leave one of them out")
-    try:
-        import torchao.optim  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"{flag} needs torchao: pip install 'fms-fsdp[float8]'") from None
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{flag} needs torchao: pip install 'fms-fsdp[float8]'")
 
 
 def _check_weight_average(cfg: train_config) -> None:

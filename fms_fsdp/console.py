@@ -4,6 +4,7 @@ quieted (other ranks' warnings and progress bars off), every line labelled with 
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -11,6 +12,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional, TextIO, cast
 
 
@@ -91,6 +93,21 @@ def quiet_library_noise() -> None:
     # torch.compile of torchao's 8-bit AdamW update (--optimizer_state_dtype=int8) asks its tensor type for
     # a hash to cache the compiled graph across processes; it recompiles instead
     warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
+
+
+def import_quietly(name: str) -> ModuleType:
+    """`import name` for torchao's modules, whose import says at warning level that its optional CUDA
+    kernels cannot load (on a CPU, or another CUDA) and registers an enum torch no longer needs registered;
+    errors still show. ImportError when it is not installed."""
+    loggers = [logging.getLogger(logger) for logger in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def file_torchft_log(path: Optional[Path]) -> None:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from fms_fsdp.compat import local_box, local_tensor, muon_adjusted_lr, muon_orthogonalize
+from fms_fsdp.console import import_quietly
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.model.shapes import part_rows
 
@@ -131,9 +132,9 @@ def low_bit_adamw(groups: list[dict], settings: OptimizerSettings) -> torch.opti
     """torchao's AdamW8bit: each state tensor of 4096 elements or more (a multiple of 256) held as a byte an
     element and a scale per block of 256, dequantized for the update; smaller ones in fp32. Its learning
     rate is a tensor (the LR scheduler fills it); it compiles its update on first use."""
-    from torchao.optim import AdamW8bit
-
-    optimizer = AdamW8bit(groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps)
+    optimizer = import_quietly("torchao.optim").AdamW8bit(
+        groups, lr=settings.learning_rate, betas=settings.betas, eps=settings.eps
+    )
     optimizer.state_dtype = settings.state_dtype  # type: ignore[attr-defined]  # what checkpoints record
     return optimizer
 

@@ -28,6 +28,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "MoE": ("mixture of experts", ("--model_variant=tiny_moe",)),
     "EP": ("expert parallel", ("--model_variant=tiny_moe", "--expert_parallel_size=2")),
     "EMA": ("weight average", ("--ema_decay=0.9",)),
+    "int8": ("8-bit optimizer states", ("--optimizer_state_dtype=int8",)),
 }
 
 
@@ -59,6 +60,16 @@ EMA_EXPORTS = "test_ema.py::test_two_ranks_average_their_shards_and_transformers
 H_MESHES = f"{H}::test_the_harness_scores_the_same_training_on_other_meshes_the_same"
 H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
+
+STATES = f"{TOGETHER}, 8-bit states"
+INT8_HSDP = f"{STATES} on hsdp 2 x 2, async checkpoints, evaluation, exports"
+INT8_PP_TP = (
+    "test_optimizer_states.py::test_eight_bit_states_train_on_pipeline_stages_of_tensor_parallel_ranks_as_on_one"
+)
+INT8_LORA_CP = f"{STATES} with LoRA on cp2 x fsdp 2"
+INT8_EXPERTS = f"{STATES} with experts spread over 2 of 4 ranks"
+INT8_FLOAT8 = f"{FLOAT8}, 8-bit states"
+INT8_HARNESS = f"{H}::test_the_harness_scores_a_run_with_eight_bit_states_the_same_on_another_mesh"
 
 SPARSE_REFUSALS = [
     ("CP", "--context_parallel_size"),
@@ -179,6 +190,19 @@ MATRIX: list[Pair] = [
         "float8",
         ("test_composition.py::test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatches",),
     ),
+]
+
+
+# --optimizer_state_dtype=int8: torchao's 8-bit AdamW on every mesh (its blocks of 256 fall alike on the
+# shards here: the runs equal one rank's with 8-bit states)
+MATRIX += [
+    *(Pair("int8", feature, (INT8_HSDP,)) for feature in ("HSDP", "async", "eval", "exports", "EMA")),
+    *(Pair("int8", feature, (INT8_PP_TP,)) for feature in ("PP", "TP")),
+    *(Pair("int8", feature, (INT8_LORA_CP,)) for feature in ("LoRA", "CP")),
+    *(Pair("int8", feature, (INT8_EXPERTS,)) for feature in ("MoE", "EP")),
+    Pair("int8", "float8", (INT8_FLOAT8,)),
+    Pair("int8", "harness", (INT8_HARNESS,)),
+    Pair("int8", "FT", refused="--optimizer_state_dtype=int8 does not combine with --fault_tolerance"),
 ]
 
 

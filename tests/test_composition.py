@@ -55,6 +55,7 @@ def test_every_run_named_exists():
 SPARSE = ["--moe_experts=4", "--moe_top_k=2", "--moe_aux_loss_weight=0", "--eval_batch_size=4"]
 LORA = ["--lora_rank=4", "--eval_batch_size=4"]  # the same lines evaluated whatever --batch_size
 PP = ["--pipeline_parallel_size=2", "--pipeline_schedule=1F1B"]
+INT8 = "--optimizer_state_dtype=int8"
 # (the run's flags, the reference's, the run's data-parallel ranks: the reference takes their lines at once)
 TOGETHER = {
     "pp2 x cp2 with LoRA, async checkpoints, evaluation": (
@@ -79,7 +80,21 @@ TOGETHER = {
         SPARSE,
         4,
     ),
+    "8-bit states on hsdp 2 x 2, async checkpoints, evaluation, exports": (
+        [INT8, "--eval_batch_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"]
+        + ["--export_interval=2"],
+        [INT8, "--eval_batch_size=4"],
+        4,
+    ),
+    "8-bit states with LoRA on cp2 x fsdp 2": ([*LORA, INT8, "--context_parallel_size=2"], [*LORA, INT8], 2),
+    "8-bit states with experts spread over 2 of 4 ranks": (
+        [*SPARSE, INT8, "--expert_parallel_size=2"],
+        [*SPARSE, INT8],
+        4,
+    ),
 }
+# torchao's 8-bit update, eager: as compiled, less the compiling
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def by_step(found: list[dict]) -> dict[int, dict]:
@@ -110,17 +125,22 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
         "--eval_batches=2",
         "--ema_decay=0.5",  # the weight average too: evaluated as eval_loss_ema
     ]
-    out = tmp_path / "run"
-    proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4)
+    out, env = tmp_path / "run", EAGER if INT8 in flags else {}
+    proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = launch(
-        "main_training.py", [*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={tmp_path / 'one'}"], 1
+        "main_training.py",
+        [*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={tmp_path / 'one'}"],
+        1,
+        env,
     )
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     got, want = (by_step(records(run)) for run in (out, tmp_path / "one"))
     pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss", "eval_loss_ema") if k in want[s]]
     assert len(pairs) == 4 + 2 * 2 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
+    if "--export_interval=2" in flags:
+        assert sorted(p.name for p in (out / "exports").iterdir()) == ["step_2", "step_4"]
 
 
 @pytest.mark.slow
@@ -146,17 +166,25 @@ def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_
 
 
 @pytest.mark.slow
-def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(tmp_path, data):
+@pytest.mark.parametrize("states", ["fp32 states", "8-bit states"])
+def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(states, tmp_path, data):
     """Background checkpoints, evaluation and the weight average change nothing of a float8 run's steps (the
-    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps."""
+    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps. With
+    8-bit optimizer states the float8 run trains as with fp32 ones within the states' own tolerance."""
     float8 = [*TINY, "--vocab_size=1024", "--float8=True", "--float8_min_size=16", "--num_steps=4", "--batch_size=2"]
     beside = ["--async_checkpoint=True", "--checkpoint_interval=2", "--eval_interval=2", f"--eval_data_path={data}"]
     beside += ["--eval_batches=2", "--ema_decay=0.5"]
-    for name, extra in {"alone": ["--checkpoint_interval=0"], "beside": beside}.items():
-        proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1)
+    runs = {"alone": ["--checkpoint_interval=0"], "beside": beside}
+    if states == "8-bit states":
+        runs = {name: [INT8, *extra] for name, extra in runs.items()} | {"fp32": ["--checkpoint_interval=0"]}
+    for name, extra in runs.items():
+        proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1, EAGER)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("beside", "alone"))
     assert len(want) == 4 and got == want
+    if "fp32" in runs:  # 8-bit moments: within 1% of fp32's over these steps (tests/test_optimizer_states.py)
+        fp32 = [r["loss"] for r in records(tmp_path / "fp32") if "loss" in r]
+        assert want != fp32 and want == pytest.approx(fp32, rel=1e-2)
     evals = [r for r in records(tmp_path / "beside") if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4] and all(r["eval_loss_ema"] != r["eval_loss"] for r in evals)
     assert [s for s, _ in complete_checkpoints(tmp_path / "beside" / "checkpoints")] == [2, 4]

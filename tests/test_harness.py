@@ -259,6 +259,18 @@ def test_the_harness_scores_the_same_training_on_other_meshes_the_same(mesh, tra
     assert_same_scores(harness_records(tmp_path / "run")[4], harness_records(trained[0])[4], 1e-4)
 
 
+def test_the_harness_scores_a_run_with_eight_bit_states_the_same_on_another_mesh(trained, tmp_path):
+    """8-bit optimizer states (torchao's) on 2 FSDP ranks and replicated on 2 (hsdp 1 x 2, whole tensors,
+    quantized in the same blocks of 256): the harness scores the two trainings alike, and not as the
+    training with fp32 states (the 8-bit moments changed the updates)."""
+    int8 = "--optimizer_state_dtype=int8"
+    scored_run(trained, tmp_path / "fsdp", [int8])
+    scored_run(trained, tmp_path / "hsdp", [int8, "--sharding_strategy=hsdp", "--sharding_group_size=1"])
+    ours, theirs = (harness_records(tmp_path / name)[4] for name in ("hsdp", "fsdp"))
+    assert_same_scores(ours, theirs, 1e-4)
+    assert theirs[MONITOR] != harness_records(trained[0])[4][MONITOR]
+
+
 def test_the_harness_scores_a_model_through_its_lora_adapters(trained, tmp_path):
     """LoRA adapters trained for two steps on the trained model: the harness in the loop scores the adapted
     model as `fms-evaluate` on 2 ranks scores its merged export (W + scale B A), and not as the base."""

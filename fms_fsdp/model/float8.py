@@ -9,33 +9,24 @@ On a CPU (tests) the float8 matmuls are emulated: the values are rounded to floa
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from fms_fsdp.console import import_quietly
 from fms_fsdp.errors import ConfigError
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
 def _torchao_float8() -> Any:
-    """torchao.float8, imported quietly (its optional CUDA kernels warn when they cannot load, and it
-    registers an enum torch no longer needs registered)."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
+    """torchao.float8, imported quietly (console.import_quietly)."""
     try:
-        import torchao.float8 as float8
+        return import_quietly("torchao.float8")
     except ImportError:
         raise ConfigError("--float8=True needs torchao: pip install 'fms-fsdp[float8]' (or torchao)") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return float8
 
 
 def check_float8(device: torch.device) -> None:
