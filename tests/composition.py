@@ -29,6 +29,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "EP": ("expert parallel", ("--model_variant=tiny_moe", "--expert_parallel_size=2")),
     "EMA": ("weight average", ("--ema_decay=0.9",)),
     "int8": ("8-bit optimizer states", ("--optimizer_state_dtype=int8",)),
+    "ramps": ("batch-size and line-length ramps", ("--batch_size_schedule=0:2,2:4",)),
 }
 
 
@@ -62,14 +63,15 @@ H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_exper
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
 STATES = f"{TOGETHER}, 8-bit states"
-INT8_HSDP = f"{STATES} on hsdp 2 x 2, async checkpoints, evaluation, exports"
+INT8_HSDP = f"{TOGETHER}, ramped batch and lines on hsdp 2 x 2, async checkpoints, evaluation, exports, 8-bit states"
 INT8_PP_TP = (
     "test_optimizer_states.py::test_eight_bit_states_train_on_pipeline_stages_of_tensor_parallel_ranks_as_on_one"
 )
-INT8_LORA_CP = f"{STATES} with LoRA on cp2 x fsdp 2"
-INT8_EXPERTS = f"{STATES} with experts spread over 2 of 4 ranks"
-INT8_FLOAT8 = f"{FLOAT8}, 8-bit states"
-INT8_HARNESS = f"{H}::test_the_harness_scores_a_run_with_eight_bit_states_the_same_on_another_mesh"
+INT8_LORA_CP = f"{STATES} and ramps with LoRA on cp2 x fsdp 2"
+INT8_EXPERTS = f"{STATES} and ramps with experts spread over 2 of 4 ranks"
+INT8_FLOAT8 = f"{FLOAT8}, 8-bit states and ramps"
+INT8_HARNESS = f"{H}::test_the_harness_scores_a_run_with_eight_bit_states_and_ramps_the_same_on_another_mesh"
+RAMP_TP = "test_ramp.py::test_a_ramp_on_tensor_parallel_ranks_takes_one_ranks_steps"
 
 SPARSE_REFUSALS = [
     ("CP", "--context_parallel_size"),
@@ -203,6 +205,19 @@ MATRIX += [
     Pair("int8", "float8", (INT8_FLOAT8,)),
     Pair("int8", "harness", (INT8_HARNESS,)),
     Pair("int8", "FT", refused="--optimizer_state_dtype=int8 does not combine with --fault_tolerance"),
+]
+
+# --batch_size_schedule and --seq_length_schedule: the runs above ramp too, against one rank's ramp of the
+# same global batch
+MATRIX += [
+    *(Pair("ramps", f, (INT8_HSDP,)) for f in ("HSDP", "async", "eval", "exports", "EMA", "int8")),
+    *(Pair("ramps", feature, (INT8_LORA_CP,)) for feature in ("LoRA", "CP")),
+    *(Pair("ramps", feature, (INT8_EXPERTS,)) for feature in ("MoE", "EP")),
+    Pair("ramps", "float8", (INT8_FLOAT8,)),
+    Pair("ramps", "harness", (INT8_HARNESS,)),
+    Pair("ramps", "TP", (RAMP_TP,)),
+    Pair("ramps", "PP", refused="--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages"),
+    Pair("ramps", "FT", refused="--batch_size_schedule does not combine with --fault_tolerance yet"),
 ]
 
 

@@ -50,6 +50,12 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--<schedule> does not combine with --fault_tolerance yet; leave one of them out",
+        "--batch_size_schedule or --seq_length_schedule with --fault_tolerance: not run together yet",
+        flags=("--batch_size_schedule=0:1,10:2", "--batch_size=2", "--fault_tolerance=True"),
+    ),
+    E(
+        "flags",
         "--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages are built for one shape of "
         "micro-batch; ramp without pipeline parallelism",
         flags=("--batch_size_schedule=0:1,10:2", "--pipeline_parallel_size=2"),

@@ -56,6 +56,15 @@ SPARSE = ["--moe_experts=4", "--moe_top_k=2", "--moe_aux_loss_weight=0", "--eval
 LORA = ["--lora_rank=4", "--eval_batch_size=4"]  # the same lines evaluated whatever --batch_size
 PP = ["--pipeline_parallel_size=2", "--pipeline_schedule=1F1B"]
 INT8 = "--optimizer_state_dtype=int8"
+
+
+def ramp(ranks: int) -> list[str]:
+    """A batch of 1 line per data-parallel rank, then 2 (--batch_size) once 2 steps are done, for `ranks` of
+    them at once; lines of 32 tokens, then 64 once 3 are."""
+    return [f"--batch_size_schedule=0:{ranks},2:{2 * ranks}", "--seq_length_schedule=0:32,3:64"]
+
+
+RAMP_PER_RANK = ramp(1)
 # (the run's flags, the reference's, the run's data-parallel ranks: the reference takes their lines at once)
 TOGETHER = {
     "pp2 x cp2 with LoRA, async checkpoints, evaluation": (
@@ -86,10 +95,20 @@ TOGETHER = {
         [INT8, "--eval_batch_size=4"],
         4,
     ),
-    "8-bit states with LoRA on cp2 x fsdp 2": ([*LORA, INT8, "--context_parallel_size=2"], [*LORA, INT8], 2),
-    "8-bit states with experts spread over 2 of 4 ranks": (
-        [*SPARSE, INT8, "--expert_parallel_size=2"],
-        [*SPARSE, INT8],
+    "8-bit states and ramps with LoRA on cp2 x fsdp 2": (
+        [*LORA, INT8, *RAMP_PER_RANK, "--context_parallel_size=2"],
+        [*LORA, INT8, *ramp(2)],
+        2,
+    ),
+    "8-bit states and ramps with experts spread over 2 of 4 ranks": (
+        [*SPARSE, INT8, *RAMP_PER_RANK, "--expert_parallel_size=2"],
+        [*SPARSE, INT8, *ramp(4)],
+        4,
+    ),
+    "ramped batch and lines on hsdp 2 x 2, async checkpoints, evaluation, exports, 8-bit states": (
+        [*RAMP_PER_RANK, INT8, "--eval_batch_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=2"]
+        + ["--async_checkpoint=True", "--export_interval=2"],
+        [*ramp(4), INT8, "--eval_batch_size=4"],
         4,
     ),
 }
@@ -139,6 +158,13 @@ def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, da
     pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss", "eval_loss_ema") if k in want[s]]
     assert len(pairs) == 4 + 2 * 2 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
+    if RAMP_PER_RANK[0] in flags:  # the steps took the stages' shapes
+        assert [(got[s]["batch_size"], got[s]["seq_length"]) for s in sorted(got)] == [
+            (1, 32),
+            (1, 32),
+            (2, 32),
+            (2, 64),
+        ]
     if "--export_interval=2" in flags:
         assert sorted(p.name for p in (out / "exports").iterdir()) == ["step_2", "step_4"]
 
@@ -166,17 +192,18 @@ def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("states", ["fp32 states", "8-bit states"])
+@pytest.mark.parametrize("states", ["fp32 states", "8-bit states and ramps"])
 def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(states, tmp_path, data):
     """Background checkpoints, evaluation and the weight average change nothing of a float8 run's steps (the
-    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps. With
-    8-bit optimizer states the float8 run trains as with fp32 ones within the states' own tolerance."""
+    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps. Ramped,
+    with 8-bit optimizer states, the float8 run trains as with fp32 ones within the states' own tolerance."""
     float8 = [*TINY, "--vocab_size=1024", "--float8=True", "--float8_min_size=16", "--num_steps=4", "--batch_size=2"]
     beside = ["--async_checkpoint=True", "--checkpoint_interval=2", "--eval_interval=2", f"--eval_data_path={data}"]
     beside += ["--eval_batches=2", "--ema_decay=0.5"]
     runs = {"alone": ["--checkpoint_interval=0"], "beside": beside}
-    if states == "8-bit states":
+    if states == "8-bit states and ramps":
         runs = {name: [INT8, *extra] for name, extra in runs.items()} | {"fp32": ["--checkpoint_interval=0"]}
+        runs = {name: [*RAMP_PER_RANK, *extra] for name, extra in runs.items()}
     for name, extra in runs.items():
         proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1, EAGER)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -259,13 +259,13 @@ def test_the_harness_scores_the_same_training_on_other_meshes_the_same(mesh, tra
     assert_same_scores(harness_records(tmp_path / "run")[4], harness_records(trained[0])[4], 1e-4)
 
 
-def test_the_harness_scores_a_run_with_eight_bit_states_the_same_on_another_mesh(trained, tmp_path):
-    """8-bit optimizer states (torchao's) on 2 FSDP ranks and replicated on 2 (hsdp 1 x 2, whole tensors,
-    quantized in the same blocks of 256): the harness scores the two trainings alike, and not as the
-    training with fp32 states (the 8-bit moments changed the updates)."""
-    int8 = "--optimizer_state_dtype=int8"
-    scored_run(trained, tmp_path / "fsdp", [int8])
-    scored_run(trained, tmp_path / "hsdp", [int8, "--sharding_strategy=hsdp", "--sharding_group_size=1"])
+def test_the_harness_scores_a_run_with_eight_bit_states_and_ramps_the_same_on_another_mesh(trained, tmp_path):
+    """8-bit optimizer states (torchao's) and ramped batches and lines, on 2 FSDP ranks and replicated on 2
+    (hsdp 1 x 2, whole tensors, quantized in the same blocks of 256): the harness scores the two trainings
+    alike, and not as the training with fp32 states and no ramp."""
+    changed = ["--optimizer_state_dtype=int8", "--batch_size_schedule=0:1,2:2", f"--seq_length_schedule=0:16,3:{SEQ}"]
+    scored_run(trained, tmp_path / "fsdp", changed)
+    scored_run(trained, tmp_path / "hsdp", [*changed, "--sharding_strategy=hsdp", "--sharding_group_size=1"])
     ours, theirs = (harness_records(tmp_path / name)[4] for name in ("hsdp", "fsdp"))
     assert_same_scores(ours, theirs, 1e-4)
     assert theirs[MONITOR] != harness_records(trained[0])[4][MONITOR]
