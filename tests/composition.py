@@ -51,27 +51,23 @@ PIPELINE = f"{M}::test_pipeline_schedules_take_the_steps_of_one_rank"
 TP_RESUME = f"{M}::test_a_checkpoint_resumes_at_another_tensor_parallel_size, tp2"
 TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_as_one_rank"
 PP_CP = f"{TOGETHER}, pp2 x cp2 with LoRA, async checkpoints, evaluation"
-LORA = f"{TOGETHER}, LoRA on hsdp 2 x 2, async checkpoints, evaluation"
+LORA = f"{TOGETHER}, LoRA with 8-bit states and ramps on hsdp 2 x 2, async checkpoints, evaluation"
 HARNESS = f"{H}::test_the_harness_scores_the_training_model_as_lm_eval_scores_its_export"
 MOE_MESHES = "test_moe.py::test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank"
 FLOAT8 = "test_composition.py::test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone"
-EXPERTS_TOGETHER = f"{TOGETHER}, experts spread over 2 of 4 ranks, async checkpoints, evaluation"
+EXPERTS_TOGETHER = (
+    f"{TOGETHER}, experts spread over 2 of 4 ranks with 8-bit states and ramps, async checkpoints, evaluation"
+)
 EP_MESHES = "test_expert_parallel.py::test_two_expert_ranks_train_as_one_on_fsdp_hsdp_and_pipeline_meshes"
 EMA_EXPORTS = "test_ema.py::test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_our_logits"
 H_MESHES = f"{H}::test_the_harness_scores_the_same_training_on_other_meshes_the_same"
 H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
-STATES = f"{TOGETHER}, 8-bit states"
-INT8_HSDP = f"{TOGETHER}, ramped batch and lines on hsdp 2 x 2, async checkpoints, evaluation, exports, 8-bit states"
-INT8_PP_TP = (
-    "test_optimizer_states.py::test_eight_bit_states_train_on_pipeline_stages_of_tensor_parallel_ranks_as_on_one"
-)
-INT8_LORA_CP = f"{STATES} and ramps with LoRA on cp2 x fsdp 2"
-INT8_EXPERTS = f"{STATES} and ramps with experts spread over 2 of 4 ranks"
-INT8_FLOAT8 = f"{FLOAT8}, 8-bit states and ramps"
-INT8_HARNESS = f"{H}::test_the_harness_scores_a_run_with_eight_bit_states_and_ramps_the_same_on_another_mesh"
-RAMP_TP = "test_ramp.py::test_a_ramp_on_tensor_parallel_ranks_takes_one_ranks_steps"
+PP_HSDP = f"{TOGETHER}, pp2 on hsdp 1 x 2 with 8-bit states, evaluation"
+CP_EXPORTS = f"{TOGETHER}, 8-bit states and ramps on cp2 x hsdp 1 x 2, exports"
+TP_STATES = "test_optimizer_states.py::test_eight_bit_states_and_ramps_on_tensor_parallel_ranks_train_as_on_one"
+HARNESS_STATES = f"{H}::test_the_harness_in_a_run_with_eight_bit_states_and_ramps_scores_its_model_as_its_export"
 
 SPARSE_REFUSALS = [
     ("CP", "--context_parallel_size"),
@@ -177,7 +173,7 @@ MATRIX: list[Pair] = [
     Pair("FT", "harness", refused="--fault_tolerance does not combine with --eval_harness_tasks yet"),
     Pair("PP", "LoRA", (PP_CP,)),
     Pair("CP", "LoRA", (PP_CP,)),
-    Pair("PP", "HSDP", (f"{TOGETHER}, pp2 on hsdp 1 x 2, evaluation",)),
+    Pair("PP", "HSDP", (PP_HSDP,)),
     Pair("float8", "EMA", (FLOAT8,)),
     Pair("TP", "EMA", (TP_RESUME,)),
     Pair("TP", "harness", (f"{H_MESHES}, tp2",)),
@@ -195,27 +191,19 @@ MATRIX: list[Pair] = [
 ]
 
 
-# --optimizer_state_dtype=int8: torchao's 8-bit AdamW on every mesh (its blocks of 256 fall alike on the
-# shards here: the runs equal one rank's with 8-bit states)
+# --optimizer_state_dtype=int8 (torchao's 8-bit AdamW) and --batch_size_schedule with --seq_length_schedule:
+# the runs above that keep 8-bit states and ramp, each against one rank's (the ramp of the same global
+# batch; 8-bit states quantized in blocks of 256 that fall alike on the shards here)
 MATRIX += [
-    *(Pair("int8", feature, (INT8_HSDP,)) for feature in ("HSDP", "async", "eval", "exports", "EMA")),
-    *(Pair("int8", feature, (INT8_PP_TP,)) for feature in ("PP", "TP")),
-    *(Pair("int8", feature, (INT8_LORA_CP,)) for feature in ("LoRA", "CP")),
-    *(Pair("int8", feature, (INT8_EXPERTS,)) for feature in ("MoE", "EP")),
-    Pair("int8", "float8", (INT8_FLOAT8,)),
-    Pair("int8", "harness", (INT8_HARNESS,)),
+    *(Pair(new, feature, (LORA,)) for new in ("int8", "ramps") for feature in ("LoRA", "HSDP", "async", "eval", "EMA")),
+    *(Pair(new, feature, (CP_EXPORTS,)) for new in ("int8", "ramps") for feature in ("CP", "exports")),
+    *(Pair(new, feature, (EXPERTS_TOGETHER,)) for new in ("int8", "ramps") for feature in ("MoE", "EP")),
+    *(Pair(new, "TP", (TP_STATES,)) for new in ("int8", "ramps")),
+    *(Pair(new, "float8", (FLOAT8,)) for new in ("int8", "ramps")),
+    *(Pair(new, "harness", (HARNESS_STATES,)) for new in ("int8", "ramps")),
+    Pair("int8", "ramps", (LORA, CP_EXPORTS, EXPERTS_TOGETHER)),
+    Pair("int8", "PP", (PP_HSDP,)),
     Pair("int8", "FT", refused="--optimizer_state_dtype=int8 does not combine with --fault_tolerance"),
-]
-
-# --batch_size_schedule and --seq_length_schedule: the runs above ramp too, against one rank's ramp of the
-# same global batch
-MATRIX += [
-    *(Pair("ramps", f, (INT8_HSDP,)) for f in ("HSDP", "async", "eval", "exports", "EMA", "int8")),
-    *(Pair("ramps", feature, (INT8_LORA_CP,)) for feature in ("LoRA", "CP")),
-    *(Pair("ramps", feature, (INT8_EXPERTS,)) for feature in ("MoE", "EP")),
-    Pair("ramps", "float8", (INT8_FLOAT8,)),
-    Pair("ramps", "harness", (INT8_HARNESS,)),
-    Pair("ramps", "TP", (RAMP_TP,)),
     Pair("ramps", "PP", refused="--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages"),
     Pair("ramps", "FT", refused="--batch_size_schedule does not combine with --fault_tolerance yet"),
 ]

@@ -72,44 +72,28 @@ TOGETHER = {
         ["--lora_rank=4"],
         1,
     ),
-    "LoRA on hsdp 2 x 2, async checkpoints, evaluation": (
-        [*LORA, "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"],
-        LORA,
+    "LoRA with 8-bit states and ramps on hsdp 2 x 2, async checkpoints, evaluation": (
+        [*LORA, INT8, *RAMP_PER_RANK, "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"],
+        [*LORA, INT8, *ramp(4)],
         4,
     ),
     # each rank evaluates the same lines, --batch_size at a time under a pipeline
-    "pp2 on hsdp 1 x 2, evaluation": (
-        [*PP, "--sharding_strategy=hsdp", "--sharding_group_size=1"],
-        ["--eval_batch_size=2"],
+    "pp2 on hsdp 1 x 2 with 8-bit states, evaluation": (
+        [*PP, INT8, "--sharding_strategy=hsdp", "--sharding_group_size=1"],
+        [INT8, "--eval_batch_size=2"],
         2,
     ),
     # no balance loss: over a rank's 2 lines it is not the one rank's over 8 (the language-model loss is)
-    "experts spread over 2 of 4 ranks, async checkpoints, evaluation": (
-        [*SPARSE, "--expert_parallel_size=2", "--async_checkpoint=True"],
-        SPARSE,
-        4,
-    ),
-    "8-bit states on hsdp 2 x 2, async checkpoints, evaluation, exports": (
-        [INT8, "--eval_batch_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=2", "--async_checkpoint=True"]
-        + ["--export_interval=2"],
-        [INT8, "--eval_batch_size=4"],
-        4,
-    ),
-    "8-bit states and ramps with LoRA on cp2 x fsdp 2": (
-        [*LORA, INT8, *RAMP_PER_RANK, "--context_parallel_size=2"],
-        [*LORA, INT8, *ramp(2)],
-        2,
-    ),
-    "8-bit states and ramps with experts spread over 2 of 4 ranks": (
-        [*SPARSE, INT8, *RAMP_PER_RANK, "--expert_parallel_size=2"],
+    "experts spread over 2 of 4 ranks with 8-bit states and ramps, async checkpoints, evaluation": (
+        [*SPARSE, INT8, *RAMP_PER_RANK, "--expert_parallel_size=2", "--async_checkpoint=True"],
         [*SPARSE, INT8, *ramp(4)],
         4,
     ),
-    "ramped batch and lines on hsdp 2 x 2, async checkpoints, evaluation, exports, 8-bit states": (
-        [*RAMP_PER_RANK, INT8, "--eval_batch_size=4", "--sharding_strategy=hsdp", "--sharding_group_size=2"]
-        + ["--async_checkpoint=True", "--export_interval=2"],
-        [*ramp(4), INT8, "--eval_batch_size=4"],
-        4,
+    "8-bit states and ramps on cp2 x hsdp 1 x 2, exports": (
+        [INT8, *RAMP_PER_RANK, "--eval_batch_size=4", "--context_parallel_size=2", "--sharding_strategy=hsdp"]
+        + ["--sharding_group_size=1", "--export_interval=2"],
+        [INT8, *ramp(2), "--eval_batch_size=4"],
+        2,
     ),
 }
 # torchao's 8-bit update, eager: as compiled, less the compiling
@@ -192,26 +176,22 @@ def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("states", ["fp32 states", "8-bit states and ramps"])
-def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(states, tmp_path, data):
+def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alone(tmp_path, data):
     """Background checkpoints, evaluation and the weight average change nothing of a float8 run's steps (the
-    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps. Ramped,
-    with 8-bit optimizer states, the float8 run trains as with fp32 ones within the states' own tolerance."""
+    same computation: bit-equal losses), and it evaluates both weights and checkpoints at its steps. The
+    runs ramp and keep 8-bit optimizer states: they train as with fp32 ones within the states' tolerance."""
     float8 = [*TINY, "--vocab_size=1024", "--float8=True", "--float8_min_size=16", "--num_steps=4", "--batch_size=2"]
     beside = ["--async_checkpoint=True", "--checkpoint_interval=2", "--eval_interval=2", f"--eval_data_path={data}"]
     beside += ["--eval_batches=2", "--ema_decay=0.5"]
-    runs = {"alone": ["--checkpoint_interval=0"], "beside": beside}
-    if states == "8-bit states and ramps":
-        runs = {name: [INT8, *extra] for name, extra in runs.items()} | {"fp32": ["--checkpoint_interval=0"]}
-        runs = {name: [*RAMP_PER_RANK, *extra] for name, extra in runs.items()}
+    runs = {"alone": [INT8, "--checkpoint_interval=0"], "beside": [INT8, *beside], "fp32": ["--checkpoint_interval=0"]}
+    runs = {name: [*RAMP_PER_RANK, *extra] for name, extra in runs.items()}
     for name, extra in runs.items():
         proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1, EAGER)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("beside", "alone"))
     assert len(want) == 4 and got == want
-    if "fp32" in runs:  # 8-bit moments: within 1% of fp32's over these steps (tests/test_optimizer_states.py)
-        fp32 = [r["loss"] for r in records(tmp_path / "fp32") if "loss" in r]
-        assert want != fp32 and want == pytest.approx(fp32, rel=1e-2)
+    fp32 = [r["loss"] for r in records(tmp_path / "fp32") if "loss" in r]  # 8-bit moments: within 1% of fp32's
+    assert want != fp32 and want == pytest.approx(fp32, rel=1e-2)
     evals = [r for r in records(tmp_path / "beside") if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4] and all(r["eval_loss_ema"] != r["eval_loss"] for r in evals)
     assert [s for s, _ in complete_checkpoints(tmp_path / "beside" / "checkpoints")] == [2, 4]

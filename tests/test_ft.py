@@ -244,6 +244,7 @@ COMPOSED = {
 
 
 @pytest.mark.slow
+@pytest.mark.composition  # 1 minute a torch release: run on the pinned one only
 @pytest.mark.parametrize("case", COMPOSED)
 def test_replica_groups_compose_with_the_features_inside_them(case, tmp_path, lighthouse, data):
     """Two replica groups of 2 ranks, each running `case`'s features, train to the losses and evaluation

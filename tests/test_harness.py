@@ -259,16 +259,18 @@ def test_the_harness_scores_the_same_training_on_other_meshes_the_same(mesh, tra
     assert_same_scores(harness_records(tmp_path / "run")[4], harness_records(trained[0])[4], 1e-4)
 
 
-def test_the_harness_scores_a_run_with_eight_bit_states_and_ramps_the_same_on_another_mesh(trained, tmp_path):
-    """8-bit optimizer states (torchao's) and ramped batches and lines, on 2 FSDP ranks and replicated on 2
-    (hsdp 1 x 2, whole tensors, quantized in the same blocks of 256): the harness scores the two trainings
-    alike, and not as the training with fp32 states and no ramp."""
+def test_the_harness_in_a_run_with_eight_bit_states_and_ramps_scores_its_model_as_its_export(trained, tmp_path):
+    """8-bit optimizer states (torchao's) and ramped batches and lines: the harness in the loop scores the
+    model it trained as `fms-evaluate` scores its export, and not as the training with fp32 states and no
+    ramp."""
     changed = ["--optimizer_state_dtype=int8", "--batch_size_schedule=0:1,2:2", f"--seq_length_schedule=0:16,3:{SEQ}"]
-    scored_run(trained, tmp_path / "fsdp", changed)
-    scored_run(trained, tmp_path / "hsdp", [*changed, "--sharding_strategy=hsdp", "--sharding_group_size=1"])
-    ours, theirs = (harness_records(tmp_path / name)[4] for name in ("hsdp", "fsdp"))
-    assert_same_scores(ours, theirs, 1e-4)
-    assert theirs[MONITOR] != harness_records(trained[0])[4][MONITOR]
+    run = tmp_path / "run"
+    scored_run(trained, run, [*changed, "--export_model_at_end=True"])
+    export = [f"--ckpt_load_path={run / 'model_step_4.safetensors'}"]
+    stdout = scored_run(trained, tmp_path / "evaluated", export, script="scripts/evaluate.py")
+    in_loop = harness_records(run)[4]
+    assert_same_scores(printed_scores(stdout), in_loop, 1e-4)
+    assert in_loop[MONITOR] != harness_records(trained[0])[4][MONITOR]
 
 
 def test_the_harness_scores_a_model_through_its_lora_adapters(trained, tmp_path):

@@ -54,16 +54,17 @@ def test_eight_bit_states_train_as_fp32_states_and_resume_from_their_checkpoints
 
 
 @pytest.mark.slow
-def test_eight_bit_states_train_on_pipeline_stages_of_tensor_parallel_ranks_as_on_one(tmp_path):
-    """pp2 x tp2 on 4 ranks: each rank quantizes its own slices, in blocks that fall as one rank's do, and
-    trains as one rank with 8-bit states (the reductions' order aside)."""
-    runs = {"one": (1, []), "pp2_tp2": (4, ["--pipeline_parallel_size=2", "--tensor_parallel_size=2"])}
-    for name, (ranks, extra) in runs.items():
-        flags = [*RUN, "--num_steps=4", "--optimizer_state_dtype=int8", *extra, f"--ckpt_save_path={tmp_path / name}"]
+def test_eight_bit_states_and_ramps_on_tensor_parallel_ranks_train_as_on_one(tmp_path):
+    """tp2 (one data-parallel rank, its lines split over two): each rank quantizes its own slices, and the
+    ramps of batch and line length take one rank's shapes; the losses of one rank with both."""
+    ramp = ["--batch_size_schedule=0:1,2:2", "--seq_length_schedule=0:32,3:64", "--optimizer_state_dtype=int8"]
+    for name, ranks, extra in (("one", 1, []), ("tp2", 2, ["--tensor_parallel_size=2"])):
+        flags = [*RUN, "--num_steps=4", *ramp, *extra, f"--ckpt_save_path={tmp_path / name}"]
         proc = launch("main_training.py", flags, ranks, EAGER)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one = losses(tmp_path / "one")
-    assert len(one) == 4 and losses(tmp_path / "pp2_tp2") == pytest.approx(one, rel=1e-4)
+    one, tp2 = (records(tmp_path / name) for name in ("one", "tp2"))
+    assert [(r["batch_size"], r["seq_length"]) for r in tp2] == [(1, 32), (1, 32), (2, 32), (2, 64)]
+    assert [r["loss"] for r in tp2] == pytest.approx([r["loss"] for r in one], rel=1e-4)
 
 
 @pytest.mark.slow  # 7 s: compiles the update

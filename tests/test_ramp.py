@@ -73,21 +73,6 @@ def test_a_rescale_mid_ramp_reads_every_document_at_most_once(data, tmp_path):
     assert twice == 0 and read == lines + sum(b * (s + 1) for step, (b, s) in SHAPES.items() if step > 4)
 
 
-@pytest.mark.slow
-def test_a_ramp_on_tensor_parallel_ranks_takes_one_ranks_steps(tmp_path):
-    """Both ramps on 2 tensor-parallel ranks (one data-parallel rank: its lines split over them): the losses
-    and shapes of one rank's ramp."""
-    ramp = [*TINY, "--batch_size=2", "--batch_size_schedule=0:1,2:2", "--seq_length_schedule=0:32,3:64"]
-    for name, ranks, extra in (("one", 1, []), ("tp2", 2, ["--tensor_parallel_size=2"])):
-        proc = launch(
-            "main_training.py", [*ramp, "--num_steps=4", *extra, f"--ckpt_save_path={tmp_path / name}"], ranks
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one, tp2 = (records(tmp_path / name) for name in ("one", "tp2"))
-    assert [(r["batch_size"], r["seq_length"]) for r in one] == [(1, 32), (1, 32), (2, 32), (2, 64)]
-    assert [r["loss"] for r in tp2] == pytest.approx([r["loss"] for r in one], rel=1e-5)
-
-
 def test_the_learning_rate_counted_in_tokens_moves_by_the_steps_tokens(tmp_path):
     """A batch of 1 line for 4 steps, then 2: each early step counts half a step of the largest batch, so
     the linear decay is over 2 + 4 = 6 counted steps."""

@@ -298,7 +298,7 @@ def newest_config(root: Path) -> Optional[dict[str, Any]]:
     try:
         found = complete_checkpoints(root)
         return _load_file(found[-1][1] / "metadata.pth").get("config") if found else None
-    except (CheckpointError, OSError):
+    except Exception:  # fsspec filesystems raise their clients' own errors too; the resume reports them
         return None
 
 
