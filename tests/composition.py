@@ -195,7 +195,12 @@ MATRIX: list[Pair] = [
 # the runs above that keep 8-bit states and ramp, each against one rank's (the ramp of the same global
 # batch; 8-bit states quantized in blocks of 256 that fall alike on the shards here)
 MATRIX += [
-    *(Pair(new, feature, (LORA,)) for new in ("int8", "ramps") for feature in ("LoRA", "HSDP", "async", "eval", "EMA")),
+    *(Pair(new, "LoRA", (LORA,)) for new in ("int8", "ramps")),
+    *(Pair("ramps", feature, (LORA,)) for feature in ("HSDP", "async", "eval", "EMA")),
+    # LoRA's adapters are too small to be quantized: the runs that quantize whole weights stand for int8
+    Pair("int8", "HSDP", (CP_EXPORTS, PP_HSDP)),
+    Pair("int8", "async", (EXPERTS_TOGETHER,)),
+    *(Pair("int8", feature, (CP_EXPORTS,)) for feature in ("eval", "EMA")),
     *(Pair(new, feature, (CP_EXPORTS,)) for new in ("int8", "ramps") for feature in ("CP", "exports")),
     *(Pair(new, feature, (EXPERTS_TOGETHER,)) for new in ("int8", "ramps") for feature in ("MoE", "EP")),
     *(Pair(new, "TP", (TP_STATES,)) for new in ("int8", "ramps")),
