@@ -192,7 +192,7 @@ class CheckpointRestorer:
             except CheckpointError:  # damaged: the resume says so and goes on to the one before
                 return names
             check_layout(meta, newest)
-            saved, now = meta.get("config", {}).get("optimizer_state_dtype", "fp32"), state_dtype(self.optimizer)
+            saved, now = _saved_state_dtype(meta), state_dtype(self.optimizer)
             if saved != now:  # a checkpoint holds fp32 states either way (fused.plain_tensor)
                 self.log(f"checkpoint: {newest} kept its optimizer states in {saved}; they load into {now} ones")
         return names
@@ -213,7 +213,7 @@ class CheckpointRestorer:
         meta = _load_file(path / "metadata.pth")
         state = fuse(own)
         # written with the other --optimizer_state_dtype: its groups' settings are another optimizer's
-        switched = meta.get("config", {}).get("optimizer_state_dtype", "fp32") != state_dtype(self.optimizer)
+        switched = _saved_state_dtype(meta) != state_dtype(self.optimizer)
         settings = [_only_params(group) for group in state["optimizer_state"]["param_groups"]] if switched else []
         # the parameter names of this rank's optimizer groups: a checkpoint holds one rank's lists (DCP
         # keeps one copy of what is not a tensor), which under pipeline parallelism name other stages'
@@ -271,6 +271,11 @@ class CheckpointRestorer:
             torch.set_rng_state(mine["rng"])
             if "cuda_rng" in mine and self.info.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.info.device)
+
+
+def _saved_state_dtype(meta: dict[str, Any]) -> str:
+    """The --optimizer_state_dtype a checkpoint's optimizer had (fp32 before the flag existed)."""
+    return meta.get("config", {}).get("optimizer_state_dtype", "fp32")
 
 
 def _only_params(group: dict[str, Any]) -> dict[str, Any]:
