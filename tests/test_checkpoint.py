@@ -281,6 +281,7 @@ def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path)
     )
 
 
+@pytest.mark.slow  # 12 s: a run with background saves and exports
 def test_async_checkpoints_and_exports_hold_the_state_of_their_step(data, uninterrupted, tmp_path):
     """Training goes on while the files are written; what is written is the state at the save. So
     for periodic exports, written the same way (2 ranks' shards, then rank 0's file)."""
@@ -505,6 +506,7 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
 
 
+@pytest.mark.slow  # 12 s: the ledger command four times
 def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
     """The two-rank run on `data` (12 steps of 2 x 4 lines of 129 tokens, checkpoints at 6 and 12)."""
     six, twelve = (str(uninterrupted / "checkpoints" / f"step_{n}_ckp") for n in (6, 12))

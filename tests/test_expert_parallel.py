@@ -24,6 +24,7 @@ def losses(out: Path, nproc: int, *extra: str) -> list[list[float]]:
     return [[r["loss"], r["grad_norm"]] for r in records(out) if "loss" in r]
 
 
+@pytest.mark.slow  # 13 s: two 2-rank runs
 @pytest.mark.torch_api  # DeviceMesh, DTensor, FSDP2 and all-to-all: also run on the oldest and newest torch
 def test_two_ranks_with_their_experts_spread_train_as_without(tmp_path):
     without = losses(tmp_path / "ep1", 2, "--num_steps=4")
