@@ -178,6 +178,16 @@ def here() -> Iterator[io.StringIO]:
         torch.set_num_threads(threads)
 
 
+def launch_runs(nproc: int, runs: list[list[str]], extra_env: Optional[dict] = None, timeout: int = 600) -> str:
+    """The runs one after another in one launch of `nproc` ranks (tests/runs_worker.py: a rank's start-up
+    is most of a short run's time); every rank's output, rank 0's first."""
+    proc = launch(
+        "tests/runs_worker.py", [], nproc, extra_env={**(extra_env or {}), "RUNS": json.dumps(runs)}, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def run_here(args: list[str]) -> str:
     """main_training.py's run in this process (see `here`); returns what it printed. For runs whose
     command line is not under test."""

@@ -26,7 +26,9 @@ from fms_fsdp.settings import SHARED_FLAGS, shared_of
 
 from conftest import ROOT, TINY, inspect_data, launch, records, run_here
 
-pytestmark = pytest.mark.torch_api  # also run on the oldest and newest torch (scripts/test_torch.sh)
+# torchft over torch's collectives: also run on the oldest and newest torch (scripts/test_torch.sh), but for
+# the ledger's and the local launcher's tests, which add nothing of torch's to the others
+TORCH_API = pytest.mark.torch_api
 
 pytest.importorskip("torchft")  # requirements-test.txt installs it: CI runs these
 
@@ -148,6 +150,7 @@ def caught_up(tmp_path_factory, lighthouse) -> dict[str, Any]:
     return kill_and_catch_up(tmp_path_factory.mktemp("ft"), lighthouse)
 
 
+@TORCH_API
 @pytest.mark.slow
 def test_a_killed_group_is_dropped_and_catches_up_live_on_return(caught_up):
     """Group 0 never stops (its steps go on, 1 group, the stall reported); group 1 catches up from it at a
@@ -243,6 +246,7 @@ COMPOSED = {
 }
 
 
+@TORCH_API
 @pytest.mark.slow
 @pytest.mark.composition  # 1 minute a torch release: run on the pinned one only
 @pytest.mark.parametrize("case", COMPOSED)
@@ -274,6 +278,7 @@ def test_replica_groups_compose_with_the_features_inside_them(case, tmp_path, li
             assert sorted(p.name for p in (folder / "exports").iterdir()) == ["step_2", "step_4"]
 
 
+@TORCH_API
 @pytest.mark.slow
 def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each(tmp_path, lighthouse):
     """Group 1 runs another batch size: it ends at its first step in the one line naming what to compare.
@@ -294,6 +299,7 @@ def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each
     assert reported(tmp_path / "run" / "group_0") == 0  # no step committed
 
 
+@TORCH_API
 def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
     """Each flag that sets a group's batches or updates (seed, learning rate, schedule...) changes the
     fingerprint, so such a group ends in the one line above; paths (the data's too) and logging may differ."""
@@ -319,6 +325,7 @@ def test_the_fingerprint_tells_apart_groups_whose_updates_would_differ():
     )
 
 
+@TORCH_API
 def test_the_watchdog_ends_a_hung_step_in_one_line():
     """A step armed and never finished (a hang: the process is alive, torchft's thread would keep
     heartbeating) ends the process with status 1 (os._exit, here recorded) once the deadline passes;
@@ -345,6 +352,7 @@ def test_the_watchdog_ends_a_hung_step_in_one_line():
     ]
 
 
+@TORCH_API
 def test_a_failed_collective_is_said_in_a_few_words_and_each_group_labels_its_lines():
     gloo = (
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:4321 "
@@ -360,6 +368,7 @@ def test_a_failed_collective_is_said_in_a_few_words_and_each_group_labels_its_li
     assert out.getvalue() == "[group 1] step 1 | loss 2\n[group 1] step 2 | loss 1\n[group 1] \n[group 1] error: x\n"
 
 
+@TORCH_API
 def test_a_labelled_line_reaches_the_shared_console_in_one_write():
     """print() writes a line's text and its end apart: the other groups' lines must not land in between."""
     writes: list[str] = []

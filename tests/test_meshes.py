@@ -5,7 +5,6 @@ three launches (tests/runs_worker.py): a rank's start-up is most of a short run'
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from fms_fsdp.model.variants import flops_per_token, get_model_config
 from fms_fsdp.weights.hf import convert as hf_convert
 from fms_fsdp.weights.reader import read_model
 
-from conftest import TINY, flags, launch, records, resume_from, run_here
+from conftest import TINY, flags, launch_runs, records, resume_from, run_here
 from test_checkpoint import RESUME_EXPORT, assert_exported_step_6, losses, weights
 from test_hf import read_hf_model
 
@@ -51,14 +50,6 @@ PP_SCHEDULES = {
 # evaluation through the pipeline's stages under a looped schedule and a zero-bubble one (under the V-shaped
 # ones it is refused at start-up: tests/error_cases.py)
 EVAL_SCHEDULES = {"pp2_eval": [], "pp2_eval_zb": ["--pipeline_schedule=InterleavedZeroBubble"]}
-
-
-def launch_runs(nproc: int, runs: list[list[str]]) -> str:
-    """The runs one after another in one launch of `nproc` ranks (tests/runs_worker.py); every rank's
-    output, rank 0's first."""
-    proc = launch("tests/runs_worker.py", [], nproc, extra_env={"RUNS": json.dumps(runs)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 def close(got: dict[int, float], want: dict[int, float], tol: float = TOL) -> bool:

@@ -16,7 +16,7 @@ from fms_fsdp.optim import build_optimizer, load_low_bit_states, low_bit_state
 from fms_fsdp.settings import optimizer_of
 from fms_fsdp.weights.fused import plain_tensor
 
-from conftest import TINY, launch, records, resume_from
+from conftest import TINY, launch, launch_runs, records, resume_from
 
 # 8-bit moments round each block of 256 to its largest value's 1/127 steps: over 6 steps at the tiny
 # recipe's learning rate the losses stay within 1% of fp32's (0.5% measured)
@@ -32,25 +32,25 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out) if "loss" in r]
 
 
-@pytest.mark.slow  # five launches
+@pytest.mark.slow  # two launches of 2 ranks
 def test_eight_bit_states_train_as_fp32_states_and_resume_from_their_checkpoints(tmp_path):
-    for name, flags in {"fp32": [], "int8": ["--optimizer_state_dtype=int8"]}.items():
-        proc = launch("main_training.py", [*RUN, *flags, f"--ckpt_save_path={tmp_path / name}"], 2, EAGER)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def run(name: str, dtype: str) -> list[str]:
+        return [*RUN, f"--optimizer_state_dtype={dtype}", f"--ckpt_save_path={tmp_path / name}"]
+
+    launch_runs(2, [run("fp32", "fp32"), run("int8", "int8")], EAGER)
     fp32, int8 = losses(tmp_path / "fp32"), losses(tmp_path / "int8")
     assert len(int8) == 6 and int8 != fp32 and int8 == pytest.approx(fp32, rel=STATES_TOL), (int8, fp32)
-    resumed = resume_from(tmp_path / "int8", 3, tmp_path / "resumed")
-    proc = launch("main_training.py", [*RUN, "--optimizer_state_dtype=int8", f"--ckpt_save_path={resumed}"], 2, EAGER)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert losses(resumed) == pytest.approx(int8[3:], rel=RESUME_TOL), (losses(resumed), int8)
-    for saved, now in (("int8", "fp32"), ("fp32", "int8")):  # the other setting: its states converted
-        switched = resume_from(tmp_path / saved, 3, tmp_path / f"{saved}_to_{now}")
-        flags = [*RUN, f"--optimizer_state_dtype={now}", f"--ckpt_save_path={switched}"]
-        proc = launch("main_training.py", flags, 2, EAGER)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert f"kept its optimizer states in {saved}; they load into {now} ones" in proc.stdout, proc.stdout[-3000:]
-        continued = {"int8": int8, "fp32": fp32}[saved][3:]
-        assert losses(switched) != continued and losses(switched) == pytest.approx(continued, rel=STATES_TOL)
+    # int8 resumed as int8, and each resumed with the other setting (its states converted as they load)
+    resumes = {"resumed": ("int8", "int8"), "int8_to_fp32": ("int8", "fp32"), "fp32_to_int8": ("fp32", "int8")}
+    for name, (saved, _) in resumes.items():
+        resume_from(tmp_path / saved, 3, tmp_path / name)
+    log = launch_runs(2, [run(name, now) for name, (_, now) in resumes.items()], EAGER)
+    assert losses(tmp_path / "resumed") == pytest.approx(int8[3:], rel=RESUME_TOL), (losses(tmp_path / "resumed"), int8)
+    assert "kept its optimizer states in int8; they load into int8" not in log
+    for name, (saved, now) in list(resumes.items())[1:]:
+        assert f"kept its optimizer states in {saved}; they load into {now} ones" in log, log[-3000:]
+        continued, switched = {"int8": int8, "fp32": fp32}[saved][3:], losses(tmp_path / name)
+        assert switched != continued and switched == pytest.approx(continued, rel=STATES_TOL), (switched, continued)
 
 
 @pytest.mark.slow
