@@ -4,6 +4,7 @@ a pair that composes names runs that exist, each in its tier, with both features
 
 import ast
 import re
+from pathlib import Path
 
 import pytest
 from composition import FEATURES, MATRIX, NOT_YET, Pair, every_pair
@@ -14,7 +15,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.startup import facts
 
-from conftest import ROOT, TINY, launch, records, resume_from
+from conftest import ROOT, TINY, launch, launch_runs, records, resume_from
 
 
 def test_every_pair_of_features_is_in_the_matrix_once():
@@ -108,37 +109,42 @@ def by_step(found: list[dict]) -> dict[int, dict]:
     return merged
 
 
+@pytest.fixture(scope="module")
+def together(tmp_path_factory, data) -> Path:
+    """TOGETHER's runs, each from a kept checkpoint of step 2 for 4 steps, evaluated and checkpointed at 2 and 4:
+    every case's on 4 ranks in one launch, its reference on one rank in another (<case>/run, <case>/one)."""
+    root = tmp_path_factory.mktemp("together")
+    runs: dict[int, list[list[str]]] = {4: [], 1: []}
+    for i, (case, (flags, reference, dp)) in enumerate(TOGETHER.items()):
+        kept = "layout2" if "experts" in case else "layout1"
+        base = str(ASSETS / kept / "checkpoints" / f"step_{KEPT_STEP}_ckp")
+        common = [
+            *TINY,
+            "--model_variant=micro",
+            "--vocab_size=1024",
+            f"--ckpt_load_path={base}",
+            "--lr_schedule=constant",
+            "--warmup_steps=2",
+            "--num_steps=4",
+            "--checkpoint_interval=2",
+            "--eval_interval=2",
+            f"--eval_data_path={data}",
+            "--eval_batches=2",
+            "--ema_decay=0.5",  # the weight average too: evaluated as eval_loss_ema
+        ]
+        runs[4].append([*common, "--batch_size=2", *flags, f"--ckpt_save_path={root / str(i) / 'run'}"])
+        runs[1].append([*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={root / str(i) / 'one'}"])
+    for ranks, listed in runs.items():
+        launch_runs(ranks, listed, EAGER)  # eager: torchao's 8-bit update, and compile is off in every run
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", TOGETHER)
-def test_features_run_together_train_and_evaluate_as_one_rank(case, tmp_path, data):
-    flags, reference, dp = TOGETHER[case]
-    kept = "layout2" if "experts" in case else "layout1"
-    base = str(ASSETS / kept / "checkpoints" / f"step_{KEPT_STEP}_ckp")
-    common = [
-        *TINY,
-        "--model_variant=micro",
-        "--vocab_size=1024",
-        f"--ckpt_load_path={base}",
-        "--lr_schedule=constant",
-        "--warmup_steps=2",
-        "--num_steps=4",
-        "--checkpoint_interval=2",
-        "--eval_interval=2",
-        f"--eval_data_path={data}",
-        "--eval_batches=2",
-        "--ema_decay=0.5",  # the weight average too: evaluated as eval_loss_ema
-    ]
-    out, env = tmp_path / "run", EAGER if INT8 in flags else {}
-    proc = launch("main_training.py", [*common, "--batch_size=2", *flags, f"--ckpt_save_path={out}"], 4, env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one = launch(
-        "main_training.py",
-        [*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={tmp_path / 'one'}"],
-        1,
-        env,
-    )
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    got, want = (by_step(records(run)) for run in (out, tmp_path / "one"))
+def test_features_run_together_train_and_evaluate_as_one_rank(case, together):
+    flags = TOGETHER[case][0]
+    out = together / str(list(TOGETHER).index(case)) / "run"
+    got, want = (by_step(records(run)) for run in (out, out.parent / "one"))
     pairs = [(got[s][k], want[s][k]) for s in want for k in ("loss", "eval_loss", "eval_loss_ema") if k in want[s]]
     assert len(pairs) == 4 + 2 * 2 and all(a == pytest.approx(b, rel=1e-4) for a, b in pairs), pairs
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]
@@ -163,15 +169,12 @@ def test_a_head_tied_to_the_embedding_trains_under_tensor_parallelism_as_on_one_
         "tp2": ["--tensor_parallel_size=2"],
         "tp2_meta": ["--tensor_parallel_size=2", "--low_cpu_fsdp=True"],
     }
-    for name, extra in runs.items():
-        proc = launch("main_training.py", [*tied, *extra, f"--ckpt_save_path={tmp_path / name}"], 2 if extra else 1)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_runs(2, [[*tied, *extra, f"--ckpt_save_path={tmp_path / name}"] for name, extra in runs.items() if extra])
+    resumed = resume_from(tmp_path / "tp2", 2, tmp_path / "resumed")
+    launch_runs(1, [[*tied, f"--ckpt_save_path={tmp_path / name}"] for name in ("one", "resumed")])
     want = [r["loss"] for r in records(tmp_path / "one")]
     for name in ("tp2", "tp2_meta"):
         assert [r["loss"] for r in records(tmp_path / name)] == pytest.approx(want, rel=1e-5), name
-    resumed = resume_from(tmp_path / "tp2", 2, tmp_path / "resumed")
-    proc = launch("main_training.py", [*tied, f"--ckpt_save_path={resumed}"], 1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["loss"] for r in records(resumed) if r["step"] > 2] == pytest.approx(want[2:], rel=1e-5)
 
 
@@ -185,9 +188,7 @@ def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alon
     beside += ["--eval_batches=2", "--ema_decay=0.5"]
     runs = {"alone": [INT8, "--checkpoint_interval=0"], "beside": [INT8, *beside], "fp32": ["--checkpoint_interval=0"]}
     runs = {name: [*RAMP_PER_RANK, *extra] for name, extra in runs.items()}
-    for name, extra in runs.items():
-        proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], 1, EAGER)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_runs(1, [[*float8, *extra, f"--ckpt_save_path={tmp_path / name}"] for name, extra in runs.items()], EAGER)
     got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("beside", "alone"))
     assert len(want) == 4 and got == want
     fp32 = [r["loss"] for r in records(tmp_path / "fp32") if "loss" in r]  # 8-bit moments: within 1% of fp32's
