@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from reference import LR, train
 
-from conftest import launch, records
+from conftest import launch_runs, records
 
-pytestmark = pytest.mark.slow  # a launch per mesh (about 15 s each): the slow tier
+pytestmark = pytest.mark.slow  # every mesh's run of 20 steps: the slow tier
 
 STEPS, BATCH, SEQ, VOCAB, SEED = 20, 4, 64, 256, 2023
 # fms's LLaMA and transformers' compute the same functions with other kernels and in another order
@@ -62,9 +63,9 @@ def reference(source) -> np.ndarray:
     return np.array(train(source, STEPS, BATCH, SEQ, VOCAB, SEED))
 
 
-def run(source: Path, out: Path, vocab: int, ranks: int, mesh: list[str]) -> np.ndarray:
-    """The package's (loss, gradient norm) per step on `ranks` ranks with the mesh's flags."""
-    flags = [
+def run(source: Path, out: Path, vocab: int, mesh: list[str]) -> list[str]:
+    """The package's flags for the reference's training with the mesh's flags, written to `out`."""
+    return [
         "--model_variant=tiny",
         "--device=cpu",
         "--use_dummy_dataset=True",
@@ -82,9 +83,39 @@ def run(source: Path, out: Path, vocab: int, ranks: int, mesh: list[str]) -> np.
         f"--ckpt_save_path={out}",
         *mesh,
     ]
-    proc = launch("main_training.py", flags, ranks)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def found(out: Path) -> np.ndarray:
+    """A run's (loss, gradient norm) per step."""
     return np.array([(r["loss"], r["grad_norm"]) for r in records(out) if "loss" in r])
+
+
+# context parallelism with document masking: each document of a line attends only to itself
+DOCUMENTS = [
+    f"--batch_size={BATCH}",
+    "--context_parallel_size=2",
+    "--cp_attention=allgather",
+    "--document_masking=True",
+    "--eos_token=0",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(source, tmp_path_factory) -> Path:
+    """Every mesh's run (mesh<i>/, in MESHES' order) and the documents' (documents/, from documents/hf), one launch per number
+    of ranks."""
+    root = tmp_path_factory.mktemp("runs")
+    documents = write_source(root / "documents" / "hf", DOCUMENTS_VOCAB)
+    by_ranks: dict[int, list[list[str]]] = {
+        1: [],
+        2: [run(documents, root / "documents", DOCUMENTS_VOCAB, DOCUMENTS)],
+        4: [],
+    }
+    for i, (_, ranks, mesh) in enumerate(MESHES):
+        by_ranks[ranks].append(run(source, root / f"mesh{i}", VOCAB, mesh))
+    for ranks, listed in by_ranks.items():
+        launch_runs(ranks, listed)
+    return root
 
 
 def check(name: str, found: np.ndarray, reference: np.ndarray, tol: float = TOL) -> None:
@@ -98,23 +129,19 @@ def check(name: str, found: np.ndarray, reference: np.ndarray, tol: float = TOL)
     )
 
 
-@pytest.mark.parametrize("name, ranks, mesh", MESHES, ids=[m[0] for m in MESHES])
-def test_every_mesh_follows_the_reference_loop(source, reference, tmp_path, name, ranks, mesh):
-    check(name, run(source, tmp_path / "run", VOCAB, ranks, mesh), reference)
+@pytest.mark.parametrize("name", [m[0] for m in MESHES])
+def test_every_mesh_follows_the_reference_loop(runs, reference, name):
+    i = [m[0] for m in MESHES].index(name)
+    saved = yaml.safe_load((runs / f"mesh{i}" / "config.yaml").read_text())
+    assert all(str(saved[f.split("=")[0][2:]]) == f.split("=")[1] for f in MESHES[i][2])  # that mesh's run
+    check(name, found(runs / f"mesh{i}"), reference)
 
 
-def test_context_parallel_with_document_masking_follows_the_reference_loop(tmp_path):
+def test_context_parallel_with_document_masking_follows_the_reference_loop(runs):
     """Each document of a line attends only to itself (the reference runs each alone, at its place in the
     line), with the line split over 2 ranks."""
-    source = write_source(tmp_path / "hf", DOCUMENTS_VOCAB)
+    source = runs / "documents" / "hf"
     reference = np.array(train(source, STEPS, BATCH, SEQ, DOCUMENTS_VOCAB, SEED, eos=0))
-    mesh = [
-        f"--batch_size={BATCH}",
-        "--context_parallel_size=2",
-        "--cp_attention=allgather",
-        "--document_masking=True",
-        "--eos_token=0",
-    ]
-    found = run(source, tmp_path / "run", DOCUMENTS_VOCAB, 2, mesh)
-    check("cp with document masking, first steps", found[:2], reference[:2], 1e-6)
-    check("cp with document masking", found, reference, DOCUMENTS_TOL)
+    got = found(runs / "documents")
+    check("cp with document masking, first steps", got[:2], reference[:2], 1e-6)
+    check("cp with document masking", got, reference, DOCUMENTS_TOL)
