@@ -17,7 +17,7 @@ from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.moe import MoEConfig, MoEFeedForward, RoutingStats, balance_loss, capacity, expert_width, kept_slots
 from fms_fsdp.model.variants import build_model, count_params, flops_per_token, get_model_config
 
-from conftest import TINY, launch, records, resume_from
+from conftest import TINY, launch, launch_runs, records, resume_from
 
 EXPERTS, TOP_K, DIM = 4, 2, 32
 
@@ -167,9 +167,13 @@ def test_a_sparse_model_trains_on_fsdp_hsdp_and_pipeline_meshes_as_on_one_rank(t
     """Each mesh sees the one rank's batches in micro-batches of the same lines, so the balance losses
     (per micro-batch) agree too; fp32, so the sums' order is all that differs."""
     one = _losses(tmp_path, "one", None, "--batch_size=1", "--grad_accum_steps=4")
-    fsdp = _losses(tmp_path, "fsdp", 2, "--batch_size=1", "--grad_accum_steps=2")
     hsdp = _losses(tmp_path, "hsdp", 4, "--batch_size=1", "--sharding_strategy=hsdp", "--sharding_group_size=2")
-    pipe = _losses(tmp_path, "pp", 2, "--batch_size=4", "--pipeline_parallel_size=2", "--pipeline_microbatches=4")
+    two = {  # one launch of 2 ranks
+        "fsdp": ["--batch_size=1", "--grad_accum_steps=2"],
+        "pp": ["--batch_size=4", "--pipeline_parallel_size=2", "--pipeline_microbatches=4"],
+    }
+    launch_runs(2, [[*SPARSE, f"--ckpt_save_path={tmp_path / name}", *extra] for name, extra in two.items()])
+    fsdp, pipe = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in two)
     for other in (fsdp, hsdp, pipe):
         torch.testing.assert_close(other, one, rtol=2e-4, atol=0)
     assert one[-1] < one[0] - 0.5
