@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional, TypeVar
 
 from fms_fsdp.checkpoint.policy import KeepPolicy
 from fms_fsdp.checkpoint.settings import CheckpointSettings, ExportSettings
@@ -47,6 +47,8 @@ from fms_fsdp.resilience.triggers import TriggerSettings
 from fms_fsdp.schedule import ScheduleSettings, cycle_starts
 from fms_fsdp.storage import is_remote, location
 from fms_fsdp.train.settings import LoopSettings, StepSettings
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,19 +102,21 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         ),
         trackers=trackers_of(cfg),
         loop=loop_of(cfg),
-        step=StepSettings(grad_accum_steps=cfg.grad_accum_steps, grad_clip_thresh=cfg.grad_clip_thresh),
+        step=by_name(StepSettings, cfg),
         metrics=metrics_of(cfg, data.ramp),
-        model=ModelSettings(
-            low_cpu=cfg.low_cpu_fsdp,
-            seed=cfg.seed,
-            z_loss_weight=cfg.z_loss_weight,
-            moe_aux_loss_weight=cfg.moe_aux_loss_weight,
-            moe_z_loss_weight=cfg.moe_z_loss_weight,
-            moe_capacity_factor=cfg.moe_capacity_factor,
-            moe_kernel=cfg.moe_kernel,
-        ),
+        model=by_name(ModelSettings, cfg, low_cpu=cfg.low_cpu_fsdp),
         data=data,
     )
+
+
+def by_name(cls: type[S], cfg: train_config, **given: Any) -> S:
+    """Settings `cls` built from `given`, and each of its other fields from the flag of the same name: a flag
+    added to config.py and, under its name, to a settings class reaches that class with no line here."""
+    fields = [f.name for f in dataclasses.fields(cls) if f.name not in given]  # type: ignore[arg-type]
+    missing = [name for name in fields if not hasattr(cfg, name)]
+    if missing:
+        raise TypeError(f"{cls.__name__}: {missing} are neither flags nor given")
+    return cls(**given, **{name: getattr(cfg, name) for name in fields})
 
 
 def profiler_of(cfg: train_config) -> ProfilerSettings:
@@ -163,35 +167,14 @@ def export_of(cfg: train_config, lora: Optional[LoRASpec]) -> ExportSettings:
 
 
 def metrics_of(cfg: train_config, ramp: Optional[Ramp] = None) -> MetricsSettings:
-    return MetricsSettings(
-        batch_size=cfg.batch_size,
-        seq_length=cfg.seq_length,
-        grad_accum_steps=cfg.grad_accum_steps,
-        peak_tflops=cfg.peak_tflops,
-        num_steps=cfg.num_steps,
-        ramp=ramp,
-    )
+    return by_name(MetricsSettings, cfg, ramp=ramp)
 
 
 def data_of(cfg: train_config, layout: Layout, packing: Packing) -> DataSettings:
     """The training data's settings: --weights_schedule parsed once (ConfigError naming it), --cache_dir's."""
     schedule = None if cfg.weights_schedule is None else MixtureSchedule.parse(cfg.weights_schedule)
-    return DataSettings(
-        use_dummy_dataset=cfg.use_dummy_dataset,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-        data_path=cfg.data_path,
-        datasets=cfg.datasets,
-        weights=cfg.weights,
-        schedule=schedule,
-        layout=layout,
-        packing=packing,
-        logical_shards=cfg.logical_shards,
-        num_workers=cfg.num_workers,
-        grad_accum_steps=cfg.grad_accum_steps,
-        cache=cache_of(cfg),
-        ramp=ramp_of(cfg.batch_size_schedule, cfg.seq_length_schedule, cfg.batch_size, cfg.seq_length),
-    )
+    ramp = ramp_of(cfg.batch_size_schedule, cfg.seq_length_schedule, cfg.batch_size, cfg.seq_length)
+    return by_name(DataSettings, cfg, schedule=schedule, layout=layout, packing=packing, cache=cache_of(cfg), ramp=ramp)
 
 
 def cache_of(cfg: train_config) -> Optional[CacheSettings]:
@@ -230,25 +213,8 @@ def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = Tr
 
 
 def loop_of(cfg: train_config) -> LoopSettings:
-    """The flags the training loop reads itself."""
-    return LoopSettings(
-        num_steps=cfg.num_steps,
-        report_interval=cfg.report_interval,
-        seed=cfg.seed,
-        deterministic=cfg.deterministic,
-        skip_bad_steps=cfg.skip_bad_steps,
-        spike_sigma=cfg.spike_sigma,
-        grad_clip_thresh=cfg.grad_clip_thresh,
-        straggler_threshold=cfg.straggler_threshold,
-        straggler_reports=cfg.straggler_reports,
-        batch_size=cfg.batch_size,
-        seq_length=cfg.seq_length,
-        mixed_precision=cfg.mixed_precision,
-        checkpoint_interval=cfg.checkpoint_interval,
-        stop_exit_status=cfg.stop_exit_status,
-        export_model_at_end=cfg.export_model_at_end,
-        ema_decay=cfg.ema_decay,
-    )
+    """The flags the training loop reads itself (each field is the flag of its name)."""
+    return by_name(LoopSettings, cfg)
 
 
 def trackers_of(cfg: train_config) -> TrackerSettings:
@@ -265,22 +231,16 @@ def trackers_of(cfg: train_config) -> TrackerSettings:
 def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRASpec]) -> MemorySettings:
     """The memory plan's settings: its activation checkpointing is `parallel`'s, its adapters `lora`'s."""
     fraction = parallel.checkpointing
-    return MemorySettings(
+    return by_name(
+        MemorySettings,
+        cfg,
         setting=Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
         variant=cfg.model_variant,
-        vocab_size=cfg.vocab_size,
-        seq_length=cfg.seq_length,
-        mixed_precision=cfg.mixed_precision,
-        device=cfg.device,
         compile=cfg.use_torch_compile,
-        document_masking=cfg.document_masking,
-        cp_attention=cfg.cp_attention,
         muon=cfg.optimizer == "muon",
-        optimizer_state_dtype=cfg.optimizer_state_dtype,
         skip_bad_steps=cfg.skip_bad_steps > 0,
         lora=lora,
         device_gib=cfg.plan_device_memory_gib,
-        cpu_offload=cfg.cpu_offload,
         ema=cfg.ema_decay > 0,
     )
 
@@ -348,18 +308,15 @@ def schedule_of(cfg: train_config, ramp: Optional[Ramp] = None) -> ScheduleSetti
 
 def optimizer_of(cfg: train_config) -> OptimizerSettings:
     """The optimizer's settings (AdamW, or Muon for the blocks' matrices)."""
-    return OptimizerSettings(
-        learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
+    return by_name(
+        OptimizerSettings,
+        cfg,
         decay_all=cfg.weight_decay_norms_and_embeddings,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         impl=cfg.optimizer_impl,
         state_dtype=cfg.optimizer_state_dtype,
-        skip_bad_steps=cfg.skip_bad_steps,
         muon=cfg.optimizer == "muon",
-        muon_momentum=cfg.muon_momentum,
-        muon_adjust_lr=cfg.muon_adjust_lr,
     )
 
 
@@ -390,19 +347,14 @@ def parallel_of(cfg: train_config) -> ParallelSettings:
 def mesh_of(cfg: train_config) -> MeshSettings:
     """The mesh's flags (startup.facts lays out the mesh from them before the other settings are built, and
     keeps its shape: run.shape)."""
-    return MeshSettings(
+    return by_name(
+        MeshSettings,
+        cfg,
         pp=cfg.pipeline_parallel_size,
         tp=cfg.tensor_parallel_size,
         cp=cfg.context_parallel_size,
         ep=cfg.expert_parallel_size,
-        sharding_strategy=cfg.sharding_strategy,
-        sharding_group_size=cfg.sharding_group_size,
-        seq_length=cfg.seq_length,
-        cp_attention=cfg.cp_attention,
-        document_masking=cfg.document_masking,
-        mixed_precision=cfg.mixed_precision,
         compile=cfg.use_torch_compile,
-        float8=cfg.float8,
         lora=bool(cfg.lora_rank),
     )
 

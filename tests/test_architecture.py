@@ -6,6 +6,7 @@ import ast
 import collections
 import dataclasses
 import importlib
+import os
 import subprocess
 import sys
 
@@ -232,20 +233,90 @@ READ_AT_START_UP = {
 }
 
 
+def filled_by_name(path) -> set[str]:
+    """The flags that settings.py's `by_name(<class>, cfg, **given)` calls fill: each class's fields not given."""
+    import fms_fsdp.settings as settings
+
+    filled = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "by_name":
+            cls = getattr(settings, node.args[0].id)
+            filled |= {f.name for f in dataclasses.fields(cls)} - {k.arg for k in node.keywords}
+    return filled
+
+
 def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
-    """Each field of the flat config is read in settings.py, or is one of READ_AT_START_UP: a flag that no
-    component sees would be accepted and do nothing."""
+    """Each field of the flat config is read in settings.py (`cfg.<flag>`, or a field of the same name that
+    `by_name` fills), or is one of READ_AT_START_UP: a flag that no component sees would be accepted and do
+    nothing."""
     from fms_fsdp.config import train_config
 
     def read_in(path) -> set[str]:
         return {n.attr for n in ast.walk(ast.parse(path.read_text())) if reads_a_field(n)}
 
     flags = {f.name for f in dataclasses.fields(train_config)}
-    settings = read_in(PACKAGE / "settings.py")
+    settings = read_in(PACKAGE / "settings.py") | filled_by_name(PACKAGE / "settings.py")
     start_up = set().union(*(read_in(PACKAGE / name) for name in ("startup.py", "cli.py")))
     assert flags - settings - start_up == set(), "flags that nothing reads"
     assert flags - settings == READ_AT_START_UP
     assert READ_AT_START_UP <= start_up
+    assert len(filled_by_name(PACKAGE / "settings.py")) >= 40  # most flags reach their settings by name
+
+
+# what a new flag takes: its entry in the field table and a field of the same name in a settings class (the
+# component that uses it is the third file); the flag's help, checks and docs come from the entry
+NEW_FLAG = """    probe_window: int = _f(3, "How many steps the probe looks back.", min=1, shared=False)
+"""
+NEW_SETTING = "    probe_window: int = 3\n"
+
+
+def test_a_new_flag_reaches_its_setting_through_two_files(tmp_path):
+    """A copy of the package with a flag added to config.py and to LoopSettings, nothing else: the flag
+    parses, is checked, shows in --help and reaches the loop's settings."""
+    copy = tmp_path / "fms_fsdp"
+    subprocess.run(["cp", "-r", str(PACKAGE), str(copy)], check=True)
+    config, loop = copy / "config.py", copy / "train" / "settings.py"
+    text = config.read_text()
+    anchor = "    ema_decay: float = _f("
+    config.write_text(text.replace(anchor, NEW_FLAG + anchor, 1))
+    text = loop.read_text()
+    anchor = "    ema_decay: float = 0.0"
+    loop.write_text(text.replace(anchor, NEW_SETTING + anchor, 1))
+    changed = subprocess.run(
+        ["diff", "-rq", "-x", "__pycache__", str(PACKAGE), str(copy)], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert len(changed) == 2, changed
+    probe = """
+import sys
+from fms_fsdp.errors import ConfigError
+from fms_fsdp.flags import parse_args
+from fms_fsdp.settings import settings_of
+flags = ["--use_dummy_dataset=True", "--device=cpu", f"--ckpt_save_path={sys.argv[1]}"]
+print(settings_of(parse_args([*flags, "--probe_window=7"]), vocab_size=256).loop.probe_window)
+print(settings_of(parse_args(flags), vocab_size=256).loop.probe_window)
+try:
+    parse_args([*flags, "--probe_window=0"])
+except ConfigError as e:
+    print(e)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "run")],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[:2] == ["7", "3"] and "--probe_window" in lines[2], lines
+    shown = subprocess.run(
+        [sys.executable, "-c", "from fms_fsdp.flags import format_help; print(format_help())"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert "How many steps the probe looks back." in shown.stdout + shown.stderr
 
 
 def test_no_module_shadows_the_standard_library_and_base_names_are_unique():
