@@ -207,3 +207,46 @@ def test_workers_that_die_again_and_again_end_the_run_in_one_line(shards, monkey
     monkeypatch.setattr(LineReader, "next_line", _die)  # in the workers, forked from here: each dies at once
     with pytest.raises(DataError, match=r"^the data loader's workers died 4 times in a row \(signal 9; out of memory"):
         next(iter(data_loader(cfg(shards, num_workers=1), 0, 2)))
+
+
+# a gloo group of this process dropped in a reference cycle just before the loader forks its workers (a
+# run in the process leaves one), and each forked process collecting its garbage at once (when it does is
+# chance: here it is made certain)
+DROPPED_GROUP = """
+import gc, os, threading, torch, torch.distributed as dist
+from fms_fsdp.parallel.process_group import free_port
+loader = data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
+gc.disable()
+os.register_at_fork(after_in_child=gc.collect)
+group = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", free_port(), 1, True), 0, 1)
+group.allreduce([torch.ones(1)]).wait()
+cycle = [group]
+cycle.append(cycle)
+del group, cycle
+it = iter(loader)
+for _ in range(5):
+    next(it)
+print("five batches", flush=True)
+"""
+
+
+def test_a_process_group_dropped_before_the_workers_start_does_not_hang_them(shards):
+    """A worker that freed the rank's dropped process group would wait forever on the rank's gloo threads,
+    which it does not have: the rank frees its garbage before it forks them, and they never free theirs."""
+    code = DROPPED_GROUP.format(data=str(shards))
+    head = "import sys\nsys.path.insert(0, {tests!r})\nfrom pathlib import Path\nfrom test_data import cfg\n"
+    head += "from conftest import data_loader\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", head.format(tests=str(Path(__file__).parent)) + code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process and its hung workers
+        pytest.fail("the loader's workers hung freeing the rank's dropped process group")
+    assert proc.returncode == 0 and "five batches" in out, out[-3000:]

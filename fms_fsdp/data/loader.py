@@ -13,13 +13,14 @@ grad_accum_steps), so with --weights_schedule it sets that step's weights before
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import sys
 import threading
 from collections import Counter
 from functools import partial
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from fms_fsdp.ramp import Ramp
 STATE_VERSION = 1
 RESTARTS = 3  # deaths of the workers in a row, with no batch between them, started again
 Batch = tuple[torch.Tensor, torch.Tensor]
+T = TypeVar("T")
 
 
 def _compact(reader_state: dict[str, Any]) -> dict[str, Any]:
@@ -208,16 +210,15 @@ class StatefulLoader:
         source = _Workers(self)
         if self.num_workers == 0:
             return iter(source)
-        it = iter(
-            DataLoader(
-                source,
-                batch_size=None,
-                num_workers=self.num_workers,
-                prefetch_factor=2,
-                collate_fn=_as_is,
-                worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
-            )
+        loader = DataLoader(
+            source,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=2,
+            collate_fn=_as_is,
+            worker_init_fn=partial(_init_worker, rank_pid=os.getpid()),  # not always the parent (forkserver)
         )
+        it = fork_safely(lambda: iter(loader))
         watch(it)
         return it
 
@@ -369,3 +370,16 @@ class StatefulLoader:
                 for k, n in enumerate(state.get("used", ())):
                     totals[k] += int(n)
         return {d.name: n for d, n in zip(self.datasets, totals)}
+
+
+def fork_safely(start: Callable[[], T]) -> T:
+    """`start()`, which forks the workers, with the rank's garbage freed first, here, where the threads its
+    objects wait on still run, and what the workers inherit frozen, so that their collections never free it:
+    a process group left in a reference cycle and freed in a forked worker waits forever on the rank's
+    threads (torch's gloo group does)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return start()
+    finally:
+        gc.unfreeze()
