@@ -1,5 +1,6 @@
 """Every component's settings, built from the flags once at start-up (`startup.facts`) and kept on the `Run` as
-`run.settings`: a component receives its own small settings object, never the flat config. Each fact the flags
+`run.settings`: a component receives its own small settings object, never the flat config. Most settings
+classes take each field named as a flag from that flag (`by_name`); the rest are derived here. Each fact the flags
 state is parsed here once (the checkpointed fraction, the keep policy, the schedule's cycles, the lm-eval tasks,
 the data's layout and framing, the mixture's schedule, the flags replica groups share). Three are built before
 the others and not kept here: the mesh's and the pipeline's (`mesh_of`, `pipeline_of`), and --fault_tolerance's
