@@ -256,6 +256,7 @@ def test_on_checkpoint_error_warn_skips_write_failures_only(small_disk, tmp_path
     assert not list((out / "checkpoints").iterdir())  # the unfinished save is removed
 
 
+@pytest.mark.slow  # 12 s: three short runs, one of two ranks
 def test_model_initialised_from_files_and_folders(data, uninterrupted, tmp_path):
     """A checkpoint folder and a .pth file on one rank; a .safetensors file on two, each rank reading only
     its shards' rows of it; a file of another model is one error naming the tensor that does not fit."""

@@ -100,6 +100,7 @@ def test_system_packages_that_cannot_be_installed_fail_ci_and_warn_outside_it(tm
 TORCH_RUNS = "torch_api and not composition"  # what scripts/test_torch.sh selects
 
 
+@pytest.mark.slow  # 9 s: collects the whole suite
 def test_every_torch_release_runs_the_fault_matrix_and_a_checkpoint_resume():
     """scripts/test_torch.sh runs `-m torch_api` on the oldest and newest torch: that subset must hold them."""
     proc = subprocess.run(

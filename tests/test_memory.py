@@ -290,6 +290,7 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     assert "8 of 8 microbatches of 1 lines in flight" in text
 
 
+@pytest.mark.slow  # 9 s: a launch that plans and stops
 def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_model_line_counts():
     """--dry_run's status says whether the plan fits (0, else PLAN_DOES_NOT_FIT = 3; a plan that fits returns
     in the test above), with the PLAN line last either way; under pipeline parallelism the start's model
