@@ -28,18 +28,22 @@ from test_data import cfg, make_docs, write_dataset
 ROOT = Path(__file__).resolve().parents[1]
 
 # takes 5 batches from a loader with 2 workers, holding the iterator in `it`; prints the workers' pids
-SETUP = """
+IMPORTS = """
 import gc, multiprocessing, os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_data import cfg
 from conftest import data_loader
-loader = data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
+"""
+SETUP = (
+    IMPORTS
+    + """loader = data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
 it = iter(loader)
 for _ in range(5):
     next(it)
 print("workers", *[p.pid for p in multiprocessing.active_children()], flush=True)
 """
+)
 
 # the process goes on after dropping iterators: a generator that finished, then the held one, collected
 DROPPED = """
@@ -213,7 +217,7 @@ def test_workers_that_die_again_and_again_end_the_run_in_one_line(shards, monkey
 # run in the process leaves one), and each forked process collecting its garbage at once (when it does is
 # chance: here it is made certain)
 DROPPED_GROUP = """
-import gc, os, threading, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from fms_fsdp.parallel.process_group import free_port
 loader = data_loader(cfg(Path({data!r}), num_workers=2), 0, 2)
 gc.disable()
@@ -233,11 +237,9 @@ print("five batches", flush=True)
 def test_a_process_group_dropped_before_the_workers_start_does_not_hang_them(shards):
     """A worker that freed the rank's dropped process group would wait forever on the rank's gloo threads,
     which it does not have: the rank frees its garbage before it forks them, and they never free theirs."""
-    code = DROPPED_GROUP.format(data=str(shards))
-    head = "import sys\nsys.path.insert(0, {tests!r})\nfrom pathlib import Path\nfrom test_data import cfg\n"
-    head += "from conftest import data_loader\n"
+    code = (IMPORTS + DROPPED_GROUP).format(tests=str(Path(__file__).parent), data=str(shards))
     proc = subprocess.Popen(
-        [sys.executable, "-c", head.format(tests=str(Path(__file__).parent)) + code],
+        [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
