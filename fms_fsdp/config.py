@@ -163,9 +163,9 @@ class train_config:
         "Levanter's cache_dir (local or s3://...): raw-text datasets are tokenized once with --tokenizer_path into <cache_dir>/<dataset> (fms-prepare-data's code and layout), while the run trains (--cache_build); a complete cache is reused as it is. Built on rank 0's node by its spare CPUs, or on Ray (--ray_address, --ray_start_workers, --ray_auto_start_cluster).",
         shared=True,
     )
-    cache_build: str = _f(
-        "beside",
-        "--cache_dir: when it is built. beside: from the first step, beside the training (the raw text's order; finished pieces read from the cache, the rest tokenized as read; a run that ends waits for the build); external: another job builds it (fms-prepare-data --output=<cache_dir>/<dataset>), the run only reads; first: before the first step, then read in the cache's own order (the only way in object storage or with --ray_start_workers). A resume whose checkpoint read its cache once built (first, or made before this flag) keeps that order unless this flag says otherwise.",
+    cache_build: Optional[str] = _f(
+        None,
+        "--cache_dir: when it is built (beside when not given). beside: from the first step, beside the training (the raw text's order; finished pieces read from the cache, the rest tokenized as read; a run that ends waits for the build); external: another job builds it (fms-prepare-data --output=<cache_dir>/<dataset>), the run only reads; first: before the first step, then read in the cache's own order (the only way in object storage or with --ray_start_workers). Not given, a resume keeps its checkpoint's order: first where it read its cache once built (with first, or made before this flag).",
         choices=("beside", "external", "first"),
         shared=True,
     )
@@ -847,7 +847,7 @@ def _check_cache(cfg: train_config) -> None:
     if cfg.cache_dir is not None and cfg.tokenizer_path is None:
         raise ConfigError("--cache_dir tokenizes raw-text datasets: give --tokenizer_path too")
     ray = [f for f in ("ray_address", "ray_start_workers", "ray_auto_start_cluster") if getattr(cfg, f)]
-    if cfg.cache_build != "beside" and cfg.cache_dir is None:
+    if cfg.cache_build is not None and cfg.cache_dir is None:
         raise ConfigError(f"--cache_build={cfg.cache_build} says when --cache_dir is built: give --cache_dir too")
     if ray and cfg.cache_dir is None:
         raise ConfigError(f"--{ray[0]} sets where --cache_dir is tokenized: give --cache_dir, or leave it out")

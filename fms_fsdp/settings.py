@@ -187,7 +187,8 @@ def cache_of(cfg: train_config) -> Optional[CacheSettings]:
         address=cfg.ray_address, start_workers=cfg.ray_start_workers, auto_start_cluster=cfg.ray_auto_start_cluster
     )
     text = {"tokenizer_path": cfg.tokenizer_path, "text_field": cfg.text_field}
-    return CacheSettings(cache_dir=cfg.cache_dir, **text, build=cfg.cache_build, ray=ray)
+    when = {"build": cfg.cache_build} if cfg.cache_build is not None else {}  # not given: the default, beside
+    return CacheSettings(cache_dir=cfg.cache_dir, **text, **when, ray=ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:

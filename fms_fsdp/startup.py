@@ -130,14 +130,14 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
 
 
 def resumed_cache_order(cfg: train_config, checkpoints: Path) -> tuple[train_config, tuple[str, ...]]:
-    """--cache_build=first where the newest checkpoint in `checkpoints` read its --cache_dir once built
-    (made with --cache_build=first, or before the flag existed) and this run has the default, beside: the
-    resume then keeps the checkpoint's batch order. Its start-up note, if so."""
-    if cfg.cache_dir is None or cfg.cache_build != "beside":
+    """--cache_build as given, or where it is not: first if the newest checkpoint in `checkpoints` read its
+    --cache_dir once built (made with --cache_build=first, or before the flag existed), so that the resume
+    keeps the checkpoint's batch order, and otherwise beside. Its start-up note, if first was chosen."""
+    if cfg.cache_dir is None or cfg.cache_build is not None:
         return cfg, ()
     recorded = newest_config(checkpoints)
     if recorded is None or recorded.get("cache_dir") is None or recorded.get("cache_build", "first") != "first":
-        return cfg, ()
+        return replace(cfg, cache_build="beside"), ()
     return replace(cfg, cache_build="first"), (
         "note: the checkpoint resumed read its --cache_dir once built (--cache_build=first, or made before that "
         "flag): the cache is read in that order again, built first where it is not complete",

@@ -214,8 +214,8 @@ def forget_cache_build(checkpoint: Path) -> None:
 
 def test_a_checkpoint_that_read_the_built_cache_resumes_in_its_order(corpus, tmp_path):
     """A checkpoint of a run that read its cache once built (--cache_build=first, or made before the flag
-    existed) resumes with the default flags in the cache's order, with a note, and goes on exactly; one made
-    without --cache_dir says how to resume."""
+    existed) resumes without --cache_build in the cache's order, with a note, and goes on exactly; given
+    --cache_build=beside, or made without --cache_dir, it says how to resume."""
     cache = tmp_path / "cache"
     whole = losses(train_here(tmp_path / "whole", flags(corpus, cache, "--num_steps=4", "--cache_build=first")))
     for made_before_the_flag in (False, True):
@@ -226,6 +226,9 @@ def test_a_checkpoint_that_read_the_built_cache_resumes_in_its_order(corpus, tmp
         resumed, printed = run(out / "run", flags(corpus, cache, "--num_steps=4"))
         assert "note: the checkpoint resumed read its --cache_dir once built" in printed
         assert losses(resumed) == pytest.approx(whole, rel=0, abs=0)
+    with pytest.raises(DataError) as e:  # given, the flag is obeyed: this order is not the checkpoint's
+        train_here(tmp_path / "run_False", flags(corpus, cache, "--num_steps=6", "--cache_build=beside"))
+    assert "resume as it was made, with --cache_build=first" in str(e.value)
     no_cache = [f for f in flags(corpus, tmp_path, "--num_steps=2") if not f.startswith("--cache_dir")]
     train_here(tmp_path / "raw", no_cache)
     with pytest.raises(DataError) as e:

@@ -7,6 +7,7 @@ their rank's own SIGTERM, which is how multiprocessing ends daemonic children at
 A worker that dies is started again from the last batch taken, as if it had lived; workers that die
 again and again end the run in one line."""
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fms_fsdp.data.loader import fork_safely
 from fms_fsdp.data.stream import LineReader
 from fms_fsdp.errors import DataError
 
@@ -252,3 +254,18 @@ def test_a_process_group_dropped_before_the_workers_start_does_not_hang_them(sha
         os.killpg(proc.pid, signal.SIGKILL)  # the process and its hung workers
         pytest.fail("the loader's workers hung freeing the rank's dropped process group")
     assert proc.returncode == 0 and "five batches" in out, out[-3000:]
+
+
+def test_the_workers_start_thaws_what_it_froze_and_keeps_the_callers_own_freeze():
+    """The rank's objects are frozen while its workers fork and thawed after, unless the caller had frozen
+    objects of its own: those stay frozen."""
+    assert gc.get_freeze_count() == 0, "this process already froze objects: the test cannot tell whose they are"
+    during = fork_safely(gc.get_freeze_count)
+    assert during > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        own = gc.get_freeze_count()
+        fork_safely(gc.get_freeze_count)
+        assert gc.get_freeze_count() >= own, "the caller's own gc.freeze() was undone"
+    finally:
+        gc.unfreeze()

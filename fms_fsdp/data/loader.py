@@ -376,10 +376,13 @@ def fork_safely(start: Callable[[], T]) -> T:
     """`start()`, which forks the workers, with the rank's garbage freed first, here, where the threads its
     objects wait on still run, and what the workers inherit frozen, so that their collections never free it:
     a process group left in a reference cycle and freed in a forked worker waits forever on the rank's
-    threads (torch's gloo group does)."""
+    threads (torch's gloo group does). A caller's own `gc.freeze()` stays in force: what was frozen here is
+    then left frozen with it, as Python cannot thaw part of the frozen objects."""
+    frozen_before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
         return start()
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
