@@ -36,6 +36,7 @@ def test_sweep_settings_are_every_combination_with_checkpointing_switched_by_its
             throughput.sweep_settings(bad)
 
 
+@pytest.mark.slow
 def test_a_sweep_prints_a_line_per_setting_and_the_best_and_writes_no_checkpoint(tmp_path, capsys):
     """--sharding_group_size=3 cannot divide one rank: that setting fails at start-up, in its line.
     The sweep's own process is this one; each setting runs in a process of its own."""

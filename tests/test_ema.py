@@ -141,6 +141,7 @@ def test_wrong_settings_are_refused_in_one_line(extra, message, data, tmp_path):
         run_here(flags(data, tmp_path / "run", *extra))
 
 
+@pytest.mark.slow
 def test_the_command_exports_a_checkpoints_average_or_says_it_has_none(averaged, tmp_path):
     """fms-export-model --ema=True: a checkpoint's average, the file the run itself exported with
     --export_ema; a checkpoint of a run without --ema_decay is refused in one line."""

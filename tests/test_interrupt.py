@@ -94,6 +94,7 @@ def test_a_rank_error_under_the_launch_script_is_the_last_line_with_its_status(d
     assert proc.returncode == 2 and "ChildFailedError" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_ranks_exist_ends_the_launcher_at_once(tmp_path):
     """While the rendezvous waits for a node that never comes, Ctrl-C ends fms-torchrun: status 130."""
     from fms_fsdp.parallel.process_group import free_port

@@ -99,6 +99,7 @@ def test_planned_activations_are_within_10_percent_of_what_autograd_saves(varian
             assert abs(plan.activations + plan.loss_saved - hooked) <= 0.1 * hooked, (plan, hooked)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsys):
     flags = [
         "--dry_run=True",

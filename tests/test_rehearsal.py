@@ -110,6 +110,7 @@ def test_the_plan_counts_the_real_shards_and_warns_where_the_analytic_figures_st
     ) in text.splitlines()
 
 
+@pytest.mark.slow
 def test_a_dry_run_without_torchao_fails_in_one_line_where_float8_wraps_the_model(tmp_path):
     """--float8 needs torchao: a real start checks for it up front; a dry run, which may be planned on
     another machine, meets it only when the rehearsal converts the Linear layers, and ends in the same

@@ -345,6 +345,7 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
     assert not (tmp / "checkpoints").exists() or not any((tmp / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_profiler_writes_one_bounded_trace_per_rank_and_steps_take_no_collective_of_their_own(tmp):
     """3 profiled steps of 7, one trace per rank with --profiler_rank0_only=False. In those steps (no
     report, no clipping) every collective is FSDP's, but for the agreements on stop requests: a small
@@ -385,6 +386,7 @@ def inside(e: dict, outer: dict) -> bool:
     return e["tid"] == outer["tid"] and outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]
 
 
+@pytest.mark.slow
 def test_low_cpu_fsdp_never_holds_the_full_model(tmp):
     """`small` is 0.5 GB in fp32: built on the meta device, each of 2 ranks grows by about its half,
     never by the whole model (the eager path would)."""

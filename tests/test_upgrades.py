@@ -79,6 +79,7 @@ def test_a_newer_layout_is_refused_in_one_line_and_kept(newer):
     assert sorted(p.name for p in (newer / "checkpoints").iterdir()) == [step.name]
 
 
+@pytest.mark.slow
 def test_a_newer_layout_is_refused_by_a_load_path_and_by_the_conversion(newer, tmp_path):
     step = newer / "checkpoints" / f"step_{KEPT_STEP}_ckp"
     flags = run_flags(ASSETS / "data", tmp_path / "other", STEPS)
