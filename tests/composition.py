@@ -30,6 +30,9 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "EMA": ("weight average", ("--ema_decay=0.9",)),
     "int8": ("8-bit optimizer states", ("--optimizer_state_dtype=int8",)),
     "ramps": ("batch-size and line-length ramps", ("--batch_size_schedule=0:2,2:4",)),
+    "det": ("deterministic mode", ("--deterministic=True",)),
+    "offload": ("FSDP's state on the host", ("--cpu_offload=True",)),
+    "act-offload": ("activations on the host", ("--fsdp_activation_checkpointing=True", "--ac_mode=offload")),
 }
 
 
@@ -46,7 +49,10 @@ class Pair:
 
 M, F, H, HS = "test_meshes.py", "test_ft.py", "test_harness.py", "test_hf_sharded.py"
 FT_TP = f"{F}::test_replica_groups_compose_with_the_features_inside_them, tensor parallel, async checkpoints, evaluation, exports"
-FT_CP = f"{F}::test_replica_groups_compose_with_the_features_inside_them, context parallel, float8"
+FT_CP = (
+    f"{F}::test_replica_groups_compose_with_the_features_inside_them, context parallel, float8, offloaded state and "
+    "activations"
+)
 PIPELINE = f"{M}::test_pipeline_schedules_take_the_steps_of_one_rank"
 TP_RESUME = f"{M}::test_a_checkpoint_resumes_at_another_tensor_parallel_size, tp2"
 TOGETHER = "test_composition.py::test_features_run_together_train_and_evaluate_as_one_rank"
@@ -64,7 +70,7 @@ H_MESHES = f"{H}::test_the_harness_scores_the_same_training_on_other_meshes_the_
 H_SPARSE = f"{H}::test_the_harness_scores_a_sparse_model_the_same_with_its_experts_spread"
 EP_EXPORTS = "test_hf_moe.py::test_periodic_hf_exports_of_a_sparse_run_on_two_ranks_load_in_transformers, ep 2"
 
-PP_HSDP = f"{TOGETHER}, pp2 on hsdp 1 x 2 with 8-bit states, evaluation"
+PP_HSDP = f"{TOGETHER}, pp2 on hsdp 1 x 2 with 8-bit states and offloaded activations, evaluation"
 CP_EXPORTS = f"{TOGETHER}, 8-bit states and ramps on cp2 x hsdp 1 x 2, exports"
 TP_STATES = "test_optimizer_states.py::test_eight_bit_states_and_ramps_on_tensor_parallel_ranks_train_as_on_one"
 HARNESS_STATES = f"{H}::test_the_harness_in_a_run_with_eight_bit_states_and_ramps_scores_its_model_as_its_export"
@@ -211,6 +217,34 @@ MATRIX += [
     Pair("int8", "FT", refused="--optimizer_state_dtype=int8 does not combine with --fault_tolerance"),
     Pair("ramps", "PP", refused="--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages"),
     Pair("ramps", "FT", refused="--batch_size_schedule does not combine with --fault_tolerance yet"),
+]
+
+
+# --deterministic (in every run of TOGETHER and their references), --cpu_offload and --ac_mode=offload: the
+# runs that keep FSDP's state or the blocks' activations on the host, each against its reference
+OFF_LORA = f"{TOGETHER}, offloaded LoRA with ramps on hsdp 2 x 2, async checkpoints, exports"
+OFF_EP = f"{TOGETHER}, offloaded experts spread over 2 of 4 ranks, evaluation"
+OFF_CP = f"{TOGETHER}, offloaded cp2 x fsdp 2, evaluation"
+OFF_PP = f"{TOGETHER}, offloaded pp2 x fsdp 2, evaluation"
+OFF_TP = f"{M}::test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_loss_of_the_same_global_batch, fsdp_tp2_offloaded"
+OFF_FLOAT8 = (
+    "test_composition.py::test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatches, offloaded"
+)
+OFF_HARNESS = f"{H_MESHES}, offloaded, deterministic"
+OFFLOADED_TOO = {"PP": OFF_PP, "CP": OFF_CP, "TP": OFF_TP, "HSDP": OFF_LORA, "FT": FT_CP, "LoRA": OFF_LORA}
+OFFLOADED_TOO |= {"float8": OFF_FLOAT8, "async": OFF_LORA, "eval": OFF_CP, "harness": OFF_HARNESS}
+OFFLOADED_TOO |= {"exports": OFF_LORA, "MoE": OFF_EP, "EP": OFF_EP, "EMA": OFF_CP, "ramps": OFF_LORA}
+DETERMINISTIC_TOO = {"PP": PP_CP, "CP": PP_CP, "TP": OFF_TP, "HSDP": LORA, "LoRA": LORA, "float8": FLOAT8}
+DETERMINISTIC_TOO |= {"async": LORA, "eval": LORA, "harness": OFF_HARNESS, "exports": CP_EXPORTS}
+DETERMINISTIC_TOO |= {"MoE": EXPERTS_TOGETHER, "EP": EXPERTS_TOGETHER, "EMA": LORA, "int8": LORA, "ramps": LORA}
+MATRIX += [
+    *(Pair(new, feature, (run,)) for new in ("offload", "act-offload") for feature, run in OFFLOADED_TOO.items()),
+    Pair("act-offload", "int8", (PP_HSDP,)),
+    Pair("offload", "int8", refused="--optimizer_state_dtype=int8 does not combine with --cpu_offload"),
+    Pair("offload", "act-offload", (OFF_LORA,)),
+    *(Pair("det", feature, (run,)) for feature, run in DETERMINISTIC_TOO.items()),
+    *(Pair("det", new, (OFF_LORA,)) for new in ("offload", "act-offload")),
+    Pair("det", "FT", refused="--deterministic with --fault_tolerance"),
 ]
 
 

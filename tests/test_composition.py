@@ -15,7 +15,7 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.startup import facts
 
-from conftest import ROOT, TINY, launch, launch_runs, records, resume_from
+from conftest import ROOT, TINY, launch_runs, records, resume_from
 
 
 def test_every_pair_of_features_is_in_the_matrix_once():
@@ -57,6 +57,8 @@ SPARSE = ["--moe_experts=4", "--moe_top_k=2", "--moe_aux_loss_weight=0", "--eval
 LORA = ["--lora_rank=4", "--eval_batch_size=4"]  # the same lines evaluated whatever --batch_size
 PP = ["--pipeline_parallel_size=2", "--pipeline_schedule=1F1B"]
 INT8 = "--optimizer_state_dtype=int8"
+ACT_OFFLOAD = ["--fsdp_activation_checkpointing=True", "--ac_mode=offload"]
+OFFLOADED = ["--cpu_offload=True", *ACT_OFFLOAD]  # FSDP's state and the blocks' activations on the host
 
 
 def ramp(ranks: int) -> list[str]:
@@ -79,8 +81,8 @@ TOGETHER = {
         4,
     ),
     # each rank evaluates the same lines, --batch_size at a time under a pipeline
-    "pp2 on hsdp 1 x 2 with 8-bit states, evaluation": (
-        [*PP, INT8, "--sharding_strategy=hsdp", "--sharding_group_size=1"],
+    "pp2 on hsdp 1 x 2 with 8-bit states and offloaded activations, evaluation": (
+        [*PP, INT8, *ACT_OFFLOAD, "--sharding_strategy=hsdp", "--sharding_group_size=1"],
         [INT8, "--eval_batch_size=2"],
         2,
     ),
@@ -96,6 +98,24 @@ TOGETHER = {
         [INT8, *ramp(2), "--eval_batch_size=4"],
         2,
     ),
+    # offloaded to the host: FSDP's parameters, gradients and optimizer state, and the blocks' activations
+    "offloaded LoRA with ramps on hsdp 2 x 2, async checkpoints, exports": (
+        [*LORA, *OFFLOADED, *RAMP_PER_RANK, "--sharding_strategy=hsdp", "--sharding_group_size=2"]
+        + ["--async_checkpoint=True", "--export_interval=2"],
+        [*LORA, *ramp(4)],
+        4,
+    ),
+    "offloaded experts spread over 2 of 4 ranks, evaluation": (
+        [*SPARSE, *OFFLOADED, "--expert_parallel_size=2"],
+        SPARSE,
+        4,
+    ),
+    "offloaded cp2 x fsdp 2, evaluation": (
+        [*OFFLOADED, "--context_parallel_size=2", "--eval_batch_size=4"],
+        ["--eval_batch_size=4"],
+        2,
+    ),
+    "offloaded pp2 x fsdp 2, evaluation": ([*PP, *OFFLOADED], ["--eval_batch_size=2"], 2),
 }
 # torchao's 8-bit update, eager: as compiled, less the compiling
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
@@ -131,6 +151,7 @@ def together(tmp_path_factory, data) -> Path:
             f"--eval_data_path={data}",
             "--eval_batches=2",
             "--ema_decay=0.5",  # the weight average too: evaluated as eval_loss_ema
+            "--deterministic=True",
         ]
         runs[4].append([*common, "--batch_size=2", *flags, f"--ckpt_save_path={root / str(i) / 'run'}"])
         runs[1].append([*common, f"--batch_size={2 * dp}", *reference, f"--ckpt_save_path={root / str(i) / 'one'}"])
@@ -187,7 +208,7 @@ def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alon
     beside = ["--async_checkpoint=True", "--checkpoint_interval=2", "--eval_interval=2", f"--eval_data_path={data}"]
     beside += ["--eval_batches=2", "--ema_decay=0.5"]
     runs = {"alone": [INT8, "--checkpoint_interval=0"], "beside": [INT8, *beside], "fp32": ["--checkpoint_interval=0"]}
-    runs = {name: [*RAMP_PER_RANK, *extra] for name, extra in runs.items()}
+    runs = {name: [*RAMP_PER_RANK, *extra, "--deterministic=True"] for name, extra in runs.items()}
     launch_runs(1, [[*float8, *extra, f"--ckpt_save_path={tmp_path / name}"] for name, extra in runs.items()], EAGER)
     got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("beside", "alone"))
     assert len(want) == 4 and got == want
@@ -208,10 +229,16 @@ def test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatc
     runs = {
         "pp2": (2, ["--batch_size=2", "--pipeline_parallel_size=2", "--pipeline_schedule=1F1B"]),
         "one": (1, ["--batch_size=1", "--grad_accum_steps=2"]),
+        # two data-parallel ranks of a line each, and the same with FSDP's state and the blocks' activations on
+        # the host, deterministic: the same computation, the same losses to the bit
+        "fsdp2": (2, ["--batch_size=1"]),
+        "offloaded": (2, ["--batch_size=1", *OFFLOADED, "--deterministic=True"]),
     }
-    for name, (ranks, extra) in runs.items():
-        proc = launch("main_training.py", [*float8, *extra, f"--ckpt_save_path={tmp_path / name}"], ranks)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in runs)
+    for ranks in (2, 1):
+        listed = [[*float8, *extra, f"--ckpt_save_path={tmp_path / name}"] for name, (n, extra) in runs.items()]
+        launch_runs(ranks, [run for run, (n, _) in zip(listed, runs.values()) if n == ranks])
+    got, want, fsdp2, offloaded = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in runs)
     assert len(want) == 4 and got[:2] == pytest.approx(want[:2], rel=1e-6), (got, want)
     assert got == pytest.approx(want, rel=1e-3), (got, want)
+    # FSDP's state and the activations on the host, deterministic, change nothing of float8's steps on 2 ranks
+    assert len(fsdp2) == 4 and offloaded == fsdp2

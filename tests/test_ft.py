@@ -239,8 +239,9 @@ COMPOSED = {
         ["--tensor_parallel_size=2", "--async_checkpoint=True", "--eval_interval=2", "--export_interval=2"],
         ["--sharding_strategy=hsdp", "--sharding_group_size=1"],
     ),
-    "context parallel, float8": (
-        ["--context_parallel_size=2", "--float8=True", "--float8_min_size=16", "--batch_size=1"],
+    "context parallel, float8, offloaded state and activations": (
+        ["--context_parallel_size=2", "--float8=True", "--float8_min_size=16", "--batch_size=1", "--cpu_offload=True"]
+        + ["--fsdp_activation_checkpointing=True", "--ac_mode=offload"],
         ["--sharding_strategy=hsdp", "--sharding_group_size=1"],
     ),
 }

@@ -226,6 +226,12 @@ def test_the_harness_scores_lines_split_over_context_parallel_ranks_the_same(tra
 MESHES = {
     "tp2": ["--batch_size=4", "--tensor_parallel_size=2"],
     "hsdp 1 x 2 with the weight average": ["--sharding_strategy=hsdp", "--sharding_group_size=1", "--ema_decay=0.9"],
+    "offloaded, deterministic": [
+        "--cpu_offload=True",  # FSDP's state on the host
+        "--fsdp_activation_checkpointing=True",
+        "--ac_mode=offload",  # the blocks' activations too
+        "--deterministic=True",
+    ],
 }
 
 

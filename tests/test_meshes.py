@@ -36,6 +36,8 @@ DP_TOL = 1e-4  # ... and so does averaging over data-parallel ranks, more with e
 # Muon orthogonalises in bf16 (torch's), which magnifies the reordering: 2.5e-5 at step 4 on 2 ranks of
 # an AMD EPYC, 3.3e-4 at step 3 on an Intel Xeon; AdamW's steps are 0.2 away (the test tells them apart)
 MUON_TOL = 2e-3
+# fsdp_tp2_offloaded: FSDP's parameters, gradients and optimizer state, and the blocks' activations on the host
+OFFLOADED = ["--cpu_offload=True", "--fsdp_activation_checkpointing=True", "--ac_mode=offload", "--deterministic=True"]
 # pipeline runs (P=2) of dp2_ref's training, by schedule: GPipe resumes dp2_ref's step 2; interleaved
 # saves step 2 (resumed at P=1 and P=4) and exports step 4 from both stages, periodically and at the
 # end; 1f1b checkpoints its blocks
@@ -72,7 +74,8 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
     - gqa_tp1 / gqa_tp2: `tiny` (4 heads, 2 KV heads) at T=1 and T=2 from scratch (T=2 initialised
       shard by shard on the meta device), 4 steps, with z-loss; gqa_tp2_ac with per-op activation checkpointing;
       gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
-    - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2, and dp2_ref
+    - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2 (fsdp_tp2_offloaded
+      with FSDP's state and the blocks' activations on the host, --deterministic), and dp2_ref
       the same global batch on one rank (the synthetic data does not depend on the world size), which
       trains the module itself (no FSDP) and checkpoints at step 2: dp2_fsdp resumes that on 2 ranks;
     - muon_ref: that run with --optimizer=muon; muon_fsdp2 resumes its step 2 on 2 ranks (FSDP), muon_tp
@@ -109,6 +112,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "muon_fsdp2",
             "muon_tp",
             "fsdp_tp2",
+            "fsdp_tp2_offloaded",
             "hsdp_tp2",
             "hsdp2x2_ref",
             "hsdp2x2",
@@ -263,6 +267,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         4,
         [
             [*gqa, f"--ckpt_save_path={out['fsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"],
+            [*gqa, f"--ckpt_save_path={out['fsdp_tp2_offloaded']}", "--tensor_parallel_size=2", *OFFLOADED],
             [
                 *gqa,
                 f"--ckpt_save_path={out['hsdp_tp2']}",
@@ -368,7 +373,9 @@ def test_tp_composes_with_activation_checkpointing_and_bf16(runs):
     assert not close(got, fp32)  # bf16 it was
 
 
-@pytest.mark.parametrize("name, mesh", [("fsdp_tp2", (1, 2, 2)), ("hsdp_tp2", (2, 1, 2))])
+@pytest.mark.parametrize(
+    "name, mesh", [("fsdp_tp2", (1, 2, 2)), ("fsdp_tp2_offloaded", (1, 2, 2)), ("hsdp_tp2", (2, 1, 2))]
+)
 def test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_loss_of_the_same_global_batch(runs, name, mesh):
     """Each pair of TP ranks reads one data-parallel rank's batches: the losses of one rank that reads both."""
     assert f"mesh (replicate, shard, tp) = {mesh}" in runs["log4"]
