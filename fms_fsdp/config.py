@@ -379,12 +379,18 @@ class train_config:
     )
     batch_size_schedule: str = _f(
         "",
-        "Ramp the batch size: step:batch stages from step 0, e.g. 0:2,1000:4,3000:8 (2 lines per rank, as --batch_size counts them, then 4 once 1000 steps are done, ...); its largest stage is --batch_size. Exactly-once and exact resume hold across every change.",
+        "Ramp the batch size: step:batch stages from step 0, e.g. 0:2,1000:4,3000:8 (2 lines per rank, as --batch_size counts them, then 4 once 1000 steps are done, ...); its largest stage is --batch_size; --ramp_unit=tokens counts tokens seen instead of steps. Exactly-once and exact resume hold across every change.",
         shared=True,
     )
     seq_length_schedule: str = _f(
         "",
         "Short lines first: step:length stages from step 0, e.g. 0:1024,2000:4096; its largest stage is --seq_length. The documents run on across a change: none is cut short or repeated.",
+        shared=True,
+    )
+    ramp_unit: str = _f(
+        "steps",
+        "What the stage starts of --batch_size_schedule and --seq_length_schedule count: steps, or tokens seen by all data-parallel ranks together (each stage then starts at the first step before which that many were seen; a start-up note gives the stages in steps, as checkpoints record them; a resume on another number of data-parallel ranks works them out again for that number, as if the whole run had had it).",
+        choices=("steps", "tokens"),
         shared=True,
     )
     grad_accum_steps: int = _f(1, "Micro-batches accumulated per optimizer step.", min=1, shared=True)
@@ -795,6 +801,11 @@ def _check_ramp(cfg: train_config) -> None:
         raise ConfigError(
             f"--seq_length_schedule: lines of {short[0]} tokens do not split over --context_parallel_size={cp} "
             f"and --tensor_parallel_size={tp}: make every stage a multiple of {unit}"
+        )
+    if cfg.ramp_unit == "tokens" and not ramped:
+        raise ConfigError(
+            "--ramp_unit=tokens says what the stages of --batch_size_schedule and --seq_length_schedule count: "
+            "give one of them, or leave it at steps"
         )
     if cfg.lr_schedule_unit == "tokens" and (cfg.lr_cycles > 1 or cfg.lr_cycle_ends or cfg.lr_cycle_length):
         raise ConfigError("--lr_schedule_unit=tokens counts one cycle: drop the --lr_cycle* flags")

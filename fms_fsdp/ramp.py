@@ -5,7 +5,8 @@ A schedule `0:2,1000:4,3000:8` says: from the start each step takes 2 lines per 
 flag's own value (--batch_size, --seq_length), which the memory plan and --dry_run judge. Both are
 functions of the step alone, so every reader of the data knows the shape of each batch it makes: the
 loader stays exactly-once and resumes exactly across every change (and across a rescale), and the
-synthetic data too. The learning-rate schedule may count the tokens of the steps instead of the steps
+synthetic data too. Stages given in tokens seen (--ramp_unit=tokens) are turned into steps at start-up
+(`steps_of_tokens`), for the run's number of data-parallel ranks. The learning-rate schedule may count the tokens of the steps instead of the steps
 (--lr_schedule_unit=tokens: `full_steps`).
 """
 
@@ -26,10 +27,10 @@ class Stages:
     values: tuple[int, ...]
 
     @classmethod
-    def parse(cls, flag: str, text: str, largest: int, of: str) -> "Stages":
+    def parse(cls, flag: str, text: str, largest: int, of: str, unit: str = "step") -> "Stages":
         """The stages of `--flag=text` (one stage of `largest` when empty); ConfigError naming the flag
-        unless it is `step:value,...` from step 0, steps increasing, values positive, the largest `of`'s
-        value."""
+        unless it is `step:value,...` (`unit`: what a start counts) from 0, starts increasing, values
+        positive, the largest `of`'s value."""
         if not text:
             return cls((0,), (largest,))
         try:
@@ -39,7 +40,7 @@ class Stages:
             starts, values = (), ()
         if not starts or starts[0] != 0 or list(starts) != sorted(set(starts)) or min(values) < 1:
             raise ConfigError(
-                f"--{flag}={text}: give step:value stages from step 0 in increasing steps, e.g. 0:2,1000:4,3000:8"
+                f"--{flag}={text}: give {unit}:value stages from {unit} 0 in increasing {unit}s, e.g. 0:2,1000:4,3000:8"
             )
         if max(values) != largest:
             raise ConfigError(
@@ -93,6 +94,27 @@ def _sum_before(value: Callable[[int], int], changes: Sequence[int], steps: int)
     """value(0) + ... + value(steps - 1) of a value that changes only at the steps `changes`."""
     bounds = sorted({0, steps, *(s for s in changes if s < steps)})
     return sum((b - a) * value(a) for a, b in zip(bounds, bounds[1:]))
+
+
+def steps_of_tokens(batch: Stages, seq: Stages, lines_per_step: int) -> Ramp:
+    """The Ramp of `batch` and `seq` whose stages start at tokens seen (--ramp_unit=tokens): each stage from
+    the first step before which at least its tokens were seen, a step taking batch x seq x
+    `lines_per_step` tokens (data-parallel ranks x --grad_accum_steps lines per line of --batch_size). A
+    stage that a single step passes over is left out."""
+    bounds = sorted({*batch.starts, *seq.starts})
+    at_step = {0: 0}  # token bound -> the step its stages start at
+    step, seen = 0, 0
+    for bound in bounds[1:]:
+        per_step = batch.at(seen) * seq.at(seen) * lines_per_step
+        steps = -(-(bound - seen) // per_step) if bound > seen else 0  # whole steps, rounded up
+        step, seen = step + steps, seen + steps * per_step
+        at_step[bound] = step
+
+    def in_steps(stages: Stages) -> Stages:
+        starts = {at_step[t]: value for t, value in zip(stages.starts, stages.values)}  # a later stage wins
+        return Stages(tuple(starts), tuple(starts.values()))
+
+    return Ramp(in_steps(batch), in_steps(seq))
 
 
 def ramp_of(batch_schedule: str, seq_schedule: str, batch_size: int, seq_length: int) -> Optional[Ramp]:

@@ -56,6 +56,7 @@ from fms_fsdp.parallel.process_group import (
 )
 from fms_fsdp.parallel.settings import MeshShape
 from fms_fsdp.profiling import check_profiler
+from fms_fsdp.ramp import Stages, steps_of_tokens
 from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, make_folder
@@ -93,6 +94,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     cfg, notes = resumed_cache_order(cfg, Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints)
     mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
     shape = mesh_shape(mesh, world_size, local_world_size)
+    cfg, told = ramp_in_steps(cfg, shape.dp)
+    notes += told
     model_config = model_config_of(cfg, cfg.seq_length, shape.tp)
     check_tensor_parallel(mesh, model_config)
     check_context_parallel(mesh, device)
@@ -142,6 +145,28 @@ def resumed_cache_order(cfg: train_config, checkpoints: Path) -> tuple[train_con
         "note: the checkpoint resumed read its --cache_dir once built (--cache_build=first, or made before that "
         "flag): the cache is read in that order again, built first where it is not complete",
     )
+
+
+def ramp_in_steps(cfg: train_config, data_parallel: int) -> tuple[train_config, tuple[str, ...]]:
+    """--ramp_unit=tokens: the schedules with their stages in steps for `data_parallel` ranks (what the
+    run, its checkpoints and its tools then read), and the start-up note that gives them."""
+    if cfg.ramp_unit != "tokens":
+        return cfg, ()
+    ramp = steps_of_tokens(
+        Stages.parse("batch_size_schedule", cfg.batch_size_schedule, cfg.batch_size, "batch_size", unit="token"),
+        Stages.parse("seq_length_schedule", cfg.seq_length_schedule, cfg.seq_length, "seq_length", unit="token"),
+        data_parallel * cfg.grad_accum_steps,
+    )
+    texts = {
+        flag: ",".join(f"{start}:{value}" for start, value in zip(stages.starts, stages.values)) if given else ""
+        for flag, stages, given in (
+            ("batch_size_schedule", ramp.batch, cfg.batch_size_schedule),
+            ("seq_length_schedule", ramp.seq, cfg.seq_length_schedule),
+        )
+    }
+    said = " ".join(f"--{flag}={text}" for flag, text in texts.items() if text)
+    note = f"note: --ramp_unit=tokens on {data_parallel} data-parallel ranks: in steps, {said}"
+    return replace(cfg, **texts, ramp_unit="steps"), (note,)
 
 
 def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int = 1) -> LLaMAConfig:

@@ -86,6 +86,12 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--ramp_unit=tokens says what the stages of --batch_size_schedule and --seq_length_schedule count: give "
+        "one of them, or leave it at steps",
+        flags=("--ramp_unit=tokens",),
+    ),
+    E(
+        "flags",
         "--batch_size_schedule=0:2,10:4: its largest stage is 4 but --batch_size=8; --batch_size is the largest stage "
         "(the memory plan's): set --batch_size=4",
         flags=("--batch_size_schedule=0:2,10:4", "--batch_size=8"),

@@ -230,6 +230,7 @@ READ_AT_START_UP = {
     "moe_shared_experts",
     "norm_eps",
     "max_position_embeddings",
+    "ramp_unit",  # the schedules turned into steps, for the run's data-parallel ranks
 }
 
 

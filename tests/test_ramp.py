@@ -1,6 +1,7 @@
 """--batch_size_schedule and --seq_length_schedule: each step takes the shape its stage says, a run stopped
 mid-ramp resumes bit-identical and, like a rescale mid-ramp, reads every document at most once with the
-tokens the shapes add up to; --lr_schedule_unit=tokens moves the schedule by the steps' tokens; what cannot
+tokens the shapes add up to; stages may start at tokens seen (--ramp_unit=tokens); --lr_schedule_unit=tokens
+moves the schedule by the steps' tokens; what cannot
 hold is refused in one line; --dry_run plans the largest stage."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.ledger import ledger as data_ledger
-from fms_fsdp.ramp import Ramp, Stages
+from fms_fsdp.ramp import Ramp, Stages, steps_of_tokens
 from fms_fsdp.startup import facts
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
@@ -58,6 +59,36 @@ def test_each_step_takes_its_stages_shape_and_a_run_stopped_mid_ramp_resumes_bit
     twice, read, seen = ledger(straight / "checkpoints" / "step_8_ckp")
     assert twice == 0 and read == sum(b * (s + 1) for b, s in SHAPES.values())  # each line: seq_length + 1 tokens
     assert ledger(out / "checkpoints" / "step_8_ckp") == (twice, read, seen)  # the same documents
+
+
+def test_stages_counted_in_tokens_start_where_those_tokens_were_seen(straight, data, tmp_path):
+    """RAMP's stages given in tokens seen (3 steps of 2 x 64 tokens, then 2 of 4 x 64): the same steps, the
+    same losses to the bit, a note with the stages in steps, which the checkpoints record."""
+    tokens = ["--batch_size_schedule=0:2,384:4", "--seq_length_schedule=0:64,896:128", "--ramp_unit=tokens"]
+    printed = run_here([*ramped(data, tmp_path / "run"), *tokens])
+    note = "note: --ramp_unit=tokens on 1 data-parallel ranks: in steps, --batch_size_schedule=0:2,3:4 "
+    assert note + "--seq_length_schedule=0:64,5:128" in printed
+    got, want = ({r["step"]: r["loss"] for r in records(run) if "loss" in r} for run in (tmp_path / "run", straight))
+    assert len(got) == 8 and got == want
+    recorded = torch.load(tmp_path / "run" / "checkpoints" / "step_8_ckp" / "metadata.pth", weights_only=True)
+    assert recorded["config"]["batch_size_schedule"] == "0:2,3:4" and recorded["config"]["ramp_unit"] == "steps"
+
+
+def test_token_starts_become_the_first_step_before_which_they_were_seen(monkeypatch):
+    """A step takes batch x line x data-parallel ranks x --grad_accum_steps tokens; a stage starts at the
+    first step before which its tokens were seen, and one that a single step passes over is left out."""
+    batch, seq = Stages((0, 100), (1, 2)), Stages((0, 300), (32, 64))
+    ramp = steps_of_tokens(batch, seq, lines_per_step=2)  # 64 tokens a step: step 2 has seen 128
+    assert (ramp.batch, ramp.seq) == (Stages((0, 2), (1, 2)), Stages((0, 4), (32, 64)))  # then 128: 384 by 4
+    assert steps_of_tokens(Stages((0, 128), (1, 2)), seq, 2).batch == Stages((0, 2), (1, 2))  # 128 at step 2
+    passed_over = steps_of_tokens(Stages((0, 10, 20), (1, 2, 3)), Stages((0,), (32,)), 2).batch
+    assert passed_over == Stages((0, 1), (1, 3))  # 64 tokens by step 1: the stage of 2 has no step
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    ramp_flags = ["--batch_size=2", "--batch_size_schedule=0:1,512:2", "--ramp_unit=tokens", "--grad_accum_steps=2"]
+    run = facts(parse_args([*TINY, *ramp_flags, "--tensor_parallel_size=2"]))  # 2 data-parallel ranks
+    assert run.cfg.batch_size_schedule == "0:1,2:2"  # 1 x 64 x 2 ranks x 2 micro-batches: 256 a step
+    assert "note: --ramp_unit=tokens on 2 data-parallel ranks: in steps, --batch_size_schedule=0:1,2:2" in run.notes
 
 
 @pytest.mark.slow
@@ -129,6 +160,11 @@ def test_the_stages_and_the_synthetic_lines_follow_the_schedule():
             "--batch_size_schedule with --pipeline_parallel_size=2: a pipeline's stages are built for one shape",
         ),
         (["--lr_schedule_unit=tokens"], "--lr_schedule_unit=tokens: without --batch_size_schedule"),
+        (["--ramp_unit=tokens"], "--ramp_unit=tokens says what the stages of --batch_size_schedule"),
+        (
+            ["--batch_size_schedule=0:1,5:2", "--batch_size=2", "--ramp_unit=tokens", "--seq_length_schedule=9:64"],
+            "--seq_length_schedule=9:64: give token:value stages from token 0 in increasing tokens",
+        ),
         (
             ["--seq_length_schedule=0:30,5:64", "--seq_length=64", "--context_parallel_size=2"],
             "lines of 30 tokens do not split over --context_parallel_size=2 and --tensor_parallel_size=1: make every stage a multiple of 4",
