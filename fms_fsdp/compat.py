@@ -172,12 +172,13 @@ def local_tensor(value: Any) -> torch.Tensor:
 
 
 def matmul_and_attention_ops() -> list[Any]:
-    """The aten ops of matmuls and of SDPA's attention kernels (those of this release), whose outputs
-    --ac_mode=op keeps; the attention kernels are private aten ops."""
+    """The aten ops of matmuls (the experts' grouped GEMMs too) and of SDPA's attention kernels (those of
+    this release), whose outputs --ac_mode=op keeps; the grouped GEMM and attention kernels are private."""
     names = (
         "mm",
         "addmm",
         "bmm",
+        "_grouped_mm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

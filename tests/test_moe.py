@@ -13,11 +13,12 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 
+from fms_fsdp.compat import matmul_and_attention_ops
 from fms_fsdp.model.initialization import init_weights
 from fms_fsdp.model.moe import MoEConfig, MoEFeedForward, RoutingStats, balance_loss, capacity, expert_width, kept_slots
 from fms_fsdp.model.variants import build_model, count_params, flops_per_token, get_model_config
 
-from conftest import TINY, launch, launch_runs, records, resume_from
+from conftest import TINY, launch, launch_runs, records, resume_from, run_here
 
 EXPERTS, TOP_K, DIM = 4, 2, 32
 
@@ -212,3 +213,28 @@ def test_moe_flags_make_a_dense_variant_sparse_and_shared_experts_add_to_every_t
     routed = layer(x)
     layer.shared = routed_only
     torch.testing.assert_close(layer(x), routed + routed_only(x))
+
+
+def test_a_run_with_a_capacity_reports_the_share_of_slots_it_dropped(tmp_path):
+    """--moe_capacity_factor=0.5: each expert keeps at most ceil(0.5 x 128 tokens x top-2 / 4) = 32 of a
+    micro-batch's 256 slots, so at least half are dropped, and every record says how many; dropless, none."""
+    moe = [*TINY, "--model_variant=tiny_moe", "--num_steps=2", "--batch_size=2"]
+    printed = run_here([*moe, "--moe_capacity_factor=0.5", f"--ckpt_save_path={tmp_path / 'capped'}"])
+    dropped = [r["moe_dropped"] for r in records(tmp_path / "capped") if "loss" in r]
+    assert len(dropped) == 2 and all(0.5 <= d < 1 for d in dropped), dropped
+    assert f"dropped {100 * dropped[-1]:.1f}%" in printed
+    run_here([*moe, f"--ckpt_save_path={tmp_path / 'dropless'}"])
+    assert all("moe_dropped" not in r for r in records(tmp_path / "dropless"))
+
+
+def test_per_op_checkpointing_of_a_sparse_model_keeps_its_losses_and_the_grouped_gemms_output(tmp_path):
+    """--ac_mode=op on a sparse model (one rank, the experts' loop of matmuls on the CPU): the losses of the
+    run without checkpointing, and the GPU's grouped GEMM is among the ops whose outputs it keeps."""
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        assert torch.ops.aten._grouped_mm.default in matmul_and_attention_ops()
+    moe = [*TINY, "--model_variant=tiny_moe", "--num_steps=3", "--batch_size=2"]
+    per_op = ["--fsdp_activation_checkpointing=True", "--ac_mode=op", "--selective_checkpointing=1"]
+    run_here([*moe, *per_op, f"--ckpt_save_path={tmp_path / 'op'}"])
+    run_here([*moe, f"--ckpt_save_path={tmp_path / 'plain'}"])
+    got, want = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in ("op", "plain"))
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-6), (got, want)
