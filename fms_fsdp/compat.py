@@ -174,16 +174,8 @@ def local_tensor(value: Any) -> torch.Tensor:
 def matmul_and_attention_ops() -> list[Any]:
     """The aten ops of matmuls (the experts' grouped GEMMs too) and of SDPA's attention kernels (those of
     this release), whose outputs --ac_mode=op keeps; the grouped GEMM and attention kernels are private."""
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "_grouped_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
+    attention = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu")
+    names = ("mm", "addmm", "bmm", "_grouped_mm", *(f"_scaled_dot_product_{kernel}" for kernel in attention))
     return [getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)]
 
 

@@ -398,7 +398,7 @@ class train_config:
     seed: int = _f(2023, "Random seed for weights and data.", min=0, shared=True)
     deterministic: bool = _f(
         False,
-        "Bit-identical runs: the same command twice gives the same losses and weights (every seed fixed, torch's deterministic algorithms, cuDNN's deterministic kernels without autotuning, cuBLAS's fixed workspace); an operation with no deterministic kernel stops the run naming it. Not with --fault_tolerance. Its cost: docs/performance.md.",
+        "Bit-identical runs: the same command twice gives the same losses and weights (every seed fixed, torch's deterministic algorithms, cuDNN's deterministic kernels without autotuning, cuBLAS's fixed workspace); an operation with no deterministic kernel stops the run in one line naming it. Not with --fault_tolerance. Its cost: docs/performance.md.",
         shared=True,
     )
 

@@ -937,6 +937,14 @@ ERRORS: list[E] = [
     ),
     E(
         "training",
+        "step <step>: --deterministic: torch <version> has no deterministic <operation>, which this run uses; run "
+        "without --deterministic, or without the flag that brings that operation in",
+        "an operation of the run (on a GPU: some attention, pooling or scatter kernels) has no deterministic kernel "
+        "in this torch",
+        "drop --deterministic, or the feature that uses the operation (the message names it)",
+    ),
+    E(
+        "training",
         "--config: a.yaml includes itself: a.yaml -> b.yaml -> a.yaml",
         "an `!include` cycle, or a path not relative to the including file",
         "fix the include",

@@ -7,8 +7,10 @@ import torch
 from test_compare import compare
 
 import fms_fsdp.train.loop
+from fms_fsdp.determinism import deterministic
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.train.step import not_deterministic_error
 from fms_fsdp.weights.reader import read_model
 
 from conftest import flags, launch, run_here
@@ -43,3 +45,16 @@ def test_the_mode_is_the_runs_alone_and_fault_tolerance_is_refused(tmp_path, mon
     assert not torch.are_deterministic_algorithms_enabled()  # put back: the process is as it was
     with pytest.raises(ConfigError, match="^--deterministic with --fault_tolerance: replica groups come and go"):
         parse_args(["--deterministic=True", "--fault_tolerance=True"])
+
+
+def test_an_operation_without_a_deterministic_kernel_is_one_line_naming_it():
+    """torch's own refusal under the mode (max_unpool2d has no deterministic CPU kernel) becomes the step's
+    one line naming the operation and the flag; any other error is left as it is."""
+    x = torch.arange(16.0).reshape(1, 1, 4, 4)
+    pooled, where = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    with deterministic(True, 0), pytest.raises(RuntimeError) as refused:
+        torch.nn.functional.max_unpool2d(pooled, where, 2)
+    told = not_deterministic_error(7, refused.value)
+    assert told is not None and "\n" not in str(told)
+    assert str(told).startswith("step 7: --deterministic: torch ") and "max_unpooling2d_forward_out" in str(told)
+    assert not_deterministic_error(7, RuntimeError("shape mismatch")) is None

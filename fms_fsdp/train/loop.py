@@ -62,7 +62,7 @@ from fms_fsdp.resilience.stragglers import Stragglers
 from fms_fsdp.resilience.triggers import StepTriggers, StopRequest
 from fms_fsdp.startup import model_build, optimizer_and_schedule, started, summary, write_config
 from fms_fsdp.train.guard import StepGuard
-from fms_fsdp.train.step import StepResult, out_of_memory_error, train_step
+from fms_fsdp.train.step import StepResult, not_deterministic_error, out_of_memory_error, train_step
 from fms_fsdp.weights.ema import WeightAverage
 
 _TRAINED = StateDictOptions(ignore_frozen_params=True)  # what --ema_decay averages: with LoRA, the adapters
@@ -362,6 +362,11 @@ def _attempt(loop: Loop, step: int, batches: Any, report_step: bool) -> Optional
         raise out_of_memory_error(
             step, e, run.settings.loop.batch_size, run.settings.parallel.checkpointing, run.device
         ) from None
+    except RuntimeError as e:  # --deterministic and an operation without a deterministic kernel: one line
+        told = not_deterministic_error(step, e)
+        if told is None:
+            raise
+        raise told from None
     if done is None:
         assert loop.ft is not None
         loop.ft.failed_attempt(time.perf_counter() - started_at)

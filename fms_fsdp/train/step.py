@@ -102,6 +102,22 @@ def accumulate(
     return total, z_total, wait
 
 
+NOT_DETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
+
+
+def not_deterministic_error(step: int, error: RuntimeError) -> Optional[TrainingError]:
+    """The one-line error for torch's refusal, under --deterministic, of an operation at `step` that has
+    no deterministic kernel (naming it); None for any other error."""
+    found = NOT_DETERMINISTIC.search(str(error))
+    if found is None:
+        return None
+    return TrainingError(
+        f"step {step}: --deterministic: torch {torch.__version__} has no deterministic {found.group(1)}, which "
+        "this run uses; run without --deterministic, or without the flag that brings that operation in",
+        every_rank=False,
+    )
+
+
 def out_of_memory_error(
     step: int, error: torch.OutOfMemoryError, batch_size: int, checkpointing: Optional[Fraction], device: torch.device
 ) -> TrainingError:
