@@ -380,3 +380,30 @@ def test_a_hugging_face_source_is_checked_field_by_field_and_carried_into_the_ex
     exported = json.loads((out / "config.json").read_text())
     assert (exported["rms_norm_eps"], exported["max_position_embeddings"]) == (1e-6, 2048)
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ],
+)
+def test_each_shape_field_of_a_sources_config_is_checked_against_the_variant(field):
+    """tiny's own config.json with one shape field doubled is refused naming that field and both values."""
+    from fms_fsdp.weights.hf import hf_config
+
+    config = get_model_config("tiny", 256)
+    theirs = hf_config(config, torch.float32, 1, 2)
+    check_hf_config(theirs, config, "src")  # as written, it is tiny's
+    ours = theirs[field]
+    with pytest.raises(HFError) as e:
+        check_hf_config({**theirs, field: 2 * ours}, config, "src")
+    assert str(e.value) == (
+        f"src: {field} is {2 * ours} but the model variant has {ours}; choose the matching --model_variant (and "
+        "--vocab_size)"
+    )

@@ -291,10 +291,10 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     assert "8 of 8 microbatches of 1 lines in flight" in text
 
 
-@pytest.mark.slow  # 9 s: a launch that plans and stops
-def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_model_line_counts():
-    """--dry_run's status says whether the plan fits (0, else PLAN_DOES_NOT_FIT = 3; a plan that fits returns
-    in the test above), with the PLAN line last either way; under pipeline parallelism the start's model
+@pytest.mark.slow  # 14 s: two launches that plan and stop
+def test_a_plan_ends_in_status_0_if_it_fits_else_3_and_counts_the_blocks_the_model_line_counts():
+    """--dry_run's status says whether the plan fits (0, else PLAN_DOES_NOT_FIT = 3), with the PLAN line last
+    either way; under pipeline parallelism the start's model
     line and the plan both count the checkpointed blocks among the blocks a rank holds."""
     assert PLAN_DOES_NOT_FIT == 3  # documented in docs/troubleshooting.md
     flags = [
@@ -313,6 +313,8 @@ def test_a_plan_that_does_not_fit_ends_in_status_3_and_counts_the_blocks_the_mod
     lines = [next(line for line in out if line.startswith(head)) for head in ("model tiny:", "memory plan, per rank")]
     counts = [re.search(r"activation checkpointing: (\d+/\d+) blocks", line).group(1) for line in lines]
     assert counts == ["1/2", "1/2"], lines  # 4 blocks, 2 on each pipeline rank
+    fits = launch("main_training.py", [*flags, "--plan_device_memory_gib=80"], None)
+    assert fits.returncode == 0 and fits.stdout.splitlines()[-1].endswith("fits=true"), fits.stderr[-3000:]
 
 
 def test_cpu_offload_plans_the_state_on_the_host_and_is_suggested_where_it_fits():
