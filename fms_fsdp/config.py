@@ -645,6 +645,11 @@ class train_config:
         min=0.0,
         shared=False,
     )
+    ema_on_host: bool = _f(
+        False,
+        "Hold the --ema_decay average in host memory (pinned on a GPU), whatever --cpu_offload says: it then takes no device memory, for a copy of the rank's shards to the host after each step.",
+        shared=False,
+    )
     export_ema: bool = _f(
         False,
         "Exports (--export_interval, --export_model_at_end) hold the --ema_decay average instead of the trained weights; checkpoints keep both.",
@@ -836,6 +841,8 @@ def _check_optimizer_states(cfg: train_config) -> None:
 
 def _check_weight_average(cfg: train_config) -> None:
     """--ema_decay's average: exported only when kept, not kept by replica groups."""
+    if cfg.ema_on_host and not cfg.ema_decay:
+        raise ConfigError("--ema_on_host says where the weight average is held: set --ema_decay too (e.g. 0.999)")
     if cfg.export_ema and not cfg.ema_decay:
         raise ConfigError("--export_ema exports the weight average: set --ema_decay too (e.g. 0.999)")
     if cfg.ema_decay and cfg.fault_tolerance:

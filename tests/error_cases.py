@@ -103,6 +103,11 @@ ERRORS: list[E] = [
     ),
     E(
         "flags",
+        "--ema_on_host says where the weight average is held: set --ema_decay too (e.g. 0.999)",
+        flags=("--ema_on_host=True",),
+    ),
+    E(
+        "flags",
         "--ema_decay with --fault_tolerance: a replica group that catches up takes the weights, not the average, so "
         "the groups' averages would differ; leave one of them out",
         flags=("--ema_decay=0.999", "--fault_tolerance=True"),

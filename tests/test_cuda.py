@@ -342,6 +342,20 @@ def test_offloaded_activations_leave_the_gpu_and_train_alike(tmp_path):
     assert peak[1] < 0.6 * peak[0], peak
 
 
+def test_a_weight_average_held_on_the_host_takes_no_device_memory_and_is_the_same(tmp_path, data):
+    """--ema_on_host: the average's copy of the weights leaves the device (the peak falls by about its
+    size), and its evaluation is the device-held average's."""
+    flags = ["--model_variant=small", "--num_steps=4", "--deterministic=True", "--ema_decay=0.5"]
+    flags += ["--eval_interval=4", "--eval_batches=2", f"--eval_data_path={data}"]
+    where = {"device": [], "host": ["--ema_on_host=True"]}
+    held = {name: train_gpu(tmp_path / name, *flags, *extra) for name, extra in where.items()}
+    peak = {name: max(r["peak_memory_allocated_gb"] for r in run if "loss" in r) for name, run in held.items()}
+    evaluated = {name: [r["eval_loss_ema"] for r in run if "eval_loss_ema" in r] for name, run in held.items()}
+    print(f"peak memory allocated: average on the device {peak['device']:.2f} GiB, on the host {peak['host']:.2f} GiB")
+    assert evaluated["host"] and evaluated["host"] == pytest.approx(evaluated["device"], rel=1e-5)
+    assert peak["host"] < peak["device"], peak
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_the_recipe_follows_its_cuda_golden_curve(recipe):
     """The golden curves' runs in fp32 on the GPU against their recorded CUDA files (`python tests/golden.py

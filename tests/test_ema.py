@@ -89,6 +89,17 @@ def test_a_run_resumed_midway_has_the_same_average_bit_for_bit(averaged, data, t
     assert evaluated[0][4] == evaluated[1][4]
 
 
+def test_held_on_the_host_the_average_and_its_evaluation_are_the_same(averaged, data, tmp_path):
+    """--ema_on_host (here the host is the device: the copies are what a GPU run makes, not their saving):
+    the average of step 4 and its evaluation are the device-held run's, to the bit."""
+    out = tmp_path / "run"
+    run_here([*averaged_flags(data, out), "--ema_on_host=True"])
+    held, device = checkpoint(out, 4, tmp_path / "a"), checkpoint(averaged, 4, tmp_path / "b")
+    assert all(torch.equal(held["ema_state"][k], device["ema_state"][k]) for k in device["ema_state"])
+    evaluated = [[r["eval_loss_ema"] for r in records(run) if "eval_loss_ema" in r] for run in (out, averaged)]
+    assert len(evaluated[0]) == 2 and evaluated[0] == evaluated[1]
+
+
 def test_turned_on_at_a_resume_the_average_starts_at_the_resumed_weights(data, tmp_path):
     out = tmp_path / "run"
     run_here(flags(data, out, "--num_steps=2", "--checkpoint_interval=2"))
@@ -104,10 +115,11 @@ def test_turned_on_at_a_resume_the_average_starts_at_the_resumed_weights(data, t
 
 @pytest.mark.slow
 def test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_our_logits(data, tmp_path):
-    """Two ranks (FSDP: each averages its own shards) follow the formula on the whole tensors, and the
-    Hugging Face export of the average gives the package's logits."""
+    """Two ranks (FSDP: each averages its own shards, held on the host) follow the formula on the whole
+    tensors, and the Hugging Face export of the average gives the package's logits."""
     out = tmp_path / "run"
     extra = ["--checkpoint_interval=1", "--checkpoint_keep=4", "--export_ema=True", "--export_interval=4"]
+    extra += ["--ema_on_host=True"]
     proc = launch("main_training.py", ema_flags(data, out, *extra, "--export_format=hf"), 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     follows_the_formula(out, tmp_path)
@@ -132,6 +144,7 @@ def test_two_ranks_average_their_shards_and_transformers_loads_the_export_with_o
     "extra, message",
     [
         (["--export_ema=True"], "--export_ema exports the weight average: set --ema_decay too"),
+        (["--ema_on_host=True"], "--ema_on_host says where the weight average is held: set --ema_decay too"),
         (["--ema_decay=1"], "--ema_decay: must be < 1"),
         (["--ema_decay=0.9", "--fault_tolerance=True"], "--ema_decay with --fault_tolerance"),
     ],

@@ -215,12 +215,16 @@ def test_offloaded_activations_leave_the_device_and_are_suggested_where_recomput
 
 
 def test_the_weight_average_is_planned_beside_the_optimizers_state_of_what_trains():
-    """--ema_decay: one more fp32 copy of the trained shards (with LoRA, of the adapters)."""
+    """--ema_decay: one more fp32 copy of the trained shards (with LoRA, of the adapters), none on the device
+    with --ema_on_host."""
     for lora in ({}, {"lora_rank": 8, "ckpt_load_path": "x"}):
-        plain = plan_for(make_config(model_variant="small", seq_length=512, **lora), 4, 4, 1 << 40)
-        averaged = plan_for(make_config(model_variant="small", seq_length=512, ema_decay=0.999, **lora), 4, 4, 1 << 40)
+        small = dict(model_variant="small", seq_length=512, **lora)
+        plain = plan_for(make_config(**small), 4, 4, 1 << 40)
+        averaged = plan_for(make_config(**small, ema_decay=0.999), 4, 4, 1 << 40)
         assert averaged.optimizer - plain.optimizer == plain.grads > 0  # fp32 gradients: the trained shards
         assert averaged.plan(NONE).peak - plain.plan(NONE).peak == plain.grads
+        on_host = plan_for(make_config(**small, ema_decay=0.999, ema_on_host=True), 4, 4, 1 << 40)
+        assert on_host.plan(NONE).peak == plain.plan(NONE).peak
 
 
 def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():

@@ -161,7 +161,7 @@ class Planner:
         self.compute = 2 if settings.mixed_precision else 4
         # documents masked by FlexAttention's BlockMask: no seq^2 mask (a plan is for a GPU unless --device=cpu)
         self._flex = flex_documents(settings.compile, "cpu" if settings.device == "cpu" else "cuda")
-        self.average = 4 * trained if settings.ema else 0  # --ema_decay's average, counted with the optimizer's
+        self.average = 4 * trained * (settings.ema and not settings.ema_on_host)  # --ema_decay's, on the device
         adamw = int(2 * 4 * state_share(settings.optimizer_state_dtype) * (trained - muon))
         self.params, self.grads, self.optimizer = 4 * held, 4 * trained, adamw + 4 * muon + self.average
         # the block in use, the one prefetched, the last block and the head kept gathered, and one

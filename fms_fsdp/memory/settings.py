@@ -55,5 +55,6 @@ class MemorySettings:
     device_gib: Optional[float]  # --plan_device_memory_gib
     cpu_offload: bool = False  # --cpu_offload: parameters, gradients and optimizer state on the host
     ema: bool = False  # --ema_decay: a weight average beside the optimizer's state
+    ema_on_host: bool = False  # --ema_on_host: that average in host memory
     optimizer_state_dtype: str = "fp32"  # AdamW's state: fp32, or torchao's int8 (STATE_BYTES)
     skip_bad_steps: bool = False  # --skip_bad_steps: torch's fused AdamW (no 8-bit states suggested)

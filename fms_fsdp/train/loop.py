@@ -206,7 +206,7 @@ def _build(
     optimizer, scheduler = optimizer_and_schedule(run, model)
     guard = StepGuard(settings.skip_bad_steps, settings.spike_sigma, optimizer, info.device)
     ft = _fault_tolerance(run, model, optimizer, scheduler, loader, guard, stack)
-    average = WeightAverage(model, settings.ema_decay, _TRAINED) if settings.ema_decay else None
+    average = WeightAverage(model, settings.ema_decay, _TRAINED, settings.ema_on_host) if settings.ema_decay else None
     evaluator.average = average
     checkpointer = _checkpointer(run, model, optimizer, scheduler, loader, lease, ft, average, stack)
     exporter = PeriodicExporter(

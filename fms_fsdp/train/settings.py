@@ -28,6 +28,7 @@ class LoopSettings:
     stop_exit_status: int  # 0: a stopped run exits 0
     export_model_at_end: bool
     ema_decay: float = 0.0  # --ema_decay (0: no weight average)
+    ema_on_host: bool = False  # --ema_on_host: the average in host memory
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 After every applied optimizer step, average = decay x average + (1 - decay) x weights, on each rank's
 own shards (the average is sharded exactly as the weights are, and lives where they live: on the
-host with --cpu_offload). A step that --skip_bad_steps leaves out leaves the average alone too.
+host with --cpu_offload; --ema_on_host holds it there in any case, pinned on a GPU). A step that --skip_bad_steps leaves out leaves the average alone too.
 Checkpoints hold it under `ema_state` (checkpoint/save.py), evaluation reports it as eval_loss_ema
 (evaluation/evaluate.py) and --export_ema exports it (checkpoint/export.py); for both, `swapped` puts
 the average into the model for a while.
@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fms_fsdp.compat import local_tensor
 from fms_fsdp.weights.fused import plain_tensor
@@ -26,16 +27,29 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return plain_tensor(local_tensor(plain_tensor(value)))
 
 
+def _copy(value: torch.Tensor, host: bool) -> torch.Tensor:
+    """A copy of a state-dict entry, sharded as it is; with `host`, its shard in host memory (pinned
+    where there is a GPU to copy from)."""
+    value = plain_tensor(value).detach()
+    if not host:
+        return value.clone()
+    shard = _local(value)
+    held = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=shard.device.type == "cuda").copy_(shard)
+    if isinstance(value, DTensor):
+        return DTensor.from_local(held, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
+    return held
+
+
 class WeightAverage:
     """The moving average of `model`'s trained weights (with LoRA, of its adapters), under the names
     checkpoints use for the model."""
 
-    def __init__(self, model: torch.nn.Module, decay: float, options: StateDictOptions):
+    def __init__(self, model: torch.nn.Module, decay: float, options: StateDictOptions, host: bool = False):
         assert 0 < decay < 1, "config.validate: 0 < --ema_decay < 1"
         self.decay = decay
         live = {k: v for k, v in get_model_state_dict(model, options=options).items() if v.is_floating_point()}
         self.weights = [_local(v) for v in live.values()]  # the parameters' own storage, updated in place
-        self.average = {k: plain_tensor(v).detach().clone() for k, v in live.items()}
+        self.average = {k: _copy(v, host) for k, v in live.items()}  # `host`: --ema_on_host
         self.held = [_local(v) for v in self.average.values()]
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -49,14 +63,14 @@ class WeightAverage:
         says whether the step was applied, without reading it on the host."""
         if kept is None:
             for average, value in zip(self.held, self.weights):
-                average.lerp_(value, 1 - self.decay)
+                average.lerp_(value.to(average.device, non_blocking=True), 1 - self.decay)
             return
         weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the flag where each average lives
         for average, value in zip(self.held, self.weights):
             where = (average.device, average.dtype)
             if where not in weights:
                 weights[where] = kept.to(average.device, average.dtype) * (1 - self.decay)
-            average.lerp_(value, weights[where])
+            average.lerp_(value.to(average.device, non_blocking=True), weights[where])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The average, sharded as the weights (loading into it restores it in place)."""
