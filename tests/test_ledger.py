@@ -1,6 +1,6 @@
 """The ledger of what a loader consumed (data/consumed.py, fms-inspect-data --ledger): worked out from
 the saved positions alone, it names exactly the tokens the batches held, document by document, across a
-resume, a 2 -> 3 rescale, a change of the mixture and a second epoch; no document twice within an epoch.
+resume, a 2 -> 3 rescale, a change of the mixture (by hand and by --weights_schedule) and a second epoch; no document twice within an epoch.
 The command reads a run's checkpoints, compares two and lists documents (tests/test_checkpoint.py, beside
 the run it reads; a fault-tolerant run's groups: tests/test_ft.py)."""
 
@@ -63,6 +63,21 @@ def test_the_ledger_names_every_token_read_across_a_resume_a_rescale_and_a_new_m
     assert consumed_from_states(loader, rescaled) == seen
     once_within_the_epoch(loader, rescaled)
     assert {t // 1000 for t in seen} == {0, 1} and sum(seen.values()) > 3000
+
+
+def test_the_ledger_names_every_token_read_through_a_switch_of_the_weights_schedule(two):
+    """--weights_schedule switching from 1:1 to 1:3 after step 3, read by two ranks through the switch: the
+    ledger of their positions names exactly the tokens their batches held."""
+    settings = dict(num_workers=1, logical_shards=24, batch_size=4, seq_length=32, weights_schedule="0:1,1;3:1,3")
+    seen: Counter = Counter()
+    states = []
+    for rank in range(2):
+        loader = data_loader(cfg(two, **settings), rank, 2)
+        seen += read(take(loader, 7))
+        states.append(loader.state_dict())
+    assert consumed_from_states(loader, states) == seen
+    once_within_the_epoch(loader, states)
+    assert {t // 1000 for t in seen} == {0, 1}
 
 
 def test_a_second_epoch_counts_every_document_again(tmp_path):
