@@ -76,3 +76,25 @@ def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigter
     assert records[-1]["tokens_seen"] == terminated * 2 * 64 * 2  # batch 2 x seq 64 x 2 ranks, none lost
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert saved == sorted([f"step_{stopped}_ckp", f"step_{terminated}_ckp"]), saved
+
+
+@pytest.mark.slow
+def test_a_rank_error_under_sbatch_is_the_jobs_last_line_and_its_status(slurm: dict[str, str], tmp_path: Path):
+    """A run whose data is missing: the job fails with the rank's one line last in its log."""
+    log = tmp_path / "job.out"
+    env = {
+        **slurm,
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}",
+    }
+    job = submit(
+        env,
+        *("--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10", f"--output={log}"),
+        *("scripts/train.slurm", *TINY, "--use_dummy_dataset=False", f"--data_path={tmp_path / 'missing'}"),
+        f"--ckpt_save_path={tmp_path / 'run'}",
+    )
+    wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 120, log)
+    lines = log.read_text().strip().splitlines()
+    assert job_state(slurm, job) == "FAILED" and lines[-1].startswith("error: "), "\n".join(lines)
+    assert str(tmp_path / "missing") in lines[-1] and "Traceback" not in log.read_text(), lines[-10:]
