@@ -30,6 +30,8 @@ MESHES = [
     ("pp", 2, [f"--batch_size={BATCH}", "--pipeline_parallel_size=2"]),
     ("cp", 2, [f"--batch_size={BATCH}", "--context_parallel_size=2"]),
     ("dp x tp", 4, [f"--batch_size={BATCH // 2}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"]),
+    ("hsdp 2 x 2", 4, [f"--batch_size={BATCH // 4}", "--sharding_strategy=hsdp", "--sharding_group_size=2"]),
+    ("ddp", 2, [f"--batch_size={BATCH // 2}", "--sharding_strategy=ddp"]),
 ]
 
 
