@@ -75,7 +75,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
       shard by shard on the meta device), 4 steps, with z-loss; gqa_tp2_ac with per-op activation checkpointing;
       gqa_tp1_bf16 / gqa_tp2_bf16 in bf16 with whole blocks checkpointed;
     - fsdp_tp2 / hsdp_tp2: 4 ranks as 2 data-parallel ranks (sharded / replicated) x T=2 (fsdp_tp2_offloaded
-      with FSDP's state and the blocks' activations on the host, --deterministic), and dp2_ref
+      with FSDP's state and the blocks' activations on the host, --deterministic, run twice), and dp2_ref
       the same global batch on one rank (the synthetic data does not depend on the world size), which
       trains the module itself (no FSDP) and checkpoints at step 2: dp2_fsdp resumes that on 2 ranks;
     - muon_ref: that run with --optimizer=muon; muon_fsdp2 resumes its step 2 on 2 ranks (FSDP), muon_tp
@@ -113,6 +113,7 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
             "muon_tp",
             "fsdp_tp2",
             "fsdp_tp2_offloaded",
+            "fsdp_tp2_offloaded_again",
             "hsdp_tp2",
             "hsdp2x2_ref",
             "hsdp2x2",
@@ -267,7 +268,10 @@ def runs(data, uninterrupted, tmp_path_factory) -> dict[str, Any]:
         4,
         [
             [*gqa, f"--ckpt_save_path={out['fsdp_tp2']}", "--tensor_parallel_size=2", "--sharding_strategy=fsdp"],
-            [*gqa, f"--ckpt_save_path={out['fsdp_tp2_offloaded']}", "--tensor_parallel_size=2", *OFFLOADED],
+            *(
+                [*gqa, f"--ckpt_save_path={out[name]}", "--tensor_parallel_size=2", *OFFLOADED]
+                for name in ("fsdp_tp2_offloaded", "fsdp_tp2_offloaded_again")
+            ),
             [
                 *gqa,
                 f"--ckpt_save_path={out['hsdp_tp2']}",
@@ -381,6 +385,8 @@ def test_fsdp_and_hsdp_with_tp_on_4_ranks_give_the_loss_of_the_same_global_batch
     assert f"mesh (replicate, shard, tp) = {mesh}" in runs["log4"]
     got, want = losses(runs[name]), losses(runs["dp2_ref"])
     assert len(got) == 4 and close(got, want, DP_TOL), (got, want)
+    if name == "fsdp_tp2_offloaded":  # --deterministic: the same command again, the same losses to the bit
+        assert losses(runs["fsdp_tp2_offloaded_again"]) == got
 
 
 @pytest.mark.parametrize("name, start", [("tp1", 3), ("tp4", 3), ("tp1_tp2", 6), ("tp4_tp2", 6)])
