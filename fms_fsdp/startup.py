@@ -166,7 +166,8 @@ def ramp_in_steps(cfg: train_config, data_parallel: int) -> tuple[train_config, 
     }
     said = " ".join(f"--{flag}={text}" for flag, text in texts.items() if text)
     note = f"note: --ramp_unit=tokens on {data_parallel} data-parallel ranks: in steps, {said}"
-    return replace(cfg, **texts, ramp_unit="steps"), (note,)
+    batch, seq = texts["batch_size_schedule"], texts["seq_length_schedule"]
+    return replace(cfg, batch_size_schedule=batch, seq_length_schedule=seq, ramp_unit="steps"), (note,)
 
 
 def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int = 1) -> LLaMAConfig:
