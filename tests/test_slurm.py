@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,3 +99,29 @@ def test_a_rank_error_under_sbatch_is_the_jobs_last_line_and_its_status(slurm: d
     lines = log.read_text().strip().splitlines()
     assert job_state(slurm, job) == "FAILED" and lines[-1].startswith("error: "), "\n".join(lines)
     assert str(tmp_path / "missing") in lines[-1] and "Traceback" not in log.read_text(), lines[-10:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_jobs_steps_saves_and_ends_in_the_stop_line(slurm: dict[str, str], tmp_path: Path):
+    """SIGINT to every process of the job's steps (Ctrl-C at an interactive srun, or scancel --signal=INT):
+    the ranks agree, save and stop, and the job's last line is the stop line, with no traceback."""
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    env = {
+        **slurm,
+        "NPROC_PER_NODE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}",
+    }
+    job = submit(
+        env,
+        *("--nodes=1", "--gres=none", f"--cpus-per-task={os.cpu_count()}", "--time=10", f"--output={log}"),
+        *("scripts/train.slurm", *TINY, "--report_interval=1", "--checkpoint_interval=100000"),
+        *("--num_steps=100000", f"--ckpt_save_path={run}"),
+    )
+    wait_for("the first metrics", lambda: len(_records(run / "metrics.jsonl")) > 0, 120, log)
+    subprocess.run(["scancel", "--signal=INT", job], env=slurm, check=True)
+    wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 120, log)
+    out = log.read_text()
+    stopped = re.fullmatch(r"stopping after step (\d+) on SIGINT: the checkpoint is saved, .*", out.splitlines()[-1])
+    assert stopped is not None and "Traceback" not in out, out[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{stopped.group(1)}_ckp"]
