@@ -1,8 +1,8 @@
 """--deterministic: the same command gives bit-identical losses and weights. Every seed is fixed
 (Python's, numpy's and torch's; the weights' initialisation and the data's order already follow
---seed), torch runs its deterministic algorithms (an operation that has none stops the run in
-one line naming it: train/step.py), cuDNN its deterministic kernels without autotuning, and cuBLAS a fixed
-workspace. The package's own reductions (the loss, the gradient norm, the metrics) already run in a
+--seed), torch runs its deterministic algorithms (an operation that has none stops the run in one
+line naming it: train/step.py), cuDNN its deterministic kernels without autotuning, and cuBLAS a
+fixed workspace. The package's own reductions (the loss, the gradient norm, the metrics) already run in a
 fixed order over a fixed world. What cannot be made repeatable is refused at start-up (config.py):
 --fault_tolerance, whose replica groups come and go with the timing of failures."""
 

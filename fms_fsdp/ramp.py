@@ -6,8 +6,8 @@ flag's own value (--batch_size, --seq_length), which the memory plan and --dry_r
 functions of the step alone, so every reader of the data knows the shape of each batch it makes: the
 loader stays exactly-once and resumes exactly across every change (and across a rescale), and the
 synthetic data too. Stages given in tokens seen (--ramp_unit=tokens) are turned into steps at start-up
-(`steps_of_tokens`), for the run's number of data-parallel ranks. The learning-rate schedule may count the tokens of the steps instead of the steps
-(--lr_schedule_unit=tokens: `full_steps`).
+(`steps_of_tokens`), for the run's number of data-parallel ranks. The learning-rate schedule may count
+the tokens of the steps instead of the steps (--lr_schedule_unit=tokens: `full_steps`).
 """
 
 from __future__ import annotations
