@@ -4,7 +4,8 @@ command line and behaviour, ending in what the ranks said instead of torchrun's 
 - A rank that ends in the package's one-line error: that line again, last, and the rank's status (2: fix
   the input; 1: the work failed), instead of torchrun's traceback and failure summary (status 1).
 - Ctrl-C (SIGINT): passed on to the ranks, which save and print their stop line; a second Ctrl-C,
-  passed on too, stops them at once (their SIGINT is then the default action). Either way the status
+  passed on too, stops them at once (their SIGINT is then the default action). Under srun, Slurm sends
+  it to every process of the job step, the ranks too: it is not passed on then (they would get it twice). Either way the status
   is 130 (128 + SIGINT, as a shell reports Ctrl-C), without torchrun's SignalException traceback
   (torchrun itself would stop on the first and, on a second, send SIGTERM: its ranks would save again).
 - Ctrl-C before the ranks exist (the rendezvous), or a third: the launcher ends at once, status 130.
@@ -33,11 +34,12 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.count = 0
+        self.ranks_get_it = "SLURM_STEP_ID" in os.environ  # srun's step: Slurm signals each of its processes
         signal.signal(signal.SIGINT, self._pass_on)
 
     def _pass_on(self, signum: int, frame: Any) -> None:
         self.count += 1
-        if not signal_children(signal.SIGINT) or self.count > 2:
+        if not signal_children(0 if self.ranks_get_it else signal.SIGINT) or self.count > 2:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise KeyboardInterrupt
 
@@ -91,8 +93,9 @@ def _failed(error: Any) -> int:
     return 1
 
 
-def signal_children(sig: signal.Signals) -> int:
-    """Send `sig` to this process's children (torchrun's ranks, each in a session of its own); how many."""
+def signal_children(sig: int) -> int:
+    """Send `sig` to this process's children (torchrun's ranks, each in a session of its own; 0: none,
+    they are only counted); how many."""
     me, sent = str(os.getpid()), 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -60,8 +60,9 @@ fi
 # time-limit warning on as SIGUSR1 to every process of the job's steps. The training processes
 # answer both by saving a checkpoint and exiting; torchrun must not cut that short, so it ignores
 # both and waits for them (torchrun's --signals_to_handle, through PET_SIGNALS_TO_HANDLE).
-# Ctrl-C reaches torchrun alone (its ranks run in sessions of their own): it passes SIGINT on, and the
-# ranks save and stop as on SIGTERM (a second Ctrl-C stops them at once).
+# Ctrl-C reaches torchrun alone (its ranks run in sessions of their own): it passes SIGINT on (not
+# under srun, which signals the ranks itself), and the ranks save and stop as on SIGTERM (a second
+# Ctrl-C stops them at once).
 trap '' TERM USR1
 export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
