@@ -18,8 +18,6 @@ import pytest
 import torch
 from slurm_cluster import slurm  # noqa: F401  (the fixture: a one-node Slurm cluster, for any test file)
 
-from fms_fsdp.parallel.process_group import free_port
-
 # no_silent_skip: under CI=true a skip fails (tests/no_silent_skip.py); pytester: pytest run inside a test
 pytest_plugins = ("no_silent_skip", "pytester")
 
@@ -112,14 +110,20 @@ def rank_env(extra_env: Optional[dict] = None) -> dict:
 
 
 def start_ranks(script: str, args: list[str], nproc: int, env: dict) -> list[subprocess.Popen]:
-    """nproc processes of `script`, each with the environment torchrun gives a rank (and `env`)."""
+    """nproc processes of `script`, each with the environment torchrun gives a rank (and `env`). As under
+    torchrun, the store is this process's, bound before they start (TORCHELASTIC_USE_AGENT_STORE: every
+    rank connects to it), so no other test can take its port meanwhile; each process holds it (`store`)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)
     world = {
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    return [
+    procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / script), *args],
             cwd=ROOT,
@@ -130,6 +134,9 @@ def start_ranks(script: str, args: list[str], nproc: int, env: dict) -> list[sub
         )
         for r in range(nproc)
     ]
+    for p in procs:
+        p.store = store  # type: ignore[attr-defined]
+    return procs
 
 
 def inspect_data(*args: str) -> subprocess.CompletedProcess:
