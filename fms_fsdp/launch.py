@@ -5,9 +5,10 @@ command line and behaviour, ending in what the ranks said instead of torchrun's 
   the input; 1: the work failed), instead of torchrun's traceback and failure summary (status 1).
 - Ctrl-C (SIGINT): passed on to the ranks, which save and print their stop line; a second Ctrl-C,
   passed on too, stops them at once (their SIGINT is then the default action). Under srun, Slurm sends
-  it to every process of the job step, the ranks too: it is not passed on then (they would get it twice). Either way the status
-  is 130 (128 + SIGINT, as a shell reports Ctrl-C), without torchrun's SignalException traceback
-  (torchrun itself would stop on the first and, on a second, send SIGTERM: its ranks would save again).
+  it to every process of the job step, the ranks too: it is not passed on then (they would get it
+  twice). Either way the status is 130 (128 + SIGINT, as a shell reports Ctrl-C), without torchrun's
+  SignalException traceback (torchrun itself would stop on the first and, on a second, send SIGTERM: its
+  ranks would save again).
 - Ctrl-C before the ranks exist (the rendezvous), or a third: the launcher ends at once, status 130.
 - --dry_run's plan that does not fit: its status, 3, after its PLAN line.
 - A signal torchrun still handles itself (SIGTERM, SIGHUP, SIGQUIT where its --signals_to_handle lists

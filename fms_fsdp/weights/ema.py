@@ -2,7 +2,9 @@
 
 After every applied optimizer step, average = decay x average + (1 - decay) x weights, on each rank's
 own shards (the average is sharded exactly as the weights are, and lives where they live: on the
-host with --cpu_offload; --ema_on_host holds it there in any case, pinned on a GPU). A step that --skip_bad_steps leaves out leaves the average alone too.
+host with --cpu_offload; --ema_on_host holds it there in any case, pinned on a GPU, each step's shards
+copied there before the update: a blocking copy, which a host-side update must wait for). A step that
+--skip_bad_steps leaves out leaves the average alone too.
 Checkpoints hold it under `ema_state` (checkpoint/save.py), evaluation reports it as eval_loss_ema
 (evaluation/evaluate.py) and --export_ema exports it (checkpoint/export.py); for both, `swapped` puts
 the average into the model for a while.
@@ -63,14 +65,14 @@ class WeightAverage:
         says whether the step was applied, without reading it on the host."""
         if kept is None:
             for average, value in zip(self.held, self.weights):
-                average.lerp_(value.to(average.device, non_blocking=True), 1 - self.decay)
+                average.lerp_(value.to(average.device), 1 - self.decay)
             return
         weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the flag where each average lives
         for average, value in zip(self.held, self.weights):
             where = (average.device, average.dtype)
             if where not in weights:
                 weights[where] = kept.to(average.device, average.dtype) * (1 - self.decay)
-            average.lerp_(value.to(average.device, non_blocking=True), weights[where])
+            average.lerp_(value.to(average.device), weights[where])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The average, sharded as the weights (loading into it restores it in place)."""
