@@ -169,6 +169,12 @@ class train_config:
         choices=("beside", "external", "first"),
         shared=True,
     )
+    cache_workers: Optional[int] = _f(
+        None,
+        "--cache_dir tokenized in rank 0's process pool (no Ray flag): its processes. Default: the node's CPUs, less one per rank of the node while the run trains beside the build.",
+        min=1,
+        shared=False,
+    )
     ray_address: Optional[str] = _f(
         None,
         "--cache_dir: HOST:PORT of a running Ray cluster that tokenizes the cache (pip install 'fms-fsdp[ray]').",
@@ -867,6 +873,13 @@ def _check_cache(cfg: train_config) -> None:
     ray = [f for f in ("ray_address", "ray_start_workers", "ray_auto_start_cluster") if getattr(cfg, f)]
     if cfg.cache_build is not None and cfg.cache_dir is None:
         raise ConfigError(f"--cache_build={cfg.cache_build} says when --cache_dir is built: give --cache_dir too")
+    if cfg.cache_workers is not None and cfg.cache_dir is None:
+        raise ConfigError("--cache_workers sizes the process pool that builds --cache_dir: give --cache_dir too")
+    if cfg.cache_workers is not None and (ray or cfg.cache_build == "external"):
+        builder = f"--{ray[0]}'s Ray cluster" if ray else "another job (--cache_build=external)"
+        raise ConfigError(
+            f"--cache_workers sizes rank 0's process pool, but {builder} builds --cache_dir; leave it out"
+        )
     if ray and cfg.cache_dir is None:
         raise ConfigError(f"--{ray[0]} sets where --cache_dir is tokenized: give --cache_dir, or leave it out")
     if cfg.ray_address and cfg.ray_start_workers:

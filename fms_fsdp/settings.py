@@ -188,7 +188,7 @@ def cache_of(cfg: train_config) -> Optional[CacheSettings]:
     )
     text = {"tokenizer_path": cfg.tokenizer_path, "text_field": cfg.text_field}
     when = {"build": cfg.cache_build} if cfg.cache_build is not None else {}  # not given: the default, beside
-    return CacheSettings(cache_dir=cfg.cache_dir, **text, **when, ray=ray)
+    return CacheSettings(cache_dir=cfg.cache_dir, **text, **when, workers=cfg.cache_workers, ray=ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:

@@ -531,6 +531,17 @@ ERRORS: list[E] = [
     ),
     E(
         "data",
+        "--cache_workers sizes the process pool that builds --cache_dir: give --cache_dir too",
+        flags=("--cache_workers=4",),
+    ),
+    E(
+        "data",
+        "--cache_workers sizes rank 0's process pool, but <builder> builds --cache_dir; leave it out",
+        "--cache_workers with a Ray flag or --cache_build=external: rank 0's pool does not build the cache then",
+        flags=("--cache_dir=cache", "--tokenizer_path=README.md", "--cache_workers=4", "--cache_build=external"),
+    ),
+    E(
+        "data",
         "--ray_address and --ray_start_workers: join a running cluster or start one, not both",
         flags=(
             "--cache_dir=cache",

@@ -253,6 +253,88 @@ def test_a_builder_killed_as_it_starts_is_started_again_and_the_batches_do_not_c
     assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
 
 
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory) -> Path:
+    """A raw-text dataset of eight files (a piece each, about 0.1 s of a worker's time)."""
+    root = tmp_path_factory.mktemp("pieces")
+    write_dataset(root, "text", make_docs(400, 8000, 3), layout="jsonl", files=8)
+    return root
+
+
+def pool_workers(builder_pid: int) -> list[int]:
+    """The process pool's workers under the builder: the children of its forkserver."""
+    from test_checkpoint import descendants
+
+    below = descendants(builder_pid)
+    servers = [p for p in below if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [
+        p
+        for p in below
+        if any(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(s) for s in servers)
+    ]
+
+
+def test_a_builder_stopped_midway_then_a_pool_worker_killed_leaves_the_batches_as_they_are(pieces, tmp_path):
+    """Rank 0's builder in a pool of two (--cache_workers=2): stopped (SIGSTOP) once a piece is finished, while
+    the loader reads on; then let go on, and one worker SIGKILLed. The batches are raw text's
+    throughout, the pool is started again without redoing the pieces finished before, and the cache ends
+    equal to fms-prepare-data's."""
+    raw, _ = batches(pieces)
+    cache = tmp_path / "cache"
+    loader = data_loader(cfg(pieces, cache_dir=str(cache), cache_workers=2, vocab_size=4096), 0, 1)
+    builder = loader.builder
+    deadline = time.monotonic() + 60
+    while builder.progress() == 0 and time.monotonic() < deadline:  # a piece finished: the workers run
+        time.sleep(0.005)
+    group = builder._process.pid  # the builder leads its own session: its pool is in its group
+    os.killpg(group, signal.SIGSTOP)
+    it = iter(loader)
+    try:
+        stopped_at = builder.progress()
+        done = {p.name: p.stat().st_mtime_ns for p in (cache / "text" / ".done").glob("*.json")}
+        found = [next(it) for _ in range(3)]
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    os.kill(pool_workers(group)[0], signal.SIGKILL)
+    found += [next(it) for _ in range(3)]
+    builder._thread.join(timeout=60)
+    assert not builder._thread.is_alive(), "the build did not end"
+    loader.finish()
+    assert stopped_at < 1, "the build ended before it was stopped"
+    assert {p: (cache / "text" / ".done" / p).stat().st_mtime_ns for p in done} == done  # not done twice
+    assert "a worker of the process pool died" in " ".join(builder._lines), list(builder._lines)
+    assert same(raw, found)
+    prepare(pieces, tmp_path / "prepared" / "text")
+    assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
+
+
+def test_a_stop_mid_build_resumes_on_the_same_batches_reading_what_its_builder_finished(pieces, tmp_path):
+    """A loader stopped (its builder ended, as a SIGTERM'd run does) once some pieces are finished, then a
+    new loader from its state: the next batches are raw text's, the finished pieces are read from the
+    cache and left as they were, and the cache ends complete and equal to fms-prepare-data's."""
+    raw, _ = batches(pieces)
+    cache = tmp_path / "cache"
+    loader = data_loader(cfg(pieces, cache_dir=str(cache), vocab_size=4096), 0, 1)
+    it = iter(loader)
+    found = [next(it) for _ in range(3)]
+    deadline = time.monotonic() + 60
+    while loader.builder.progress() == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    state = loader.state_dict()
+    loader.close()
+    done = {p.name: p.stat().st_mtime_ns for p in (cache / "text" / ".done").glob("*.json")}
+    assert done and "complete.json" not in done, "stopped before the first piece or after the last"
+    resumed = data_loader(cfg(pieces, cache_dir=str(cache), vocab_size=4096), 0, 1)
+    resumed.load_state_dict(state)
+    found += take(resumed, 3)
+    assert resumed.data_report()["documents_from_cache"] > 0
+    resumed.finish()
+    assert same(raw, found)
+    assert {p: (cache / "text" / ".done" / p).stat().st_mtime_ns for p in done} == done
+    prepare(pieces, tmp_path / "prepared" / "text")
+    assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
+
+
 @pytest.mark.slow
 def test_a_rescale_mid_build_reads_every_document_at_most_once(corpus, tmp_path):
     """Two ranks to step 2 while an array's task has built a third of the cache, then three ranks on from

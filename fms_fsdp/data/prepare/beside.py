@@ -100,8 +100,8 @@ def start_builder(
             "read from there, the rest tokenized as read"
         )
         return None
-    engine = engine_of(settings.ray, None)
-    if engine.name == "local":  # the node's CPUs less its ranks'
+    engine = engine_of(settings.ray, None, settings.workers)
+    if engine.name == "local" and settings.workers is None:  # the node's CPUs less its ranks'
         engine = Engine("local", max(1, engine.workers - local_ranks))
     log(
         f"note: training while {names} is tokenized into {settings.cache_dir} {engine} (once: later runs read "

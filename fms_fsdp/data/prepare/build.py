@@ -159,9 +159,14 @@ def init_worker(tokenizer: Optional[str]) -> None:
 
 
 def process_piece(job: tuple[Piece, str, dict]) -> tuple[Piece, dict]:
-    """Tokenize one piece into its shards and mark it done; returns (piece, marker)."""
+    """Tokenize one piece into its shards and mark it done; returns (piece, marker). A piece already
+    done (by a worker that died before its result came back: run again by the pool, or retried by Ray)
+    is not done twice."""
     piece, out, settings = job
     output = location(out, "output")
+    done = finished(output, piece, settings)
+    if done is not None:
+        return piece, done
     clear_piece(output, piece)
     if is_remote(output):
         import tempfile

@@ -70,7 +70,7 @@ def _cached(source: Source, layout: Layout, settings: CacheSettings, head: Optio
     recipe = recipe_of(settings.tokenizer_path, settings.text_field)
     ledger = read_ledger(output)
     if ledger is None:
-        engine = engine_of(settings.ray, head)
+        engine = engine_of(settings.ray, head, settings.workers)
         why = (
             ""
             if settings.build == "first"
@@ -99,13 +99,14 @@ def check_made_with(ledger: dict, output: Path, recipe: Recipe) -> None:
     )
 
 
-def engine_of(ray: RaySettings, head: Optional[str]) -> Engine:
-    """Where rank 0 tokenizes: on a Ray cluster (the job's own, a running one, a local one) or in its pool."""
+def engine_of(ray: RaySettings, head: Optional[str], workers: Optional[int] = None) -> Engine:
+    """Where rank 0 tokenizes: on a Ray cluster (the job's own, a running one, a local one) or in its pool
+    of `workers` processes (None: one per CPU)."""
     cpus = len(os.sched_getaffinity(0))
     address = head or ray.address
     if address is not None or ray.auto_start_cluster:
         return Engine("ray", cpus, address)
-    return Engine("local", cpus)
+    return Engine("local", cpus if workers is None else workers)
 
 
 # ---------------------------------------------------------------- a Ray cluster over the job's nodes

@@ -44,7 +44,7 @@ def run_local(
                 del left[index]
                 yield result
             return
-        except BrokenProcessPool:
+        except (BrokenProcessPool, BrokenPipeError):  # the latter: a worker killed while the pool started it
             print(
                 f"warning: a worker of the process pool died; {len(left)} unfinished pieces run again", file=sys.stderr
             )
@@ -73,6 +73,10 @@ def _pooled(
         for done in as_completed(futures):
             yield futures[done], done.result()
         finished = True
+    except (BrokenProcessPool, BrokenPipeError):  # a worker died: end the others, or the pool waits on them for ever
+        for process in list((pool._processes or {}).values()):
+            process.kill()
+        raise
     finally:  # on an error or a stop, the pieces not started are dropped and the running ones left to end
         pool.shutdown(wait=finished, cancel_futures=True)
 

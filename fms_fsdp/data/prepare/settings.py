@@ -21,12 +21,14 @@ class RaySettings:
 @dataclass(frozen=True, kw_only=True)
 class CacheSettings:
     """--cache_dir, and how its raw text is tokenized: --tokenizer_path, --text_field, the Ray settings,
-    and when (--cache_build: beside the training, first, or by another job: external)."""
+    and when (--cache_build: beside the training, first, or by another job: external), and by how many
+    processes of rank 0's pool (--cache_workers; None: the node's spare CPUs)."""
 
     cache_dir: str
     tokenizer_path: str
     text_field: str = "text"
     build: str = "beside"
+    workers: Optional[int] = None
     ray: RaySettings = RaySettings()
 
     @property

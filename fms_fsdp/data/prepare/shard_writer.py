@@ -98,9 +98,13 @@ class ShardWriter:
 
 
 def clear_piece(output: Path, piece: Piece) -> None:
-    """Remove what an unfinished earlier run left of a piece: marker first, then shards and temp files."""
-    remove(marker_path(output, piece))
-    patterns = [f"part-{piece.name}-*.arrow"] + ([] if is_remote(output) else [f".part-{piece.name}-*.tmp"])
+    """Remove what an unfinished earlier run left of a piece: marker first, then shards and temp files
+    (its shards', and its marker's of a worker killed as it wrote it)."""
+    marker = marker_path(output, piece)
+    remove(marker)
+    patterns = [f"part-{piece.name}-*.arrow"]
+    if not is_remote(output):
+        patterns += [f".part-{piece.name}-*.tmp", f".done/.{marker.name}.tmp*"]
     for pattern in patterns:
         for path in output.glob(pattern):
             remove(path)
