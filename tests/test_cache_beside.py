@@ -335,6 +335,38 @@ def test_a_stop_mid_build_resumes_on_the_same_batches_reading_what_its_builder_f
     assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
 
 
+def test_an_array_task_killed_mid_build_leaves_the_batches_of_a_run_reading_beside_it_as_they_are(pieces, tmp_path):
+    """fms-prepare-data (an array's task, --cache_build=external) SIGKILLed in its third piece, with a
+    shard half written: a run reading beside it gets raw text's batches, and the same command run again
+    finishes the cache equal to one prepared ahead."""
+    raw, _ = batches(pieces)
+    cache, held_in = tmp_path / "cache", tmp_path / "held"
+    held = [sys.executable, str(ROOT / "tests" / "held_at.py"), str(held_in), "piece:2", "scripts/prepare_data.py"]
+    task = subprocess.Popen(
+        [
+            *held,
+            f"--input={pieces / 'text'}",
+            f"--output={cache / 'text'}",
+            f"--tokenizer={pieces / 'tokenizer.json'}",
+            "--workers=1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (held_in / "held-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    task.kill()
+    task.wait()
+    assert len(list((cache / "text" / ".done").glob("*.json"))) == 2 and list((cache / "text").glob(".part-*.tmp"))
+    external, loader = batches(pieces, cache_dir=str(cache), cache_build="external")
+    assert same(raw, external) and loader.data_report()["documents_from_cache"] > 0
+    prepare(pieces, cache / "text")
+    prepare(pieces, tmp_path / "prepared" / "text")
+    assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
+
+
 @pytest.mark.slow
 def test_a_rescale_mid_build_reads_every_document_at_most_once(corpus, tmp_path):
     """Two ranks to step 2 while an array's task has built a third of the cache, then three ranks on from
