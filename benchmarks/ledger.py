@@ -1,12 +1,13 @@
 """The ledger's cost (fms-inspect-data --ledger, data/consumed.py) at 1,024 logical shards.
 
     python benchmarks/ledger.py [--data_path=/tmp/bench_data] [--ranks=8] [--batches=40] [--seq_length=4096]
+        [--files=1000]
 
 The ledger is worked out from the data positions every checkpoint already holds, so a checkpoint and a
 step carry nothing more for it: this prints the loader state a checkpoint keeps per rank (its bytes, as
 pickled), and what working the ledger out costs afterwards: the seconds to read `--ranks` ranks' states
 after `--batches` batches each and name every document they consumed, on the synthetic Arrow dataset of
-benchmarks/dataloader.py (1,000 files of 50 documents, 50M tokens).
+benchmarks/dataloader.py (`--files` files of 50 documents: 50M tokens in the 1,000 of the default).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from fms_fsdp.flags import make_config  # noqa: E402
 from fms_fsdp.startup import facts  # noqa: E402
 
 
-def main(data_path: str = "/tmp/bench_data", ranks: int = 8, batches: int = 40, seq_length: int = 4096) -> None:
+def main(
+    data_path: str = "/tmp/bench_data", ranks: int = 8, batches: int = 40, seq_length: int = 4096, files: int = 1000
+) -> None:
     root = Path(data_path)
     if not (root / "bench").exists():
-        write_data(root, 1000, 50, 32000, "arrow")
+        write_data(root, files, 50, 32000, "arrow")
     cfg = make_config(
         data_path=str(root),
         datasets=["bench"],

@@ -96,6 +96,19 @@ def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu():
     assert proc.stderr.startswith("gpu_check: no CUDA GPU is visible to torch") and proc.stderr.count("\n") == 1
 
 
+def test_the_ledger_benchmark_counts_every_token_the_ranks_read(tmp_path):
+    """benchmarks/ledger.py on 30 files, 2 ranks of 3 batches of 2 lines of 65 tokens: the ledger worked
+    out from their states holds exactly the tokens they read."""
+    flags = [f"--data_path={tmp_path / 'data'}", "--ranks=2", "--batches=3", "--seq_length=64", "--files=30"]
+    ran = subprocess.run([sys.executable, "benchmarks/ledger.py", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    figures = dict(f.split("=") for f in ran.stdout.split())
+    assert figures["tokens_read"] == f"{2 * 3 * 2 * 65}" and figures["documents_seen"].endswith("/1,500"), figures
+    assert (
+        0 < int(figures["documents_seen"].split("/")[0]) and int(figures["state_bytes_per_rank"].replace(",", "")) > 0
+    )
+
+
 @pytest.mark.slow
 def test_the_hugging_face_io_benchmark_runs_and_prints_its_figures(tmp_path):
     """benchmarks/hf_io.py on `tiny`: a folder made, imported and exported by 2 ranks, converted offline."""
