@@ -30,7 +30,7 @@ from fms_fsdp.compat import check_torch
 from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.context import Paths, Run
 from fms_fsdp.data.make_loader import check_tokenizer
-from fms_fsdp.errors import CheckpointError, first_line
+from fms_fsdp.errors import CheckpointError, ConfigError, first_line
 from fms_fsdp.evaluation.harness import check_harness
 from fms_fsdp.model.float8 import check_float8
 from fms_fsdp.model.lora import check_lora
@@ -218,8 +218,15 @@ def beyond_positions(cfg: train_config, positions: int) -> str:
 
 def with_source_tokens(settings: Settings, hf: dict, cfg: train_config) -> tuple[Settings, tuple[str, ...]]:
     """The settings whose exports record the special token ids of the Hugging Face folder the run starts
-    from (where it names them), and a note where its end-of-text id is not the run's --eos_token."""
+    from (where it names them), and a note where its end-of-text id is not the run's --eos_token, or its
+    beginning-of-text id is put before no document. A --bos_token other than its own is refused: the
+    exports would record an id the run never put there."""
     bos, eos = special_tokens(hf)
+    if bos is not None and cfg.bos_token is not None and cfg.bos_token != bos:
+        raise ConfigError(
+            f"--ckpt_load_path: {cfg.ckpt_load_path}: bos_token_id is {bos} but the run puts --bos_token="
+            f"{cfg.bos_token} before each document; set --bos_token={bos}"
+        )
     export = replace(
         settings.export,
         bos=bos if bos is not None else settings.export.bos,
@@ -231,6 +238,11 @@ def with_source_tokens(settings: Settings, hf: dict, cfg: train_config) -> tuple
             f"note: {cfg.ckpt_load_path} ends text with eos_token_id {eos}, but documents are separated by "
             f"--eos_token={cfg.eos_token}; its exports keep {eos} (set --eos_token={eos if not isinstance(eos, list) else eos[0]} "
             "if the data ends documents with it)",
+        )
+    if bos is not None and cfg.bos_token is None:
+        notes += (
+            f"note: {cfg.ckpt_load_path} begins text with bos_token_id {bos}, but no --bos_token is put before "
+            f"documents; set --bos_token={bos} if the data does not begin documents with it",
         )
     return replace(settings, export=export), notes
 

@@ -65,7 +65,9 @@ def variants_table() -> str:
         "`rope_theta` and `rope_scaling` (`--rope_theta`, `--rope_scaling_factor`), `rms_norm_eps` (`--norm_eps`), "
         "`max_position_embeddings` (`--max_position_embeddings`) and `tie_word_embeddings`; a field that differs "
         "is refused in one line naming both values and the flag that makes them agree. Its `bos_token_id` and "
-        "`eos_token_id` are carried into the run's Hugging Face exports."
+        "`eos_token_id` are carried into the run's Hugging Face exports; a `--bos_token` other than its "
+        "`bos_token_id` is refused, and one not given, or an `--eos_token` other than its `eos_token_id`, gets a "
+        "start-up note."
     )
     return "\n".join(rows)
 

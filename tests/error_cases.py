@@ -1495,6 +1495,13 @@ ERRORS: list[E] = [
         "a model with one matrix for its embedding and output head, loaded into a variant with two (or the reverse)",
         "the variant it names",
     ),
+    E(
+        "hf",
+        "--ckpt_load_path: <folder>: bos_token_id is 1 but the run puts --bos_token=5 before each document; set "
+        "--bos_token=1",
+        "the folder's model begins text with another id than the run puts before its documents",
+        "the flag it names (the exports record the folder's id)",
+    ),
     E("checkpoints", "give two or more checkpoint folders of one run to average (CKPT CKPT ...)"),
     E("checkpoints", "--out: give the new folder to write the averaged checkpoint to"),
     E("checkpoints", "--out=<out> exists: give a new folder (nothing is written over)"),

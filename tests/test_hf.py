@@ -371,6 +371,13 @@ def test_a_hugging_face_source_is_checked_field_by_field_and_carried_into_the_ex
     assert (run.model_config.norm_eps, run.model_config.max_expected_seq_len) == (1e-6, 2048)
     assert (run.settings.export.bos, run.settings.export.eos) == (1, 2)
     assert any("ends text with eos_token_id 2, but documents are separated by --eos_token=0" in n for n in run.notes)
+    assert any("begins text with bos_token_id 1, but no --bos_token is put before documents" in n for n in run.notes)
+    assert refused(src, **carried, bos_token=5) == (
+        f"--ckpt_load_path: {src}: bos_token_id is 1 but the run puts --bos_token=5 before each document; "
+        "set --bos_token=1"
+    )
+    run = facts(make_config(**base, ckpt_load_path=str(src), **carried, bos_token=1))
+    assert not any("bos_token_id" in n for n in run.notes)
 
     train_here(
         tmp_path,
