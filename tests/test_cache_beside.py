@@ -1,7 +1,8 @@
 """Training while --cache_dir is built (--cache_build=beside, the default; external): the batches are raw
-text's, whatever the build has done (none of it, some pieces, all, a builder killed and started again);
-the cache it leaves is fms-prepare-data's, byte for byte; a resume mid-build goes on exactly and keeps
-the pieces finished before; a checkpoint that read the cache in its own order says how to resume."""
+text's, whatever the build has done (none of it, some pieces, all; a builder killed and started again,
+stopped midway, or with a pool worker killed; an array's task killed in a piece); the cache it leaves is
+fms-prepare-data's, byte for byte; a stop or resume mid-build goes on exactly and keeps the pieces
+finished before; a checkpoint that read the cache in its own order says how to resume."""
 
 from __future__ import annotations
 
