@@ -256,9 +256,10 @@ def test_a_builder_killed_as_it_starts_is_started_again_and_the_batches_do_not_c
 
 @pytest.fixture(scope="module")
 def pieces(tmp_path_factory) -> Path:
-    """A raw-text dataset of eight files (a piece each, about 0.1 s of a worker's time)."""
+    """A raw-text dataset of sixteen files (a piece each, about 0.1 s of a worker's time: a stop lands
+    mid-build even on a busy machine)."""
     root = tmp_path_factory.mktemp("pieces")
-    write_dataset(root, "text", make_docs(400, 8000, 3), layout="jsonl", files=8)
+    write_dataset(root, "text", make_docs(400, 16000, 3), layout="jsonl", files=16)
     return root
 
 
