@@ -82,3 +82,17 @@ def test_the_offline_tokenizer_of_the_data_guide_is_made_and_loads(tmp_path):
     assert tokenizer.token_to_id("<|endoftext|>") == 0 and 256 < tokenizer.get_vocab_size() <= 32000
     ids = tokenizer.encode("the quick brown fox", add_special_tokens=False).ids
     assert tokenizer.decode(ids) == "the quick brown fox" and 0 not in ids
+
+
+def test_a_package_docstring_that_lists_its_modules_lists_every_one():
+    """A package's opening docstring that names its modules (`loop.py`, ...) names each module of the package,
+    so the list cannot drift from the folder as modules are added."""
+    import ast
+
+    missing = {}
+    for init in (ROOT / "fms_fsdp").rglob("__init__.py"):
+        named = set(re.findall(r"\b(\w+)\.py\b", ast.get_docstring(ast.parse(init.read_text())) or ""))
+        modules = {p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+        if named - {"gen_docs"} and modules - named:
+            missing[init.parent.relative_to(ROOT).as_posix()] = sorted(modules - named)
+    assert missing == {}
