@@ -119,7 +119,7 @@ SEES_THE_CONFIG = {
 }
 
 
-def test_only_the_door_and_the_listed_modules_name_the_flat_config():
+def test_only_start_up_and_the_listed_modules_name_the_flat_config():
     """A component receives its settings (run.settings), not train_config."""
     naming = {module_name(p) for p in PACKAGE.rglob("*.py") if "train_config" in p.read_text()}
     assert naming <= SEES_THE_CONFIG, f"build settings for these in fms_fsdp/settings.py: {naming - SEES_THE_CONFIG}"
@@ -149,7 +149,7 @@ def reads_a_field(node: ast.AST) -> bool:
     )
 
 
-def test_only_the_door_and_the_listed_modules_read_the_flat_configs_fields():
+def test_only_start_up_and_the_listed_modules_read_the_flat_configs_fields():
     """A field of the flat config is read where the settings are built, not in the components."""
     reading = {
         module_name(p) for p in PACKAGE.rglob("*.py") if any(map(reads_a_field, ast.walk(ast.parse(p.read_text()))))

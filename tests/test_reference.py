@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow  # every mesh's run of 20 steps: the slow tier
 
 STEPS, BATCH, SEQ, VOCAB, SEED = 20, 4, 64, 256, 2023
 # fms's LLaMA and transformers' compute the same functions with other kernels and in another order
-# (fused q/k/v and gate/up matmuls, the rotary layout, chunked cross entropy); over 20 steps at the
-# quick start's learning rate the gaps stay below 1e-4 relative to the loss and gradient norm
+# (fused q/k/v and gate/up matmuls, the rotary layout, chunked cross entropy); over 20 steps at this
+# test's learning rate (3e-4) the largest gap seen was 5.1e-4 relative to the loss and gradient norm
 TOL = 1e-3
 # (name, ranks, flags): global batch BATCH on each, the same lines
 MESHES = [
