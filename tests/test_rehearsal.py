@@ -32,6 +32,8 @@ MESHES = {
     "pp x fsdp": dict(plan_world_size=8, pipeline_parallel_size=2, batch_size=4),
     "fsdp x cp": dict(plan_world_size=8, context_parallel_size=2),
     "moe, fsdp": dict(plan_world_size=8, model_variant="tiny_moe"),
+    "small_moe, fsdp": dict(plan_world_size=8, model_variant="small_moe"),
+    "mixtral_8x7b, ep x fsdp": dict(plan_world_size=64, model_variant="mixtral_8x7b", expert_parallel_size=8),
     "moe, pp x hsdp": dict(
         plan_world_size=16,
         model_variant="tiny_moe",
