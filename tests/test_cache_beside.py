@@ -310,23 +310,30 @@ def test_a_builder_stopped_midway_then_a_pool_worker_killed_leaves_the_batches_a
     assert snapshot(cache / "text") == snapshot(tmp_path / "prepared" / "text")
 
 
-def test_a_stop_mid_build_resumes_on_the_same_batches_reading_what_its_builder_finished(pieces, tmp_path):
-    """A loader stopped (its builder ended, as a SIGTERM'd run does) once some pieces are finished, then a
-    new loader from its state: the next batches are raw text's, the finished pieces are read from the
-    cache and left as they were, and the cache ends complete and equal to fms-prepare-data's."""
+def test_a_stop_mid_build_resumes_on_the_same_batches_reading_what_its_builder_finished(pieces, tmp_path, monkeypatch):
+    """A loader stopped (its builder ended, as a SIGTERM'd run does) with its first piece finished and its
+    second held (tests/held_pieces.py), then a new loader from its state: the next batches are raw text's,
+    the finished piece is read from the cache and left as it was, and the cache ends complete and equal to
+    fms-prepare-data's."""
+    from fms_fsdp.data.prepare import beside
+
     raw, _ = batches(pieces)
-    cache = tmp_path / "cache"
-    loader = data_loader(cfg(pieces, cache_dir=str(cache), vocab_size=4096), 0, 1)
+    cache, tickets = tmp_path / "cache", tmp_path / "tickets"
+    held = [str(ROOT / "tests" / "held_pieces.py"), str(tickets), "1", beside.__file__]
+    monkeypatch.setattr(beside, "BUILDER", held)
+    loader = data_loader(cfg(pieces, cache_dir=str(cache), cache_workers=1, vocab_size=4096), 0, 1)
     it = iter(loader)
     found = [next(it) for _ in range(3)]
     deadline = time.monotonic() + 60
-    while loader.builder.progress() == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    while not (tickets / "held-1").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (tickets / "held-1").exists(), list(loader.builder._lines)
     state = loader.state_dict()
     loader.close()
+    (tickets / "release").mkdir()  # the next builder's pieces go on
     done = {p.name: p.stat().st_mtime_ns for p in (cache / "text" / ".done").glob("*.json")}
-    assert done and "complete.json" not in done, "stopped before the first piece or after the last"
-    resumed = data_loader(cfg(pieces, cache_dir=str(cache), vocab_size=4096), 0, 1)
+    assert len(done) == 1 and "complete.json" not in done, done
+    resumed = data_loader(cfg(pieces, cache_dir=str(cache), cache_workers=1, vocab_size=4096), 0, 1)
     resumed.load_state_dict(state)
     found += take(resumed, 3)
     assert resumed.data_report()["documents_from_cache"] > 0

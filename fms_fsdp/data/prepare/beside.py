@@ -32,6 +32,8 @@ from fms_fsdp.lifetime import dying_with_parent
 from fms_fsdp.storage import location
 
 RESTARTS = 3  # a builder that dies is started again this many times
+# the builder's process: this module run as a program (a test runs it under tests/held_pieces.py instead)
+BUILDER = ["-m", "fms_fsdp.data.prepare.beside"]
 
 
 def building_caches(sources: list[Source], layout: Layout, settings: CacheSettings) -> dict[str, BuildingCache]:
@@ -142,7 +144,7 @@ class Builder:
         """Run the builder until it succeeds, is stopped, or has died RESTARTS + 1 times. The child is
         started by this thread, which outlives it: it dies with the thread (prctl's parent death)."""
         for attempt in range(RESTARTS + 1):
-            command = dying_with_parent([sys.executable, "-m", "fms_fsdp.data.prepare.beside"])
+            command = dying_with_parent([sys.executable, *BUILDER])
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
             process = subprocess.Popen(  # a session of its own: the job's signals are the rank's to pass on
                 command,
