@@ -51,12 +51,13 @@ def flags(recipe: str, device: str = "cpu") -> list[str]:
     return [*SHAPE, f"--device={device}", *RECIPES[recipe]]
 
 
-def losses(recipe: str, device: str = "cpu") -> list[float]:
-    """The losses of a run of `recipe` on `device`, one per step (in this process)."""
+def losses(recipe: str, device: str = "cpu", changes: tuple[str, ...] = ()) -> list[float]:
+    """The losses of a run of `recipe` on `device`, with flags `changes` on top, one per step (in this
+    process)."""
     from conftest import records, run_here
 
     with TemporaryDirectory() as tmp:
-        run_here([*flags(recipe, device), f"--ckpt_save_path={tmp}/run"])
+        run_here([*flags(recipe, device), *changes, f"--ckpt_save_path={tmp}/run"])
         return [r["loss"] for r in records(Path(tmp) / "run") if "loss" in r]
 
 

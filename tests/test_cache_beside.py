@@ -28,6 +28,7 @@ from fms_fsdp.data.text import TextFile, TextSpec, index_file
 from fms_fsdp.data.text_cache import BuildingCache, CachedTextFile
 
 from conftest import ROOT, data_loader, records, run_here, train_here
+from held_at import wait_held
 from test_data import cfg, make_docs, spell, take, write_dataset, write_tokenizer
 
 
@@ -324,10 +325,7 @@ def test_a_stop_mid_build_resumes_on_the_same_batches_reading_what_its_builder_f
     loader = data_loader(cfg(pieces, cache_dir=str(cache), cache_workers=1, vocab_size=4096), 0, 1)
     it = iter(loader)
     found = [next(it) for _ in range(3)]
-    deadline = time.monotonic() + 60
-    while not (tickets / "held-1").exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert (tickets / "held-1").exists(), list(loader.builder._lines)
+    wait_held(tickets, 1, [], timeout=60, files="held-1", said=lambda: list(loader.builder._lines))
     state = loader.state_dict()
     loader.close()
     (tickets / "release").mkdir()  # the next builder's pieces go on
