@@ -2,10 +2,11 @@
 against built first (--cache_build=first), 2 ranks on this machine, the process pool, a byte-level BPE.
 
     python benchmarks/cache_beside.py [--folder=/tmp/bench_cache] [--gigabytes=2] [--steps=30] [--runs=beside,first,built]
+        [--device=cpu] [--ranks=2] [--variant=tiny] [--seq_length=512] [--batch_size=4] [--cache_workers=]
 
 Writes the corpus once (JSON-lines files of pseudo-word documents and a 4096-token byte-level BPE trained
 on them, as benchmarks/dataloader.py does; docs/data.md shows the same for your text). Then, each under
-torchrun with 2 ranks of `tiny`, timed from the launch:
+torchrun with --ranks ranks of --variant (on --device: fp32 on the CPU, bf16 on CUDA), timed from the launch:
 1. beside, from an empty cache: the seconds to the first step, the median step while the cache is
    built and the share read from it; stopped (SIGTERM) after --steps steps, as a preempted run is;
 2. first, from an empty cache: the seconds to the first step (the whole build before it);
@@ -31,7 +32,18 @@ from benchmarks.dataloader import write_text_data  # noqa: E402
 from benchmarks.options import parse_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = {"folder": "/tmp/bench_cache", "gigabytes": "2", "steps": "30", "runs": "beside,first,built"}
+OPTIONS = {
+    "folder": "/tmp/bench_cache",
+    "gigabytes": "2",
+    "steps": "30",
+    "runs": "beside,first,built",
+    "device": "cpu",
+    "ranks": "2",
+    "variant": "tiny",
+    "seq_length": "512",
+    "batch_size": "4",
+    "cache_workers": "",  # empty: the package's default (the node's CPUs less one per rank)
+}
 DOCS_PER_FILE = 8_000  # about 60 MB of JSON lines each (documents of about 7.5 kB)
 
 
@@ -47,13 +59,20 @@ def corpus(folder: Path, gigabytes: float) -> Path:
     return raw
 
 
-def train(folder: Path, name: str, raw: Path, cache: Path, steps: int, *flags: str) -> dict:
-    """One run under torchrun (2 ranks): seconds from the launch to step 1 and to its end, its records."""
+def run_flags(opts: dict[str, str]) -> list[str]:
+    """The model, device and batch of every run of the benchmark."""
+    flags = [f"--model_variant={opts['variant']}", f"--device={opts['device']}", "--use_torch_compile=False"]
+    flags += [f"--mixed_precision={opts['device'] == 'cuda'}", "--vocab_size=4096"]
+    flags += [f"--seq_length={opts['seq_length']}", f"--batch_size={opts['batch_size']}"]
+    return flags + ([f"--cache_workers={opts['cache_workers']}"] if opts["cache_workers"] else [])
+
+
+def train(folder: Path, name: str, raw: Path, cache: Path, steps: int, opts: dict[str, str], *flags: str) -> dict:
+    """One run under torchrun: seconds from the launch to step 1 and to its end, its records."""
     out = folder / name
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    command += ["main_training.py", "--model_variant=tiny", "--device=cpu", "--use_torch_compile=False"]
-    command += ["--mixed_precision=False", "--seq_length=512", "--batch_size=4", "--vocab_size=4096"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts['ranks']}"]
+    command += ["main_training.py", *run_flags(opts)]
     command += [f"--data_path={raw}", f"--tokenizer_path={raw / 'tokenizer.json'}", f"--cache_dir={cache}"]
     command += [f"--ckpt_save_path={out}", "--report_interval=1", "--checkpoint_interval=0", "--num_steps=100000"]
     command += list(flags)
@@ -98,12 +117,13 @@ def main(argv: list[str]) -> None:
     found = {}
     if "beside" in runs:
         shutil.rmtree(folder / "cache_beside", ignore_errors=True)
-        found["beside"] = summary("beside", train(folder, "beside", raw, folder / "cache_beside", steps))
+        found["beside"] = summary("beside", train(folder, "beside", raw, folder / "cache_beside", steps, opts))
     if "first" in runs:
         shutil.rmtree(folder / "cache_first", ignore_errors=True)
-        found["first"] = summary("first", train(folder, "first", raw, folder / "cache_first", 5, "--cache_build=first"))
+        first = train(folder, "first", raw, folder / "cache_first", 5, opts, "--cache_build=first")
+        found["first"] = summary("first", first)
     if "built" in runs:
-        found["built"] = summary("built", train(folder, "built", raw, folder / "cache_first", steps))
+        found["built"] = summary("built", train(folder, "built", raw, folder / "cache_first", steps, opts))
     if len(found) < 3:
         return
     beside, first, built = found["beside"], found["first"], found["built"]

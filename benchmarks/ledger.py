@@ -62,7 +62,7 @@ def main(
     print(
         f"logical_shards=1024 ranks={ranks} batches_per_rank={batches} tokens_read={ledger.framed:,} "
         f"documents_seen={int(np.count_nonzero(ledger.seen)):,}/{ledger.documents:,} "
-        f"state_bytes_per_rank={state_bytes:,} checkpoint_bytes_added=0 step_time_added_s=0 "
+        f"state_bytes_per_rank={state_bytes:,} "
         f"ledger_seconds={seconds:.2f}"
     )
 

@@ -687,7 +687,7 @@ class train_config:
     # memory plan
     dry_run: bool = _f(
         False,
-        "Rehearse the start at --plan_world_size and print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits), then exit, without a GPU or a real process group: one rank per pipeline stage joins torch's fake process group of that many ranks and runs the start's own parallelisation (mesh, TP, pipeline split, CP, FSDP2, the optimizer's first step) on the meta device; the plan's parameters, gradients and optimizer state are its real shards', a setting that fails there fails in one line, and the status is 0 when the plan fits, 3 when it does not (the PLAN line last either way).",
+        "Rehearse the start at --plan_world_size and print the memory plan of these flags (per rank: parameters, gradients, optimizer state, gathered blocks, activations, loss, predicted peak; what fits), then exit, without a GPU or a real process group: one rank per pipeline stage joins torch's fake process group of that many ranks and runs the start's own parallelisation (mesh, TP, pipeline split, CP, FSDP2, the optimizer's first step) on the meta device; the plan's parameters, gradients and optimizer state are its real shards', a setting that fails there fails in one line, a --ckpt_load_path on this machine is checked as at a start (a Hugging Face folder's config.json field by field; one elsewhere is left to the run), and the status is 0 when the plan fits, 3 when it does not (the PLAN line last either way).",
         shared=False,
     )
     plan_world_size: Optional[int] = _f(

@@ -95,7 +95,9 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
         evaluation=evaluation_of(cfg, layout, packing),
         harness=harness_of(cfg),
         memory=memory_of(cfg, parallel, lora),
-        attention=AttentionSettings(
+        attention=by_name(
+            AttentionSettings,
+            cfg,
             eos=cfg.eos_token if cfg.document_masking else None,
             restart_positions=cfg.document_positions == "document",
             compile=cfg.use_torch_compile,
@@ -111,17 +113,24 @@ def settings_of(cfg: train_config, vocab_size: int, run_cache: bool = True) -> S
 
 
 def by_name(cls: type[S], cfg: train_config, **given: Any) -> S:
-    """Settings `cls` built from `given`, and each of its other fields from the flag of the same name: a flag
-    added to config.py and, under its name, to a settings class reaches that class with no line here."""
-    fields = [f.name for f in dataclasses.fields(cls) if f.name not in given]  # type: ignore[arg-type]
-    missing = [name for name in fields if not hasattr(cfg, name)]
+    """Settings `cls` built from `given`, and each of its other fields from the flag of the same name (a field
+    that is no flag keeps its default): a flag added to config.py and, under its name, to a settings class
+    reaches that class with no line here."""
+    fields = [f for f in dataclasses.fields(cls) if f.name not in given]  # type: ignore[arg-type]
+    missing = [f.name for f in fields if not hasattr(cfg, f.name) and not _has_default(f)]
     if missing:
-        raise TypeError(f"{cls.__name__}: {missing} are neither flags nor given")
-    return cls(**given, **{name: getattr(cfg, name) for name in fields})
+        raise TypeError(f"{cls.__name__}: {missing} are neither flags nor given, and have no default")
+    return cls(**given, **{f.name: getattr(cfg, f.name) for f in fields if hasattr(cfg, f.name)})
+
+
+def _has_default(field: dataclasses.Field) -> bool:
+    return field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
 
 
 def profiler_of(cfg: train_config) -> ProfilerSettings:
-    return ProfilerSettings(
+    return by_name(
+        ProfilerSettings,
+        cfg,
         enabled=cfg.use_profiler,
         rank0_only=cfg.profiler_rank0_only,
         folder=cfg.profiler_dir,
@@ -130,7 +139,9 @@ def profiler_of(cfg: train_config) -> ProfilerSettings:
 
 
 def triggers_of(cfg: train_config) -> TriggerSettings:
-    return TriggerSettings(
+    return by_name(
+        TriggerSettings,
+        cfg,
         num_steps=cfg.num_steps,
         interval=cfg.checkpoint_interval,
         minutes=cfg.checkpoint_minutes,
@@ -142,7 +153,9 @@ def triggers_of(cfg: train_config) -> TriggerSettings:
 
 def checkpoint_of(cfg: train_config) -> CheckpointSettings:
     """--checkpoint_keep* parsed once (ConfigError naming the flag)."""
-    return CheckpointSettings(
+    return by_name(
+        CheckpointSettings,
+        cfg,
         policy=KeepPolicy.parse(
             cfg.checkpoint_keep, cfg.checkpoint_keep_policy, cfg.checkpoint_keep_best, cfg.checkpoint_monitor
         ),
@@ -154,7 +167,9 @@ def checkpoint_of(cfg: train_config) -> CheckpointSettings:
 
 
 def export_of(cfg: train_config, lora: Optional[LoRASpec]) -> ExportSettings:
-    return ExportSettings(
+    return by_name(
+        ExportSettings,
+        cfg,
         interval=cfg.export_interval,
         format=cfg.export_format,
         keep=cfg.export_keep,
@@ -183,19 +198,29 @@ def cache_of(cfg: train_config) -> Optional[CacheSettings]:
     if cfg.cache_dir is None:
         return None
     assert cfg.tokenizer_path is not None  # config.validate: --cache_dir needs --tokenizer_path
-    ray = RaySettings(
-        address=cfg.ray_address, start_workers=cfg.ray_start_workers, auto_start_cluster=cfg.ray_auto_start_cluster
+    ray = by_name(
+        RaySettings,
+        cfg,
+        address=cfg.ray_address,
+        start_workers=cfg.ray_start_workers,
+        auto_start_cluster=cfg.ray_auto_start_cluster,
     )
     text = {"tokenizer_path": cfg.tokenizer_path, "text_field": cfg.text_field}
     when = {"build": cfg.cache_build} if cfg.cache_build is not None else {}  # not given: the default, beside
-    return CacheSettings(cache_dir=cfg.cache_dir, **text, **when, workers=cfg.cache_workers, ray=ray)
+    return by_name(CacheSettings, cfg, **text, **when, workers=cfg.cache_workers, ray=ray)
 
 
 def packing_of(cfg: train_config, vocab_size: int) -> Packing:
     """How documents become lines under cfg's separator, bos/bol/eol and strip tokens."""
     strip = {cfg.eos_token, *cfg.strip_tokens} | ({cfg.bos_token} if cfg.bos_token is not None else set())
     return Packing(
-        cfg.seq_length, cfg.eos_token, cfg.bos_token, cfg.bol_token, cfg.eol_token, frozenset(strip), vocab_size
+        seq_length=cfg.seq_length,
+        eos=cfg.eos_token,
+        bos=cfg.bos_token,
+        bol=cfg.bol_token,
+        eol=cfg.eol_token,
+        strip=frozenset(strip),
+        vocab_size=vocab_size,
     )
 
 
@@ -203,7 +228,7 @@ def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = Tr
     """Which files the datasets hold and how they are read, from cfg and the run's vocabulary; the cache folder
     is --data_cache_dir, else (`run_cache`: a run's) <ckpt_save_path>/data_cache (data/data_cache_dir.py), else none."""
     text = None if cfg.tokenizer_path is None else TextSpec(cfg.tokenizer_path, cfg.text_field)
-    options = Options(cfg.col_name, cfg.token_dtype, cfg.eos_token, vocab_size)
+    options = Options(col_name=cfg.col_name, token_dtype=cfg.token_dtype, eos=cfg.eos_token, vocab_size=vocab_size)
     cache = cfg.data_cache_dir
     if cache is None and run_cache:
         save = cfg.ckpt_save_path
@@ -211,7 +236,7 @@ def layout_of(cfg: train_config, vocab_size: Optional[int], run_cache: bool = Tr
         cache = f"{root}/data_cache"
     if cache is not None and cache != IN_DATA and not is_remote(cache):
         cache = os.path.abspath(cache.removeprefix("file://"))
-    return Layout(cfg.file_type, options, text, cache)
+    return Layout(file_type=cfg.file_type, options=options, text=text, cache_dir=cache)
 
 
 def loop_of(cfg: train_config) -> LoopSettings:
@@ -221,7 +246,9 @@ def loop_of(cfg: train_config) -> LoopSettings:
 
 def trackers_of(cfg: train_config) -> TrackerSettings:
     """--tracker's settings, with every flag's value for the trackers' hyper-parameters."""
-    return TrackerSettings(
+    return by_name(
+        TrackerSettings,
+        cfg,
         names=tuple(cfg.tracker or ()),
         project=cfg.tracker_project_name,
         folder=cfg.tracker_dir,
@@ -249,7 +276,9 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
 
 def evaluation_of(cfg: train_config, layout: Layout, packing: Packing) -> EvalSettings:
     """--eval_data_path's evaluation, its datasets read and framed as training's (`layout`, `packing`)."""
-    return EvalSettings(
+    return by_name(
+        EvalSettings,
+        cfg,
         interval=cfg.eval_interval,
         num_steps=cfg.num_steps,
         data_path=cfg.eval_data_path,
@@ -264,7 +293,9 @@ def evaluation_of(cfg: train_config, layout: Layout, packing: Packing) -> EvalSe
 
 def checkpoint_evaluation_of(cfg: train_config) -> CheckpointEvalSettings:
     """What `fms-evaluate` is asked to evaluate (checked before the run's facts)."""
-    return CheckpointEvalSettings(
+    return by_name(
+        CheckpointEvalSettings,
+        cfg,
         load_path=cfg.ckpt_load_path,
         data=bool(cfg.eval_data_path),
         tasks=bool(cfg.eval_harness_tasks),
@@ -275,7 +306,9 @@ def checkpoint_evaluation_of(cfg: train_config) -> CheckpointEvalSettings:
 
 def harness_of(cfg: train_config) -> HarnessSettings:
     """--eval_harness_tasks's settings, the task names parsed once."""
-    return HarnessSettings(
+    return by_name(
+        HarnessSettings,
+        cfg,
         tasks=task_names(cfg.eval_harness_tasks),
         include_path=cfg.eval_harness_include_path,
         tokenizer_path=cfg.tokenizer_path,
@@ -295,7 +328,9 @@ def schedule_of(cfg: train_config, ramp: Optional[Ramp] = None) -> ScheduleSetti
     """The learning-rate schedule's settings (ConfigError for cycles or a decay that cannot be); `ramp`: the
     steps' shapes (data_of's), whose tokens --lr_schedule_unit=tokens counts."""
     starts = cycle_starts(cfg.num_steps, cfg.lr_cycles, cfg.lr_cycle_length, cfg.lr_cycle_ends)
-    return ScheduleSettings(
+    return by_name(
+        ScheduleSettings,
+        cfg,
         stage=cfg.training_stage,
         schedule=cfg.lr_schedule,
         steps=cfg.num_steps,
@@ -324,18 +359,22 @@ def optimizer_of(cfg: train_config) -> OptimizerSettings:
 
 def lora_of(cfg: train_config) -> Optional[LoRASpec]:
     """--lora_rank's adapters, or None without it."""
-    return LoRASpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank else None
+    if not cfg.lora_rank:
+        return None
+    return LoRASpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=tuple(cfg.lora_targets))
 
 
 def float8_of(cfg: train_config) -> Optional[Float8Settings]:
     """--float8's settings, or None without it."""
-    return Float8Settings(recipe=cfg.float8_recipe, min_size=cfg.float8_min_size) if cfg.float8 else None
+    return by_name(Float8Settings, cfg, recipe=cfg.float8_recipe, min_size=cfg.float8_min_size) if cfg.float8 else None
 
 
 def parallel_of(cfg: train_config) -> ParallelSettings:
     """What `parallelize` applies: activation checkpointing (its fraction parsed here, once), and the rest."""
     fraction = parse_fraction("selective_checkpointing", cfg.selective_checkpointing)
-    return ParallelSettings(
+    return by_name(
+        ParallelSettings,
+        cfg,
         checkpointing=fraction if cfg.fsdp_activation_checkpointing else None,
         ac_mode=cfg.ac_mode,
         compile=cfg.use_torch_compile,
@@ -363,7 +402,9 @@ def mesh_of(cfg: train_config) -> MeshSettings:
 
 def pipeline_of(cfg: train_config) -> PipelineSettings:
     """The pipeline's flags (startup.facts plans the stages from them, and keeps the plan: run.pipeline)."""
-    return PipelineSettings(
+    return by_name(
+        PipelineSettings,
+        cfg,
         size=cfg.pipeline_parallel_size,
         schedule=cfg.pipeline_schedule,
         stages_per_rank=cfg.pipeline_stages_per_rank,
@@ -394,11 +435,11 @@ def ft_of(cfg: train_config) -> Optional[FTSettings]:
     if not cfg.fault_tolerance:
         return None
     return FTSettings.of(
-        cfg.ft_replica_groups,
-        cfg.ft_group_index,
-        cfg.ft_min_replicas,
-        cfg.ft_lighthouse,
-        cfg.ft_timeout_seconds,
-        cfg.ft_step_timeout_seconds,
-        shared_of(cfg),
+        replica_groups=cfg.ft_replica_groups,
+        group_index=cfg.ft_group_index,
+        min_replicas=cfg.ft_min_replicas,
+        lighthouse=cfg.ft_lighthouse,
+        timeout_seconds=cfg.ft_timeout_seconds,
+        step_timeout=cfg.ft_step_timeout_seconds,
+        shared=shared_of(cfg),
     )

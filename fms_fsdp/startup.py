@@ -115,7 +115,8 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     check_sparse(model_config, sparse_refusals(cfg, shape, model_config))
     check_harness(settings.harness)
     positions = context_length(model_config_of(cfg))  # before a longer --seq_length extends them
-    if cfg.ckpt_load_path is not None and not cfg.dry_run:  # a plan may be made where the weights are not
+    # a plan may be made where the weights are not: a dry run checks them where they are on this machine
+    if cfg.ckpt_load_path is not None and (not cfg.dry_run or Path(cfg.ckpt_load_path).exists()):
         source = check_load_path(cfg.ckpt_load_path, model_config, cfg.model_variant, positions)
         if source is not None:  # a Hugging Face folder: its exports keep its special token ids
             settings, told = with_source_tokens(settings, source, cfg)

@@ -79,9 +79,9 @@ def faults_table() -> str:
 
 
 def composition_table() -> str:
-    from composition import table
+    from composition import cases_table, table
 
-    return table()
+    return table() + "\n\n" + cases_table()
 
 
 def errors_tables() -> str:

@@ -752,6 +752,11 @@ ERRORS: list[E] = [
     E("parallel", "--pipeline_parallel_size=<pp> must divide the world size <world_size>"),
     E(
         "parallel",
+        "--pipeline_parallel_size=<size> does not combine with <what> yet: <change> (--grad_accum_steps > 1, "
+        "--eval_harness_tasks, an --eval_batch_size other than --batch_size, a head tied to the embedding)",
+    ),
+    E(
+        "parallel",
         "--cpu_offload moves FSDP's shards to the host, but one rank per pipeline stage trains without FSDP; drop it, "
         "or train on more ranks",
         flags=("--cpu_offload=True",),
@@ -1136,7 +1141,11 @@ ERRORS: list[E] = [
         "",
     ),
     E("ft", "--fault_tolerance needs --<flag> (or $<env>); $<env>=<text>"),
-    E("ft", "--fault_tolerance does not run with --pipeline_parallel_size > 1 yet"),
+    E(
+        "ft",
+        "--fault_tolerance does not run with --pipeline_parallel_size > 1 yet: drop one of them (without "
+        "--fault_tolerance a lost rank restarts the job from its last checkpoint)",
+    ),
     E(
         "ft",
         "--fault_tolerance replicates across groups: each group shards with FSDP over its own ranks (at least 2; this group has <world_size>, mesh <dims>): use --sharding_strategy=fsdp, and one group per node or more",

@@ -2,6 +2,7 @@
 lands mid-build every time instead of racing the workers:
 
     python tests/held_pieces.py <tickets folder> <first held ticket> scripts/prepare_data.py [its arguments]
+    python tests/held_pieces.py <tickets folder> <first held ticket> -m fms_fsdp.data.prepare.beside [...]
 
 Each piece takes the next ticket (a folder made atomically in <tickets folder>, shared by every process and
 Ray worker of the run). A piece whose ticket is below <first held ticket> is tokenized at once; any other
@@ -55,14 +56,23 @@ def hold(tickets: Path, first_held: int, driver: int) -> None:
         time.sleep(0.05)
 
 
-def held_locally(work, tickets: Path, first_held: int, driver: int):
-    """process_piece, held, in this machine's processes (one process: --workers=1)."""
+class HeldPiece:
+    """process_piece, held, in this machine's processes: in this one (--workers=1) or in a process pool's
+    workers, which get it pickled and run their own (unheld) module's piece function once let go."""
 
-    def held_work(job):
-        hold(tickets, first_held, driver)
-        return work(job)
+    def __init__(self, work, tickets: Path, first_held: int, driver: int) -> None:
+        self.work, self.tickets, self.first_held, self.driver = work, tickets, first_held, driver
 
-    return held_work
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "work": None}
+
+    def __call__(self, job):
+        hold(self.tickets, self.first_held, self.driver)
+        if self.work is None:
+            from fms_fsdp.data.prepare import build as prepare
+
+            return prepare.process_piece(job)
+        return self.work(job)
 
 
 def held_on_ray(tickets: Path, first_held: int, driver: int):
@@ -80,13 +90,19 @@ def held_on_ray(tickets: Path, first_held: int, driver: int):
 def main() -> None:
     tickets, first_held, script = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     tickets.mkdir(parents=True, exist_ok=True)
+    from held_pieces import HeldPiece  # by its own name, so that a pool's workers can unpickle it
+
     from fms_fsdp.data.prepare import build as prepare
 
     driver = os.getpid()
-    prepare.process_piece = held_locally(prepare.process_piece, tickets, first_held, driver)
+    prepare.process_piece = HeldPiece(prepare.process_piece, tickets, first_held, driver)
     prepare.process_piece_with = held_on_ray(tickets, first_held, driver)
-    sys.argv = sys.argv[3:]
-    runpy.run_path(script, run_name="__main__")
+    if script == "-m":
+        sys.argv = sys.argv[4:]  # the module's name, then its arguments
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[3:]
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ whose distance from the weights at the last step is kept too):
 
     python tests/kept_checkpoints.py layout<N> [--flag=value ...]
 
-`--into DIR` writes it under another tree's tests/assets/checkpoints (how layout1 was written: this
-script run by the code of the commit before checkpoints were versioned).
+`--into DIR` writes it under another tree's tests/assets/checkpoints: how layout1 was written (this
+script run by the code of the commit before checkpoints were versioned, 897257d), and layout1_d58e8e3 (by
+the code before the package's modules were regrouped, d58e8e3, without --deterministic, which it did not
+have yet); each with the micro variant added to that code.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ def _slurm_conf(folder: Path, host: str) -> str:
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float, log: Optional[Path] = None) -> None:
+    """Poll `check` until it holds; fail naming `what` (and `log`'s tail) after `timeout` seconds. The
+    timeouts are hang guards, not budgets: sized for a 2-core machine whose other test worker runs 4-rank
+    launches (a Ray cluster and 2 ranks took over 120 s there to reach their first piece)."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -109,7 +112,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                 == "idle"
             )
 
-        wait_for("the Slurm node to be idle", idle, 60, folder / "slurmctld.log")
+        wait_for("the Slurm node to be idle", idle, 180, folder / "slurmctld.log")
         yield env
     finally:
         subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True)

@@ -6,10 +6,12 @@ import ast
 import collections
 import dataclasses
 import importlib
+import inspect
 import os
 import subprocess
 import sys
 
+import pytest
 import tomllib
 
 from conftest import ROOT
@@ -188,7 +190,23 @@ def test_modules_functions_and_folders_stay_small():
 
 # the calls that must name their arguments: a settings class, the loop, a training step, a loader (two ints
 # swapped in a positional call is a bug neither mypy nor a reader sees)
-KEYWORD_CALLS = ("Loop", "train_step", "StatefulLoader", "DummyDataLoader")
+KEYWORD_CALLS = ("Loop", "train_step", "StatefulLoader", "DummyDataLoader", "DatasetReader")
+VALUES = (
+    "Packing",
+    "Options",
+    "Layout",
+    "LoRASpec",
+    "Recipe",
+    "Engine",
+    "of",
+)  # what the settings hold, and FTSettings.of
+# where they are defined: their parameters after the first are keyword-only
+KEYWORD_ONLY = {
+    "fms_fsdp.train.step": "train_step",
+    "fms_fsdp.data.loader": "StatefulLoader",
+    "fms_fsdp.data.dummy": "DummyDataLoader",
+    "fms_fsdp.data.stream": "DatasetReader",
+}
 
 
 def called_name(node: ast.Call) -> str:
@@ -204,10 +222,14 @@ def test_settings_the_loop_its_step_and_the_loaders_are_called_by_keyword():
         for p in files
         for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, ast.Call)
-        and (called_name(node).endswith("Settings") or called_name(node) in KEYWORD_CALLS)
+        and (called_name(node).endswith("Settings") or called_name(node) in (*KEYWORD_CALLS, *VALUES))
         and len(node.args) > 3
     ]
     assert not positional, positional
+    for module, name in KEYWORD_ONLY.items():
+        parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+        by_place = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        assert len(by_place) <= 1, f"{module}.{name}: make the parameters after the first keyword-only: {by_place}"
     classes = [
         getattr(importlib.import_module(module_name(p)), node.name)
         for p in PACKAGE.rglob("*.py")
@@ -265,6 +287,24 @@ def test_every_flag_reaches_a_setting_or_is_read_at_start_up():
     assert len(by_name) >= 40  # most flags reach their settings by name
 
 
+def test_every_settings_class_is_built_by_name():
+    """settings.py builds each component's settings through `by_name` (its renamed fields given), so that a
+    flag added under a field's name reaches any of them with no line there; only the whole `Settings` is
+    called directly."""
+    direct = [
+        f"settings.py:{node.lineno} {called_name(node)}"
+        for node in ast.walk(ast.parse((PACKAGE / "settings.py").read_text()))
+        if isinstance(node, ast.Call) and called_name(node).endswith("Settings") and called_name(node) != "Settings"
+    ]
+    assert not direct, f"build these with by_name(<class>, cfg, ...): {direct}"
+    built = {
+        node.args[0].id
+        for node in ast.walk(ast.parse((PACKAGE / "settings.py").read_text()))
+        if isinstance(node, ast.Call) and called_name(node) == "by_name"
+    }
+    assert len(built) == 23, sorted(built)  # every one of them
+
+
 # what a new flag takes: its entry in the field table and a field of the same name in a settings class (the
 # component that uses it is the third file); the flag's help, checks and docs come from the entry
 NEW_FLAG = """    probe_window: int = _f(3, "How many steps the probe looks back.", min=1, shared=False)
@@ -272,18 +312,25 @@ NEW_FLAG = """    probe_window: int = _f(3, "How many steps the probe looks back
 NEW_SETTING = "    probe_window: int = 3\n"
 
 
-def test_a_new_flag_reaches_its_setting_through_two_files(tmp_path):
-    """A copy of the package with a flag added to config.py and to LoopSettings, nothing else: the flag
-    parses, is checked, shows in --help and reaches the loop's settings."""
+# a settings class whose fields are all flags (the loop's), and one whose fields are named otherwise, given
+@pytest.mark.parametrize(
+    "where, anchor, part",
+    [
+        ("train/settings.py", "    ema_decay: float = 0.0", "loop"),
+        ("checkpoint/settings.py", "    policy: KeepPolicy", "checkpoint"),
+    ],
+)
+def test_a_new_flag_reaches_its_setting_through_two_files(tmp_path, where, anchor, part):
+    """A copy of the package with a flag added to config.py and to a settings class, nothing else: the flag
+    parses, is checked, shows in --help and reaches the component's settings."""
     copy = tmp_path / "fms_fsdp"
     subprocess.run(["cp", "-r", str(PACKAGE), str(copy)], check=True)
-    config, loop = copy / "config.py", copy / "train" / "settings.py"
+    config, settings = copy / "config.py", copy / where
     text = config.read_text()
-    anchor = "    ema_decay: float = _f("
-    config.write_text(text.replace(anchor, NEW_FLAG + anchor, 1))
-    text = loop.read_text()
-    anchor = "    ema_decay: float = 0.0"
-    loop.write_text(text.replace(anchor, NEW_SETTING + anchor, 1))
+    config.write_text(text.replace("    ema_decay: float = _f(", NEW_FLAG + "    ema_decay: float = _f(", 1))
+    text = settings.read_text()
+    assert text.count(anchor) == 1
+    settings.write_text(text.replace(anchor, NEW_SETTING + anchor, 1))
     changed = subprocess.run(
         ["diff", "-rq", "-x", "__pycache__", str(PACKAGE), str(copy)], capture_output=True, text=True
     ).stdout.splitlines()
@@ -294,8 +341,8 @@ from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import format_help, parse_args
 from fms_fsdp.settings import settings_of
 flags = ["--use_dummy_dataset=True", "--device=cpu", f"--ckpt_save_path={sys.argv[1]}"]
-print(settings_of(parse_args([*flags, "--probe_window=7"]), vocab_size=256).loop.probe_window)
-print(settings_of(parse_args(flags), vocab_size=256).loop.probe_window)
+print(getattr(settings_of(parse_args([*flags, "--probe_window=7"]), vocab_size=256), sys.argv[2]).probe_window)
+print(getattr(settings_of(parse_args(flags), vocab_size=256), sys.argv[2]).probe_window)
 try:
     parse_args([*flags, "--probe_window=0"])
 except ConfigError as e:
@@ -303,7 +350,7 @@ except ConfigError as e:
 print(format_help())
 """
     run = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path / "run")],
+        [sys.executable, "-c", probe, str(tmp_path / "run"), part],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,

@@ -1,8 +1,9 @@
 """benchmarks/throughput.py: settings of a sweep, and a sweep run whose failing setting is one line;
 benchmarks/gpu_check.py's table of goals from real BENCH lines, and its one line without a GPU;
-benchmarks/hf_io.py runs and prints its figures."""
+benchmarks/hf_io.py and benchmarks/moe.py run and print their figures."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -141,3 +142,20 @@ def test_the_checkpoint_benchmark_saves_exports_and_loads_and_prints_its_figures
     figures = dict(item.split("=", 1) for item in line.split()[1:])
     for key in ("sync_stall_s", "async_stall_s", "export_fms_total_s", "export_hf_total_s", "load_s", "bytes"):
         assert float(figures[key]) > 0, (key, line)
+
+
+@pytest.mark.slow  # 10 s of a model built four times
+def test_the_moe_benchmark_times_the_dense_model_and_each_kernel_at_equal_flops():
+    """benchmarks/moe.py at its smallest: the dense model first (1.00x), then each kernel of the sparse one,
+    every row with the same FLOPs per token (the dense feed-forward is top_k experts wide)."""
+    flags = ["--experts=2", "--batch_size=1", "--seq_length=16", "--steps=1", "--emb_dim=128", "--kernels=loop,grouped"]
+    ran = subprocess.run([sys.executable, "benchmarks/moe.py", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    rows = [line for line in ran.stdout.splitlines() if " step " in line]
+    assert [r.split("  ")[0].strip() for r in rows] == [
+        "dense, ffn 2 experts wide",
+        "2 experts, top-2, loop",
+        "2 experts, top-2, grouped",
+    ], ran.stdout
+    assert " 1.00x " in rows[0]
+    assert len({re.search(r"FLOPs/token +([\d.]+) M", r).group(1) for r in rows}) == 1, rows

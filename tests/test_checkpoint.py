@@ -115,6 +115,34 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted
     assert all(np.array_equal(p.seen, q.seen) and np.array_equal(p.tokens, q.tokens) for p, q in zip(x, y))
 
 
+@pytest.mark.slow  # the SIGKILL case above stays in the default tier
+def test_a_run_stopped_by_sigterm_resumes_to_the_ledger_of_the_uninterrupted_one(data, uninterrupted, tmp_path):
+    """SIGTERM to both ranks while they wait before step 4 (a preemption): at the ranks' next agreement (a few
+    seconds on) they save and stop; the same command resumes there. Its losses, and the ledger of its last
+    checkpoint (which documents, how many of their tokens), are those of the run never stopped: no document
+    read twice, none skipped."""
+    out, held = tmp_path / "run", tmp_path / "held"
+    proc = start(flags(data, out, "--checkpoint_interval=6"), held=(held, "step:4"))
+    wait_held(held, 2, [proc])
+    for rank in (0, 1):
+        os.kill(int((held / f"held-{rank}").read_text()), signal.SIGTERM)
+    wait_held(held, 2, [proc], files="signalled-*")  # taken while held
+    (held / "release").touch()
+    stopped, _ = proc.communicate(timeout=120)
+    found = re.search(r"stopping after step (\d+) on SIGTERM: the checkpoint is saved", stopped)
+    assert proc.returncode == 0 and found, stopped[-3000:]
+    at = int(found.group(1))
+    assert 4 <= at < STEPS and at in [s for s, _ in complete_checkpoints(out / "checkpoints")], stopped[-3000:]
+    resumed = run(flags(data, out, "--checkpoint_interval=6"))
+    assert f"step_{at}_ckp at step {at}" in resumed.stdout
+    ref, got = losses(uninterrupted), losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1)) and all(got[s] == ref[s] for s in ref), (ref, got)
+    (x, _), (y, _) = (ledger(str(run / "checkpoints" / "step_12_ckp")) for run in (uninterrupted, out))
+    assert [d.name for d in x] == [d.name for d in y] == ["code", "web"]
+    for p, q in zip(x, y):
+        assert np.array_equal(p.seen, q.seen) and np.array_equal(p.tokens, q.tokens), p.name
+
+
 # 2 -> 1 rank resumes and trains on (2 -> 4 ranks: tests/test_meshes.py, in its 4-rank launch;
 # training on from a rescaled loader state is this launch again, and the rescale is tests/test_data.py's)
 def test_resume_on_another_world_size_and_strategy(data, uninterrupted, tmp_path):

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from composition import FEATURES, MATRIX, NOT_YET, Pair, every_pair
+from composition import CASES, FEATURES, MATRIX, NOT_YET, Case, Pair, every_pair
 from kept_checkpoints import ASSETS, KEPT_STEP
 
 from fms_fsdp.checkpoint.layout import complete_checkpoints
@@ -35,11 +35,27 @@ def test_a_refused_pair_is_refused_at_start_up_in_its_line(pair: Pair, monkeypat
     with pytest.raises(ConfigError) as e:
         facts(parse_args([*args, *FEATURES[pair.a][1], *FEATURES[pair.b][1]]))
     assert str(e.value).startswith(pair.refused), e.value
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and says_what_to_change(str(e.value)), e.value
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.refused], ids=lambda c: c.what)
+def test_a_refused_case_beyond_the_pairs_is_refused_at_start_up_in_its_line(case: Case, monkeypatch, tmp_path):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        facts(parse_args([*TINY, "--batch_size=4", f"--ckpt_save_path={tmp_path}", *case.flags]))
+    assert str(e.value).startswith(case.refused), e.value
+    assert "\n" not in str(e.value) and says_what_to_change(str(e.value)), e.value
+
+
+def says_what_to_change(message: str) -> bool:
+    """Whether a refusal goes on to what to do instead: use, drop, leave out, score or ramp otherwise."""
+    return re.search(r"[:;] (use|drop|leave|score|ramp) ", message) is not None
 
 
 def test_every_run_named_exists():
-    for pair in MATRIX:
+    assert all(bool(c.runs) != bool(c.refused) for c in CASES)
+    for pair in [*MATRIX, *CASES]:
         for run in pair.runs:
             where, _, case = run.partition(", ")
             file, _, function = where.partition("::")
@@ -232,8 +248,10 @@ def test_float8_with_background_checkpoints_and_evaluation_trains_as_float8_alon
 def test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatches(tmp_path):
     """float8 scales each microbatch by its own largest values: two pipeline stages over microbatches of one
     line train as one rank accumulating one line at a time (the same lines, the same scales). The first
-    step's gradients differ in their last fp32 digits (the pipeline sums in another order; without float8 the
-    runs stay within 1e-6), which float8's roundings carry to 4e-4 of the loss by step 3: within 1e-3."""
+    step's losses agree within 1e-6, but its gradients differ in their last fp32 digits (the pipeline sums in
+    another order; without float8 the runs stay within 1e-6): float8's roundings carry them to 1.8e-6 of the
+    second step's loss on one CI machine (under 1e-6 on another), within 1e-5, and to 4e-4 of the loss by
+    step 3: within 1e-3."""
     float8 = [*TINY, "--vocab_size=1024", "--float8=True", "--float8_min_size=16", "--num_steps=4"]
     runs = {
         "pp2": (2, ["--batch_size=2", "--pipeline_parallel_size=2", "--pipeline_schedule=1F1B"]),
@@ -247,7 +265,8 @@ def test_float8_through_a_pipeline_trains_as_one_rank_accumulating_its_microbatc
         listed = [[*float8, *extra, f"--ckpt_save_path={tmp_path / name}"] for name, (n, extra) in runs.items()]
         launch_runs(ranks, [run for run, (n, _) in zip(listed, runs.values()) if n == ranks])
     got, want, fsdp2, offloaded = ([r["loss"] for r in records(tmp_path / name) if "loss" in r] for name in runs)
-    assert len(want) == 4 and got[:2] == pytest.approx(want[:2], rel=1e-6), (got, want)
+    assert len(want) == 4 and got[0] == pytest.approx(want[0], rel=1e-6), (got, want)
+    assert got[1] == pytest.approx(want[1], rel=1e-5), (got, want)
     assert got == pytest.approx(want, rel=1e-3), (got, want)
     # FSDP's state and the activations on the host, deterministic, change nothing of float8's steps on 2 ranks
     assert len(fsdp2) == 4 and offloaded == fsdp2

@@ -180,48 +180,63 @@ def mixed(root: Path, dtype=np.uint16) -> dict:
     return dict(logical_shards=6, batch_size=4, seq_length=32)
 
 
-@pytest.mark.parametrize("arrays", ["uint16", "uint32"])
+@pytest.mark.parametrize("arrays", ["uint16", "uint32", "token_dtype"])
 def test_every_layout_in_one_run_resumes_and_rescales_exactly(tmp_path, arrays):
     """Every layout in one run, with a mixture schedule (dolma and hf rest from step 2) and worker
-    processes for the resume. A run's headerless token arrays have one dtype (OLMo's rule for its
-    vocabulary): uint16, or uint32 (olmo_uint32) in the run that reads its raw text through --cache_dir."""
-    flags = mixed(tmp_path, np.dtype(arrays))
+    processes for the resume. A run's headerless token arrays have one dtype: uint16 by OLMo's rule for
+    its vocabulary, with raw text tokenized on the fly; uint32 by that rule (olmo_uint32), with raw text
+    read from a --cache_dir built first; or uint32 by --token_dtype (olmo_flag), with raw text read while
+    its --cache_dir is built beside the run."""
+    dtype = np.dtype("uint16" if arrays == "uint16" else "uint32")
+    flags = mixed(tmp_path, dtype)
     write_hf_cache(tmp_path / "hf_cache", make_docs(1500, 60, 6))
     write_dataset(tmp_path, "text", make_docs(3500, 60, 7), "jsonl")  # with tmp_path/tokenizer.json
+    cache_dir = str(tmp_path.with_name(tmp_path.name + ".cache"))
     if arrays == "uint32":
-        flags.update(vocab_size=70000, cache_dir=str(tmp_path.with_name(tmp_path.name + ".cache")), cache_build="first")
+        flags.update(vocab_size=70000, cache_dir=cache_dir, cache_build="first")
+    elif arrays == "token_dtype":
+        flags.update(token_dtype="uint32", cache_dir=cache_dir, cache_build="beside")
+
     c = cfg(tmp_path, **flags, weights_schedule="0:1,1,1,1,1,1,1,1;2:0,1,0,1,1,1,1,1", num_workers=2)
-    full = take(data_loader(c, 0, 2), 9)
-    first = data_loader(c, 0, 2)
-    it = iter(first)
-    for _ in range(4):
-        next(it)
-    again = data_loader(c, 0, 2)
-    again.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
-    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[4:], take(again, 5)))
+    full, _ = batches_of(c, 0, 2, 9)
+    _, state = batches_of(c, 0, 2, 4)
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(full[4:], batches_of(c, 0, 2, 5, state)[0]))
     late = lines_of(full[2:]).reshape(-1)
     assert not np.isin(late, np.arange(1000, 1060)).any() and not np.isin(late, np.arange(3000, 3060)).any()
     c = cfg(tmp_path, **flags)
     loader = data_loader(c, 0, 1)  # the weights' order; raw text from --cache_dir, arrays read as `arrays`
+    loader.close()  # its builder (beside), if any: the loaders below build the cache one after the other
     assert [ds.name for ds in loader.datasets] == ["dolma", "fms", "hf", "hf_cache", "megatron", "npy", "olmo", "text"]
-    assert [ds.file(0).dtype for ds in loader.datasets[0::6]] == [np.dtype(arrays)] * 2  # dolma, olmo
-    assert str(loader.datasets[-1].root) == flags.get("cache_dir", str(tmp_path))
+    assert [ds.file(0).dtype for ds in loader.datasets[0::6]] == [dtype] * 2  # dolma, olmo
+    read_in = cache_dir if arrays == "uint32" else str(tmp_path)  # beside: raw text's own files, then the cache
+    assert str(loader.datasets[-1].root) == read_in
     seen: Counter = Counter()
     old = []
     for rank in range(2):
-        loader = data_loader(c, rank, 2)
-        seen.update(lines_of(take(loader, 5)).reshape(-1).tolist())
-        old.append(loader.state_dict())
+        found, state = batches_of(c, rank, 2, 5)
+        seen.update(lines_of(found).reshape(-1).tolist())
+        old.append(state)
     new = []
     for rank in range(3):
-        loader = data_loader(c, rank, 3)
-        loader.load_state_dict(pickle.loads(pickle.dumps(old)))
-        seen.update(lines_of(take(loader, 4)).reshape(-1).tolist())
-        new.append(loader.state_dict())
+        found, state = batches_of(c, rank, 3, 4, old)
+        seen.update(lines_of(found).reshape(-1).tolist())
+        new.append(state)
     del seen[EOS]
     assert seen == consumed_from_states(loader, new)
     # every layout was read (ids from 10, 500, 1000, 1500, 2000, 3000, 3500, 4000)
     assert {t // 500 for t in seen} == {0, 1, 2, 3, 4, 6, 7, 8}
+
+
+def batches_of(c, rank: int, ranks: int, n: int, state=None) -> tuple[list, object]:
+    """A loader's first `n` batches (from `state`, given) and its state after them; its builder of
+    --cache_dir (beside), if any, ended before the next loader's starts."""
+    loader = data_loader(c, rank, ranks)
+    try:
+        if state is not None:
+            loader.load_state_dict(pickle.loads(pickle.dumps(state)))
+        return take(loader, n), loader.state_dict()
+    finally:
+        loader.close()
 
 
 def test_eval_datasets_of_every_layout_give_the_lines_of_the_same_documents(tmp_path):
@@ -269,7 +284,10 @@ def test_offsets_are_cached_once_the_column_is_said_once_and_inspect_reads_every
 
 def scanned(root: Path, cache: Path) -> list[int]:
     """The documents of each file of dataset `olmo`, scanned with the data cache in `cache`."""
-    entries = scan(dataset_sources(str(root), None), Layout("auto", Options(vocab_size=4096), None, str(cache)))
+    entries = scan(
+        dataset_sources(str(root), None),
+        Layout(file_type="auto", options=Options(vocab_size=4096), cache_dir=str(cache)),
+    )
     return [e.documents for e in entries["olmo"]]
 
 
@@ -294,6 +312,21 @@ def test_a_damaged_data_cache_is_computed_again_and_dolma_metadata_keys_the_inde
     assert scanned(root, cache) == [9, 10]
     meta.unlink()  # no metadata: documents end at eos, which these have none of
     assert scanned(root, cache) == [1, 10]
+
+
+def test_indexes_made_by_other_checks_are_made_again(tmp_path, monkeypatch):
+    """An index cached under another INDEX_VERSION (made before a check was added) is not used: the file is
+    read and checked again, and its index cached beside the old one."""
+    from fms_fsdp.data import data_cache_dir
+
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    write_olmo(root / "olmo", make_docs(10, 20, seed=1))
+    assert scanned(root, cache) == [10, 10]
+    before = set(cache.glob("*/index/*.npy"))
+    monkeypatch.setattr(data_cache_dir, "INDEX_VERSION", data_cache_dir.INDEX_VERSION + 1)
+    assert scanned(root, cache) == [10, 10]
+    after = set(cache.glob("*/index/*.npy"))
+    assert len(before) == 2 and before < after and len(after) == 4
 
 
 def error(root: Path, **kw) -> str:

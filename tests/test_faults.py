@@ -1105,6 +1105,7 @@ def troubleshooting_table() -> str:
     return "\n".join(rows)
 
 
+@pytest.mark.slow  # the matrix's own harness, with the matrix
 def test_the_matrix_reads_each_status_while_threads_poll(server, tmp_path):
     """The matrix's threads poll its processes at once (and starting one polls them all): each
     status is still the one the process exited with (without the lock, some read 255)."""

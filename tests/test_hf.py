@@ -353,6 +353,8 @@ def test_a_hugging_face_source_is_checked_field_by_field_and_carried_into_the_ex
         return str(e.value)
 
     assert refused(src) == f"--ckpt_load_path: {src}: rms_norm_eps is 1e-06 but the run has 1e-05; set --norm_eps=1e-06"
+    assert refused(src, dry_run=True) == refused(src)  # a plan checks the weights it can see
+    assert facts(make_config(**base, ckpt_load_path=str(tmp_path / "elsewhere"), dry_run=True))  # and not others
     assert refused(src, norm_eps=1e-6) == (
         f"--ckpt_load_path: {src}: max_position_embeddings is 2048 but the run has 1024; "
         "set --max_position_embeddings=2048"

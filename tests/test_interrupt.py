@@ -5,6 +5,7 @@ in the rank's line and its status instead of torchrun's traceback and summary.""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,15 +97,25 @@ def test_a_rank_error_under_the_launch_script_is_the_last_line_with_its_status(d
 
 @pytest.mark.slow
 def test_ctrl_c_before_the_ranks_exist_ends_the_launcher_at_once(tmp_path):
-    """While the rendezvous waits for a node that never comes, Ctrl-C ends fms-torchrun: status 130."""
+    """While the rendezvous waits for a node that never comes (its store, which the launcher hosts, takes
+    connections), Ctrl-C ends fms-torchrun: status 130."""
     from fms_fsdp.parallel.process_group import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    port = free_port()
     cmd = [*FMS_TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d"]
-    cmd += [f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=alone", str(ROOT / "main_training.py"), "--help"]
+    cmd += [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=alone", str(ROOT / "main_training.py"), "--help"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(5)  # waiting for the second node
-    assert proc.poll() is None
+    deadline = time.monotonic() + 60
+    while not listening(port):
+        assert proc.poll() is None and time.monotonic() < deadline, "the launcher never reached its rendezvous"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+
+
+def listening(port: int) -> bool:
+    """Whether something on this machine accepts connections on `port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -266,6 +266,7 @@ def test_the_workers_start_thaws_what_it_froze_and_keeps_the_callers_own_freeze(
     try:
         own = gc.get_freeze_count()
         fork_safely(gc.get_freeze_count)
-        assert gc.get_freeze_count() >= own, "the caller's own gc.freeze() was undone"
+        # undone, the count is 0; kept, it is `own` less the frozen objects freed since (a few)
+        assert gc.get_freeze_count() > own // 2, "the caller's own gc.freeze() was undone"
     finally:
         gc.unfreeze()

@@ -169,7 +169,7 @@ def test_an_adapted_layer_is_still_its_linear_with_its_keys_and_forward():
     plain = build_model(get_model_config("tiny", 256), torch.device("cpu"))
     init_weights(plain, 0)
     lora = copy.deepcopy(plain)
-    assert add_adapters(lora, LoRASpec(4, 8.0, 0.0, TARGETS)) == 4 * plain.config.nlayers
+    assert add_adapters(lora, LoRASpec(rank=4, alpha=8.0, dropout=0.0, targets=TARGETS)) == 4 * plain.config.nlayers
     init_weights(lora, 0)  # lora_A drawn, lora_B zero
     adapted = {n for n, m in lora.named_modules() if hasattr(m, "lora_A")}
     assert len(adapted) == 4 * plain.config.nlayers

@@ -142,6 +142,22 @@ def test_mixtral_variants_have_transformers_parameter_counts(variant):
     assert count_params(c) == expected
 
 
+@pytest.mark.parametrize("variant, experts, top_k", [("llama3_8b", 8, 2), ("llama3_1.8b_4k", 4, 1)])
+def test_the_moe_flags_make_a_dense_llama3_variant_sparse_with_transformers_parameter_count(variant, experts, top_k):
+    """--moe_experts and --moe_top_k on a dense Llama 3 variant, read as the run reads them: its layers'
+    feed-forwards become that many experts of its own width, as transformers' Mixtral of its shape counts."""
+    from fms_fsdp.flags import parse_args
+    from fms_fsdp.startup import model_config_of
+
+    flags = [f"--model_variant={variant}", f"--moe_experts={experts}", f"--moe_top_k={top_k}", "--device=cpu"]
+    c, dense = model_config_of(parse_args(flags)), get_model_config(variant)
+    assert (c.moe_experts, c.moe_top_k, c.emb_dim, c.nlayers) == (experts, top_k, dense.emb_dim, dense.nlayers)
+    assert expert_width(c) == expert_width(dense)  # each expert is the dense feed-forward's width
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in MixtralForCausalLM(mixtral_config(c)).parameters())
+    assert count_params(c) == expected
+
+
 def test_flops_count_only_the_experts_a_token_uses():
     sparse, two = get_model_config("tiny_moe", 256), get_model_config("tiny_moe", 256, moe={"moe_experts": 2})
     assert count_params(sparse) > count_params(two)

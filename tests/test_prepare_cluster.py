@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +23,7 @@ from fms_fsdp.data.prepare.cache_dir import JobCluster, ray_start, stop_job_clus
 from fms_fsdp.parallel.process_group import free_port
 
 from conftest import TINY, launch, records
+from held_at import wait_held
 from test_checkpoint import alive, process_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for("a piece held on the job's Ray", lambda: bool(held(tickets)) or torchrun.poll() is not None, 120)
+        wait_for("a piece held on the job's Ray", lambda: bool(held(tickets)) or torchrun.poll() is not None, 300)
         assert torchrun.poll() is None, log.read_text()[-3000:]
         assert len(ray_processes("raylet")) > len(running)
         for pid in [
@@ -138,7 +138,7 @@ def test_ranks_killed_while_their_ray_builds_the_cache_leave_no_ray_running(ray_
         wait_for(
             "the job's Ray to end",
             lambda: (ray_processes("raylet"), ray_processes("ray start")) == (running, nodes),
-            60,
+            180,
         )
     finally:
         torchrun.kill()
@@ -161,7 +161,7 @@ def test_sbatch_train_slurm_builds_the_cache_on_ray_over_its_nodes_then_trains(r
         *("scripts/train.slurm", *TINY, "--use_dummy_dataset=False", *flags),
         *(f"--cache_dir={tmp_path / 'cache'}", "--ray_start_workers=True", f"--ckpt_save_path={run}"),
     )
-    wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 240, log)
+    wait_for("the job to end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED"), 400, log)
     output = log.read_text()
     assert job_state(slurm, job) == "COMPLETED", output[-4000:]
     assert "on the Ray cluster at" in output and (tmp_path / "cache" / "text" / ".done" / "complete.json").is_file()
@@ -219,7 +219,7 @@ def test_a_ray_cluster_writes_what_one_machine_writes_despite_a_killed_worker(co
     out, tickets = tmp_path / "ds", tmp_path / "tickets"
     proc = start(corpus, out, ray_env, "--engine=ray", f"--ray_address={ray_head}", held=(tickets, 0))
     try:
-        wait_for("a Ray worker holding a piece", lambda: (tickets / "held-0").exists() or proc.poll() is not None, 60)
+        wait_for("a Ray worker holding a piece", lambda: (tickets / "held-0").exists() or proc.poll() is not None, 180)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         os.kill(int((tickets / "held-0").read_text().split()[0]), signal.SIGKILL)
         (tickets / "release").touch()
@@ -277,13 +277,13 @@ def test_the_driver_killed_and_run_again_finishes_with_the_same_files(corpus, ra
         wait_for(
             "two pieces and a held one",
             lambda: (markers(out) == 2 and (tickets / "held-2").exists()) or proc.poll() is not None,
-            60,
+            180,
         )
         assert proc.poll() is None, proc.communicate()[0][-3000:]
     finally:
         proc.send_signal(signal.SIGKILL)  # the kill under test (and, on a failure, nothing left behind)
         proc.wait()
-    wait_for("the held tasks to end", lambda: not any(alive(p) for p in held_pids(tickets)), 60)
+    wait_for("the held tasks to end", lambda: not any(alive(p) for p in held_pids(tickets)), 180)
     assert markers(out) == 2
     again = prepare(corpus["raw"], out, *corpus["flags"], "--engine=ray", f"--ray_address={ray_head}", env=ray_env)
     assert markers(out) > 2 and dataset_bytes(tmp_path) == corpus["bytes"]
@@ -311,7 +311,7 @@ def test_a_slurm_job_array_writes_what_one_machine_writes(corpus, slurm, tmp_pat
     wait_for(
         "the array's tasks",
         lambda: all(job_state(slurm, t) in ("COMPLETED", "FAILED", "CANCELLED") for t in tasks),
-        180,
+        400,
     )
     logs = {t: (tmp_path / f"task-{t[-1]}.out").read_text() for t in tasks}
     assert all(job_state(slurm, t) == "COMPLETED" for t in tasks), logs
@@ -335,25 +335,29 @@ def test_a_run_builds_its_cache_on_a_local_ray_it_starts_and_stops(ray_env, ray_
     assert any("loss" in r for r in runs) and ray_processes("raylet") == running
 
 
-def test_the_ray_driver_of_a_cache_built_beside_killed_as_it_starts_costs_only_time(
+def test_the_ray_driver_of_a_cache_built_beside_killed_mid_build_costs_only_time(
     ray_env, ray_head, tmp_path, monkeypatch, capsys
 ):
-    """The cache built beside the training on a running Ray: its driver (rank 0's builder) SIGKILLed as it
-    starts is started again; the batches are raw text's, and the cache ends complete."""
-    from test_cache_beside import same
+    """The cache built beside the training on a running Ray: its driver (rank 0's builder) SIGKILLed while a
+    Ray worker holds its first piece (tests/held_pieces.py) is started again; the batches are raw text's,
+    and the cache ends complete."""
+    from test_cache_beside import held_builder, same
+
+    from fms_fsdp.data.prepare import beside
 
     from conftest import data_loader
     from test_data import cfg, make_docs, take, write_dataset
 
     for name, value in {**ray_env, "PYTHONPATH": str(ROOT)}.items():
         monkeypatch.setenv(name, value)
-    data = tmp_path / "raw"
+    data, tickets = tmp_path / "raw", tmp_path / "tickets"
     write_dataset(data, "text", make_docs(400, 300, 3), layout="jsonl")
     raw = take(data_loader(cfg(data, vocab_size=4096), 0, 1), 4)
+    monkeypatch.setattr(beside, "BUILDER", held_builder(tickets, 0))
     loader = data_loader(cfg(data, vocab_size=4096, cache_dir=str(tmp_path / "cache"), ray_address=ray_head), 0, 1)
-    while loader.builder._process is None:  # set as soon as it is started: it has not connected yet
-        time.sleep(0.001)
+    wait_held(tickets, 1, [], timeout=120, files="held-0", said=lambda: list(loader.builder._lines))
     os.kill(loader.builder._process.pid, signal.SIGKILL)
+    (tickets / "release").mkdir()  # the driver started again goes on
     assert same(raw, take(loader, 4))
     loader.finish()
     out = capsys.readouterr().out
@@ -376,19 +380,19 @@ def test_an_array_task_killed_with_minus_9_and_the_array_run_again_finishes_the_
     args += ["scripts/prepare_data.slurm", f"--input={raw}", f"--output={out}", *flags]
     job = submit({**slurm, "PYTHON": str(held_python)}, *args)
     try:
-        wait_for("task 1 holding a piece", lambda: any(f.read_text().split()[1:] == ["1"] for f in held(tickets)), 120)
+        wait_for("task 1 holding a piece", lambda: any(f.read_text().split()[1:] == ["1"] for f in held(tickets)), 300)
         subprocess.run(["scancel", "--full", "--signal=KILL", f"{job}_1"], env=slurm, check=True)
         ended = ("COMPLETED", "FAILED", "CANCELLED")
-        wait_for("task 1 to end", lambda: job_state(slurm, f"{job}_1") in ended, 60)
+        wait_for("task 1 to end", lambda: job_state(slurm, f"{job}_1") in ended, 180)
     finally:
         (tickets / "release").touch()  # task 0 goes on (and, on a failure, nothing waits)
-    wait_for("the array to end", lambda: job_state(slurm, f"{job}_0") in ended, 180)
+    wait_for("the array to end", lambda: job_state(slurm, f"{job}_0") in ended, 400)
     assert job_state(slurm, f"{job}_1") != "COMPLETED"
     assert not (out.parent / "meta").exists()
     env = {**slurm, "PYTHON": sys.executable}
     done = markers(out)
     again = submit(env, *args)
-    wait_for("the array again", lambda: all(job_state(slurm, f"{again}_{i}") in ended for i in (0, 1)), 180)
+    wait_for("the array again", lambda: all(job_state(slurm, f"{again}_{i}") in ended for i in (0, 1)), 400)
     assert all(job_state(slurm, f"{again}_{i}") == "COMPLETED" for i in (0, 1))
     assert done < markers(out)
     assert dataset_bytes(out.parent) == dataset_bytes(tmp_path / "one")

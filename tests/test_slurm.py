@@ -37,7 +37,7 @@ def sbatch_train(slurm: dict[str, str], log: Path, *flags: str) -> str:
 def wait_for_the_end(slurm: dict[str, str], job: str, log: Path) -> str:
     """The job's state once it has ended."""
     ended = ("COMPLETED", "FAILED", "CANCELLED")
-    wait_for("the job to end", lambda: job_state(slurm, job) in ended, 120, log)
+    wait_for("the job to end", lambda: job_state(slurm, job) in ended, 300, log)
     return job_state(slurm, job)
 
 
@@ -57,10 +57,10 @@ def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigter
     )
     text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
 
-    wait_for("the first metrics", lambda: len(_records(metrics)) > 0, 120, log)
+    wait_for("the first metrics", lambda: len(_records(metrics)) > 0, 300, log)
     # what `#SBATCH --signal=B:USR1@180` delivers to the batch script before the time limit
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
-    wait_for("the requeue", lambda: "requeueing job" in text(), 120, log)
+    wait_for("the requeue", lambda: "requeueing job" in text(), 300, log)
     stopped = int(text().split("stopping after step ")[1].split()[0])
 
     # A requeued job waits two minutes before it may start again; the test lets it start sooner, but
@@ -75,8 +75,8 @@ def test_sbatch_saves_on_time_limit_requeues_resumes_and_stops_cleanly_on_sigter
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, capture_output=True)
         return False
 
-    wait_for("the requeued job to start", started_again, 120, log)
-    wait_for("the second attempt's metrics", lambda: _records(metrics)[-1]["step"] > stopped, 120, log)
+    wait_for("the requeued job to start", started_again, 300, log)
+    wait_for("the second attempt's metrics", lambda: _records(metrics)[-1]["step"] > stopped, 300, log)
     # a preemption: SIGTERM to every process of the job's steps (torchrun included)
     subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
     state, out = wait_for_the_end(slurm, job, log), text()
@@ -116,7 +116,7 @@ def test_ctrl_c_to_a_jobs_steps_saves_and_ends_in_the_stop_line(slurm: dict[str,
         "--num_steps=100000",
         f"--ckpt_save_path={run}",
     )
-    wait_for("the first metrics", lambda: len(_records(run / "metrics.jsonl")) > 0, 120, log)
+    wait_for("the first metrics", lambda: len(_records(run / "metrics.jsonl")) > 0, 300, log)
     subprocess.run(["scancel", "--signal=INT", job], env=slurm, check=True)
     wait_for_the_end(slurm, job, log)
     out = log.read_text()

@@ -247,6 +247,7 @@ def _check_the_local_store(run: Path) -> None:
     assert client.get_experiment_by_name("local").artifact_location.startswith((run / "tracker").as_uri())
 
 
+@pytest.mark.slow  # a tracker that cannot start stays in the default tier
 def test_an_mlflow_server_that_does_not_answer_is_one_line_within_seconds(tmp, monkeypatch):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from conftest import ROOT
 
 BASELINE = ROOT / "mypy-baseline.txt"
 
 
+@pytest.mark.slow  # mypy on the whole package: the slow tier (CI runs both)
 def test_type_errors_only_shrink():
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "fms_fsdp"], cwd=ROOT, capture_output=True, text=True, timeout=300

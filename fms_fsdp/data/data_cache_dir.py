@@ -27,6 +27,9 @@ from fms_fsdp.errors import first_line
 from fms_fsdp.storage import is_remote, location, mtime_ns, storage_error
 
 IN_DATA = "meta"  # --data_cache_dir's value for the data folders' own meta/
+# what an index is and which checks made it: a new value computes every index again (an index cached before a
+# check was added would let the file it checks pass unchecked)
+INDEX_VERSION = 2
 Index = Union[None, str, np.ndarray]  # a reader's index: none, the cached .npy's path, or the array itself
 
 
@@ -77,7 +80,8 @@ class IndexStore:
     def get(self, rel: str, path: Path, reader: type[Reader], options: Options) -> Index:
         """The file's index: from the cache, or computed now (and cached where the folder is writable)."""
         stamps = [_stamp(path)] + ([_stamp(metadata_path(path))] if reader is TokenArray else [])
-        key = hashlib.sha1(f"{rel}|{'|'.join(stamps)}|{reader.__name__}|{reader.index_key(options)}".encode())
+        named = f"{INDEX_VERSION}|{rel}|{'|'.join(stamps)}|{reader.__name__}|{reader.index_key(options)}"
+        key = hashlib.sha1(named.encode())
         cached = None if self.folder is None else self.folder / f"{key.hexdigest()}.npy"
         if cached is not None and is_remote(cached) and (known := _download(cached)) is not None:
             return known

@@ -21,6 +21,7 @@ class DummyDataLoader:
 
     def __init__(
         self,
+        *,
         batch_size: int,
         seq_length: int,
         vocab_size: int,

@@ -225,5 +225,6 @@ def inspect_data(
     checker = Checker(separators, as_id("vocab_size", vocab_size, low=1))
     if token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"--token_dtype={token_dtype}: expected one of {', '.join(TOKEN_DTYPES)}")
-    options = Options(col_name, token_dtype, eos_token if eos_token is not None else -1, vocab_size)
+    eos = eos_token if eos_token is not None else -1
+    options = Options(col_name=col_name, token_dtype=token_dtype, eos=eos, vocab_size=vocab_size)
     inspect(root, list_datasets(str(root), datasets), options, checker)

@@ -146,6 +146,7 @@ class StatefulLoader:
 
     def __init__(
         self,
+        *,
         datasets: list[Dataset],
         weights: list[float],
         packing: Packing,

@@ -121,6 +121,7 @@ class DatasetReader:
     def __init__(
         self,
         ds: Dataset,
+        *,
         ds_index: int,
         n_shards: int,
         consumer: int,
@@ -304,7 +305,15 @@ class LineReader:
             table = None if ds_state is None else shard_table(ds_state, consumer, consumers, n)
             self.readers.append(
                 DatasetReader(
-                    ds, k, n, consumer, consumers, seed, packing, table, 0 if ds_state is None else ds_state["next"]
+                    ds,
+                    ds_index=k,
+                    n_shards=n,
+                    consumer=consumer,
+                    consumers=consumers,
+                    seed=seed,
+                    packing=packing,
+                    table=table,
+                    next_shard=0 if ds_state is None else ds_state["next"],
                 )
             )
         self._choices: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))

@@ -215,23 +215,30 @@ def check_pipeline(settings: PipelineSettings, model_config: LLaMAConfig) -> Non
     """Settings pipeline parallelism does not combine with yet (ConfigError, one line)."""
     if settings.size == 1:
         return
-    for flag, used in (
+    for flag, used, change in (
         (
-            "--grad_accum_steps > 1 (its microbatches are the accumulation: raise --pipeline_microbatches)",
+            "--grad_accum_steps > 1",
             settings.grad_accum_steps > 1,
+            "its microbatches are the accumulation: raise --pipeline_microbatches",
         ),
-        ("--eval_harness_tasks", settings.harness),
         (
-            "an --eval_batch_size other than --batch_size (the stages take microbatches of one shape)",
+            "--eval_harness_tasks",
+            settings.harness,
+            "score its checkpoints with fms-evaluate --eval_harness_tasks, without --pipeline_parallel_size",
+        ),
+        (
+            "an --eval_batch_size other than --batch_size",
             settings.eval_batch_size not in (None, settings.batch_size),
+            "the stages take microbatches of one shape: leave --eval_batch_size out",
         ),
         (
-            "a head tied to the embedding (the first and last stages would share it): use an untied variant",
+            "a head tied to the embedding",
             model_config.tie_heads,
+            "the first and last stages would share it: use an untied variant",
         ),
     ):
         if used:
-            raise ConfigError(f"--pipeline_parallel_size={settings.size} does not combine with {flag} yet")
+            raise ConfigError(f"--pipeline_parallel_size={settings.size} does not combine with {flag} yet: {change}")
     if settings.evaluates and settings.schedule in V_SHAPED:
         raise ConfigError(
             f"--eval_interval does not run under --pipeline_schedule={settings.schedule} yet (torch's V-shaped "

@@ -32,6 +32,7 @@ class FTSettings:
 
     @staticmethod
     def of(
+        *,
         replica_groups: Optional[int],
         group_index: Optional[int],
         min_replicas: int,
@@ -95,7 +96,10 @@ def check_fault_tolerance(shape: MeshShape, world_size: int, sharding_strategy: 
     except ImportError:
         raise ConfigError("--fault_tolerance needs torchft: pip install 'torchft==0.2.0' (extra ft)") from None
     if shape.pp > 1:
-        raise ConfigError("--fault_tolerance does not run with --pipeline_parallel_size > 1 yet")
+        raise ConfigError(
+            "--fault_tolerance does not run with --pipeline_parallel_size > 1 yet: drop one of them (without "
+            "--fault_tolerance a lost rank restarts the job from its last checkpoint)"
+        )
     if shape.replicate > 1 or world_size < 2 or sharding_strategy == "ddp":
         raise ConfigError(
             "--fault_tolerance replicates across groups: each group shards with FSDP over its own ranks "

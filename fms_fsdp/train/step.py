@@ -43,6 +43,7 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def train_step(
+    *,
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
     guard: StepGuard,

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from fms_fsdp.data.prepare.build import Engine, Recipe, plan, prepare_files, recipe_of
 from fms_fsdp.data.prepare.cache_dir import check_made_with, engine_of
@@ -86,9 +86,9 @@ def check_recipe(made: Optional[dict], output: Path, recipe: Recipe) -> None:
 
 def start_builder(
     caches: dict[str, BuildingCache], settings: CacheSettings, local_ranks: int, log: Callable[[str], None]
-) -> Optional["Builder"]:
+) -> Optional[Union["Builder", "ExternalBuild"]]:
     """Rank 0: start building the unfinished caches (--cache_build=beside), or say that another job
-    builds them (external); None when there is nothing to build here."""
+    builds them and watch its progress (external); None when every cache is complete."""
     todo = {name: c for name, c in caches.items() if not c.complete}
     for name, cache in caches.items():
         if cache.complete:
@@ -101,7 +101,7 @@ def start_builder(
             f"note: training while another job tokenizes {names} into {settings.cache_dir}: finished pieces are "
             "read from there, the rest tokenized as read"
         )
-        return None
+        return ExternalBuild(list(todo.values()))
     engine = engine_of(settings.ray, None, settings.workers)
     if engine.name == "local" and settings.workers is None:  # the node's CPUs less its ranks'
         engine = Engine("local", max(1, engine.workers - local_ranks))
@@ -112,6 +112,44 @@ def start_builder(
     return Builder(list(todo.values()), settings, engine, log)
 
 
+class BuildProgress:
+    """How much of the caches' input is tokenized: the share of its bytes whose pieces have their markers."""
+
+    def __init__(self, caches: list[BuildingCache]):
+        self.inputs = [sorted(c.inputs, key=c.inputs.__getitem__) for c in caches]
+        piece_bytes = caches[0].settings["piece_bytes"]
+        self.pieces = [
+            (Path(c.folder), p)
+            for files, c in zip(self.inputs, caches)
+            for p in plan([Path(f) for f in files], piece_bytes)
+        ]
+        self.total = sum(p.size for _, p in self.pieces) or 1
+        self._done: set[int] = set()
+
+    def progress(self) -> float:
+        """The share of the input bytes whose pieces are finished (one listing of each cache's markers)."""
+        markers: dict[Path, set[str]] = {}
+        for k, (output, piece) in enumerate(self.pieces):
+            if k in self._done:
+                continue
+            if output not in markers:
+                folder = marker_path(output, piece).parent
+                markers[output] = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+            if marker_path(output, piece).name in markers[output]:
+                self._done.add(k)
+        return sum(self.pieces[k][1].size for k in self._done) / self.total
+
+
+class ExternalBuild(BuildProgress):
+    """The caches built by another job (--cache_build=external): watched for the progress metric only."""
+
+    def finish(self) -> None:
+        """Nothing to wait for: the other job finishes the cache."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
 class Builder:
     """fms-prepare-data's code over the unfinished caches, in a child process watched by a thread: started
     again when it dies, stopped by `close`, waited for by `finish`."""
@@ -120,19 +158,13 @@ class Builder:
         self, caches: list[BuildingCache], settings: CacheSettings, engine: Engine, log: Callable[[str], None]
     ):
         self.log = log
-        inputs = [sorted(c.inputs, key=c.inputs.__getitem__) for c in caches]
+        self.watched = BuildProgress(caches)
         self.job = {
             "tokenizer": settings.tokenizer_path,
             "text_field": settings.text_field,
-            "engine": [engine.name, engine.workers, engine.ray_address],
-            "datasets": [[files, c.folder] for files, c in zip(inputs, caches)],
+            "engine": {"name": engine.name, "workers": engine.workers, "ray_address": engine.ray_address},
+            "datasets": [[files, c.folder] for files, c in zip(self.watched.inputs, caches)],
         }
-        piece_bytes = caches[0].settings["piece_bytes"]
-        self.pieces = [
-            (Path(c.folder), p) for files, c in zip(inputs, caches) for p in plan([Path(f) for f in files], piece_bytes)
-        ]
-        self.total = sum(p.size for _, p in self.pieces) or 1
-        self._done: set[int] = set()
         self.failure: Optional[str] = None
         self._stop = threading.Event()
         self._process: Optional[subprocess.Popen] = None
@@ -170,17 +202,8 @@ class Builder:
                 self.failure = last
 
     def progress(self) -> float:
-        """The share of the input bytes whose pieces are finished (one listing of each cache's markers)."""
-        markers: dict[Path, set[str]] = {}
-        for k, (output, piece) in enumerate(self.pieces):
-            if k in self._done:
-                continue
-            if output not in markers:
-                folder = marker_path(output, piece).parent
-                markers[output] = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-            if marker_path(output, piece).name in markers[output]:
-                self._done.add(k)
-        return sum(self.pieces[k][1].size for k in self._done) / self.total
+        """The share of the input bytes whose pieces are finished."""
+        return self.watched.progress()
 
     def finish(self) -> None:
         """Wait for the build (a run that ended normally), and say how it ended."""
@@ -211,7 +234,7 @@ def main() -> None:
     """The builder's process: the job (JSON on stdin) through prepare_files, dataset by dataset."""
     job = json.load(sys.stdin)
     recipe = recipe_of(job["tokenizer"], job["text_field"])
-    engine = Engine(*job["engine"])
+    engine = Engine(**job["engine"])
     for files, output in job["datasets"]:
         prepare_files([Path(f) for f in files], Path(output), recipe, engine)
 

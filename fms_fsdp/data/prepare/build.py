@@ -264,7 +264,13 @@ def recipe_of(
     tokenizer: str, text_field: str, shard_tokens: int = SHARD_TOKENS, piece_bytes: int = PIECE_BYTES
 ) -> Recipe:
     """The recipe of the flags, its tokenizer loaded once to check it."""
-    recipe = Recipe(tokenizer, tokenizer_text(tokenizer), text_field, shard_tokens, piece_bytes)
+    recipe = Recipe(
+        tokenizer=tokenizer,
+        tokenizer_text=tokenizer_text(tokenizer),
+        text_field=text_field,
+        shard_tokens=shard_tokens,
+        piece_bytes=piece_bytes,
+    )
     recipe.settings()
     return recipe
 
