@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tests that touch what differs between torch releases (`-m torch_api`, both tiers: DCP, FSDP2, the pipeline,
 # torchft, compile, the private APIs of fms_fsdp/compat.py, the fault matrix and a checkpoint resume; features
-# run together, `composition`, only on the pinned torch) on another
-# torch release, in a virtual environment of its own (.venv-torch<V>):
+# run together, `composition`, and the package's own checks over torch calls that other tests make,
+# `pinned_torch`, only on the pinned torch) on another torch release, in a virtual environment of its own
+# (.venv-torch<V>):
 #   bash scripts/test_torch.sh 2.11.0 [pytest arguments]     (-m "not harness": the whole suite but the lm-eval tests)
 # The index's build of that release is installed (a CUDA build, which runs on the CPU here), then the
 # test dependencies at constraints-test.txt's versions and this package; torch releases from 2.11 (the floor
@@ -24,4 +25,4 @@ if [ "${imported%%+*}" != "$version" ]; then
   exit 1
 fi
 echo "torch $imported"
-exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -m "torch_api and not composition" "$@"
+exec "$venv/bin/python" -m pytest -n 2 --dist loadfile -m "torch_api and not composition and not pinned_torch" "$@"

@@ -115,6 +115,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(data, uninterrupted
     assert all(np.array_equal(p.seen, q.seen) and np.array_equal(p.tokens, q.tokens) for p, q in zip(x, y))
 
 
+@pytest.mark.pinned_torch  # the resume checked on every torch by test_killed_and_resumed_run_equals_the_uninterrupted_one
 @pytest.mark.slow  # the SIGKILL case above stays in the default tier
 def test_a_run_stopped_by_sigterm_resumes_to_the_ledger_of_the_uninterrupted_one(data, uninterrupted, tmp_path):
     """SIGTERM to both ranks while they wait before step 4 (a preemption): at the ranks' next agreement (a few
@@ -469,6 +470,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.pinned_torch  # the package's own parent watch (fms_fsdp/lifetime.py)
 @pytest.mark.slow  # 18 s: kills a launcher and a rank mid-run
 def test_nothing_outlives_a_killed_launcher_or_rank(data, tmp_path):
     """kill -9 of torchrun: its ranks get a signal from the kernel and stop as on a preemption (save),
@@ -535,6 +537,7 @@ def test_an_unexpected_error_stops_the_loader_workers_at_once(data, tmp_path, mo
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
 
 
+@pytest.mark.pinned_torch  # the package's own command over checkpoints that other tests resume
 @pytest.mark.slow  # 12 s: the ledger command four times
 def test_the_command_reports_compares_and_lists_a_runs_checkpoints(uninterrupted, data):
     """The two-rank run on `data` (12 steps of 2 x 4 lines of 129 tokens, checkpoints at 6 and 12)."""

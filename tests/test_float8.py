@@ -47,6 +47,7 @@ def test_a_float8_run_trains_close_to_the_plain_run(tmp_path):
     assert max(rel) > 1e-4, rel  # and not the plain run: the matmuls really are in float8
 
 
+@pytest.mark.pinned_torch  # the default tier's float8 runs touch the same torch calls
 @pytest.mark.slow  # three 2-rank runs (about 30 s): the slow tier
 def test_float8_checkpoints_resume_without_float8_and_the_reverse_and_export_the_same(tmp_path):
     """Two ranks, FSDP with float8 all-gather (tensorwise): the checkpoint holds plain tensors; the

@@ -279,8 +279,7 @@ def test_replica_groups_compose_with_the_features_inside_them(case, tmp_path, li
             assert sorted(p.name for p in (folder / "exports").iterdir()) == ["step_2", "step_4"]
 
 
-@TORCH_API
-@pytest.mark.slow
+@pytest.mark.slow  # the package's own checks of the groups (not torch_api: the same on every torch)
 def test_a_group_with_another_model_and_then_too_few_groups_end_in_one_line_each(tmp_path, lighthouse):
     """Group 1 runs another batch size: it ends at its first step in the one line naming what to compare.
     Group 0 (the lowest-numbered) is not the one that differs, but with --ft_min_replicas=2 it is left

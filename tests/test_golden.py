@@ -21,6 +21,7 @@ def test_the_recipe_follows_its_golden_curve(recipe):
     )
 
 
+@pytest.mark.pinned_torch  # checks the golden check itself
 @pytest.mark.slow
 def test_a_small_change_of_the_recipe_falls_outside_the_tolerance():
     """The check can fail: a run 1% off the recipe's learning rate leaves the recorded AdamW curve by more

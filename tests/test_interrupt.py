@@ -61,6 +61,7 @@ def test_ctrl_c_under_plain_torchrun_saves_and_the_ranks_print_one_line_and_no_t
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [int(stops[0])]
 
 
+@pytest.mark.pinned_torch  # the package's own launcher (plain torchrun's Ctrl-C runs on every torch)
 def test_ctrl_c_under_the_launcher_ends_in_the_stop_line_and_status_130(data, tmp_path):
     out = tmp_path / "run"
     status, output = interrupt(start(FMS_TORCHRUN, flags(data, out), tmp_path / "held"), tmp_path / "held")
@@ -70,6 +71,7 @@ def test_ctrl_c_under_the_launcher_ends_in_the_stop_line_and_status_130(data, tm
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [int(last.group(1))]
 
 
+@pytest.mark.pinned_torch  # the package's own second-signal handling
 @pytest.mark.slow  # a 2-rank launch held at an agreement: the slow tier (the launcher's own case stays)
 def test_a_second_ctrl_c_stops_at_once_without_saving_or_a_traceback(data, tmp_path):
     out, held = tmp_path / "run", tmp_path / "held"
@@ -83,6 +85,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_or_a_traceback(data, tmp_p
     assert before and [s for s, _ in complete_checkpoints(out / "checkpoints")] == before  # nothing saved since
 
 
+@pytest.mark.pinned_torch  # the package's own launch script
 def test_a_rank_error_under_the_launch_script_is_the_last_line_with_its_status(data, tmp_path):
     # the script runs `python` from PATH, as with this environment activated
     path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"

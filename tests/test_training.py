@@ -332,6 +332,7 @@ def test_out_of_memory_is_one_line_naming_the_step_the_allocation_and_the_flags(
     assert "shard over more GPUs" in str(out_of_memory_error(1, error, 8, Fraction(1), torch.device("cpu")))
 
 
+@pytest.mark.pinned_torch  # the package's own check of the loss
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp):
     proc = launch(
         "main_training.py",

@@ -69,6 +69,7 @@ def refusal(step: Path) -> str:
     )
 
 
+@pytest.mark.pinned_torch  # the package's own refusal, before any torch call
 def test_a_newer_layout_is_refused_in_one_line_and_kept(newer):
     """The resume refuses it and neither falls back to an older checkpoint nor sets it aside."""
     step = newer / "checkpoints" / f"step_{KEPT_STEP}_ckp"
@@ -79,6 +80,7 @@ def test_a_newer_layout_is_refused_in_one_line_and_kept(newer):
     assert sorted(p.name for p in (newer / "checkpoints").iterdir()) == [step.name]
 
 
+@pytest.mark.pinned_torch  # the package's own refusal, before any torch call
 @pytest.mark.slow
 def test_a_newer_layout_is_refused_by_a_load_path_and_by_the_conversion(newer, tmp_path):
     step = newer / "checkpoints" / f"step_{KEPT_STEP}_ckp"
