@@ -52,6 +52,7 @@ from fms_fsdp.storage import is_remote, location, mtime_ns
 
 MAX_WARNINGS = 20
 FIRST_FILES = 5  # files named, with their counts, when a dataset done before is reported again
+FIRST_RECORDS = 3  # ... each with its first skipped records
 SHARD_TOKENS = 100_000_000  # --shard_tokens's default (cli.py says it too)
 PIECE_BYTES = 128 << 20  # --piece_bytes's
 
@@ -358,7 +359,7 @@ def skipped_records(pieces: list[Piece], markers: dict[Piece, dict]) -> list[tup
 def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, dict], before: int, counts: Path) -> None:
     """The dataset's skipped records on stderr, its summary on stdout. Where this process tokenized some
     pieces, the first MAX_WARNINGS records (file:line); where every piece was done before (--finalize,
-    or a run again), whose tasks said each record already, a count per file with its first record."""
+    or a run again), whose tasks said each record already, a count per file with its first few records."""
     skipped: Counter[str] = Counter()
     per_file: Counter[Path] = Counter()
     for p in pieces:
@@ -366,13 +367,15 @@ def report(out: str, n_inputs: int, pieces: list[Piece], markers: dict[Piece, di
         per_file[p.path] += sum(markers[p]["skipped"].values())
     found = skipped_records(pieces, markers)
     if before == len(pieces):
-        first: dict[Path, str] = {}
+        first: dict[Path, list[str]] = {}
         for path, line, reason in found:
-            first.setdefault(path, f", the first at line {line}: {reason}")
+            if len(first.setdefault(path, [])) < FIRST_RECORDS:
+                first[path].append(f"line {line} ({reason})")
         files = [path for path in per_file if per_file[path]]
         for path in files[:FIRST_FILES]:
             n = per_file[path]
-            print(f"warning: {path}: {n} skipped record{'s' * (n != 1)}{first.get(path, '')}", file=sys.stderr)
+            shown = f", the first: {', '.join(first[path])}" if first.get(path) else ""
+            print(f"warning: {path}: {n} skipped record{'s' * (n != 1)}{shown}", file=sys.stderr)
         if len(files) > FIRST_FILES:
             print(f"warning: {len(files) - FIRST_FILES} more files with skipped records", file=sys.stderr)
     else:
