@@ -395,7 +395,7 @@ class train_config:
     )
     ramp_unit: str = _f(
         "steps",
-        "What the stage starts of --batch_size_schedule and --seq_length_schedule count: steps, or tokens seen by all data-parallel ranks together (each stage then starts at the first step before which that many were seen; a start-up note gives the stages in steps, as checkpoints record them; a resume on another number of data-parallel ranks works them out again for that number, as if the whole run had had it).",
+        "What the stage starts of --batch_size_schedule and --seq_length_schedule count: steps, or tokens seen by all data-parallel ranks together (each stage then starts at the first step before which that many were seen; a start-up note gives the stages in steps, as checkpoints record them; a resumed run keeps its checkpoint's steps as they were and counts the later stages from the tokens seen by then, on any number of data-parallel ranks).",
         choices=("steps", "tokens"),
         shared=True,
     )

@@ -6,7 +6,8 @@ flag's own value (--batch_size, --seq_length), which the memory plan and --dry_r
 functions of the step alone, so every reader of the data knows the shape of each batch it makes: the
 loader stays exactly-once and resumes exactly across every change (and across a rescale), and the
 synthetic data too. Stages given in tokens seen (--ramp_unit=tokens) are turned into steps at start-up
-(`steps_of_tokens`), for the run's number of data-parallel ranks. The learning-rate schedule may count
+(`steps_of_tokens`), for the run's number of data-parallel ranks; a resumed run keeps its checkpoint's
+steps as they were and counts the later stages' tokens from there, on any world size. The learning-rate schedule may count
 the tokens of the steps instead of the steps (--lr_schedule_unit=tokens: `full_steps`).
 """
 
@@ -96,25 +97,45 @@ def _sum_before(value: Callable[[int], int], changes: Sequence[int], steps: int)
     return sum((b - a) * value(a) for a, b in zip(bounds, bounds[1:]))
 
 
-def steps_of_tokens(batch: Stages, seq: Stages, lines_per_step: int) -> Ramp:
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run goes on from: its checkpoint's step and tokens seen (every rank's), and the
+    shapes its steps had (the schedules in steps that the checkpoint recorded)."""
+
+    step: int
+    tokens_seen: int
+    ramp: Ramp
+
+
+def steps_of_tokens(batch: Stages, seq: Stages, lines_per_step: int, resumed: Optional[Resumed] = None) -> Ramp:
     """The Ramp of `batch` and `seq` whose stages start at tokens seen (--ramp_unit=tokens): each stage from
     the first step before which at least its tokens were seen, a step taking batch x seq x
     `lines_per_step` tokens (data-parallel ranks x --grad_accum_steps lines per line of --batch_size). A
-    stage that a single step passes over is left out."""
-    bounds = sorted({*batch.starts, *seq.starts})
-    at_step = {0: 0}  # token bound -> the step its stages start at
-    step, seen = 0, 0
-    for bound in bounds[1:]:
+    stage that a single step passes over is left out. `resumed`: the checkpoint a run goes on from, whose
+    steps keep the shapes they had (and the learning rate the tokens they took, on any world size); the
+    stages whose tokens it had seen hold from its step, the later ones start by the tokens seen from there."""
+    start = resumed or Resumed(0, 0, Ramp(Stages((0,), (batch.at(0),)), Stages((0,), (seq.at(0),))))
+    at_step = {}  # token bound -> the step its stages start at
+    step, seen = start.step, start.tokens_seen
+    for bound in sorted({*batch.starts, *seq.starts}):
+        if bound <= start.tokens_seen:
+            continue
         per_step = batch.at(seen) * seq.at(seen) * lines_per_step
-        steps = -(-(bound - seen) // per_step) if bound > seen else 0  # whole steps, rounded up
+        steps = -(-(bound - seen) // per_step)  # whole steps, rounded up
         step, seen = step + steps, seen + steps * per_step
         at_step[bound] = step
 
-    def in_steps(stages: Stages) -> Stages:
-        starts = {at_step[t]: value for t, value in zip(stages.starts, stages.values)}  # a later stage wins
-        return Stages(tuple(starts), tuple(starts.values()))
+    def in_steps(stages: Stages, before: Stages) -> Stages:
+        starts = {s: v for s, v in zip(before.starts, before.values) if s < start.step}
+        starts[start.step] = stages.at(start.tokens_seen)
+        starts |= {at_step[t]: v for t, v in zip(stages.starts, stages.values) if t in at_step}  # a later one wins
+        kept: list[tuple[int, int]] = []
+        for s, v in sorted(starts.items()):
+            if not kept or kept[-1][1] != v:  # a stage that goes on is not a new one
+                kept.append((s, v))
+        return Stages(tuple(s for s, _ in kept), tuple(v for _, v in kept))
 
-    return Ramp(in_steps(batch), in_steps(seq))
+    return Ramp(in_steps(batch, start.ramp.batch), in_steps(seq, start.ramp.seq))
 
 
 def ramp_of(batch_schedule: str, seq_schedule: str, batch_size: int, seq_length: int) -> Optional[Ramp]:

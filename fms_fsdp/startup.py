@@ -25,7 +25,7 @@ import torch
 from fms.models.llama import LLaMAConfig
 
 from fms_fsdp.atomic import write_text_keeping_old
-from fms_fsdp.checkpoint.checkpointer import newest_config
+from fms_fsdp.checkpoint.checkpointer import newest_metadata
 from fms_fsdp.compat import check_torch
 from fms_fsdp.config import to_yaml, train_config
 from fms_fsdp.context import Paths, Run
@@ -56,7 +56,7 @@ from fms_fsdp.parallel.process_group import (
 )
 from fms_fsdp.parallel.settings import MeshShape
 from fms_fsdp.profiling import check_profiler
-from fms_fsdp.ramp import Stages, steps_of_tokens
+from fms_fsdp.ramp import Ramp, Resumed, Stages, steps_of_tokens
 from fms_fsdp.resilience.ft_settings import FTSettings, check_fault_tolerance, wait_for_lighthouse
 from fms_fsdp.settings import Settings, ft_of, mesh_of, pipeline_of, settings_of
 from fms_fsdp.storage import is_remote, make_folder
@@ -91,10 +91,11 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         else resolve_device(cfg.device, local_rank)
     )
     ft = ft or ft_of(cfg)
-    cfg, notes = resumed_cache_order(cfg, Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints)
+    resumed = newest_metadata(Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints)
+    cfg, notes = resumed_cache_order(cfg, None if resumed is None else resumed.get("config"))
     mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
     shape = mesh_shape(mesh, world_size, local_world_size)
-    cfg, told = ramp_in_steps(cfg, shape.dp)
+    cfg, told = ramp_in_steps(cfg, shape.dp, resumed)
     notes += told
     model_config = model_config_of(cfg, cfg.seq_length, shape.tp)
     check_tensor_parallel(mesh, model_config)
@@ -133,13 +134,12 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
 
 
-def resumed_cache_order(cfg: train_config, checkpoints: Path) -> tuple[train_config, tuple[str, ...]]:
-    """--cache_build as given, or where it is not: first if the newest checkpoint in `checkpoints` read its
+def resumed_cache_order(cfg: train_config, recorded: Optional[dict[str, Any]]) -> tuple[train_config, tuple[str, ...]]:
+    """--cache_build as given, or where it is not: first if the newest checkpoint (`recorded`: its flags) read its
     --cache_dir once built (made with --cache_build=first, or before the flag existed), so that the resume
     keeps the checkpoint's batch order, and otherwise beside. Its start-up note, if first was chosen."""
     if cfg.cache_dir is None or cfg.cache_build is not None:
         return cfg, ()
-    recorded = newest_config(checkpoints)
     if recorded is None or recorded.get("cache_dir") is None or recorded.get("cache_build", "first") != "first":
         return replace(cfg, cache_build="beside"), ()
     return replace(cfg, cache_build="first"), (
@@ -148,15 +148,19 @@ def resumed_cache_order(cfg: train_config, checkpoints: Path) -> tuple[train_con
     )
 
 
-def ramp_in_steps(cfg: train_config, data_parallel: int) -> tuple[train_config, tuple[str, ...]]:
+def ramp_in_steps(
+    cfg: train_config, data_parallel: int, resumed: Optional[dict[str, Any]]
+) -> tuple[train_config, tuple[str, ...]]:
     """--ramp_unit=tokens: the schedules with their stages in steps for `data_parallel` ranks (what the
-    run, its checkpoints and its tools then read), and the start-up note that gives them."""
+    run, its checkpoints and its tools then read), and the start-up note that gives them. `resumed`: the
+    newest checkpoint's run state, whose steps keep their shapes (ramp.steps_of_tokens), on any world size."""
     if cfg.ramp_unit != "tokens":
         return cfg, ()
     ramp = steps_of_tokens(
         Stages.parse("batch_size_schedule", cfg.batch_size_schedule, cfg.batch_size, "batch_size", unit="token"),
         Stages.parse("seq_length_schedule", cfg.seq_length_schedule, cfg.seq_length, "seq_length", unit="token"),
         data_parallel * cfg.grad_accum_steps,
+        None if resumed is None else resumed_ramp(resumed, cfg),
     )
     texts = {
         flag: ",".join(f"{start}:{value}" for start, value in zip(stages.starts, stages.values)) if given else ""
@@ -166,9 +170,21 @@ def ramp_in_steps(cfg: train_config, data_parallel: int) -> tuple[train_config, 
         )
     }
     said = " ".join(f"--{flag}={text}" for flag, text in texts.items() if text)
-    note = f"note: --ramp_unit=tokens on {data_parallel} data-parallel ranks: in steps, {said}"
+    at = f", resumed at step {resumed['step']}" if resumed else ""
+    note = f"note: --ramp_unit=tokens on {data_parallel} data-parallel ranks{at}: in steps, {said}"
     batch, seq = texts["batch_size_schedule"], texts["seq_length_schedule"]
     return replace(cfg, batch_size_schedule=batch, seq_length_schedule=seq, ramp_unit="steps"), (note,)
+
+
+def resumed_ramp(meta: dict[str, Any], cfg: train_config) -> Resumed:
+    """The step, tokens seen and step shapes of a checkpoint's run state (the schedules in steps its flags
+    recorded; `cfg`'s sizes where it recorded none)."""
+    recorded = {"batch_size": cfg.batch_size, "seq_length": cfg.seq_length, **meta.get("config", {})}
+    batch, seq = (
+        Stages.parse(flag, recorded.get(flag) or "", int(recorded[of]), of)
+        for flag, of in (("batch_size_schedule", "batch_size"), ("seq_length_schedule", "seq_length"))
+    )
+    return Resumed(int(meta["step"]), int(meta["tokens_seen"]), Ramp(batch, seq))
 
 
 def model_config_of(cfg: train_config, seq_length: Optional[int] = None, tp: int = 1) -> LLaMAConfig:

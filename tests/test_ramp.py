@@ -16,7 +16,7 @@ from fms_fsdp.data.dummy import DummyDataLoader
 from fms_fsdp.errors import ConfigError
 from fms_fsdp.flags import parse_args
 from fms_fsdp.ledger import ledger as data_ledger
-from fms_fsdp.ramp import Ramp, Stages, steps_of_tokens
+from fms_fsdp.ramp import Ramp, Resumed, Stages, steps_of_tokens
 from fms_fsdp.startup import facts
 
 from conftest import TINY, flags, launch, records, resume_from, run_here
@@ -91,17 +91,40 @@ def test_token_starts_become_the_first_step_before_which_they_were_seen(monkeypa
     assert "note: --ramp_unit=tokens on 2 data-parallel ranks: in steps, --batch_size_schedule=0:1,2:2" in run.notes
 
 
+def test_a_resumed_run_keeps_the_shapes_of_its_steps_and_counts_later_stages_from_its_tokens():
+    """Stages at 384 and 896 tokens seen: 2 ranks start the larger batch at step 2 and the longer lines at
+    step 3 (256 tokens a step, then 512); resumed on 1 rank after step 4 (2048 tokens) the steps keep
+    those shapes, and resumed after step 1 (256 tokens) the later stages start where 1 rank sees their tokens."""
+    batch, seq = Stages((0, 384), (2, 4)), Stages((0, 896), (64, 128))
+    two = steps_of_tokens(batch, seq, lines_per_step=2)
+    assert (two.batch, two.seq) == (Stages((0, 2), (2, 4)), Stages((0, 3), (64, 128)))
+    assert steps_of_tokens(batch, seq, 1, Resumed(4, 2048, two)) == two
+    later = steps_of_tokens(batch, seq, 1, Resumed(1, 256, two))  # 128 more tokens by step 2, then 512 by 4
+    assert (later.batch, later.seq) == (Stages((0, 2), (2, 4)), Stages((0, 4), (64, 128)))
+    assert steps_of_tokens(batch, seq, 1) == Ramp(Stages((0, 3), (2, 4)), Stages((0, 5), (64, 128)))  # from 0
+
+
 @pytest.mark.slow
-def test_a_rescale_mid_ramp_reads_every_document_at_most_once(data, tmp_path):
-    """Two ranks to step 4, then one rank on from their checkpoint to step 8."""
+@pytest.mark.parametrize("unit", ["steps", "tokens"])
+def test_a_rescale_mid_ramp_reads_every_document_at_most_once(unit, data, tmp_path):
+    """Two ranks to step 4, then one rank on from their checkpoint to step 8, with RAMP's stages in steps,
+    or in the tokens that 2 ranks see before RAMP's steps 4 and 6 (768 and 1792): then the resumed rank,
+    which sees 256 tokens a step where 2 ranks saw 512, starts the longer lines after 2 of its steps
+    (1280 tokens seen at step 4) instead of 1."""
     out = tmp_path / "run"
-    proc = launch("main_training.py", ramped(data, out, "--num_steps=4"), 2)
+    tokens = ["--batch_size_schedule=0:2,768:4", "--seq_length_schedule=0:64,1792:128", "--ramp_unit=tokens"]
+    ramp, shapes = ([], SHAPES) if unit == "steps" else (tokens, {**SHAPES, 6: (4, 64)})
+    proc = launch("main_training.py", [*ramped(data, out, "--num_steps=4"), *ramp], 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_here(ramped(data, out))
-    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 9))
+    printed = run_here([*ramped(data, out), *ramp])
+    history = [r for r in records(out) if "loss" in r]
+    assert {r["step"]: (r["batch_size"], r["seq_length"]) for r in history} == shapes
+    if unit == "tokens":
+        said = "--batch_size_schedule=0:2,3:4 --seq_length_schedule=0:64,6:128"
+        assert f"note: --ramp_unit=tokens on 1 data-parallel ranks, resumed at step 4: in steps, {said}" in printed
     twice, read, _ = ledger(out / "checkpoints" / "step_8_ckp")
-    lines = sum(2 * b * (s + 1) for step, (b, s) in SHAPES.items() if step <= 4)  # two ranks
-    assert twice == 0 and read == lines + sum(b * (s + 1) for step, (b, s) in SHAPES.items() if step > 4)
+    lines = sum(2 * b * (s + 1) for step, (b, s) in shapes.items() if step <= 4)  # two ranks
+    assert twice == 0 and read == lines + sum(b * (s + 1) for step, (b, s) in shapes.items() if step > 4)
 
 
 def test_the_learning_rate_counted_in_tokens_moves_by_the_steps_tokens(tmp_path):

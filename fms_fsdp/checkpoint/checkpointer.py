@@ -297,12 +297,13 @@ def _holds(path: Path, key: str) -> bool:
     return any(name.startswith(f"{key}.") for name in names)
 
 
-def newest_config(root: Path) -> Optional[dict[str, Any]]:
-    """The flags the newest complete checkpoint under `root` recorded (None: no checkpoint, or one that
-    cannot be read, which the resume itself reports)."""
+def newest_metadata(root: Path) -> Optional[dict[str, Any]]:
+    """The run state the newest complete checkpoint under `root` recorded: its step, tokens_seen and
+    flags (`config`), among others (None: no checkpoint, or one that cannot be read, which the resume
+    itself reports)."""
     try:
         found = complete_checkpoints(root)
-        return _load_file(found[-1][1] / "metadata.pth").get("config") if found else None
+        return _load_file(found[-1][1] / "metadata.pth") if found else None
     except Exception:  # fsspec filesystems raise their clients' own errors too; the resume reports them
         return None
 
