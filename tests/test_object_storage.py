@@ -23,6 +23,7 @@ from fms_fsdp.checkpoint.layout import complete_checkpoints
 from fms_fsdp.data import DataError
 from fms_fsdp.errors import CheckpointError, ConfigError
 from fms_fsdp.flags import parse_args
+from fms_fsdp.metrics.compare import compare_runs
 from fms_fsdp.metrics.plot import read_metrics
 from fms_fsdp.parallel.process_group import free_port
 from fms_fsdp.storage import location
@@ -228,6 +229,25 @@ def test_a_bucket_that_cannot_be_read_is_one_line_naming_the_path(s3, monkeypatc
     assert (
         message.startswith("--data_path: cannot read s3://data-missing/corpus (PermissionError")
         and SECRET not in message
+    )
+
+
+def test_runs_in_a_bucket_are_compared_as_runs_on_the_disk(s3, capsys):
+    """fms-compare-runs of a run folder in the bucket against a metrics.jsonl there: the same verdicts,
+    the gap found at its step."""
+    import s3fs
+
+    steps = [{"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0} for s in (1, 2, 3)]
+    fs = s3fs.S3FileSystem()
+    fs.pipe("runs/a/metrics.jsonl", "\n".join(json.dumps(r) for r in steps).encode())
+    off = [{**r, "loss": r["loss"] + (0.5 if r["step"] == 3 else 0)} for r in steps]
+    fs.pipe("runs/b/metrics.jsonl", "\n".join(json.dumps(r) for r in off).encode())
+    assert compare_runs("s3://runs/a", "s3://runs/a/metrics.jsonl")
+    assert "within the tolerance (rtol 0.001, atol 1e-06) over 3 steps" in capsys.readouterr().out
+    assert not compare_runs("s3://runs/b", "s3://runs/a/metrics.jsonl")
+    assert (
+        "beyond the tolerance (rtol 0.001, atol 1e-06) at 1 of 3 steps, first at step 3 (loss)"
+        in capsys.readouterr().out
     )
 
 
