@@ -263,7 +263,12 @@ def memory_of(cfg: train_config, parallel: ParallelSettings, lora: Optional[LoRA
     return by_name(
         MemorySettings,
         cfg,
-        setting=Setting(cfg.batch_size, fraction is not None, fraction or Fraction(0), parallel.ac_mode),
+        setting=Setting(
+            batch=cfg.batch_size,
+            checkpointing=fraction is not None,
+            fraction=fraction or Fraction(0),
+            mode=parallel.ac_mode,
+        ),
         variant=cfg.model_variant,
         compile=cfg.use_torch_compile,
         muon=cfg.optimizer == "muon",

@@ -198,8 +198,9 @@ VALUES = (
     "LoRASpec",
     "Recipe",
     "Engine",
+    "Setting",
     "of",
-)  # what the settings hold, and FTSettings.of
+)  # what the settings hold, the memory plan's setting, and FTSettings.of
 # where they are defined: their parameters after the first are keyword-only
 KEYWORD_ONLY = {
     "fms_fsdp.train.step": "train_step",

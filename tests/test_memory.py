@@ -60,9 +60,9 @@ def measured(variant: str, setting: Setting, bf16: bool = False) -> tuple[int, i
 
 
 NONE, HALF_BLOCKS, ALL_OPS = (
-    Setting(BATCH, False, Fraction(0), "block"),
-    Setting(BATCH, True, Fraction(1, 2), "block"),
-    Setting(BATCH, True, Fraction(1), "op"),
+    Setting(batch=BATCH, checkpointing=False, fraction=Fraction(0), mode="block"),
+    Setting(batch=BATCH, checkpointing=True, fraction=Fraction(1, 2), mode="block"),
+    Setting(batch=BATCH, checkpointing=True, fraction=Fraction(1), mode="op"),
 )
 
 
@@ -144,11 +144,11 @@ def test_dry_run_prints_the_plan_and_one_plan_line_without_a_process_group(capsy
 def test_suggestions_are_the_edge_of_what_fits():
     cfg = make_config(model_variant="small", seq_length=512, batch_size=16, plan_device_memory_gib=5.0)
     planner = plan_for(cfg, 1, 1, 5 << 30)
-    plain = Setting(16, False, Fraction(0), "block")
+    plain = Setting(batch=16, checkpointing=False, fraction=Fraction(0), mode="block")
     assert not planner.plan(plain).fits
     largest = planner.largest_batch(plain)
-    assert planner.plan(Setting(largest, False, Fraction(0), "block")).fits
-    assert not planner.plan(Setting(largest + 1, False, Fraction(0), "block")).fits
+    assert planner.plan(Setting(batch=largest, checkpointing=False, fraction=Fraction(0), mode="block")).fits
+    assert not planner.plan(Setting(batch=largest + 1, checkpointing=False, fraction=Fraction(0), mode="block")).fits
     least = planner.least_checkpointing(16)
     assert least is not None and planner.plan(least).fits and least.checkpointing
     assert "--batch_size=16 --fsdp_activation_checkpointing=True" in least.flags()
@@ -179,7 +179,7 @@ def test_tensor_parallel_plans_the_split_weights_and_activations():
     )
     assert tp.mesh == (1, 4, 2, 1, 1, 1) and fsdp.params <= tp.params < 1.01 * fsdp.params and tp.grads == tp.params
     assert tp.gathered < 0.51 * fsdp.gathered  # a block gathered over the data-parallel ranks is half of it
-    setting = Setting(4, False, Fraction(0), "block")
+    setting = Setting(batch=4, checkpointing=False, fraction=Fraction(0), mode="block")
     one, two = fsdp.plan(setting), tp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations  # + the gathered inputs of the matmuls
     assert two.loss < one.loss
@@ -199,12 +199,15 @@ def test_offloaded_activations_leave_the_device_and_are_suggested_where_recomput
     recomputation fits, the report offers offloading the same blocks, with its host memory."""
     planner = plan_for(make_config(model_variant="small", seq_length=512), 1, 1, 1 << 40)
     plain, block, offload = (
-        planner.plan(Setting(4, m != "none", Fraction(1), m)) for m in ("none", "block", "offload")
+        planner.plan(Setting(batch=4, checkpointing=m != "none", fraction=Fraction(1), mode=m))
+        for m in ("none", "block", "offload")
     )
     assert offload.host > 0 == block.host == plain.host
     assert offload.activations < block.activations < plain.activations
     assert offload.host + offload.activations == pytest.approx(plain.activations, rel=0.05)  # the same bytes, elsewhere
-    needed = planner.plan(Setting(16, True, Fraction(1), "block")).peak / HEADROOM * 1.01  # only whole blocks fit
+    needed = (
+        planner.plan(Setting(batch=16, checkpointing=True, fraction=Fraction(1), mode="block")).peak / HEADROOM * 1.01
+    )  # only whole blocks fit
     cfg = make_config(model_variant="small", seq_length=512, batch_size=16, plan_device_memory_gib=needed / 2**30)
     shape = mesh_shape(mesh_of(cfg), 1, 1)
     text = report(memory_settings(cfg), shape, get_model_config("small", None, 512), None, 1).text
@@ -236,7 +239,7 @@ def test_context_parallel_plans_the_shared_weights_and_a_part_of_each_line():
     cp = plan_for(make_config(**long, context_parallel_size=2), 8, 8, 1 << 40)
     docs = plan_for(make_config(**long, context_parallel_size=2, document_masking=True), 8, 8, 1 << 40)
     assert cp.mesh == (1, 4, 1, 2, 1, 1) and cp.params == fsdp.params
-    setting = Setting(1, False, Fraction(0), "block")
+    setting = Setting(batch=1, checkpointing=False, fraction=Fraction(0), mode="block")
     one, two = fsdp.plan(setting), cp.plan(setting)
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations and two.loss < one.loss
     assert docs.plan(setting).activations - two.activations == 8192 * 4096
@@ -262,7 +265,7 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     2 on the first rank, 1 on the last), the loss only on the last; --dry_run names the highest peak."""
     base = dict(model_variant="small", seq_length=1024, sharding_strategy="fsdp", batch_size=8, use_torch_compile=False)
     whole = plan_for(make_config(**base), 4, 4, 1 << 40)
-    setting = Setting(8, False, Fraction(0), "block")
+    setting = Setting(batch=8, checkpointing=False, fraction=Fraction(0), mode="block")
 
     def stages(schedule: str) -> list[Planner]:
         cfg = make_config(**base, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=8)
@@ -275,7 +278,9 @@ def test_pipeline_plans_each_stage_and_the_microbatches_its_schedule_keeps():
     assert first.mesh == (1, 4, 1, 1, 2, 1) and first.first and not first.last and last.last
     assert abs(first.params + last.params - whole.params) < 0.01 * whole.params
     one, gpipe = [p.plan(setting) for p in (first, last)], stages("GPipe")[0].plan(setting)
-    micro = whole.plan(Setting(1, False, Fraction(0), "block"))  # one line per microbatch
+    micro = whole.plan(
+        Setting(batch=1, checkpointing=False, fraction=Fraction(0), mode="block")
+    )  # one line per microbatch
     assert one[1].loss == micro.loss and one[0].loss == 0
     assert gpipe.activations == 4 * one[0].activations  # 8 microbatches in flight against 2
     cfg = make_config(
@@ -328,7 +333,7 @@ def test_cpu_offload_plans_the_state_on_the_host_and_is_suggested_where_it_fits(
     device = int(0.6 * 2**30)
     on_device = plan_for(make_config(**flags), 4, 4, device)
     offloaded = plan_for(make_config(**flags, cpu_offload=True), 4, 4, device)
-    setting = Setting(2, True, Fraction(1), "block")
+    setting = Setting(batch=2, checkpointing=True, fraction=Fraction(1), mode="block")
     a, b = on_device.plan(setting), offloaded.plan(setting)
     assert (a.params, a.grads, a.optimizer, a.gathered) == (b.params, b.grads, b.optimizer, b.gathered)
     assert b.peak == a.peak - a.params - a.optimizer - max(a.activations + a.loss, a.grads) + a.activations + a.loss
@@ -347,12 +352,12 @@ def test_eight_bit_optimizer_states_are_planned_and_suggested_where_they_fit():
     fp32 = plan_for(make_config(**flags), 4, 4, 1 << 40)
     int8 = plan_for(make_config(**flags, optimizer_state_dtype="int8"), 4, 4, 1 << 40)
     assert int8.optimizer == int(fp32.optimizer * (1 + 4 / 256) / 4) > 0
-    setting = Setting(2, True, Fraction(1), "block")
+    setting = Setting(batch=2, checkpointing=True, fraction=Fraction(1), mode="block")
     a, b = fp32.plan(setting), int8.plan(setting)
     assert a.peak - b.peak == a.optimizer - b.optimizer > 0
     # a save holds the 8-bit states' fp32 copy: the peak of a large model's short lines on few ranks
     large = plan_for(make_config(**{**flags, "model_variant": "llama2_7b"}, optimizer_state_dtype="int8"), 4, 4, 1)
-    light = large.plan(Setting(1, True, Fraction(1), "block"))
+    light = large.plan(Setting(batch=1, checkpointing=True, fraction=Fraction(1), mode="block"))
     step = light.params + light.optimizer + light.gathered + max(light.activations + light.loss, light.grads)
     assert light.peak == light.params + light.optimizer + 2 * light.grads > step
     gib = (a.peak + b.peak) / 2 / HEADROOM / 2**30  # fp32 states do not fit, 8-bit ones do

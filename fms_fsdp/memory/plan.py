@@ -272,19 +272,23 @@ class Planner:
     def largest_batch(self, setting: Setting) -> int:
         """The largest micro-batch that fits with this checkpointing (0: not even one)."""
         lo, hi = 0, 1
-        while hi <= 1 << 16 and self.plan(Setting(hi, setting.checkpointing, setting.fraction, setting.mode)).fits:
+        while hi <= 1 << 16 and self.plan(replace(setting, batch=hi)).fits:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            fits = self.plan(Setting(mid, setting.checkpointing, setting.fraction, setting.mode)).fits
+            fits = self.plan(replace(setting, batch=mid)).fits
             lo, hi = (mid, hi) if fits else (lo, mid)
         return lo
 
     def least_checkpointing(self, batch: int) -> Optional[Setting]:
         """The cheapest checkpointing, in recomputation, that fits this micro-batch (None: none does)."""
-        candidates = [Setting(batch, False, Fraction(0), "block")]
-        candidates += [Setting(batch, True, f, "op") for f in (Fraction(1, 2), Fraction(1))]
-        candidates += [Setting(batch, True, Fraction(k, 4), "block") for k in range(1, 5)]
+        candidates = [Setting(batch=batch, checkpointing=False, fraction=Fraction(0), mode="block")]
+        candidates += [
+            Setting(batch=batch, checkpointing=True, fraction=f, mode="op") for f in (Fraction(1, 2), Fraction(1))
+        ]
+        candidates += [
+            Setting(batch=batch, checkpointing=True, fraction=Fraction(k, 4), mode="block") for k in range(1, 5)
+        ]
         return next((s for s in candidates if self.plan(s).fits), None)
 
 

@@ -19,7 +19,7 @@ def state_share(dtype: str) -> float:
     return STATE_BYTES[dtype] / STATE_BYTES["fp32"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Setting:
     """What the plan varies: the micro-batch and the activation checkpointing."""
 
