@@ -114,7 +114,7 @@ def steps_of_tokens(batch: Stages, seq: Stages, lines_per_step: int, resumed: Op
     stage that a single step passes over is left out. `resumed`: the checkpoint a run goes on from, whose
     steps keep the shapes they had (and the learning rate the tokens they took, on any world size); the
     stages whose tokens it had seen hold from its step, the later ones start by the tokens seen from there."""
-    start = resumed or Resumed(0, 0, Ramp(Stages((0,), (batch.at(0),)), Stages((0,), (seq.at(0),))))
+    start = resumed or Resumed(0, 0, Ramp(batch, seq))  # from step 0: no step before it keeps a shape
     at_step = {}  # token bound -> the step its stages start at
     step, seen = start.step, start.tokens_seen
     for bound in sorted({*batch.starts, *seq.starts}):

@@ -15,11 +15,12 @@ model config), and the order decides which of two errors a user sees first.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from fms.models.llama import LLaMAConfig
@@ -77,6 +78,10 @@ def planned_world(cfg: train_config) -> tuple[int, int, int, int]:
     return rank, cfg.plan_world_size, local_rank, min(cfg.plan_world_size, PLANNED_RANKS_PER_NODE)
 
 
+# the newest checkpoint's run state (None: none to resume), read when first asked for
+Resumable = Callable[[], Optional[dict[str, Any]]]
+
+
 def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = None) -> Run:
     """The run's facts, after every start-up check (ConfigError naming the flag); no process group,
     data or model is touched, and nothing is waited for (`started` waits for the lighthouse).
@@ -91,8 +96,9 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
         else resolve_device(cfg.device, local_rank)
     )
     ft = ft or ft_of(cfg)
-    resumed = newest_metadata(Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints)
-    cfg, notes = resumed_cache_order(cfg, None if resumed is None else resumed.get("config"))
+    checkpoints = Paths.of(cfg.ckpt_save_path, ft.index if ft else None).checkpoints
+    resumed = functools.cache(lambda: newest_metadata(checkpoints))  # read once, where a setting depends on it
+    cfg, notes = resumed_cache_order(cfg, resumed)
     mesh, pipeline_settings = mesh_of(cfg), pipeline_of(cfg)
     shape = mesh_shape(mesh, world_size, local_world_size)
     cfg, told = ramp_in_steps(cfg, shape.dp, resumed)
@@ -134,12 +140,13 @@ def facts(cfg: train_config, run_cache: bool = True, ft: Optional[FTSettings] = 
     return Run(cfg, settings, info, shape, model_config, notes, pipeline=pipeline, ft=ft)
 
 
-def resumed_cache_order(cfg: train_config, recorded: Optional[dict[str, Any]]) -> tuple[train_config, tuple[str, ...]]:
-    """--cache_build as given, or where it is not: first if the newest checkpoint (`recorded`: its flags) read its
+def resumed_cache_order(cfg: train_config, resumed: Resumable) -> tuple[train_config, tuple[str, ...]]:
+    """--cache_build as given, or where it is not: first if the newest checkpoint (`resumed()`) read its
     --cache_dir once built (made with --cache_build=first, or before the flag existed), so that the resume
     keeps the checkpoint's batch order, and otherwise beside. Its start-up note, if first was chosen."""
     if cfg.cache_dir is None or cfg.cache_build is not None:
         return cfg, ()
+    recorded = (resumed() or {}).get("config")
     if recorded is None or recorded.get("cache_dir") is None or recorded.get("cache_build", "first") != "first":
         return replace(cfg, cache_build="beside"), ()
     return replace(cfg, cache_build="first"), (
@@ -148,19 +155,18 @@ def resumed_cache_order(cfg: train_config, recorded: Optional[dict[str, Any]]) -
     )
 
 
-def ramp_in_steps(
-    cfg: train_config, data_parallel: int, resumed: Optional[dict[str, Any]]
-) -> tuple[train_config, tuple[str, ...]]:
+def ramp_in_steps(cfg: train_config, data_parallel: int, resumed: Resumable) -> tuple[train_config, tuple[str, ...]]:
     """--ramp_unit=tokens: the schedules with their stages in steps for `data_parallel` ranks (what the
-    run, its checkpoints and its tools then read), and the start-up note that gives them. `resumed`: the
+    run, its checkpoints and its tools then read), and the start-up note that gives them. `resumed()`: the
     newest checkpoint's run state, whose steps keep their shapes (ramp.steps_of_tokens), on any world size."""
     if cfg.ramp_unit != "tokens":
         return cfg, ()
+    meta = resumed()
     ramp = steps_of_tokens(
         Stages.parse("batch_size_schedule", cfg.batch_size_schedule, cfg.batch_size, "batch_size", unit="token"),
         Stages.parse("seq_length_schedule", cfg.seq_length_schedule, cfg.seq_length, "seq_length", unit="token"),
         data_parallel * cfg.grad_accum_steps,
-        None if resumed is None else resumed_ramp(resumed, cfg),
+        None if meta is None else resumed_ramp(meta, cfg),
     )
     texts = {
         flag: ",".join(f"{start}:{value}" for start, value in zip(stages.starts, stages.values)) if given else ""
@@ -170,7 +176,7 @@ def ramp_in_steps(
         )
     }
     said = " ".join(f"--{flag}={text}" for flag, text in texts.items() if text)
-    at = f", resumed at step {resumed['step']}" if resumed else ""
+    at = f", resumed at step {meta['step']}" if meta else ""
     note = f"note: --ramp_unit=tokens on {data_parallel} data-parallel ranks{at}: in steps, {said}"
     batch, seq = texts["batch_size_schedule"], texts["seq_length_schedule"]
     return replace(cfg, batch_size_schedule=batch, seq_length_schedule=seq, ramp_unit="steps"), (note,)
